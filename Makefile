@@ -1,0 +1,26 @@
+# Both targets create .venv on first use and reinstall only when pyproject.toml changes.
+PYTHON ?= python3.11
+VENV := .venv
+STAMP := $(VENV)/.installed
+PROMPT ?= The paged cache
+
+.PHONY: run test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/kvpage generate --model builtin:tiny-llama --prompt "$(PROMPT)" --max-tokens 32
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check kvpage tests bench
+	$(VENV)/bin/python -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check kvpage tests bench
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,49 @@
+"""Typed exceptions. Library code raises these, never bare Exception/assert, for anything a user
+or an operator can cause or must see."""
+
+
+class KVPageError(Exception):
+    """Base of every kvpage error."""
+
+
+# --- loading ---------------------------------------------------------------------------------
+class ModelLoadError(KVPageError):
+    """A model directory or builtin name could not be turned into a model."""
+
+
+class ConfigNotFound(ModelLoadError):
+    """The directory has no config.json."""
+
+
+class UnsupportedModel(ModelLoadError):
+    """config.json names a model_type (or a RoPE scaling type) kvpage does not implement."""
+
+
+class MissingWeight(ModelLoadError):
+    """A tensor the model needs is not in any safetensors file."""
+
+
+class WeightShapeMismatch(ModelLoadError):
+    """A tensor is present but its shape differs from what the config implies."""
+
+
+class TokenizerNotFound(ModelLoadError):
+    """Text was given but the model has no tokenizer to encode it."""
+
+
+# --- requests --------------------------------------------------------------------------------
+class InvalidRequest(KVPageError, ValueError):
+    """A request (prompt or sampling parameters) is malformed; the engine keeps serving others."""
+
+
+# --- cache -----------------------------------------------------------------------------------
+class InvariantViolation(KVPageError):
+    """A cache invariant (R3, R22) does not hold. Always a bug, never a user error."""
+
+
+class OutOfBlocks(KVPageError):
+    """An allocation could not be satisfied; nothing was changed."""
+
+
+class CacheCorruption(KVPageError):
+    """A prefix-index entry's fast key matched but its full digest did not."""
