@@ -1,0 +1,74 @@
+"""Frozen configuration dataclasses shared across modules. Validation lives in __post_init__ so a
+bad value fails where it is made, with a message that names it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpage.errors import UnsupportedModel
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    # llama3 only
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModel(
+                f"rope type {self.rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
+            )
+        if self.factor <= 0:
+            raise UnsupportedModel(f"rope scaling factor must be > 0, got {self.factor}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Architecture facts kvpage needs, independent of the checkpoint dialect they came from."""
+
+    model_type: str  # "llama" (also Qwen2, Mistral-style) or "gpt2"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_eps: float
+    rope: RopeConfig | None = None  # None for learned absolute positions (GPT-2)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    scale_attn_by_inverse_layer_idx: bool = False  # GPT-2 option
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # any of them ends generation unless ignore_eos
+    revision: str = ""  # identifies the weights; part of the cache namespace
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModel(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise UnsupportedModel(f"{name} must be > 0, got {getattr(self, name)}")
+
+    def position_signature(self) -> str:
+        """What the KV of a token depends on besides the tokens: part of the cache namespace (R5)."""
+        if self.rope is None:
+            return f"learned-abs:{self.max_position_embeddings}"
+        r = self.rope
+        return (
+            f"rope:{r.rope_type}:theta={r.theta}:factor={r.factor}:low={r.low_freq_factor}"
+            f":high={r.high_freq_factor}:orig={r.original_max_position_embeddings}:dim={self.head_dim}"
+        )

@@ -1,0 +1,42 @@
+"""Models: `load_model(name_or_path)` -> (model, tokenizer)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpage.errors import ModelLoadError
+from kvpage.model.base import CausalLM
+from kvpage.model.builtin import BUILTIN_CONFIGS, BUILTIN_PREFIX, builtin_names, init_seeded_
+from kvpage.model.loader import build_model, load_hf_directory
+from kvpage.model.tokenizer import ByteTokenizer, Tokenizer
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+__all__ = ["CausalLM", "Tokenizer", "load_model", "resolve_dtype"]
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported (supported: {sorted(DTYPES)})")
+    return DTYPES[dtype]
+
+
+def load_model(
+    name_or_path: str, dtype: str | torch.dtype = "float32", device: str = "cpu"
+) -> tuple[CausalLM, Tokenizer | None]:
+    """`builtin:NAME` or a local Hugging Face directory. The tokenizer is None when the directory
+    has no tokenizer.json (token-id prompts still work)."""
+    torch_dtype = resolve_dtype(dtype)
+    if name_or_path.startswith(BUILTIN_PREFIX):
+        return _load_builtin(name_or_path[len(BUILTIN_PREFIX) :], torch_dtype, device)
+    return load_hf_directory(name_or_path, torch_dtype, device)
+
+
+def _load_builtin(name: str, dtype: torch.dtype, device: str) -> tuple[CausalLM, Tokenizer]:
+    if name not in BUILTIN_CONFIGS:
+        raise ModelLoadError(f"unknown builtin model {name!r} (available: {builtin_names()})")
+    model = build_model(BUILTIN_CONFIGS[name])
+    init_seeded_(model)
+    return model.to(device=device, dtype=dtype).eval(), ByteTokenizer()

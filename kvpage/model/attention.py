@@ -1,0 +1,70 @@
+"""Attention over a KV store. The model computes q/k/v for a packed batch of tokens and hands them to
+an `AttentionBackend`, which owns where the keys and values live: nowhere (one whole sequence), a
+contiguous per-request tensor (the reference, R14), or the paged pool (the engine)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class AttentionBackend(Protocol):
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """q: (N, H, D); k, v: (N, KVH, D) for the N new tokens -> (N, H, D)."""
+        ...
+
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q: (T, H, D); k, v: (S, KVH, D); mask: (T, S) bool, True = may attend -> (T, H, D)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # (1, H, T, D)
+        k.transpose(0, 1).unsqueeze(0),  # (1, KVH, S, D)
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )  # (1, H, T, D)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def causal_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor:
+    """(T, S) mask for T new tokens that are the last T of S: query i sees keys 0..S-T+i."""
+    q_idx = torch.arange(num_keys - num_queries, num_keys, device=device)
+    k_idx = torch.arange(num_keys, device=device)
+    return k_idx[None, :] <= q_idx[:, None]
+
+
+class NoCacheAttention:
+    """One whole sequence, causal, nothing kept: `forward_full`."""
+
+    def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
+        mask = causal_mask(q.shape[0], k.shape[0], q.device)
+        return masked_attention(q, k, v, mask, scale)
+
+
+class ContiguousKVCache:
+    """One request's KV as plain per-layer tensors grown by concatenation: the oracle (R14).
+    Deliberately shares nothing with paging, prefix lookup or preemption."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers  # each (S, KVH, D)
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        k = self.keys[-1]
+        return 0 if k is None else k.shape[0]
+
+    def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
+        if self.keys[layer] is not None:
+            k = torch.cat((self.keys[layer], k), dim=0)
+            v = torch.cat((self.values[layer], v), dim=0)
+        self.keys[layer], self.values[layer] = k, v
+        mask = causal_mask(q.shape[0], k.shape[0], q.device)
+        return masked_attention(q, k, v, mask, scale)

@@ -1,0 +1,84 @@
+"""Built-in models that need nothing downloaded: fixed configs, seeded random weights built in memory,
+the byte-level tokenizer. Weights are scaled so logits are well separated, which keeps greedy
+decoding stable across kernels (random HF-style 0.02 init gives near-ties everywhere)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvpage.config import ModelConfig, RopeConfig
+from kvpage.model.tokenizer import ByteTokenizer
+
+BUILTIN_PREFIX = "builtin:"
+_BYTES = ByteTokenizer()
+
+BUILTIN_CONFIGS: dict[str, ModelConfig] = {
+    "tiny-llama": ModelConfig(
+        model_type="llama",
+        vocab_size=_BYTES.vocab_size,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,  # GQA
+        head_dim=16,
+        intermediate_size=128,
+        max_position_embeddings=4096,
+        norm_eps=1e-6,
+        rope=RopeConfig(theta=10000.0),
+        bos_token_id=_BYTES.bos_token_id,
+        eos_token_ids=(_BYTES.eos_token_id,),
+        revision="builtin:tiny-llama@seed0",
+    ),
+    "tiny-gpt2": ModelConfig(
+        model_type="gpt2",
+        vocab_size=_BYTES.vocab_size,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=16,
+        intermediate_size=256,
+        max_position_embeddings=2048,
+        norm_eps=1e-5,
+        rope=None,
+        tie_word_embeddings=True,
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        bos_token_id=_BYTES.bos_token_id,
+        eos_token_ids=(_BYTES.eos_token_id,),
+        revision="builtin:tiny-gpt2@seed0",
+    ),
+}
+
+BUILTIN_SEED = 0
+LM_HEAD_SCALE = 2.5  # logits std ~2.5: clear greedy winners, sampling still has entropy
+
+
+def builtin_names() -> list[str]:
+    return [BUILTIN_PREFIX + name for name in BUILTIN_CONFIGS]
+
+
+def init_seeded_(model: torch.nn.Module, seed: int = BUILTIN_SEED) -> None:
+    """Deterministic weights, independent of the global RNG: matrices ~ N(0, 1/fan_in),
+    embeddings ~ N(0, 1) (a tied GPT-2 wte smaller), biases ~ N(0, 0.02), norm weights 1."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            param.copy_(_seeded_value(name, param, gen).to(param.dtype))
+
+
+def _seeded_value(name: str, param: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    shape = tuple(param.shape)
+    if "norm" in name or "ln_" in name:
+        return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+    if name.endswith("bias"):
+        return torch.randn(shape, generator=gen) * 0.02
+    if name.endswith("wte.weight"):  # also the tied output head: keep logits at unit scale
+        return torch.randn(shape, generator=gen) / math.sqrt(shape[-1]) * 2
+    if param.dim() == 2 and ("embed" in name or "wpe" in name):
+        return torch.randn(shape, generator=gen)
+    scale = LM_HEAD_SCALE if name == "lm_head.weight" else 1.0
+    return torch.randn(shape, generator=gen) / math.sqrt(shape[-1]) * scale

@@ -1,0 +1,122 @@
+"""Hugging Face config.json -> ModelConfig. Reads both dialects: the older one with `rope_theta` and
+`rope_scaling` at the top level, and transformers 5's `rope_parameters` object."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpage.config import ModelConfig, RopeConfig
+from kvpage.errors import UnsupportedModel
+
+LLAMA_LIKE = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "gpt2")
+
+
+def parse_hf_config(cfg: dict[str, Any], revision: str = "") -> ModelConfig:
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModel(
+            f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})"
+        )
+    if model_type == "gpt2":
+        return _parse_gpt2(cfg, revision)
+    return _parse_llama_like(cfg, model_type, revision)
+
+
+def _parse_llama_like(cfg: dict[str, Any], model_type: str, revision: str) -> ModelConfig:
+    if cfg.get("use_sliding_window"):
+        raise UnsupportedModel(
+            "sliding-window attention (use_sliding_window=true) is not supported"
+        )
+    hidden = cfg["hidden_size"]
+    heads = cfg["num_attention_heads"]
+    is_qwen2 = model_type == "qwen2"
+    attention_bias = bool(cfg.get("attention_bias", False))
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        intermediate_size=cfg["intermediate_size"],
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope=parse_rope(cfg),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases and no o_proj bias; Llama's attention_bias covers all four.
+        qkv_bias=is_qwen2 or attention_bias,
+        o_bias=attention_bias and not is_qwen2,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        bos_token_id=_single_id(cfg.get("bos_token_id")),
+        eos_token_ids=_id_tuple(cfg.get("eos_token_id")),
+        revision=revision,
+    )
+
+
+def _parse_gpt2(cfg: dict[str, Any], revision: str) -> ModelConfig:
+    if cfg.get("activation_function", "gelu_new") != "gelu_new":
+        raise UnsupportedModel(
+            f"gpt2 activation_function {cfg['activation_function']!r} is not supported "
+            "(supported: 'gelu_new')"
+        )
+    if cfg.get("scale_attn_weights", True) is False:
+        raise UnsupportedModel("gpt2 with scale_attn_weights=false is not supported")
+    hidden = cfg["n_embd"]
+    heads = cfg["n_head"]
+    return ModelConfig(
+        model_type="gpt2",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        num_layers=cfg["n_layer"],
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        intermediate_size=cfg.get("n_inner") or 4 * hidden,
+        max_position_embeddings=cfg.get("n_positions", 1024),
+        norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+        rope=None,
+        tie_word_embeddings=True,
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        scale_attn_by_inverse_layer_idx=bool(cfg.get("scale_attn_by_inverse_layer_idx", False)),
+        bos_token_id=_single_id(cfg.get("bos_token_id")),
+        eos_token_ids=_id_tuple(cfg.get("eos_token_id")),
+        revision=revision,
+    )
+
+
+def parse_rope(cfg: dict[str, Any]) -> RopeConfig:
+    params = cfg.get("rope_parameters")
+    if params is None:  # older dialect
+        params = dict(cfg.get("rope_scaling") or {})
+        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    if "full_attention" in params and isinstance(params["full_attention"], dict):
+        params = params["full_attention"]  # per-layer-type form; every layer here is full attention
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    return RopeConfig(
+        theta=float(params.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings")
+            or cfg.get("max_position_embeddings", 8192)
+        ),
+    )
+
+
+def _single_id(value: Any) -> int | None:
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def _id_tuple(value: Any) -> tuple[int, ...]:
+    """HF allows one EOS id or a list of them (Llama 3 ends turns with several)."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)

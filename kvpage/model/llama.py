@@ -1,0 +1,90 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral without sliding window): RMSNorm, RoPE, SwiGLU,
+MHA/GQA/MQA. Parameter names mirror the Hugging Face checkpoint so loading is a name lookup."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvpage.config import ModelConfig
+from kvpage.model.attention import AttentionBackend
+from kvpage.model.base import CausalLM
+from kvpage.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.scale = cfg.head_dim**-0.5
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # (N, H, D)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # (N, KVH, D)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)  # (N, KVH, D)
+        q, k = rotary(q, k, positions)
+        out = attn.attend(self.layer, q, k, v, self.scale)  # (N, H, D)
+        return self.o_proj(out.reshape(n, -1))  # (N, C)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(self, x, positions, rotary, attn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.rope is None:
+            raise ValueError("a Llama-family model needs a RoPE config")
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, attn) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # (N, C)
+        for layer in self.model.layers:
+            x = layer(x, positions, self.model.rotary, attn)
+        return self.model.norm(x)  # (N, C)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # (M, V)

@@ -1,0 +1,88 @@
+"""Tokenizers: a Hugging Face tokenizer.json through `tokenizers`, and the byte-level tokenizer of the
+built-in models (ids 0..255 are bytes, then BOS and EOS)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+from kvpage.errors import InvalidRequest, TokenizerNotFound
+
+
+class Tokenizer(Protocol):
+    bos_token_id: int | None
+    eos_token_id: int | None
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens. `encode` prepends BOS; `decode` drops special ids and replaces
+    incomplete UTF-8 sequences, so any id list decodes."""
+
+    NUM_BYTES = 256
+
+    def __init__(self) -> None:
+        self.bos_token_id = self.NUM_BYTES
+        self.eos_token_id = self.NUM_BYTES + 1
+        self.vocab_size = self.NUM_BYTES + 2
+
+    def encode(self, text: str) -> list[int]:
+        return [self.bos_token_id, *text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        for i in ids:
+            if not 0 <= i < self.vocab_size:
+                raise InvalidRequest(
+                    f"token id {i} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        return bytes(i for i in ids if i < self.NUM_BYTES).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """tokenizer.json via the `tokenizers` library; special ids from the model config or
+    tokenizer_config.json."""
+
+    def __init__(self, path: Path, bos_token_id: int | None, eos_token_id: int | None) -> None:
+        from tokenizers import Tokenizer as _Tokenizer
+
+        self._tok = _Tokenizer.from_file(str(path))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        special = _special_ids_from_tokenizer_config(path.parent, self._tok)
+        self.bos_token_id = bos_token_id if bos_token_id is not None else special.get("bos")
+        self.eos_token_id = eos_token_id if eos_token_id is not None else special.get("eos")
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def _special_ids_from_tokenizer_config(directory: Path, tok) -> dict[str, int]:
+    path = directory / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    cfg = json.loads(path.read_text())
+    ids: dict[str, int] = {}
+    for role in ("bos", "eos"):
+        token = cfg.get(f"{role}_token")
+        if isinstance(token, dict):
+            token = token.get("content")
+        if isinstance(token, str) and tok.token_to_id(token) is not None:
+            ids[role] = tok.token_to_id(token)
+    return ids
+
+
+def encode_text(tokenizer: Tokenizer | None, text: str, model_name: str) -> list[int]:
+    """Text prompts need a tokenizer; say so precisely rather than fail deep inside."""
+    if tokenizer is None:
+        raise TokenizerNotFound(
+            f"{model_name} has no tokenizer.json, so a text prompt cannot be encoded; "
+            "pass token ids instead"
+        )
+    return tokenizer.encode(text)

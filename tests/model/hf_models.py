@@ -1,0 +1,92 @@
+"""Random-weight Hugging Face reference models (the oracle of R1), built with a fixed seed."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 320
+# HF's default init (std 0.02) leaves logits nearly tied, so greedy parity would hinge on rounding;
+# a wider init keeps the comparison about the model, not about ties.
+INIT_STD = 0.15
+
+
+def _llama(**kw):
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        initializer_range=INIT_STD,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    base.update(kw)
+    return transformers.LlamaConfig(**base)
+
+
+def _qwen2():
+    return transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=INIT_STD,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def _gpt2():
+    return transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=512,
+        initializer_range=INIT_STD,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+HF_CONFIGS = {
+    "llama-mha": lambda: _llama(),
+    "llama-gqa-8q-2kv": lambda: _llama(
+        hidden_size=128, num_attention_heads=8, num_key_value_heads=2
+    ),
+    "llama-mqa": lambda: _llama(num_key_value_heads=1),
+    "llama-rope-linear-2": lambda: _llama(rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "llama-rope-llama3": lambda: _llama(
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        rope_theta=500000.0,
+    ),
+    "llama-tied": lambda: _llama(tie_word_embeddings=True),
+    "qwen2-bias": _qwen2,
+    "gpt2": _gpt2,
+}
+
+
+def _build_hf(name: str):
+    torch.manual_seed(1234)
+    cfg = HF_CONFIGS[name]()
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    return model.float().eval()
+
+
+def save_hf(name: str, directory, **save_kw):
+    model = _build_hf(name)
+    model.save_pretrained(directory, **save_kw)
+    return model
