@@ -1,0 +1,52 @@
+"""Per-sequence block table with an epoch, and the immutable snapshot one step reads (R2, R12).
+
+Logical block `pos // block_size` of a sequence lives in physical block `block_ids[pos // block_size]`
+at offset `pos % block_size`. `len(block_ids) == ceil(num_tokens / block_size)` always holds.
+The epoch is bumped on every change, so a snapshot names exactly the table version a step read.
+Only the manager mutates a table; everyone else reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+@dataclass(slots=True, eq=False)
+class BlockTable:
+    seq_id: int
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0  # tokens whose KV slots have been assigned
+    epoch: int = 0
+    namespace: bytes | None = None  # digest of the namespace its prefix blocks were keyed in
+    num_published: int = 0  # leading blocks known to be in the prefix index (publish cursor)
+    publish_blocked: bool = False  # a block could not be published; later ones cannot chain to it
+
+    def bump(self) -> None:
+        self.epoch += 1
+
+    def reset(self) -> None:
+        self.block_ids = []
+        self.num_tokens = 0
+        self.namespace = None
+        self.num_published = 0
+        self.publish_blocked = False
+        self.epoch += 1
+
+
+class SnapshotEntry(NamedTuple):
+    block_id: int
+    generation: int
+    valid_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class TableSnapshot:
+    """What one step reads. Its blocks are pinned in the pool until the snapshot is released."""
+
+    snap_id: int
+    seq_id: int
+    epoch: int
+    num_tokens: int
+    entries: tuple[SnapshotEntry, ...]
+    block_ids: tuple[int, ...]
