@@ -188,10 +188,10 @@ class BlockPool:
         self._transition(self.blocks[block_id], _S.EVICTING)
 
     def cancel_evict(self, block_id: int) -> None:
-        self._transition(self.blocks[block_id], _S.PRIVATE_WRITABLE)
+        self._transition_from(self.blocks[block_id], _S.EVICTING, _S.PRIVATE_WRITABLE)
 
     def finish_restore(self, block_id: int) -> None:
-        self._transition(self.blocks[block_id], _S.PRIVATE_WRITABLE)
+        self._transition_from(self.blocks[block_id], _S.RESTORING, _S.PRIVATE_WRITABLE)
 
     # --- internals -------------------------------------------------------------------------
     def _settle(self, b: Block) -> None:
@@ -230,6 +230,16 @@ class BlockPool:
         self.free_ids.append(b.block_id)
         self.stats.generation_bumps += 1
         self.stats.frees += 1
+
+    def _transition_from(self, b: Block, frm: BlockState, to: BlockState) -> None:
+        """A transition that is only meaningful from one state (FREE -> PRIVATE is legal for an
+        allocation, but not as a 'finish_restore')."""
+        if b.state is not frm:
+            raise InvariantViolation(
+                f"block {b.block_id}: illegal transition {b.state.name} -> {to.name} "
+                f"(this operation needs {frm.name})"
+            )
+        self._transition(b, to)
 
     def _transition(self, b: Block, to: BlockState) -> None:
         if b.state is to:

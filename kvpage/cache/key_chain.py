@@ -62,6 +62,14 @@ class BlockKeyChain:
         self.num_tokens = len(self.keys) * bs + len(self._pending)
         return len(self.keys) - before
 
+    def copy(self) -> BlockKeyChain:
+        """Independent chain with the same tokens so far (for a forked sequence)."""
+        twin = BlockKeyChain(self.namespace_digest, self.block_size, self.fast_key_bits)
+        twin.keys = list(self.keys)
+        twin.num_tokens = self.num_tokens
+        twin._pending = list(self._pending)
+        return twin
+
     def _close_block(self) -> None:
         prev = self.keys[-1].digest if self.keys else self.namespace_digest
         digest = chain_digest(prev, self._pending)

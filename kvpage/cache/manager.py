@@ -162,11 +162,15 @@ class KVCacheManager:
     def make_writable(self, table: BlockTable, logical_block: int) -> int:
         """Copy-on-write of one table entry; returns the (possibly new) block id. Idempotent."""
         bid = table.block_ids[logical_block]
-        state = self.pool.blocks[bid].state
-        if state is _S.PRIVATE_WRITABLE:
+        block = self.pool.blocks[bid]
+        if block.state is _S.PRIVATE_WRITABLE:
             return bid
-        if state is not _S.SHARED_READONLY:
-            raise InvariantViolation(f"seq {table.seq_id}: block {bid} is {state.name}")
+        if block.state is not _S.SHARED_READONLY or block.published:
+            # A published block is full and immutable; copying it would cut the radix chain.
+            raise InvariantViolation(
+                f"seq {table.seq_id}: block {bid} is {block.state.name} "
+                f"(published={block.published}) and cannot be made writable"
+            )
         self._reserve(1)
         new = self._copy_on_write(table, logical_block)
         table.bump()
