@@ -72,3 +72,44 @@ class ModelConfig:
             f"rope:{r.rope_type}:theta={r.theta}:factor={r.factor}:low={r.low_freq_factor}"
             f":high={r.high_freq_factor}:orig={r.original_max_position_embeddings}:dim={self.head_dim}"
         )
+
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything `LLM(...)` takes besides the model. Unset sizes are derived from the model."""
+
+    model: str = "builtin:tiny-llama"
+    block_size: int = 16
+    num_blocks: int | None = None  # KV pool size; None: from kv_cache_memory and the workload caps
+    kv_cache_memory: int | None = None  # bytes for the KV pool (used when num_blocks is None)
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space_blocks: int = 256  # CPU swap space, in blocks
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max positions
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    debug_checks: bool = False
+    request_timeout_s: float | None = None
+    fast_key_bits: int = 64
+
+    def __post_init__(self) -> None:
+        from kvpage.errors import InvalidConfig
+
+        if self.block_size <= 0:
+            raise InvalidConfig(f"block_size must be > 0, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise InvalidConfig(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise InvalidConfig(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise InvalidConfig("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.swap_space_blocks < 0:
+            raise InvalidConfig(f"swap_space_blocks must be >= 0, got {self.swap_space_blocks}")

@@ -27,13 +27,25 @@ class WeightShapeMismatch(ModelLoadError):
     """A tensor is present but its shape differs from what the config implies."""
 
 
-class TokenizerNotFound(ModelLoadError):
-    """Text was given but the model has no tokenizer to encode it."""
-
-
 # --- requests --------------------------------------------------------------------------------
 class InvalidRequest(KVPageError, ValueError):
     """A request (prompt or sampling parameters) is malformed; the engine keeps serving others."""
+
+
+class UnknownModel(ModelLoadError, InvalidRequest):
+    """The model name is neither a builtin model nor an existing directory."""
+
+
+class TokenizerNotFound(ModelLoadError, InvalidRequest):
+    """Text was given but the model has no tokenizer to encode it."""
+
+
+class InvalidConfig(KVPageError, ValueError):
+    """An engine/cache/scheduler setting is out of range or inconsistent."""
+
+
+class SwapError(KVPageError):
+    """Copying KV to or from the CPU swap space failed (or was made to fail by a test)."""
 
 
 # --- cache -----------------------------------------------------------------------------------

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from kvpage.errors import ModelLoadError
+from kvpage.errors import ModelLoadError, UnknownModel
 from kvpage.model.base import CausalLM
-from kvpage.model.builtin import BUILTIN_CONFIGS, BUILTIN_PREFIX, builtin_names, init_seeded_
+from kvpage.model.builtin import (
+    BUILTIN_CONFIGS,
+    BUILTIN_PREFIX,
+    SHIPPED_MODELS,
+    builtin_names,
+    init_seeded_,
+)
 from kvpage.model.loader import build_model, load_hf_directory
 from kvpage.model.tokenizer import ByteTokenizer, Tokenizer
 
@@ -35,8 +41,11 @@ def load_model(
 
 
 def _load_builtin(name: str, dtype: torch.dtype, device: str) -> tuple[CausalLM, Tokenizer]:
+    if name in SHIPPED_MODELS:  # trained weights in the repo's models/ directory
+        model, _ = load_hf_directory(SHIPPED_MODELS[name], dtype, device)
+        return model, ByteTokenizer()
     if name not in BUILTIN_CONFIGS:
-        raise ModelLoadError(f"unknown builtin model {name!r} (available: {builtin_names()})")
+        raise UnknownModel(f"unknown builtin model {name!r} (available: {builtin_names()})")
     model = build_model(BUILTIN_CONFIGS[name])
     init_seeded_(model)
     return model.to(device=device, dtype=dtype).eval(), ByteTokenizer()

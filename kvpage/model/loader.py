@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from kvpage.config import ModelConfig
-from kvpage.errors import ConfigNotFound, MissingWeight, ModelLoadError, WeightShapeMismatch
+from kvpage.errors import ConfigNotFound, MissingWeight, UnknownModel, WeightShapeMismatch
 from kvpage.model.base import CausalLM
 from kvpage.model.gpt2 import CONV1D_SUFFIXES, GPT2LMHeadModel
 from kvpage.model.hf_config import parse_hf_config
@@ -41,7 +41,7 @@ def load_hf_directory(
 ) -> tuple[CausalLM, HFTokenizer | None]:
     directory = Path(directory)
     if not directory.is_dir():
-        raise ModelLoadError(f"{directory} is not a directory (nor a builtin:NAME model)")
+        raise UnknownModel(f"{directory} is not a directory (nor a builtin:NAME model)")
     cfg = read_config(directory)
     with torch.device("meta"):
         model = build_model(cfg)

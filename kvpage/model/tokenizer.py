@@ -3,6 +3,7 @@ built-in models (ids 0..255 are bytes, then BOS and EOS)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Protocol
@@ -11,6 +12,7 @@ from kvpage.errors import InvalidRequest, TokenizerNotFound
 
 
 class Tokenizer(Protocol):
+    revision: str
     bos_token_id: int | None
     eos_token_id: int | None
     vocab_size: int
@@ -25,6 +27,8 @@ class ByteTokenizer:
     incomplete UTF-8 sequences, so any id list decodes."""
 
     NUM_BYTES = 256
+
+    revision = "byte-level-v1"
 
     def __init__(self) -> None:
         self.bos_token_id = self.NUM_BYTES
@@ -51,6 +55,8 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _Tokenizer
 
         self._tok = _Tokenizer.from_file(str(path))
+        # Identifies the vocabulary for the cache namespace (R5): same ids, different text = miss.
+        self.revision = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         special = _special_ids_from_tokenizer_config(path.parent, self._tok)
         self.bos_token_id = bos_token_id if bos_token_id is not None else special.get("bos")

@@ -1,0 +1,357 @@
+"""LLMEngine: add / abort / step. Owns the model, the KV pool, the cache manager and the scheduler;
+one `step()` schedules, runs the model once over the packed batch, samples and retires requests."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvpage.cache.manager import KVCacheManager
+from kvpage.cache.namespace import CacheNamespace
+from kvpage.config import EngineConfig
+from kvpage.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvpage.engine.runner import ModelRunner, StepBatch
+from kvpage.engine.scheduler import Scheduler
+from kvpage.engine.sequence import ForcedPreemption, SeqStatus, Sequence
+from kvpage.engine.swap import SwapSpace
+from kvpage.errors import InvalidRequest, SwapError
+from kvpage.model import load_model
+from kvpage.model.base import CausalLM
+from kvpage.model.paged_attention import KVStorage
+from kvpage.model.tokenizer import Tokenizer, encode_text
+from kvpage.sampling import make_generator, sample_token, top_logprobs
+from kvpage.sampling_params import SamplingParams
+
+KV_LAYOUT_VERSION = 1
+DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: CausalLM | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        self.config = config
+        if model is None:
+            model, tokenizer = load_model(config.model, config.dtype, config.device)
+        self.model, self.tokenizer = model, tokenizer
+        mcfg = model.config
+        self.max_model_len = min(
+            config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
+        )
+        num_blocks = self._num_blocks()
+        self.storage = KVStorage(
+            mcfg.num_layers,
+            num_blocks,
+            config.block_size,
+            mcfg.num_kv_heads,
+            mcfg.head_dim,
+            model.dtype,
+            model.device,
+        )
+        self.cache = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            # Per-operation checks inside the manager are for its own tests; the engine checks
+            # every invariant once per step instead (R22), which catches the same corruption.
+            fast_key_bits=config.fast_key_bits,
+            debug_checks=False,
+        )
+        self.cache.copy_block_fn = self.storage.copy_block
+        self.swap_space = SwapSpace(config.swap_space_blocks)
+        self.scheduler = Scheduler(config, self.cache, self)
+        self.runner = ModelRunner(model, self.storage, self.cache)
+        self.namespace = self._base_namespace()
+        self.seqs: dict[str, Sequence] = {}
+        self.step_count = 0
+        self.counters = {
+            "swap_outs": 0,
+            "swap_ins": 0,
+            "swap_failures": 0,
+            "aborts": 0,
+            "timeouts": 0,
+        }
+        self.tracer: Callable[[StepBatch, torch.Tensor, list[int]], None] | None = None
+        self._pending: list[RequestOutput] = []
+        self._seq_ids = itertools.count()
+
+    # --- construction helpers --------------------------------------------------------------
+    def _num_blocks(self) -> int:
+        cfg, mcfg = self.config, self.model.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        per_block = KVStorage.bytes_per_block(
+            mcfg.num_layers, cfg.block_size, mcfg.num_kv_heads, mcfg.head_dim, self.model.dtype
+        )
+        by_memory = (cfg.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // per_block
+        by_workload = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        return max(1, min(by_memory, by_workload) if cfg.kv_cache_memory is None else by_memory)
+
+    def _base_namespace(self) -> CacheNamespace:
+        mcfg = self.model.config
+        return CacheNamespace(
+            model_revision=mcfg.revision or self.config.model,
+            tokenizer_revision=getattr(self.tokenizer, "revision", "none"),
+            adapter=None,
+            rope_config=mcfg.position_signature(),
+            kv_dtype=str(self.model.dtype).removeprefix("torch."),
+            kv_layout_version=KV_LAYOUT_VERSION,
+            block_size=self.config.block_size,
+        )
+
+    # --- requests --------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Validate and queue a request. A bad request raises InvalidRequest and changes nothing."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"sampling_params must be SamplingParams, got {type(params)}")
+        if request_id in self.seqs:
+            raise InvalidRequest(f"request_id {request_id!r} is already in use")
+        prompt_ids = self._prompt_ids(prompt)
+        self._check_request(prompt_ids, params)
+        now = time.monotonic()
+        timeout_s = timeout_s if timeout_s is not None else self.config.request_timeout_s
+        seq = self._new_sequence(request_id, prompt_ids, params, cache_salt, now)
+        seq.deadline = None if timeout_s is None else now + timeout_s
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _new_sequence(self, request_id, prompt_ids, params, cache_salt, now) -> Sequence:
+        seq_id = next(self._seq_ids)
+        chain = self.cache.new_key_chain(self.namespace.with_salt(cache_salt))
+        chain.extend(prompt_ids)
+        eos = () if params.ignore_eos else self.model.config.eos_token_ids
+        return Sequence(
+            seq_id=seq_id,
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            params=params,
+            chain=chain,
+            table=self.cache.new_table(seq_id),
+            generator=make_generator(params, self.config.seed + seq_id, self.model.device),
+            stop_ids=frozenset((*eos, *params.stop_token_ids)),
+            arrival_time=now,
+            cache_salt=cache_salt,
+            logprobs=[] if params.logprobs is not None else None,
+        )
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return encode_text(self.tokenizer, prompt, self.config.model)
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise InvalidRequest("prompt must be a string or a list of token ids (ints)")
+        return list(prompt)
+
+    def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        vocab = self.model.config.vocab_size
+        if not prompt_ids:
+            raise InvalidRequest("prompt is empty: at least one token is needed")
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            )
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequest(
+                f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_model_len}"
+            )
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequest(
+                f"max_tokens {params.max_tokens} + prompt {len(prompt_ids)} tokens exceeds the "
+                f"model's context of {self.max_model_len}"
+            )
+        need = -(-total // self.config.block_size)
+        if need > self.cache.pool.num_blocks:
+            raise InvalidRequest(
+                f"prompt + max_tokens needs {need} KV blocks; the pool has only "
+                f"{self.cache.pool.num_blocks}"
+            )
+
+    def abort_request(self, request_id: str, reason: str = "abort") -> bool:
+        """Abort wherever the request is (waiting, running, swapped); its blocks come back."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.finished:
+            return False
+        self.counters["aborts" if reason == "abort" else "timeouts"] += 1
+        self._finish(seq, reason)
+        return True
+
+    def force_preempt(
+        self,
+        request_id: str,
+        after_tokens: int,
+        resume_after_steps: int = 1,
+        mode: str | None = None,
+    ) -> None:
+        """R20: preempt the request once it has `after_tokens` outputs; keep it out for
+        `resume_after_steps` steps; `mode` defaults to the engine's preemption mode."""
+        if request_id not in self.seqs:
+            raise InvalidRequest(f"unknown request_id {request_id!r}")
+        mode = mode or self.config.preemption_mode
+        if mode not in ("recompute", "swap"):
+            raise InvalidRequest(f"mode must be 'recompute' or 'swap', got {mode!r}")
+        self.seqs[request_id].forced = ForcedPreemption(after_tokens, resume_after_steps, mode)
+
+    def inject_swap_failure(self, count: int = 1) -> None:
+        """R21: the next `count` swap-out writes fail; the engine must fall back to recompute."""
+        self.swap_space.fail_next_writes += count
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- one step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        self.step_count += 1
+        self._expire_timeouts()
+        plan = self.scheduler.schedule(self.step_count)
+        if plan.scheduled:
+            batch = self.runner.build(plan.scheduled)
+            try:
+                if self.config.debug_checks:
+                    for snap in batch.snapshots:
+                        self.cache.validate_snapshot(snap)
+                logits = self.runner.run(batch)
+            finally:
+                self.runner.release(batch)
+            self._commit(batch, logits)
+        if self.config.debug_checks:
+            self.cache.check_invariants()
+        out, self._pending = self._pending, []
+        return out
+
+    def _commit(self, batch: StepBatch, logits: torch.Tensor) -> None:
+        for item in batch.scheduled:
+            item.seq.num_computed += item.num_new_tokens
+            self.cache.publish_full_blocks(item.seq.table, item.seq.chain)
+        tokens = []
+        for row, item in enumerate(batch.sample_seqs):
+            tokens.append(self._append_token(item.seq, logits[row]))
+        if self.tracer is not None:
+            self.tracer(batch, logits, tokens)
+
+    def _append_token(self, seq: Sequence, logits: torch.Tensor) -> int:
+        token = sample_token(logits, seq.params, seq.generator)
+        seq.output_ids.append(token)
+        seq.chain.extend((token,))
+        if seq.logprobs is not None:
+            seq.logprobs.append(top_logprobs(logits, seq.params.logprobs))
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        if token in seq.stop_ids:
+            self._finish(seq, "stop")
+        elif len(seq.output_ids) >= seq.params.max_tokens:
+            self._finish(seq, "length")
+        else:
+            self._pending.append(self._output(seq, [token]))
+        return token
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.remove(seq)
+        self.swap_space.discard(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        new = seq.output_ids[-1:] if reason in ("stop", "length") else []
+        self._pending.append(self._output(seq, new))
+        del self.seqs[seq.request_id]
+
+    def _expire_timeouts(self) -> None:
+        now = time.monotonic()
+        for seq in [s for s in self.seqs.values() if s.deadline is not None and now > s.deadline]:
+            self.abort_request(seq.request_id, reason="timeout")
+
+    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        text = ""
+        if seq.finished and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_ids)
+        ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_ids,
+            outputs=[
+                CompletionOutput(
+                    0,
+                    list(seq.output_ids),
+                    text,
+                    None if seq.logprobs is None else list(seq.logprobs),
+                    seq.finish_reason,
+                )
+            ],
+            finished=seq.finished,
+            metrics=RequestMetrics(
+                seq.arrival_time,
+                seq.first_token_time,
+                ttft,
+                seq.num_cached_tokens,
+                seq.num_preemptions,
+            ),
+            new_token_ids=new_tokens,
+        )
+
+    # --- KV movement for swap preemption (the scheduler's KVMover) -------------------------
+    def swap_out(self, seq: Sequence) -> bool:
+        if not self.swap_space.can_store(len(seq.table.block_ids)):
+            return False
+        block_ids = self.cache.begin_evict(seq.table)
+        try:
+            self.swap_space.write(seq.seq_id, self.storage.read_blocks(block_ids))
+        except SwapError:
+            self.cache.cancel_evict(seq.table)
+            self.counters["swap_failures"] += 1
+            return False
+        seq.swapped_tokens = seq.num_computed
+        self.cache.free_table(seq.table)
+        self.counters["swap_outs"] += 1
+        return True
+
+    def swap_in(self, seq: Sequence) -> None:
+        blocks = self.swap_space.take(seq.seq_id)
+        ids = self.cache.allocate_restoring(seq.table, seq.swapped_tokens)
+        self.storage.write_blocks(ids, blocks)
+        self.cache.finish_restore(seq.table)  # only now may a step read these blocks
+        seq.num_computed = seq.swapped_tokens
+        self.counters["swap_ins"] += 1
+
+    # --- observability ---------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        usage, cs = self.cache.usage(), self.cache.stats
+        pre = self.scheduler.preemptions
+        return {
+            "num_blocks": usage.total,
+            "free_blocks": usage.free,
+            "private_blocks": usage.private,
+            "shared_blocks": usage.shared,
+            "cached_blocks": usage.cached,
+            "evicting_blocks": usage.evicting,
+            "restoring_blocks": usage.restoring,
+            "index_entries": len(self.cache.index),
+            "prefix_queries": cs.queries_tokens,
+            "prefix_hits": cs.hit_tokens,
+            "corruptions": cs.corruption_count,
+            "cow_copies": cs.cow_copies,
+            "evictions": cs.evictions,
+            "generation_bumps": cs.generation_bumps,
+            "preemptions": pre["recompute"] + pre["swap"],
+            "preemptions_recompute": pre["recompute"],
+            "preemptions_swap": pre["swap"],
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "swapped": len(self.scheduler.swapped),
+            "swap_space_used": self.swap_space.used_blocks,
+            **self.counters,
+        }

@@ -1,0 +1,123 @@
+"""Builds one step's packed batch from the scheduler's decisions and runs the model once (R2, R10)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpage.cache.block_table import TableSnapshot
+from kvpage.cache.manager import KVCacheManager
+from kvpage.engine.scheduler import ScheduledSeq
+from kvpage.model.base import CausalLM
+from kvpage.model.paged_attention import (
+    KVStorage,
+    PagedAttention,
+    PagedAttentionMetadata,
+    PrefillChunk,
+    validate_cu_seqlens,
+)
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One step as data: what a tracer observes and what the model consumes."""
+
+    scheduled: list[ScheduledSeq]
+    input_ids: list[int]
+    positions: list[int]
+    cu_seqlens_q: list[int]
+    snapshots: list[TableSnapshot]
+    sample_rows: list[int]  # last row of each sequence whose pending tokens are all computed
+    sample_seqs: list[ScheduledSeq]
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, storage: KVStorage, cache: KVCacheManager) -> None:
+        self.model = model
+        self.storage = storage
+        self.cache = cache
+        self.device = model.device
+        self.block_size = storage.block_size
+        self._block_offsets = torch.arange(self.block_size, device=self.device)
+
+    def build(self, scheduled: list[ScheduledSeq]) -> StepBatch:
+        ids: list[int] = []
+        positions: list[int] = []
+        cu = [0]
+        sample_rows: list[int] = []
+        sample_seqs: list[ScheduledSeq] = []
+        for item in scheduled:
+            seq, start, n = item.seq, item.seq.num_computed, item.num_new_tokens
+            ids += seq.token_at(start, start + n)
+            positions += range(start, start + n)
+            cu.append(cu[-1] + n)
+            if start + n == seq.num_tokens:
+                sample_rows.append(cu[-1] - 1)
+                sample_seqs.append(item)
+        validate_cu_seqlens(cu, len(ids))
+        snaps = [self.cache.snapshot(item.seq.table) for item in scheduled]
+        return StepBatch(scheduled, ids, positions, cu, snaps, sample_rows, sample_seqs)
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """Logits (len(sample_rows), V) in float32."""
+        meta = self._metadata(batch)
+        ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, PagedAttention(self.storage, meta))  # (N, C)
+        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows]).float()  # (M, V)
+
+    def release(self, batch: StepBatch) -> None:
+        for snap in batch.snapshots:
+            self.cache.release_snapshot(snap)
+
+    def _metadata(self, batch: StepBatch) -> PagedAttentionMetadata:
+        decode_rows: list[int] = []
+        decode_tables: list[tuple[int, ...]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        slots: list[int] = []
+        for item, snap, start, end in zip(
+            batch.scheduled,
+            batch.snapshots,
+            batch.cu_seqlens_q,
+            batch.cu_seqlens_q[1:],
+            strict=False,
+        ):
+            slots += item.slots
+            context_len = item.seq.num_computed + item.num_new_tokens
+            if item.num_new_tokens == 1:
+                decode_rows.append(start)
+                decode_tables.append(snap.block_ids)
+                decode_lens.append(context_len)
+            else:
+                prefills.append(PrefillChunk(start, end, self._context_slots(snap, context_len)))
+        decode_slots, decode_mask = self._decode_gather(decode_tables, decode_lens)
+        return PagedAttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            cu_seqlens_q=batch.cu_seqlens_q,
+            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+
+    def _context_slots(self, snap: TableSnapshot, context_len: int) -> torch.Tensor:
+        blocks = torch.tensor(snap.block_ids, dtype=torch.long, device=self.device)
+        return (blocks[:, None] * self.block_size + self._block_offsets).flatten()[:context_len]
+
+    def _decode_gather(self, tables: list[tuple[int, ...]], lens: list[int]):
+        """(Sd, Cmax) context slots padded with slot 0, and the (Sd, 1, 1, Cmax) validity mask."""
+        if not tables:
+            empty = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+            return empty, torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=self.device)
+        width = max(len(t) for t in tables)
+        padded = torch.tensor(
+            [list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device
+        )  # (Sd, max_blocks)
+        slots = (padded[:, :, None] * self.block_size + self._block_offsets).flatten(1)
+        lens_t = torch.tensor(lens, dtype=torch.long, device=self.device)
+        mask = torch.arange(slots.shape[1], device=self.device)[None, :] < lens_t[:, None]
+        return slots, mask[:, None, None, :]

@@ -1,0 +1,192 @@
+"""Continuous batching (R9) with chunked prefill and preemption (R11, R20).
+
+Each step: running requests first, oldest first, each gets its pending tokens (1 for decode, a chunk
+for prefill) within the token budget; when blocks run out the newest running request is preempted
+(recompute: free and re-prefill later, at the front of the queue; swap: KV copied to the CPU).
+Then swapped requests are restored, and only then are waiting requests admitted — prefix-cache hits
+taken (ref_count raised) before any new allocation, so the allocation cannot evict them."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvpage.cache.manager import KVCacheManager
+from kvpage.config import EngineConfig
+from kvpage.engine.sequence import SeqStatus, Sequence
+
+
+class KVMover(Protocol):
+    def swap_out(self, seq: Sequence) -> bool: ...
+
+    def swap_in(self, seq: Sequence) -> None: ...
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    slots: list[int]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step: int
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[tuple[Sequence, str]] = field(default_factory=list)  # (seq, mode used)
+    restored: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, cache: KVCacheManager, mover: KVMover) -> None:
+        self.config = config
+        self.cache = cache
+        self.mover = mover
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.preemption_enabled = True  # kill switch (R30)
+        self.preemptions = {"recompute": 0, "swap": 0}
+
+    # --- queue management ------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a request out of whatever queue holds it and give back its blocks."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        self.cache.free_table(seq.table)
+        seq.num_computed = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # --- one step --------------------------------------------------------------------------
+    def schedule(self, step: int) -> SchedulerOutput:
+        out = SchedulerOutput(step)
+        self._apply_forced_preemptions(out)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            budget = self._restore_swapped(out, budget)
+            if not any(s.hold_until_step <= step for s in self.swapped):
+                self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            room = self._make_room(seq, n, out)
+            if room == "self_preempted":
+                break  # seq itself was the newest; nothing after it is left
+            if room == "no_room":  # preemption switched off: wait for blocks to come back
+                i += 1
+                continue
+            out.scheduled.append(ScheduledSeq(seq, n, self.cache.append_slots(seq.table, n)))
+            budget -= n
+            i += 1
+        return budget
+
+    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> str:
+        while not self.cache.can_append(seq.table, n):
+            if not self.preemption_enabled:
+                return "no_room"
+            victim = self.running[-1]
+            self.preempt(victim, out)
+            if victim is seq:
+                return "self_preempted"
+        return "ok"
+
+    def _restore_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        for seq in list(self.swapped):
+            if seq.hold_until_step > out.step:
+                continue
+            n = seq.num_uncomputed
+            need = -(-seq.num_tokens // self.cache.block_size)
+            if (
+                len(self.running) >= self.config.max_num_seqs
+                or n > budget
+                or need > self.cache.num_free_blocks()
+            ):
+                break
+            self.swapped.remove(seq)
+            self.mover.swap_in(seq)  # table readable only once the copy is complete
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.restored.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n, self.cache.append_slots(seq.table, n)))
+            budget -= n
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if seq.hold_until_step > out.step:
+                continue
+            if not self.preemption_enabled and not self._fits_worst_case(seq):
+                return
+            self._acquire_prefix(seq)
+            n = min(seq.num_uncomputed, budget)
+            if not self.cache.can_append(seq.table, n):
+                self.cache.free_table(seq.table)  # give the hit blocks back; retry next step
+                seq.num_computed = 0
+                return
+            self.waiting.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            seq.admitted_once = True
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n, self.cache.append_slots(seq.table, n)))
+            budget -= n
+
+    def _fits_worst_case(self, seq: Sequence) -> bool:
+        """Without preemption nothing can be taken back, so admit a request only if it and every
+        running request can grow to max_tokens in the blocks that are left."""
+        growth = sum(self._worst_case_blocks(s) - len(s.table.block_ids) for s in self.running)
+        return growth + self._worst_case_blocks(seq) <= self.cache.num_free_blocks()
+
+    def _worst_case_blocks(self, seq: Sequence) -> int:
+        return -(-(len(seq.prompt_ids) + seq.params.max_tokens) // self.cache.block_size)
+
+    def _acquire_prefix(self, seq: Sequence) -> None:
+        cached = self.cache.acquire_prefix(seq.table, seq.chain, seq.num_tokens)
+        seq.num_computed = cached
+        if not seq.admitted_once:
+            seq.num_cached_tokens = cached
+
+    # --- preemption ------------------------------------------------------------------------
+    def preempt(self, seq: Sequence, out: SchedulerOutput, mode: str | None = None) -> str:
+        """Take a running request off the pool. Swap falls back to recompute when the swap
+        space is full or the copy fails (R21); returns the mode actually used."""
+        mode = mode or self.config.preemption_mode
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        if mode == "swap" and self.mover.swap_out(seq):
+            seq.status = SeqStatus.SWAPPED
+            self.swapped.append(seq)
+        else:
+            mode = "recompute"
+            self.cache.free_table(seq.table)
+            seq.num_computed = 0
+            seq.status = SeqStatus.WAITING
+            self.waiting.appendleft(seq)
+        self.preemptions[mode] += 1
+        out.preempted.append((seq, mode))
+        return mode
+
+    def _apply_forced_preemptions(self, out: SchedulerOutput) -> None:
+        for seq in list(self.running):
+            plan = seq.forced
+            if plan is None or plan.done or len(seq.output_ids) < plan.after_tokens:
+                continue
+            plan.done = True
+            self.preempt(seq, out, plan.mode)
+            seq.hold_until_step = out.step + plan.resume_after_steps

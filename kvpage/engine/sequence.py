@@ -1,0 +1,85 @@
+"""One request's state as it moves through the engine.
+
+WAITING --admit--> RUNNING --finish--> FINISHED
+   ^                 |  \\--preempt(recompute)--> WAITING (front of the queue)
+   |                 \\--preempt(swap)--> SWAPPED --restore--> RUNNING
+any state --abort/timeout--> FINISHED
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpage.cache.block_table import BlockTable
+from kvpage.cache.key_chain import BlockKeyChain
+from kvpage.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class ForcedPreemption:
+    """A test/verifier instruction (R20): preempt after `after_tokens` outputs, keep the request
+    out for `resume_after_steps` engine steps."""
+
+    after_tokens: int
+    resume_after_steps: int
+    mode: str
+    done: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    chain: BlockKeyChain
+    table: BlockTable
+    generator: torch.Generator | None
+    stop_ids: frozenset[int]
+    arrival_time: float
+    deadline: float | None = None
+    cache_salt: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0  # leading tokens whose KV is in the pool
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission
+    num_preemptions: int = 0
+    admitted_once: bool = False
+    first_token_time: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    forced: ForcedPreemption | None = None
+    hold_until_step: int = -1
+    swapped_tokens: int = 0  # KV tokens held in the swap space while SWAPPED
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        n_prompt = len(self.prompt_ids)
+        if end <= n_prompt:
+            return self.prompt_ids[start:end]
+        if start >= n_prompt:
+            return self.output_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_ids[start:] + self.output_ids[: end - n_prompt]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

@@ -1,0 +1,137 @@
+"""Paged attention (R2, R10): one step's packed batch of prefill chunks and decode tokens, reading and
+writing KV through block tables into a pre-allocated pool.
+
+Per layer: the new tokens' K/V are written through `slot_mapping` (slot = block * B + offset), then
+decode tokens (one query each) attend in one batched SDPA over their gathered contexts, and each
+prefill chunk attends causally to its cached prefix and to itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpage.model.attention import causal_mask, masked_attention
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    token_start: int  # rows [token_start, token_end) of the packed batch
+    token_end: int
+    context_slots: torch.Tensor  # (ctx,) slots of the whole context, this chunk included
+
+
+@dataclass(slots=True)
+class PagedAttentionMetadata:
+    """Built once per step by the runner; every layer reads the same view."""
+
+    slot_mapping: torch.Tensor  # (N,) long
+    cu_seqlens_q: list[int]  # (S+1,) no zero-length entries; last == N
+    decode_rows: torch.Tensor  # (Sd,) rows of decode tokens
+    decode_slots: torch.Tensor  # (Sd, Cmax) long, context slots padded with slot 0
+    decode_mask: torch.Tensor  # (Sd, 1, 1, Cmax) bool, True = real context
+    prefills: list[PrefillChunk]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu_seqlens_q[-1]
+
+
+def validate_cu_seqlens(cu_seqlens: list[int], num_tokens: int) -> None:
+    """R10: strictly increasing (no zero-length sequence), starts at 0, ends at the token count."""
+    if not cu_seqlens or cu_seqlens[0] != 0 or cu_seqlens[-1] != num_tokens:
+        raise ValueError(f"cu_seqlens {cu_seqlens} must run from 0 to the token count {num_tokens}")
+    if any(b <= a for a, b in zip(cu_seqlens, cu_seqlens[1:], strict=False)):
+        raise ValueError(f"cu_seqlens {cu_seqlens} must be strictly increasing (no empty sequence)")
+
+
+class KVStorage:
+    """The pool's tensors: K and V per layer, (num_blocks, block_size, KVH, D) each, in one
+    allocation (L, 2, num_blocks, B, KVH, D). Zero-initialised: padded gathers must read finite
+    values, since a masked-out NaN still poisons SDPA's weighted sum."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+    ) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.data = torch.zeros(
+            num_layers,
+            2,
+            num_blocks,
+            block_size,
+            num_kv_heads,
+            head_dim,
+            dtype=dtype,
+            device=device,
+        )
+
+    @staticmethod
+    def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(num_blocks * B, KVH, D) views of one layer's K and V."""
+        kv = self.data[layer]
+        return kv[0].flatten(0, 1), kv[1].flatten(0, 1)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.data[:, :, dst].copy_(self.data[:, :, src])
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """(L, 2, n, B, KVH, D) copy of the given blocks, on the CPU."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
+        return self.data.index_select(2, index).cpu()
+
+    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
+        self.data.index_copy_(2, index, blocks.to(self.data.device))
+
+
+class PagedAttention:
+    """The AttentionBackend of one engine step."""
+
+    def __init__(self, storage: KVStorage, meta: PagedAttentionMetadata) -> None:
+        self.storage = storage
+        self.meta = meta
+
+    def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
+        # q: (N, H, D); k, v: (N, KVH, D)
+        k_flat, v_flat = self.storage.flat(layer)  # (P, KVH, D), P = num_blocks * B
+        k_flat.index_copy_(0, self.meta.slot_mapping, k)
+        v_flat.index_copy_(0, self.meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        if self.meta.decode_rows.numel():
+            out[self.meta.decode_rows] = self._decode(q, k_flat, v_flat, scale)
+        for chunk in self.meta.prefills:
+            rows = slice(chunk.token_start, chunk.token_end)
+            out[rows] = self._prefill(q[rows], chunk, k_flat, v_flat, scale)
+        return out
+
+    def _decode(self, q, k_flat, v_flat, scale: float) -> torch.Tensor:
+        meta = self.meta
+        q_d = q[meta.decode_rows].unsqueeze(2)  # (Sd, H, 1, D)
+        k_d = k_flat[meta.decode_slots].transpose(1, 2)  # (Sd, KVH, Cmax, D)
+        v_d = v_flat[meta.decode_slots].transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q_d,
+            k_d,
+            v_d,
+            attn_mask=meta.decode_mask,
+            scale=scale,
+            enable_gqa=q_d.shape[1] != k_d.shape[1],
+        )  # (Sd, H, 1, D)
+        return out.squeeze(2)
+
+    def _prefill(self, q, chunk: PrefillChunk, k_flat, v_flat, scale: float) -> torch.Tensor:
+        k_ctx = k_flat[chunk.context_slots]  # (ctx, KVH, D)
+        v_ctx = v_flat[chunk.context_slots]
+        mask = causal_mask(q.shape[0], k_ctx.shape[0], q.device)
+        return masked_attention(q, k_ctx, v_ctx, mask, scale)

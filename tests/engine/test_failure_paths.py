@@ -1,0 +1,164 @@
+"""R21: abort while waiting / running / swapped, timeout, swap-write failure, cancelled recompute.
+After each, the pool, the ref_counts and the index return to baseline and the other requests
+still produce the reference's tokens."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvpage import LLMEngine, SamplingParams
+from kvpage.config import EngineConfig
+from kvpage.engine.sequence import SeqStatus
+from kvpage.model import load_model
+
+from .test_differential import assert_idle_baseline
+from .workload import prefix_prompts
+
+PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("builtin:tiny-llama")
+
+
+def _engine(tiny, **kw) -> LLMEngine:
+    args = dict(block_size=16, num_blocks=64, debug_checks=True, swap_space_blocks=64)
+    args.update(kw)
+    return LLMEngine(EngineConfig(**args), *tiny)
+
+
+def _drive(engine, until=None, max_steps=2000, done=None) -> dict[str, object]:
+    """Step until idle (or until `until()` holds); collects the finished outputs by id."""
+    done = {} if done is None else done
+    for _ in range(max_steps):
+        if until is not None and until():
+            return done
+        if not engine.has_unfinished_requests():
+            return done
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    raise AssertionError("engine did not finish")
+
+
+def _add(engine, prompts, prefix="r"):
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{prefix}{i}", p, PARAMS)
+
+
+def _check_survivors(done, prompts, references, skip=()):
+    ref = references("builtin:tiny-llama")
+    for i, p in enumerate(prompts):
+        if f"r{i}" in skip:
+            continue
+        assert done[f"r{i}"].outputs[0].token_ids == ref.tokens(p, PARAMS), f"r{i} diverged"
+
+
+def _status(engine, request_id):
+    return engine.seqs[request_id].status
+
+
+def test_abort_waiting_running_swapped(tiny, references):
+    prompts = prefix_prompts(16, 258, n=6, seed=11)
+    engine = _engine(tiny, max_num_seqs=3, preemption_mode="swap")
+    _add(engine, prompts)
+    engine.force_preempt("r1", after_tokens=3, resume_after_steps=50, mode="swap")
+    _drive(engine, until=lambda: "r1" in engine.seqs and _status(engine, "r1") is SeqStatus.SWAPPED)
+    assert _status(engine, "r5") is SeqStatus.WAITING
+    assert _status(engine, "r0") is SeqStatus.RUNNING
+    assert engine.stats()["swap_space_used"] > 0
+    for rid in ("r5", "r0", "r1"):
+        assert engine.abort_request(rid)
+    assert engine.stats()["swap_space_used"] == 0
+    done = _drive(engine)
+    for rid in ("r5", "r0", "r1"):
+        assert done[rid].outputs[0].finish_reason == "abort"
+    assert engine.stats()["aborts"] == 3
+    _check_survivors(done, prompts, references, skip={"r0", "r1", "r5"})
+    assert_idle_baseline(engine)
+    assert not engine.abort_request("r0")  # already gone: a no-op, not an error
+
+
+def test_timeout(tiny, references):
+    prompts = prefix_prompts(16, 258, n=4, seed=12)
+    engine = _engine(tiny)
+    _add(engine, prompts[:3])
+    engine.add_request(
+        "slow", prompts[3], SamplingParams(max_tokens=200, ignore_eos=True), timeout_s=0.05
+    )
+    _drive(engine, until=lambda: engine.step_count >= 2)
+    time.sleep(0.06)
+    done = _drive(engine)
+    assert done["slow"].outputs[0].finish_reason == "timeout"
+    assert 0 < len(done["slow"].outputs[0].token_ids) < 200
+    assert engine.stats()["timeouts"] == 1
+    _check_survivors(done, prompts[:3], references)
+    assert_idle_baseline(engine)
+
+
+def test_swap_write_failure_falls_back_to_recompute(tiny, references):
+    prompts = prefix_prompts(16, 258, n=5, seed=13)
+    engine = _engine(tiny, preemption_mode="swap")
+    _add(engine, prompts)
+    engine.inject_swap_failure(1)
+    engine.force_preempt("r2", after_tokens=5, resume_after_steps=2, mode="swap")
+    done = _drive(engine)
+    s = engine.stats()
+    assert s["swap_failures"] == 1 and s["swap_outs"] == 0
+    assert s["preemptions_recompute"] == 1 and done["r2"].metrics.num_preemptions == 1
+    _check_survivors(done, prompts, references)
+    assert_idle_baseline(engine)
+
+
+def test_cancel_recompute(tiny, references):
+    """Abort a request after its recompute preemption: once queued for re-prefill, and once
+    half-way through the re-prefill (chunked)."""
+    prompts = prefix_prompts(16, 258, n=4, seed=14)
+    # No prefix caching: the re-prefill must recompute everything, in 8-token chunks.
+    engine = _engine(
+        tiny, max_num_batched_tokens=8, preemption_mode="recompute", enable_prefix_caching=False
+    )
+    _add(engine, prompts)
+    engine.force_preempt("r0", after_tokens=4, resume_after_steps=3)
+    engine.force_preempt("r1", after_tokens=4, resume_after_steps=0)
+
+    def r1_reprefilling():
+        seq = engine.seqs.get("r1")
+        return (
+            seq is not None
+            and seq.num_preemptions == 1
+            and seq.status is SeqStatus.RUNNING
+            and 0 < seq.num_computed < seq.num_tokens - 1
+        )
+
+    done = {}
+    _drive(
+        engine,
+        until=lambda: (
+            engine.seqs["r0"].status is SeqStatus.WAITING and engine.seqs["r0"].num_preemptions == 1
+        ),
+        done=done,
+    )
+    assert engine.abort_request("r0")
+    _drive(engine, until=r1_reprefilling, done=done)
+    assert engine.abort_request("r1")
+    _drive(engine, done=done)
+    assert done["r0"].outputs[0].finish_reason == done["r1"].outputs[0].finish_reason == "abort"
+    _check_survivors(done, prompts, references, skip={"r0", "r1"})
+    assert_idle_baseline(engine)
+
+
+def test_preemption_kill_switch_admits_only_what_fits(tiny, references):
+    """With preemption off (R30), admission reserves each request's worst case, so a tight pool
+    runs requests a few at a time instead of deadlocking."""
+    prompts = prefix_prompts(16, 258, n=8, seed=15)
+    engine = _engine(tiny, num_blocks=12)
+    engine.scheduler.preemption_enabled = False
+    _add(engine, prompts)
+    done = _drive(engine)
+    assert engine.stats()["preemptions"] == 0
+    _check_survivors(done, prompts, references)
+    assert_idle_baseline(engine)
