@@ -16,11 +16,11 @@ run: $(STAMP)
 	$(VENV)/bin/kvpage generate --model builtin:tiny-llama --prompt "$(PROMPT)" --max-tokens 32
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check kvpage tests bench
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest -q
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kvpage tests bench
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV)
