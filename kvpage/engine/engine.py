@@ -14,6 +14,7 @@ from kvpage.cache.namespace import CacheNamespace
 from kvpage.config import EngineConfig
 from kvpage.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpage.engine.runner import ModelRunner, StepBatch
+from kvpage.engine.sampler import sample_batch
 from kvpage.engine.scheduler import Scheduler
 from kvpage.engine.sequence import ForcedPreemption, SeqStatus, Sequence
 from kvpage.engine.swap import SwapSpace
@@ -22,7 +23,7 @@ from kvpage.model import load_model
 from kvpage.model.base import CausalLM
 from kvpage.model.paged_attention import KVStorage
 from kvpage.model.tokenizer import Tokenizer, encode_text
-from kvpage.sampling import make_generator, sample_token, top_logprobs
+from kvpage.sampling import make_generator, top_logprobs
 from kvpage.sampling_params import SamplingParams
 
 KV_LAYOUT_VERSION = 1
@@ -239,14 +240,14 @@ class LLMEngine:
         for item in batch.scheduled:
             item.seq.num_computed += item.num_new_tokens
             self.cache.publish_full_blocks(item.seq.table, item.seq.chain)
-        tokens = []
-        for row, item in enumerate(batch.sample_seqs):
-            tokens.append(self._append_token(item.seq, logits[row]))
+        seqs = [item.seq for item in batch.sample_seqs]
+        tokens = sample_batch(logits, seqs)
+        for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+            self._append_token(seq, token, logits[row])
         if self.tracer is not None:
             self.tracer(batch, logits, tokens)
 
-    def _append_token(self, seq: Sequence, logits: torch.Tensor) -> int:
-        token = sample_token(logits, seq.params, seq.generator)
+    def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor) -> None:
         seq.output_ids.append(token)
         seq.chain.extend((token,))
         if seq.logprobs is not None:
@@ -259,7 +260,6 @@ class LLMEngine:
             self._finish(seq, "length")
         else:
             self._pending.append(self._output(seq, [token]))
-        return token
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.remove(seq)

@@ -1,0 +1,18 @@
+"""One step's sampling (R13): greedy rows in a single argmax; seeded rows each draw from their own
+request's generator (kvpage.sampling), so a token never depends on its batch neighbours."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpage.engine.sequence import Sequence
+from kvpage.sampling import sample_token
+
+
+def sample_batch(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """logits: (M, V), one row per sequence -> M token ids."""
+    tokens = torch.argmax(logits, dim=-1).tolist()  # one host sync for all greedy rows
+    for row, seq in enumerate(seqs):
+        if not seq.params.greedy:
+            tokens[row] = sample_token(logits[row], seq.params, seq.generator)
+    return tokens
