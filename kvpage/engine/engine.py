@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -78,7 +77,7 @@ class LLMEngine:
             "aborts": 0,
             "timeouts": 0,
         }
-        self.tracer: Callable[[StepBatch, torch.Tensor, list[int]], None] | None = None
+        self._tracer = None
         self._pending: list[RequestOutput] = []
         self._seq_ids = itertools.count()
 
@@ -213,6 +212,16 @@ class LLMEngine:
         """R21: the next `count` swap-out writes fail; the engine must fall back to recompute."""
         self.swap_space.fail_next_writes += count
 
+    @property
+    def tracer(self):
+        return self._tracer
+
+    @tracer.setter
+    def tracer(self, tracer) -> None:
+        """A verify.trace.EngineTracer, or None (the default: tracing costs nothing)."""
+        self._tracer = tracer
+        self.scheduler.observer = tracer
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
@@ -223,6 +232,8 @@ class LLMEngine:
         plan = self.scheduler.schedule(self.step_count)
         if plan.scheduled:
             batch = self.runner.build(plan.scheduled)
+            if self._tracer is not None:
+                self._tracer.on_batch(batch)
             try:
                 if self.config.debug_checks:
                     for snap in batch.snapshots:
@@ -244,8 +255,8 @@ class LLMEngine:
         tokens = sample_batch(logits, seqs)
         for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             self._append_token(seq, token, logits[row])
-        if self.tracer is not None:
-            self.tracer(batch, logits, tokens)
+        if self._tracer is not None:
+            self._tracer.on_sampled(batch, logits, tokens)
 
     def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor) -> None:
         seq.output_ids.append(token)
@@ -315,6 +326,7 @@ class LLMEngine:
             self.counters["swap_failures"] += 1
             return False
         seq.swapped_tokens = seq.num_computed
+        seq.kv_restored = False
         self.cache.free_table(seq.table)
         self.counters["swap_outs"] += 1
         return True
@@ -323,6 +335,7 @@ class LLMEngine:
         blocks = self.swap_space.take(seq.seq_id)
         ids = self.cache.allocate_restoring(seq.table, seq.swapped_tokens)
         self.storage.write_blocks(ids, blocks)
+        seq.kv_restored = True
         self.cache.finish_restore(seq.table)  # only now may a step read these blocks
         seq.num_computed = seq.swapped_tokens
         self.counters["swap_ins"] += 1

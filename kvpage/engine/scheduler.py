@@ -51,6 +51,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.preemption_enabled = True  # kill switch (R30)
+        self.observer = None  # a verify.trace.EngineTracer while tracing
         self.preemptions = {"recompute": 0, "swap": 0}
 
     # --- queue management ------------------------------------------------------------------
@@ -119,6 +120,7 @@ class Scheduler:
                 break
             self.swapped.remove(seq)
             self.mover.swap_in(seq)  # table readable only once the copy is complete
+            self._note_resume(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.restored.append(seq)
@@ -141,6 +143,7 @@ class Scheduler:
                 seq.num_computed = 0
                 return
             self.waiting.remove(seq)
+            self._note_resume(seq)
             seq.status = SeqStatus.RUNNING
             seq.admitted_once = True
             self.running.append(seq)
@@ -161,6 +164,13 @@ class Scheduler:
         seq.num_computed = cached
         if not seq.admitted_once:
             seq.num_cached_tokens = cached
+        if self.observer is not None:
+            self.observer.on_prefix_hit(seq, cached)
+
+    def _note_resume(self, seq: Sequence) -> None:
+        if seq.resume_pending and self.observer is not None:
+            self.observer.on_resume(seq, seq.resume_pending, seq.kv_restored)
+        seq.resume_pending = ""
 
     # --- preemption ------------------------------------------------------------------------
     def preempt(self, seq: Sequence, out: SchedulerOutput, mode: str | None = None) -> str:
@@ -179,6 +189,7 @@ class Scheduler:
             seq.status = SeqStatus.WAITING
             self.waiting.appendleft(seq)
         self.preemptions[mode] += 1
+        seq.resume_pending = mode
         out.preempted.append((seq, mode))
         return mode
 

@@ -62,6 +62,8 @@ class Sequence:
     forced: ForcedPreemption | None = None
     hold_until_step: int = -1
     swapped_tokens: int = 0  # KV tokens held in the swap space while SWAPPED
+    resume_pending: str = ""  # preemption mode, until the request runs again
+    kv_restored: bool = True  # False from swap-out until the restored KV has been copied back
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,7 @@ from kvpage.model.attention import ContiguousKVCache
 from kvpage.model.base import CausalLM
 from kvpage.sampling import DEFAULT_SEED, make_generator, sample_token, top_logprobs
 from kvpage.sampling_params import SamplingParams
+from kvpage.verify.trace import CacheView, StepRecord, ViewEntry, make_record
 
 
 @dataclass
@@ -22,6 +23,7 @@ class ReferenceOutput:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str = "length"  # "length" | "stop"
     positions: list[list[int]] = field(default_factory=list)  # positions fed at each step
+    records: list[StepRecord] = field(default_factory=list)  # filled when traced
 
 
 @torch.inference_mode()
@@ -30,7 +32,11 @@ def generate(
     prompt_ids: list[int],
     params: SamplingParams,
     fallback_seed: int = DEFAULT_SEED,
+    trace_as: str | None = None,
+    namespace: str = "",
 ) -> ReferenceOutput:
+    """Generate for one request alone. With `trace_as` set, `records` holds one StepRecord per
+    token (request id `trace_as`, contiguous cache view, `namespace` as the expected one)."""
     check_prompt(model, prompt_ids, params)
     cache = ContiguousKVCache(model.config.num_layers)
     generator = make_generator(params, fallback_seed, model.device)
@@ -40,6 +46,8 @@ def generate(
     while True:
         logits = _step(model, cache, step_input, out)
         token = sample_token(logits, params, generator)
+        if trace_as is not None:
+            out.records.append(_record(trace_as, out, step_input, logits, token, cache, namespace))
         out.token_ids.append(token)
         out.step_logits.append(logits.float().cpu())
         if out.logprobs is not None:
@@ -60,6 +68,20 @@ def _step(model: CausalLM, cache: ContiguousKVCache, ids: list[int], out: Refere
     pos_t = torch.tensor(positions, dtype=torch.long, device=model.device)
     hidden = model(ids_t, pos_t, cache)  # (T, C)
     return model.compute_logits(hidden[-1:])[0]  # (V,)
+
+
+def _record(request_id, out, step_input, logits, token, cache, namespace) -> StepRecord:
+    view = CacheView(
+        entries=(ViewEntry(0, -1, 0, cache.length, False, 1, "CONTIGUOUS"),),
+        epoch=len(out.token_ids),
+        namespace=namespace,
+        block_size=0,
+        contiguous=True,
+        kv_dtype=str(logits.dtype).removeprefix("torch."),
+    )
+    return make_record(
+        request_id, len(out.token_ids), step_input, out.positions[-1], logits, token, view
+    )
 
 
 def stop_token_ids(model: CausalLM, params: SamplingParams) -> frozenset[int]:
