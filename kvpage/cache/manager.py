@@ -149,13 +149,16 @@ class KVCacheManager:
             self._copy_on_write(table, start // bs)
         if new:
             table.block_ids.extend(self.pool.allocate(new, table.seq_id))
+        slots: list[int] = []
         for j in range(start // bs, len(table.block_ids)):
-            self.pool.set_valid(table.block_ids[j], min(bs, end - j * bs))
+            bid = table.block_ids[j]
+            hi = min(end, (j + 1) * bs)
+            self.pool.set_valid(bid, hi - j * bs)
+            base = (bid - j) * bs  # slot of position p in this block = base + p
+            slots.extend(range(base + max(start, j * bs), base + hi))
         table.num_tokens = end
         table.bump()
         self.live_tables[table.seq_id] = table
-        ids = table.block_ids
-        slots = [ids[p // bs] * bs + p % bs for p in range(start, end)]
         self._debug()
         return slots
 
@@ -165,11 +168,13 @@ class KVCacheManager:
         block = self.pool.blocks[bid]
         if block.state is _S.PRIVATE_WRITABLE:
             return bid
-        if block.state is not _S.SHARED_READONLY or block.published:
-            # A published block is full and immutable; copying it would cut the radix chain.
+        if block.state is not _S.SHARED_READONLY or block.valid_len == self.block_size:
+            # KV is append-only, so only a partial block can ever be written. Copying a full block
+            # would also let holders of the same block disagree on its prefix, which breaks the
+            # radix rule "every holder of a child holds its parent" (see prefix_index).
             raise InvariantViolation(
-                f"seq {table.seq_id}: block {bid} is {block.state.name} "
-                f"(published={block.published}) and cannot be made writable"
+                f"seq {table.seq_id}: block {bid} is {block.state.name} with "
+                f"{block.valid_len}/{self.block_size} tokens and cannot be made writable"
             )
         self._reserve(1)
         new = self._copy_on_write(table, logical_block)

@@ -80,8 +80,8 @@ def test_make_writable_twice_copies_once(h):
     first = h.m.make_writable(child, 1)
     second = h.m.make_writable(child, 1)
     assert first == second == 2 and h.kv.copies == [(1, 2)] and child.epoch == epoch + 1
-    with pytest.raises(InvariantViolation, match="published=True"):
-        h.m.make_writable(child, 0)
+    with pytest.raises(InvariantViolation, match="16/16 tokens and cannot be made writable"):
+        h.m.make_writable(child, 0)  # full blocks are immutable (KV is append-only)
 
 
 def test_cow_without_a_free_block_changes_nothing(make_harness):

@@ -150,7 +150,12 @@ class CacheMachine(RuleBasedStateMachine):
         seq = self._pick(i)
         idx = j % len(seq.table.block_ids)
         b = self.m.pool.blocks[seq.table.block_ids[idx]]
-        if b.published or b.state is not S.SHARED_READONLY:
+        if b.valid_len == BS or b.state is not S.SHARED_READONLY:
+            try:
+                self.m.make_writable(seq.table, idx)
+                assert b.state is S.PRIVATE_WRITABLE  # only a no-op is allowed here
+            except InvariantViolation:
+                assert b.valid_len == BS or b.state is not S.PRIVATE_WRITABLE
             return
         copies = self.copies
         try:
@@ -259,7 +264,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 CacheMachine.TestCase.settings = settings(
     max_examples=2000,
-    stateful_step_count=25,
+    stateful_step_count=20,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
