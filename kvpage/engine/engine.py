@@ -9,8 +9,8 @@ import time
 import torch
 
 from kvpage.cache.manager import KVCacheManager
-from kvpage.cache.namespace import CacheNamespace
 from kvpage.config import EngineConfig
+from kvpage.engine.namespace import base_namespace
 from kvpage.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpage.engine.runner import ModelRunner, StepBatch
 from kvpage.engine.sampler import sample_batch
@@ -25,7 +25,6 @@ from kvpage.model.tokenizer import Tokenizer, encode_text
 from kvpage.sampling import make_generator, top_logprobs
 from kvpage.sampling_params import SamplingParams
 
-KV_LAYOUT_VERSION = 1
 DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
 
 
@@ -67,7 +66,7 @@ class LLMEngine:
         self.swap_space = SwapSpace(config.swap_space_blocks)
         self.scheduler = Scheduler(config, self.cache, self)
         self.runner = ModelRunner(model, self.storage, self.cache)
-        self.namespace = self._base_namespace()
+        self.namespace = base_namespace(model, tokenizer, config.block_size, config.model)
         self.seqs: dict[str, Sequence] = {}
         self.step_count = 0
         self.counters = {
@@ -92,18 +91,6 @@ class LLMEngine:
         by_memory = (cfg.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // per_block
         by_workload = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
         return max(1, min(by_memory, by_workload) if cfg.kv_cache_memory is None else by_memory)
-
-    def _base_namespace(self) -> CacheNamespace:
-        mcfg = self.model.config
-        return CacheNamespace(
-            model_revision=mcfg.revision or self.config.model,
-            tokenizer_revision=getattr(self.tokenizer, "revision", "none"),
-            adapter=None,
-            rope_config=mcfg.position_signature(),
-            kv_dtype=str(self.model.dtype).removeprefix("torch."),
-            kv_layout_version=KV_LAYOUT_VERSION,
-            block_size=self.config.block_size,
-        )
 
     # --- requests --------------------------------------------------------------------------
     def add_request(
