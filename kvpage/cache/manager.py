@@ -307,7 +307,7 @@ class KVCacheManager:
     def release_snapshot(self, snap: TableSnapshot) -> None:
         if self.inflight.pop(snap.snap_id, None) is None:
             raise InvariantViolation(f"snapshot {snap.snap_id} of seq {snap.seq_id} released twice")
-        for bid in snap.block_ids:
+        for bid in reversed(snap.block_ids):  # tail first, like free_table (LRU ticks)
             self.pool.unpin(bid)
         self._debug()
 
