@@ -145,6 +145,8 @@ class Scheduler:
             self.waiting.remove(seq)
             self._note_resume(seq)
             seq.status = SeqStatus.RUNNING
+            if not seq.admitted_once:  # hits of a retried or resumed admission are not counted
+                seq.num_cached_tokens = seq.num_computed
             seq.admitted_once = True
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n, self.cache.append_slots(seq.table, n)))
@@ -162,8 +164,6 @@ class Scheduler:
     def _acquire_prefix(self, seq: Sequence) -> None:
         cached = self.cache.acquire_prefix(seq.table, seq.chain, seq.num_tokens)
         seq.num_computed = cached
-        if not seq.admitted_once:
-            seq.num_cached_tokens = cached
         if self.observer is not None:
             self.observer.on_prefix_hit(seq, cached)
 

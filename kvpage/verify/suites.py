@@ -224,7 +224,7 @@ def _check_expectations(case: Case, engine: LLMEngine, finished) -> list[Failure
             failures.append(
                 Failure(
                     "expectation",
-                    "served from another namespace's cache "
+                    "expected no prefix-cache hit, got "
                     f"({finished[rid].metrics.num_cached_tokens} tokens)",
                     rid,
                 )
@@ -324,7 +324,31 @@ def prefix_cases(vocab: int, block_size: int) -> list[Case]:
     cases.append(_formats_case(t, B))
     cases.append(_tenant_case(t, B))
     cases.append(_many_distinct_case(t, B))
+    cases.append(_evict_reuse_case(t, B))
     return cases
+
+
+def _evict_reuse_case(t: _Tokens, B: int) -> Case:
+    """X's prefix is cached, evicted under pressure and its blocks reused by fillers; Z then asks
+    for X's prefix while the fillers still hold those blocks: it must miss, not read them."""
+    prefix = t.take(2 * B)
+    specs = [RequestSpec("X", prefix + t.take(3), _greedy(4))]
+    # Two fillers take 10 of the 12 free blocks; the third needs 4, so X's 2 cached blocks are
+    # evicted and handed to it. The first two finish fast, so Z is admitted while the third
+    # still holds X's old blocks.
+    sizes = ((4 * B + 1, 2), (4 * B + 1, 2), (3 * B + 1, 3 * B))
+    specs += [
+        RequestSpec(f"filler{i}", t.take(n), _greedy(out), arrive_step=8)
+        for i, (n, out) in enumerate(sizes)
+    ]
+    specs.append(RequestSpec("Z", prefix + t.take(2), _greedy(4), arrive_step=9))
+    return Case(
+        "prefix",
+        f"evict_reuse_b{B}",
+        specs,
+        dict(block_size=B, num_blocks=14),
+        expect_no_hit=("Z",),
+    )
 
 
 def _multi_turn_case(t: _Tokens, B: int) -> Case:
@@ -401,7 +425,10 @@ def _many_distinct_case(t: _Tokens, B: int) -> Case:
 def batching_cases(vocab: int) -> list[Case]:
     t = _Tokens(vocab, seed=101)
     long_prompt = RequestSpec("long", t.take(160), _greedy(8))
-    shorts = [RequestSpec(f"short{i}", t.take(3), _greedy(40), arrive_step=1) for i in range(12)]
+    # Several short prompts mid-prefill at once while others decode: chunk boundaries everywhere.
+    shorts = [
+        RequestSpec(f"short{i}", t.take(5 + i % 6), _greedy(40), arrive_step=1) for i in range(12)
+    ]
     decode_heavy = Case(
         "batching",
         "decode_heavy_budget8",
