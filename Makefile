@@ -2,7 +2,6 @@
 PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
-PROMPT ?= The paged cache
 
 .PHONY: run test lint clean
 
@@ -12,8 +11,9 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# The main job: the release gate on the built-in model (suites, mutation check, reports).
 run: $(STAMP)
-	$(VENV)/bin/kvpage generate --model builtin:tiny-llama --prompt "$(PROMPT)" --max-tokens 32
+	$(VENV)/bin/kvpage verify --model builtin:tiny-llama --report reports/gate
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -36,6 +36,18 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32")
     gen.add_argument("--device", default="cpu")
     gen.set_defaults(func=_cmd_generate)
+
+    ver = sub.add_parser("verify", help="release gate: suites + mutation check + report (R24)")
+    ver.add_argument("--model", default="builtin:tiny-llama")
+    ver.add_argument(
+        "--suite",
+        default="all",
+        help="comma-separated: prefix,batching,preemption,failure (default all)",
+    )
+    ver.add_argument("--no-mutants", action="store_true", help="skip the mutation check")
+    ver.add_argument("--report", default="reports/gate", help="directory for the reports")
+    ver.add_argument("--quiet", action="store_true", help="no progress bar")
+    ver.set_defaults(func=_cmd_verify)
     return parser
 
 
@@ -64,6 +76,23 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print(f"token_ids: {out.token_ids}")
     print(f"finish_reason: {out.finish_reason}")
     return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from kvpage.verify.gate import run_gate
+    from kvpage.verify.report import summary_table, write_reports
+    from kvpage.verify.suites import SUITES
+
+    suites = SUITES if args.suite == "all" else tuple(args.suite.split(","))
+    unknown = set(suites) - set(SUITES)
+    if unknown:
+        print(f"error: unknown suite(s) {sorted(unknown)}; choose from {SUITES}", file=sys.stderr)
+        return 2
+    result = run_gate(args.model, suites, mutants=not args.no_mutants, progress=not args.quiet)
+    data = write_reports(result, args.report)
+    print(summary_table(data))
+    print(f"reports: {args.report}/report.json, report.md, report.html")
+    return 0 if result.passed else 1
 
 
 if __name__ == "__main__":

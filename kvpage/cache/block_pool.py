@@ -99,8 +99,13 @@ class BlockPool:
     def usage(self) -> CacheUsage:
         c = self.counts
         return CacheUsage(
-            c[_S.FREE], c[_S.PRIVATE_WRITABLE], c[_S.SHARED_READONLY], c[_S.CACHED],
-            c[_S.EVICTING], c[_S.RESTORING], self.num_blocks,
+            c[_S.FREE],
+            c[_S.PRIVATE_WRITABLE],
+            c[_S.SHARED_READONLY],
+            c[_S.CACHED],
+            c[_S.EVICTING],
+            c[_S.RESTORING],
+            self.num_blocks,
         )
 
     # --- allocation ------------------------------------------------------------------------

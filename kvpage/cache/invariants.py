@@ -70,8 +70,9 @@ def _check_block_state(pool: BlockPool, b) -> list[str]:
     if (s is _S.CACHED) and not b.published:
         out.append(f"block {bid}: CACHED but not published")
     if s is _S.PRIVATE_WRITABLE and (n_own > 1 or b.published):
-        out.append(f"block {bid}: PRIVATE_WRITABLE with owners {sorted(b.owners)} "
-                   f"published={b.published}")
+        out.append(
+            f"block {bid}: PRIVATE_WRITABLE with owners {sorted(b.owners)} published={b.published}"
+        )
     if s is _S.SHARED_READONLY and n_own < 2 and not b.published:
         out.append(f"block {bid}: SHARED_READONLY with one owner and unpublished")
     if s in (_S.EVICTING, _S.RESTORING) and (n_own > 1 or b.published):
@@ -81,7 +82,9 @@ def _check_block_state(pool: BlockPool, b) -> list[str]:
     return out
 
 
-def _check_tables(pool: BlockPool, tables: list[BlockTable], index: PrefixIndex | None) -> list[str]:
+def _check_tables(
+    pool: BlockPool, tables: list[BlockTable], index: PrefixIndex | None
+) -> list[str]:
     out = []
     bs = pool.block_size
     seen_seq: set[int] = set()
@@ -98,8 +101,9 @@ def _check_tables(pool: BlockPool, tables: list[BlockTable], index: PrefixIndex 
     return out
 
 
-def _check_entry(pool: BlockPool, index: PrefixIndex | None, t: BlockTable, i: int,
-                 bid: int) -> list[str]:
+def _check_entry(
+    pool: BlockPool, index: PrefixIndex | None, t: BlockTable, i: int, bid: int
+) -> list[str]:
     b = pool.blocks[bid]
     bs = pool.block_size
     out = []
@@ -114,15 +118,18 @@ def _check_entry(pool: BlockPool, index: PrefixIndex | None, t: BlockTable, i: i
         entry = index.by_block.get(bid)
         want_parent = None if i == 0 else index.by_block.get(t.block_ids[i - 1])
         if entry is None or entry.depth != i or entry.parent is not want_parent:
-            out.append(f"seq {t.seq_id} block[{i}]={bid}: published but its index entry does not "
-                       f"chain to block[{i - 1}] of the same table")
+            out.append(
+                f"seq {t.seq_id} block[{i}]={bid}: published but its index entry does not "
+                f"chain to block[{i - 1}] of the same table"
+            )
     if i < t.num_published and not b.published:
         out.append(f"seq {t.seq_id} block[{i}]={bid}: below the publish cursor but unpublished")
     return out
 
 
-def _check_refs(pool: BlockPool, tables: list[BlockTable],
-                snapshots: list[TableSnapshot]) -> list[str]:
+def _check_refs(
+    pool: BlockPool, tables: list[BlockTable], snapshots: list[TableSnapshot]
+) -> list[str]:
     out = []
     owners: dict[int, set[int]] = {}
     for t in tables:
@@ -133,20 +140,27 @@ def _check_refs(pool: BlockPool, tables: list[BlockTable],
     for s in snapshots:
         for e in s.entries:
             if pool.blocks[e.block_id].generation != e.generation:
-                out.append(f"snapshot {s.snap_id} (seq {s.seq_id}): block {e.block_id} "
-                           f"generation moved {e.generation} -> "
-                           f"{pool.blocks[e.block_id].generation} while pinned")
+                out.append(
+                    f"snapshot {s.snap_id} (seq {s.seq_id}): block {e.block_id} "
+                    f"generation moved {e.generation} -> "
+                    f"{pool.blocks[e.block_id].generation} while pinned"
+                )
     for b in pool.blocks:
         want = owners.get(b.block_id, set())
         if b.owners != want:
-            out.append(f"block {b.block_id}: owners {sorted(b.owners)} but held by tables "
-                       f"{sorted(want)}")
+            out.append(
+                f"block {b.block_id}: owners {sorted(b.owners)} but held by tables {sorted(want)}"
+            )
         if b.pins != pins[b.block_id]:
-            out.append(f"block {b.block_id}: pins {b.pins} but {pins[b.block_id]} in-flight "
-                       f"snapshot references")
+            out.append(
+                f"block {b.block_id}: pins {b.pins} but {pins[b.block_id]} in-flight "
+                f"snapshot references"
+            )
         if b.ref_count != len(want) + pins[b.block_id]:
-            out.append(f"block {b.block_id}: ref_count {b.ref_count} != references held "
-                       f"{len(want) + pins[b.block_id]}")
+            out.append(
+                f"block {b.block_id}: ref_count {b.ref_count} != references held "
+                f"{len(want) + pins[b.block_id]}"
+            )
         if b.ref_count and b.block_id in free:
             out.append(f"block {b.block_id}: on the free list with ref_count {b.ref_count}")
     return out
@@ -160,8 +174,10 @@ def _check_index(pool: BlockPool, index: PrefixIndex) -> list[str]:
         if fast != e.fast_key or index.by_block.get(e.block_id) is not e:
             out.append(f"index entry for block {e.block_id}: maps are inconsistent")
         if b.generation != e.generation:
-            out.append(f"index entry for block {e.block_id}: generation {e.generation} but block "
-                       f"is at {b.generation} (freed block still reachable from the index)")
+            out.append(
+                f"index entry for block {e.block_id}: generation {e.generation} but block "
+                f"is at {b.generation} (freed block still reachable from the index)"
+            )
         if b.state not in (_S.SHARED_READONLY, _S.CACHED) or not b.published:
             out.append(f"index entry for block {e.block_id}: block is {b.state.name}")
         if b.valid_len != pool.block_size:
@@ -174,8 +190,10 @@ def _check_index(pool: BlockPool, index: PrefixIndex) -> list[str]:
                 out.append(f"index entry for block {e.block_id}: held below an unheld parent")
     for e in index.entries.values():
         if e.num_children != children[id(e)]:
-            out.append(f"index entry for block {e.block_id}: num_children {e.num_children} != "
-                       f"{children[id(e)]}")
+            out.append(
+                f"index entry for block {e.block_id}: num_children {e.num_children} != "
+                f"{children[id(e)]}"
+            )
     if len(index.by_block) != len(index.entries):
         out.append(f"index has {len(index.entries)} keys but {len(index.by_block)} blocks")
     published = {b.block_id for b in pool.blocks if b.published}
@@ -187,4 +205,3 @@ def _check_index(pool: BlockPool, index: PrefixIndex) -> list[str]:
         if is_leaf != (e.block_id in leaves):
             out.append(f"block {e.block_id}: evictable-leaf heap disagrees (leaf={is_leaf})")
     return out
-

@@ -72,8 +72,7 @@ class KVCacheManager:
     def new_key_chain(self, namespace: CacheNamespace) -> BlockKeyChain:
         if namespace.block_size != self.block_size:
             raise InvariantViolation(
-                f"namespace block_size {namespace.block_size} != cache block_size "
-                f"{self.block_size}"
+                f"namespace block_size {namespace.block_size} != cache block_size {self.block_size}"
             )
         return BlockKeyChain(namespace.digest(), self.block_size, self.fast_key_bits)
 
@@ -109,16 +108,18 @@ class KVCacheManager:
 
     def _emit_hit(self, table: BlockTable, hits, prompt_len: int, capped: bool) -> None:
         last = self.pool.blocks[hits[-1].block_id]
-        self._emit(HitEvent(
-            seq_id=table.seq_id,
-            namespace=table.namespace or b"",
-            prefix_digest=hits[-1].digest,
-            token_count=len(hits) * self.block_size,
-            blocks_hit=tuple(e.block_id for e in hits),
-            last_block_full=last.valid_len == self.block_size,
-            prompt_tokens=prompt_len,
-            capped=capped,
-        ))
+        self._emit(
+            HitEvent(
+                seq_id=table.seq_id,
+                namespace=table.namespace or b"",
+                prefix_digest=hits[-1].digest,
+                token_count=len(hits) * self.block_size,
+                blocks_hit=tuple(e.block_id for e in hits),
+                last_block_full=last.valid_len == self.block_size,
+                prompt_tokens=prompt_len,
+                capped=capped,
+            )
+        )
 
     # --- allocation ------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -317,8 +318,12 @@ class KVCacheManager:
             raise InvariantViolation(f"snapshot {snap.snap_id} of seq {snap.seq_id} not in flight")
         for i, e in enumerate(snap.entries):
             b = self.pool.blocks[e.block_id]
-            if (b.generation != e.generation or b.state not in READABLE
-                    or snap.seq_id not in b.owners or b.valid_len < e.valid_len):
+            if (
+                b.generation != e.generation
+                or b.state not in READABLE
+                or snap.seq_id not in b.owners
+                or b.valid_len < e.valid_len
+            ):
                 raise InvariantViolation(
                     f"snapshot {snap.snap_id} seq {snap.seq_id} epoch {snap.epoch} block[{i}]="
                     f"{e.block_id}: expected gen {e.generation} valid {e.valid_len}, pool has gen "

@@ -36,9 +36,7 @@ def _encode_field(name: str, value: object) -> bytes:
     else:
         raise InvalidRequest(f"namespace field {name}: unsupported type {type(value).__name__}")
     name_b = name.encode()
-    return (
-        len(name_b).to_bytes(4, "big") + name_b + tag + len(payload).to_bytes(8, "big") + payload
-    )
+    return len(name_b).to_bytes(4, "big") + name_b + tag + len(payload).to_bytes(8, "big") + payload
 
 
 @dataclass(frozen=True, slots=True)

@@ -101,8 +101,11 @@ class PrefixIndex:
             return None
         if entry.digest != key.digest:
             self.stats.corruption_count += 1
-            self.emit(CorruptionEvent(namespace, key.fast, key.digest, entry.digest,
-                                      entry.block_id, depth))
+            self.emit(
+                CorruptionEvent(
+                    namespace, key.fast, key.digest, entry.digest, entry.block_id, depth
+                )
+            )
             return None
         block = self.pool.blocks[entry.block_id]
         if block.generation != entry.generation or not block.published:
@@ -115,8 +118,9 @@ class PrefixIndex:
         return entry
 
     # --- publish ---------------------------------------------------------------------------
-    def publish(self, key: BlockKey, block_id: int, depth: int, parent: IndexEntry | None,
-                namespace: bytes) -> str:
+    def publish(
+        self, key: BlockKey, block_id: int, depth: int, parent: IndexEntry | None, namespace: bytes
+    ) -> str:
         existing = self.entries.get(key.fast)
         if existing is not None:
             if existing.digest != key.digest:
@@ -128,8 +132,15 @@ class PrefixIndex:
         if block_id in self.by_block:
             raise InvariantViolation(f"block {block_id} is already published under another key")
         self.pool.mark_published(block_id)
-        entry = IndexEntry(key.fast, key.digest, block_id, self.pool.blocks[block_id].generation,
-                           depth, namespace, parent)
+        entry = IndexEntry(
+            key.fast,
+            key.digest,
+            block_id,
+            self.pool.blocks[block_id].generation,
+            depth,
+            namespace,
+            parent,
+        )
         self.entries[key.fast] = entry
         self.by_block[block_id] = entry
         if parent is not None:

@@ -5,6 +5,7 @@ decoding stable across kernels (random HF-style 0.02 init gives near-ties everyw
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 
@@ -53,12 +54,17 @@ BUILTIN_CONFIGS: dict[str, ModelConfig] = {
     ),
 }
 
+# Trained byte-level models shipped as Hugging Face directories (the repo is installed editable).
+SHIPPED_MODELS: dict[str, Path] = {
+    "passphrase-mini": Path(__file__).resolve().parents[2] / "models" / "passphrase-mini",
+}
+
 BUILTIN_SEED = 0
 LM_HEAD_SCALE = 2.5  # logits std ~2.5: clear greedy winners, sampling still has entropy
 
 
 def builtin_names() -> list[str]:
-    return [BUILTIN_PREFIX + name for name in BUILTIN_CONFIGS]
+    return [BUILTIN_PREFIX + name for name in (*BUILTIN_CONFIGS, *SHIPPED_MODELS)]
 
 
 def init_seeded_(model: torch.nn.Module, seed: int = BUILTIN_SEED) -> None:

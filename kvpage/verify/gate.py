@@ -1,0 +1,204 @@
+"""The release gate (R24): suites on the real engine (debug invariant checks on), then the mutation
+check (every mutant caught, its first divergence attributed to its own class), then a report.
+Passes only when every case passes, every mutant is caught and correctly attributed, and every
+divergence report carries the fields its class needs."""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from kvpage.config import EngineConfig
+from kvpage.engine.engine import LLMEngine
+from kvpage.model import load_model
+from kvpage.verify.mutants import MUTANTS, Mutant
+from kvpage.verify.suites import SUITES, CaseResult, Runtime, build_suites, run_case
+
+
+@dataclass(slots=True)
+class MutantResult:
+    mutant: Mutant
+    caught: bool
+    caught_by: list[str]
+    first_failure: str | None
+    divergence: dict | None  # Divergence.to_dict() of the first divergence found
+    seconds: float
+
+    @property
+    def attributed_class(self) -> str | None:
+        return None if self.divergence is None else self.divergence["attribution"]["class"]
+
+    @property
+    def attribution_ok(self) -> bool:
+        return (
+            self.attributed_class == self.mutant.expected_class
+            and not (self.divergence["attribution"]["missing"])
+        )
+
+
+@dataclass(slots=True)
+class GateResult:
+    model: str
+    suites: tuple[str, ...]
+    cases: list[CaseResult]
+    mutants: list[MutantResult]
+    seconds: float
+    environment: dict = field(default_factory=dict)
+
+    @property
+    def mutation_score(self) -> float:
+        return sum(m.caught for m in self.mutants) / len(self.mutants) if self.mutants else 1.0
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.cases) and all(
+            m.caught and m.attribution_ok for m in self.mutants
+        )
+
+    def to_dict(self) -> dict:
+        per_suite = {}
+        for suite in self.suites:
+            results = [c for c in self.cases if c.suite == suite]
+            per_suite[suite] = {
+                "cases": len(results),
+                "failures": sum(not c.passed for c in results),
+                "results": [_case_dict(c) for c in results],
+            }
+        return {
+            "passed": self.passed,
+            "model": self.model,
+            "environment": self.environment,
+            "seconds": round(self.seconds, 2),
+            "suites": per_suite,
+            "mutation_score": self.mutation_score,
+            "attribution_score": (
+                sum(m.attribution_ok for m in self.mutants) / len(self.mutants)
+                if self.mutants
+                else 1.0
+            ),
+            "mutants": {m.mutant.name: _mutant_dict(m) for m in self.mutants},
+        }
+
+
+def _case_dict(c: CaseResult) -> dict:
+    return {
+        "case": c.case,
+        "passed": c.passed,
+        "requests": c.requests,
+        "steps": c.steps,
+        "seconds": round(c.seconds, 3),
+        "failures": [f.to_dict() for f in c.failures],
+    }
+
+
+def _mutant_dict(m: MutantResult) -> dict:
+    return {
+        "bug": m.mutant.bug,
+        "caught": m.caught,
+        "caught_by": m.caught_by,
+        "first_failure": m.first_failure,
+        "expected_class": m.mutant.expected_class,
+        "attributed_class": m.attributed_class,
+        "attribution_ok": m.attribution_ok,
+        "first_divergence": m.divergence,
+        "seconds": round(m.seconds, 2),
+    }
+
+
+class Progress:
+    """One line on stderr, rewritten in place on a terminal, plain lines otherwise."""
+
+    def __init__(self, total: int, enabled: bool = True) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.tty = sys.stderr.isatty()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        width = 30
+        filled = width * self.done // max(self.total, 1)
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label}"
+        print(
+            f"\r{line[:110]:<110}" if self.tty else line,
+            end="" if self.tty else "\n",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            print(file=sys.stderr)
+
+
+def run_gate(
+    model_name: str = "builtin:tiny-llama",
+    suites: tuple[str, ...] = SUITES,
+    mutants: bool = True,
+    progress: bool = True,
+) -> GateResult:
+    start = time.perf_counter()
+    model, tokenizer = load_model(model_name)
+    cases = build_suites(model.config.vocab_size, suites)
+    mutant_list = MUTANTS if mutants else ()
+    bar = Progress(len(cases) + len(mutant_list), progress)
+    runtime = Runtime(model, tokenizer, model_name, debug_checks=True)
+    case_results = []
+    for case in cases:
+        case_results.append(run_case(case, runtime))
+        bar.step(f"{case.full_name}: {'ok' if case_results[-1].passed else 'FAIL'}")
+    mutant_results = []
+    for mutant in mutant_list:
+        mutant_results.append(run_mutant(mutant, model, tokenizer, model_name, cases, runtime))
+        bar.step(f"mutant {mutant.name}: {'caught' if mutant_results[-1].caught else 'MISSED'}")
+    bar.close()
+    return GateResult(
+        model_name,
+        suites,
+        case_results,
+        mutant_results,
+        time.perf_counter() - start,
+        _environment(model),
+    )
+
+
+def run_mutant(mutant: Mutant, model, tokenizer, model_name: str, cases, base: Runtime):
+    """Suites against the mutant with the engine's debug checks off (the verifier must catch
+    it from outside), in order, until the first case that shows a divergence."""
+
+    def factory(cfg: EngineConfig) -> LLMEngine:
+        engine = LLMEngine(replace(cfg, **mutant.config), model, tokenizer)
+        mutant.apply(engine)
+        return engine
+
+    runtime = Runtime(model, tokenizer, model_name, debug_checks=False, engine_factory=factory)
+    runtime._refs = base._refs  # the references do not depend on the engine
+    start = time.perf_counter()
+    caught_by, first_failure, divergence = [], None, None
+    for case in cases:
+        result = run_case(case, runtime)
+        if result.passed:
+            continue
+        caught_by.append(result.case)
+        first_failure = first_failure or f"{result.case}: {result.failures[0].message}"
+        if result.first_divergence is not None:
+            divergence = result.first_divergence.to_dict()
+            break
+    return MutantResult(
+        mutant, bool(caught_by), caught_by, first_failure, divergence, time.perf_counter() - start
+    )
+
+
+def _environment(model) -> dict:
+    """What the baseline depends on: re-run the reference when any of it changes (seed 000 §8)."""
+    return {
+        "model_revision": model.config.revision,
+        "dtype": str(model.dtype),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }

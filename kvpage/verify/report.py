@@ -1,0 +1,294 @@
+"""Gate reports: report.json (machine-readable), report.md and a self-contained report.html with
+the first-divergence tables and the reference and candidate block tables side by side."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+from kvpage.verify.diff import WHERE_TO_LOOK
+
+
+def write_reports(result, directory: str | Path) -> dict:
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    data = result.to_dict()
+    (out / "report.json").write_text(json.dumps(data, indent=2, default=str))
+    (out / "report.md").write_text(markdown(data))
+    (out / "report.html").write_text(html_page(data))
+    return data
+
+
+def summary_table(data: dict) -> str:
+    rows = [("suite / mutant", "result", "detail")]
+    for suite, s in data["suites"].items():
+        rows.append(
+            (
+                suite,
+                "PASS" if s["failures"] == 0 else "FAIL",
+                f"{s['cases'] - s['failures']}/{s['cases']} cases",
+            )
+        )
+    for name, m in data["mutants"].items():
+        status = "caught" if m["caught"] else "MISSED"
+        attributed = m["attributed_class"] or "-"
+        ok = "ok" if m["attribution_ok"] else f"expected {m['expected_class']}"
+        rows.append((f"mutant {name}", status, f"attributed {attributed} ({ok})"))
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in width))
+    verdict = "PASSED" if data["passed"] else "FAILED"
+    lines.append(
+        f"\ngate {verdict}: mutation score {data['mutation_score']:.0%}, attribution "
+        f"{data['attribution_score']:.0%}, {data['seconds']:.1f}s"
+    )
+    return "\n".join(lines)
+
+
+# --- markdown ------------------------------------------------------------------------------
+def markdown(data: dict) -> str:
+    lines = [
+        f"# kvpage release gate: {'PASSED' if data['passed'] else 'FAILED'}",
+        "",
+        f"Model `{data['model']}`; environment `{data['environment']}`; {data['seconds']:.1f}s.",
+        "",
+        "```",
+        summary_table(data),
+        "```",
+        "",
+    ]
+    for suite, s in data["suites"].items():
+        lines += [
+            f"## Suite `{suite}`",
+            "",
+            "| case | result | requests | steps | failures |",
+            "|---|---|---|---|---|",
+        ]
+        for c in s["results"]:
+            fails = "; ".join(f["message"] for f in c["failures"][:3]) or "-"
+            lines.append(
+                f"| {c['case']} | {'pass' if c['passed'] else 'FAIL'} | "
+                f"{c['requests']} | {c['steps']} | {fails} |"
+            )
+        lines.append("")
+        for c in s["results"]:
+            for f in c["failures"]:
+                if f["divergence"]:
+                    lines += _md_divergence(f"{c['case']} / {f['request_id']}", f["divergence"])
+    lines += [
+        "## Mutants",
+        "",
+        "| mutant | bug | caught | expected | attributed | first failure |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, m in data["mutants"].items():
+        lines.append(
+            f"| {name} | {m['bug']} | {m['caught']} | {m['expected_class']} | "
+            f"{m['attributed_class']} | {m['first_failure']} |"
+        )
+    lines.append("")
+    for name, m in data["mutants"].items():
+        if m["first_divergence"]:
+            lines += _md_divergence(f"mutant {name}", m["first_divergence"])
+    return "\n".join(lines) + "\n"
+
+
+def _md_divergence(title: str, d: dict) -> list[str]:
+    ref, cand, a = d["reference"], d["candidate"], d["attribution"]
+    lines = [
+        f"### First divergence: {title}",
+        "",
+        f"Step {d['step']} of `{d['request_id']}`: **{d['kind']}** ({d['detail']}); "
+        f"class **{a['class']}** ({a['reason']}) — look at {WHERE_TO_LOOK.get(a['class'])}."
+        + (f" Missing fields: {a['missing']}." if a["missing"] else ""),
+        "",
+        "| field | reference | candidate |",
+        "|---|---|---|",
+    ]
+    for key in (
+        "input_ids",
+        "position_ids",
+        "chosen_token",
+        "topk_ids",
+        "topk_values",
+        "logits_digest",
+        "prefix_hit_tokens",
+        "after_resume",
+        "restore_complete",
+    ):
+        lines.append(f"| {key} | {_short(ref, key)} | {_short(cand, key)} |")
+    lines += [
+        "",
+        "Attribution fields: " + ", ".join(f"`{k}`={_fmt(v)}" for k, v in a["fields"].items()),
+        "",
+    ]
+    lines += [
+        "| logical | ref physical | ref gen | ref valid | cand physical | cand gen | "
+        "cand valid | shared | ref_count | state |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r_e, c_e in _paired_entries(ref, cand):
+        lines.append(
+            "| "
+            + " | ".join(
+                str(x)
+                for x in (
+                    (c_e or r_e)["logical"],
+                    *_entry_cols(r_e, ("physical", "generation", "valid_len")),
+                    *_entry_cols(
+                        c_e, ("physical", "generation", "valid_len", "shared", "ref_count", "state")
+                    ),
+                )
+            )
+            + " |"
+        )
+    return lines + [""]
+
+
+def _paired_entries(ref: dict | None, cand: dict | None):
+    r = (ref or {}).get("view", {}).get("entries", [])
+    c = (cand or {}).get("view", {}).get("entries", [])
+    for i in range(max(len(r), len(c))):
+        yield (r[i] if i < len(r) else None), (c[i] if i < len(c) else None)
+
+
+def _entry_cols(entry: dict | None, keys) -> list[str]:
+    return ["" if entry is None else str(entry[k]) for k in keys]
+
+
+def _short(record: dict | None, key: str) -> str:
+    return "-" if record is None else _fmt(record.get(key))
+
+
+def _fmt(value) -> str:
+    if isinstance(value, list) and len(value) > 12:
+        return f"{value[:6]} … {value[-3:]} ({len(value)})"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list) and value and isinstance(value[0], float):
+        return "[" + ", ".join(f"{v:.3f}" for v in value) + "]"
+    return str(value)
+
+
+# --- html ----------------------------------------------------------------------------------
+_CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}
+table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:3px 8px;
+font-size:13px;text-align:left}th{background:#f3f3f3}.pass{color:#176f2c}.fail{color:#b00020;
+font-weight:bold}.side{display:flex;gap:2em}pre{background:#f6f6f6;padding:1em}"""
+
+
+def html_page(data: dict) -> str:
+    e = html.escape
+    verdict = "PASSED" if data["passed"] else "FAILED"
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>kvpage gate {verdict}"
+        f"</title><style>{_CSS}</style></head><body>",
+        f"<h1>kvpage release gate: <span class='{'pass' if data['passed'] else 'fail'}'>"
+        f"{verdict}</span></h1>",
+        f"<p>Model <code>{e(data['model'])}</code>, {data['seconds']:.1f}s, mutation score "
+        f"{data['mutation_score']:.0%}, attribution {data['attribution_score']:.0%}.</p>",
+        f"<pre>{e(summary_table(data))}</pre>",
+    ]
+    for suite, s in data["suites"].items():
+        parts.append(f"<h2>Suite {e(suite)}</h2>")
+        parts.append(
+            _html_table(
+                ["case", "result", "requests", "steps", "failures"],
+                [
+                    [
+                        c["case"],
+                        _verdict(c["passed"]),
+                        c["requests"],
+                        c["steps"],
+                        "; ".join(f["message"] for f in c["failures"][:3]),
+                    ]
+                    for c in s["results"]
+                ],
+            )
+        )
+        for c in s["results"]:
+            for f in c["failures"]:
+                if f["divergence"]:
+                    parts.append(
+                        _html_divergence(f"{c['case']} / {f['request_id']}", f["divergence"])
+                    )
+    parts.append("<h2>Mutants</h2>")
+    parts.append(
+        _html_table(
+            ["mutant", "bug", "caught", "expected", "attributed", "first failure"],
+            [
+                [
+                    n,
+                    m["bug"],
+                    _verdict(m["caught"]),
+                    m["expected_class"],
+                    m["attributed_class"],
+                    m["first_failure"],
+                ]
+                for n, m in data["mutants"].items()
+            ],
+        )
+    )
+    for name, m in data["mutants"].items():
+        if m["first_divergence"]:
+            parts.append(_html_divergence(f"mutant {name}", m["first_divergence"]))
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _verdict(ok: bool) -> str:
+    return f"<span class='{'pass' if ok else 'fail'}'>{'yes' if ok else 'NO'}</span>"
+
+
+def _html_table(header: list[str], rows: list[list]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f"<td>{c if isinstance(c, str) and c.startswith('<span') else html.escape(_fmt(c))}</td>"
+            for c in row
+        )
+        + "</tr>"
+        for row in rows
+    )
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _html_divergence(title: str, d: dict) -> str:
+    ref, cand, a = d["reference"], d["candidate"], d["attribution"]
+    e = html.escape
+    keys = (
+        "input_ids",
+        "position_ids",
+        "chosen_token",
+        "topk_ids",
+        "topk_values",
+        "logits_digest",
+        "prefix_hit_tokens",
+        "after_resume",
+        "restore_complete",
+    )
+    steps = _html_table(
+        ["field", "reference", "candidate"], [[k, _short(ref, k), _short(cand, k)] for k in keys]
+    )
+    cols = ["logical", "physical", "generation", "valid_len", "shared", "ref_count", "state"]
+    tables = []
+    for label, record in (("reference", ref), ("candidate", cand)):
+        entries = (record or {}).get("view", {}).get("entries", [])
+        view = (record or {}).get("view", {})
+        tables.append(
+            f"<div><h4>{label} block table (epoch {view.get('epoch')}, namespace "
+            f"{e(str(view.get('namespace', ''))[:16])})</h4>"
+            + _html_table(cols, [[x[c] for c in cols] for x in entries])
+            + "</div>"
+        )
+    fields = _html_table(["attribution field", "value"], [[k, v] for k, v in a["fields"].items()])
+    missing = f"<p class='fail'>missing fields: {e(str(a['missing']))}</p>" if a["missing"] else ""
+    return (
+        f"<h3>First divergence: {e(title)}</h3><p>Step {d['step']} of "
+        f"<code>{e(d['request_id'])}</code>: <b>{e(d['kind'])}</b> ({e(d['detail'])}); class "
+        f"<b>{e(a['class'])}</b> ({e(a['reason'])}), look at "
+        f"{e(WHERE_TO_LOOK.get(a['class'], ''))}.</p>{missing}{steps}{fields}"
+        f"<div class='side'>{''.join(tables)}</div>"
+    )
