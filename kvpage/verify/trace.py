@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import torch
 
 TOP_K = 5
 
 
-@dataclass(frozen=True, slots=True)
-class ViewEntry:
+class ViewEntry(NamedTuple):  # a tuple: one is built per block per traced step
     logical: int
     physical: int  # -1 for the reference's contiguous tensor
     generation: int
@@ -43,6 +43,9 @@ class CacheView:
         return self.entries[-1].valid_len if self.entries else 0
 
 
+EMPTY_VIEW = CacheView((), -1, "", 0)
+
+
 @dataclass(slots=True)
 class StepRecord:
     request_id: str
@@ -65,13 +68,19 @@ class StepRecord:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("logits")
+        d["view"]["entries"] = [e._asdict() for e in self.view.entries]
         return d
 
 
 def logits_digest(logits: torch.Tensor) -> str:
     """Stable digest of float32 logits rounded to 1e-4 (bitwise equality is not the contract)."""
-    rounded = torch.round(logits.float() * 1e4).to(torch.int64).cpu().numpy().tobytes()
-    return hashlib.sha256(rounded).hexdigest()[:16]
+    return logits_digests(logits.reshape(1, -1))[0]
+
+
+def logits_digests(logits: torch.Tensor) -> list[str]:
+    """One digest per row of (M, V) logits."""
+    rounded = torch.round(logits.float() * 1e4).to(torch.int64).cpu().numpy()
+    return [hashlib.sha256(row.tobytes()).hexdigest()[:16] for row in rounded]
 
 
 def make_record(request_id, step, input_ids, position_ids, logits, token, view, **extra):
@@ -112,6 +121,8 @@ class EngineTracer:
         self.records: dict[str, list[StepRecord]] = {}
         self._pending: dict[str, _PendingInputs] = {}
         self._views: dict[int, CacheView] = {}
+        self._block_size = engine.config.block_size
+        self._kv_dtype = str(engine.model.dtype).removeprefix("torch.")
 
     # --- hooks the engine calls ------------------------------------------------------------
     def on_prefix_hit(self, seq, cached_tokens: int) -> None:
@@ -120,8 +131,16 @@ class EngineTracer:
         if cached_tokens:
             key = seq.chain.keys[cached_tokens // seq.chain.block_size - 1]
             pend.hit_digest = key.digest.hex()
-        for i in range(pend.context_start, cached_tokens):
-            pend.by_index[i] = (seq.token_at(i, i + 1)[0], i)
+        first = pend.context_start
+        if cached_tokens > first:  # served from the cache, at their cache positions
+            ids = seq.token_at(first, cached_tokens)
+            pend.by_index.update(
+                zip(
+                    range(first, cached_tokens),
+                    zip(ids, range(first, cached_tokens), strict=True),
+                    strict=True,
+                )
+            )
 
     def on_resume(self, seq, mode: str, restore_complete: bool = True) -> None:
         pend = self._pending_for(seq)
@@ -129,45 +148,54 @@ class EngineTracer:
         pend.restore_complete = pend.restore_complete and restore_complete
 
     def on_batch(self, batch) -> None:
-        """Before the model runs: the inputs each request feeds and the view it will read."""
+        """Before the model runs: the inputs each request feeds, and the view each request that
+        will sample reads."""
+        sampling = {item.seq.seq_id for item in batch.sample_seqs}
         self._views = {}
+        cu = batch.cu_seqlens_q
         for item, snap, start, end in zip(
-            batch.scheduled,
-            batch.snapshots,
-            batch.cu_seqlens_q,
-            batch.cu_seqlens_q[1:],
-            strict=False,
+            batch.scheduled, batch.snapshots, cu, cu[1:], strict=False
         ):
             seq = item.seq
             pend = self._pending_for(seq)
             first = seq.num_computed
-            for row in range(start, end):
-                index = first + row - start
-                if index >= pend.context_start:
-                    pend.by_index[index] = (batch.input_ids[row], batch.positions[row])
-            self._views[seq.seq_id] = self._view(seq, snap)
+            lo = start + max(0, pend.context_start - first)  # re-fed old context is not input
+            if lo < end:
+                rows = zip(batch.input_ids[lo:end], batch.positions[lo:end], strict=True)
+                pend.by_index.update(
+                    zip(range(first + lo - start, first + end - start), rows, strict=True)
+                )
+            if seq.seq_id in sampling:
+                self._views[seq.seq_id] = self._view(seq, snap)
 
     def on_sampled(self, batch, logits: torch.Tensor, tokens: list[int]) -> None:
+        logits = logits.detach().float().cpu()  # (M, V): one copy for the whole step
+        top_values, top_ids = torch.topk(logits, min(TOP_K, logits.shape[-1]), dim=-1)
+        digests = logits_digests(logits)
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
         for row, (item, token) in enumerate(zip(batch.sample_seqs, tokens, strict=True)):
             seq = item.seq
             pend = self._pending.pop(seq.request_id, _PendingInputs())
             order = sorted(pend.by_index)
             records = self.records.setdefault(seq.request_id, [])
             records.append(
-                make_record(
-                    seq.request_id,
-                    len(records),
-                    [pend.by_index[i][0] for i in order],
-                    [pend.by_index[i][1] for i in order],
-                    logits[row],
-                    token,
-                    self._views[seq.seq_id],
+                StepRecord(
+                    request_id=seq.request_id,
+                    step=len(records),
+                    input_ids=[pend.by_index[i][0] for i in order],
+                    position_ids=[pend.by_index[i][1] for i in order],
+                    logits_digest=digests[row],
+                    topk_ids=top_ids[row],
+                    topk_values=top_values[row],
+                    chosen_token=int(token),
+                    view=self._views.get(seq.seq_id, EMPTY_VIEW),
                     prefix_hit_tokens=pend.hit_tokens,
                     prefix_digest=pend.hit_digest,
                     after_resume=bool(pend.resume_mode),
                     resume_mode=pend.resume_mode,
                     restore_complete=pend.restore_complete,
                     engine_step=self.engine.step_count,
+                    logits=logits[row].clone(),
                 )
             )
             self._pending[seq.request_id] = _PendingInputs(context_start=seq.num_tokens - 1)
@@ -177,26 +205,20 @@ class EngineTracer:
         return self._pending.setdefault(seq.request_id, _PendingInputs())
 
     def _view(self, seq, snap) -> CacheView:
-        pool = self.engine.cache.pool
+        blocks = self.engine.cache.pool.blocks
         entries = []
-        for i, e in enumerate(snap.entries):
-            b = pool.blocks[e.block_id]
+        for i, (bid, generation, valid_len) in enumerate(snap.entries):
+            b = blocks[bid]
             owners = len(b.owners)
             entries.append(
                 ViewEntry(
-                    i,
-                    e.block_id,
-                    e.generation,
-                    e.valid_len,
-                    owners > 1 or b.published,
-                    owners,
-                    b.state.name,
+                    i, bid, generation, valid_len, owners > 1 or b.published, owners, b.state.name
                 )
             )
         return CacheView(
             tuple(entries),
             snap.epoch,
             seq.chain.namespace_digest.hex(),
-            self.engine.config.block_size,
-            kv_dtype=str(self.engine.model.dtype).removeprefix("torch."),
+            self._block_size,
+            kv_dtype=self._kv_dtype,
         )
