@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from kvpage.errors import KVPageError
 from kvpage.sampling_params import SamplingParams
@@ -48,6 +49,21 @@ def _build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--report", default="reports/gate", help="directory for the reports")
     ver.add_argument("--quiet", action="store_true", help="no progress bar")
     ver.set_defaults(func=_cmd_verify)
+
+    exp = sub.add_parser("experiment", help="experiments built on the engine")
+    exp_sub = exp.add_subparsers(dest="experiment", required=True)
+    pp = exp_sub.add_parser("passphrase", help="KV sharing contamination study (R26-R28)")
+    pp.add_argument("--runs", type=int, default=100)
+    pp.add_argument("--concurrency", type=int, default=2)
+    pp.add_argument("--block-size", type=int, default=16)
+    pp.add_argument("--num-blocks", type=int, default=256)
+    pp.add_argument("--max-model-len", type=int, default=128)
+    pp.add_argument("--strategies", default="no_sharing,shared_no_cow,shared_cow")
+    pp.add_argument("--secrets", help="file with one secret per line (6-10 letters/digits)")
+    pp.add_argument("--seed", type=int, default=0)
+    pp.add_argument("--model", default="builtin:passphrase-mini")
+    pp.add_argument("--out", required=True, help="directory for results.json, report.md, PNGs")
+    pp.set_defaults(func=_cmd_passphrase)
     return parser
 
 
@@ -93,6 +109,30 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     print(summary_table(data))
     print(f"reports: {args.report}/report.json, report.md, report.html")
     return 0 if result.passed else 1
+
+
+def _cmd_passphrase(args: argparse.Namespace) -> int:
+    from kvpage.experiments.passphrase import ExperimentConfig, load_secrets, run_experiment
+
+    cfg = ExperimentConfig(
+        runs=args.runs,
+        concurrency=args.concurrency,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len,
+        strategies=tuple(args.strategies.split(",")),
+        secrets=load_secrets(args.secrets) if args.secrets else None,
+        seed=args.seed,
+        model=args.model,
+    )
+    results = run_experiment(cfg, Path(args.out))
+    print(f"{'group':<15}{'runs':>6}{'requests':>10}{'correct':>9}{'contaminated':>14}")
+    for name, g in results["groups"].items():
+        print(
+            f"{name:<15}{g['runs']:>6}{g['requests']:>10}{g['correct']:>9}{g['contaminated']:>14}"
+        )
+    print(f"{results['seconds']}s; results in {args.out}/results.json, report.md")
+    return 0
 
 
 if __name__ == "__main__":

@@ -122,20 +122,42 @@ def _build_without_cu_check(engine: LLMEngine) -> None:
 def share_partial_no_cow(engine: LLMEngine) -> None:
     """A new request joins a running request's blocks up to their common prefix, the partial
     last block included, and then appends into it in place: no copy-on-write."""
+    share_running_prefix(engine, refcount=True, cow=False)
+
+
+def share_running_prefix(engine: LLMEngine, refcount: bool, cow: bool) -> None:
+    """Sharing at admission with the running request of the longest common prefix, partial last
+    block included. Safe only with refcount and cow; the passphrase experiment (R27) compares
+    the three settings, and the mutant above is the middle one."""
     sched, cache = engine.scheduler, engine.cache
     original = sched._acquire_prefix
 
     def acquire(self, seq):
         original(seq)
-        if _join_running_prefix(engine, seq) and self.observer is not None:
+        if _join_running_prefix(engine, seq, refcount) and self.observer is not None:
             self.observer.on_prefix_hit(seq, seq.num_computed)
 
     _bind(sched, "_acquire_prefix", acquire)
-    cache._cow_needed = lambda table: False
-    _unchecked_set_valid(cache.pool)
+    if not cow:
+        cache._cow_needed = lambda table: False
+        _unchecked_set_valid(cache.pool)
+    if not refcount:  # blocks held without a reference: nothing may check who owns what
+        _tolerant_release(cache.pool)
+        _unguarded_snapshot(engine)
+        _bind(cache, "_check_appendable", lambda self, table: None)
 
 
-def _join_running_prefix(engine: LLMEngine, seq) -> bool:
+def _tolerant_release(pool) -> None:
+    original = pool.remove_owner
+
+    def remove_owner(self, block_id, owner):
+        if owner in self.blocks[block_id].owners:
+            original(block_id, owner)
+
+    _bind(pool, "remove_owner", remove_owner)
+
+
+def _join_running_prefix(engine: LLMEngine, seq, refcount: bool = True) -> bool:
     B = engine.config.block_size
     table = seq.table
     if table.num_tokens % B:
@@ -146,11 +168,13 @@ def _join_running_prefix(engine: LLMEngine, seq) -> bool:
     table.publish_blocked = True  # the joined blocks are the donor's to publish
     for logical in range(len(table.block_ids), (common - 1) // B + 1):
         bid = donor.table.block_ids[logical]
-        engine.cache.pool.add_owner(bid, seq.seq_id)
+        if refcount:
+            engine.cache.pool.add_owner(bid, seq.seq_id)
         table.block_ids.append(bid)
     table.num_tokens = common
     table.bump()
     seq.num_computed = common
+    engine.cache.live_tables[seq.seq_id] = table
     return True
 
 
