@@ -1,0 +1,6 @@
+"""OpenAI-compatible server (R25, R29-R31): `create_app(engine, ServerOptions(...))`."""
+
+from kvpage.server.app import create_app
+from kvpage.server.state import ServerOptions
+
+__all__ = ["ServerOptions", "create_app"]

@@ -1,0 +1,102 @@
+"""Run-time kill switches (R30) under /admin, guarded by the admin token (`X-Admin-Token`).
+
+Layered from narrow to wide: prefix caching off for one namespace (a tenant, a cache salt, or the
+unsalted namespace), prefix caching off everywhere, preemption off, and drain (refuse new requests
+with 503 while running ones finish). Each switch is applied on the engine thread between two steps,
+so it holds from the next scheduling decision on. Cached entries stay until evicted; they are
+simply neither hit nor extended while caching is off."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Request
+from pydantic import BaseModel
+
+from kvpage.engine.engine import LLMEngine
+from kvpage.server.metrics import engine_snapshot
+from kvpage.server.protocol import ApiError
+from kvpage.server.state import ServerState
+
+
+class Switch(BaseModel):
+    enabled: bool
+    tenant: str | None = None  # prefix caching: this tenant's namespace only
+    cache_salt: str | None = None  # prefix caching: this salt's namespace only (open server)
+    namespace: bool = False  # with neither tenant nor cache_salt: the unsalted namespace
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def require_admin(
+    request: Request, x_admin_token: str | None = Header(default=None)
+) -> ServerState:
+    state = _state(request)
+    token = state.options.admin_token
+    if token is None:
+        raise ApiError(
+            "the admin API is disabled (no --admin-token)", None, 403, "permission_error"
+        )
+    if x_admin_token is None or not hmac.compare_digest(token, x_admin_token):
+        raise ApiError("invalid or missing X-Admin-Token", None, 401, "authentication_error")
+    return state
+
+
+Admin = Annotated[ServerState, Depends(require_admin)]
+router = APIRouter(prefix="/admin")
+
+
+@router.post("/prefix-caching")
+async def prefix_caching(switch: Switch, state: Admin) -> dict:
+    scoped = switch.tenant is not None or switch.cache_salt is not None or switch.namespace
+    if not scoped:
+        await state.loop.call(_set_global_caching, state.loop.engine, switch.enabled)
+        return {"prefix_caching": switch.enabled, "scope": "global"}
+    salt = _salt(state, switch)
+    await state.loop.call(_set_namespace_caching, state.loop.engine, salt, switch.enabled)
+    digest = state.loop.engine.namespace.with_salt(salt).digest().hex()
+    return {"prefix_caching": switch.enabled, "scope": "namespace", "namespace": digest}
+
+
+@router.post("/preemption")
+async def preemption(switch: Switch, state: Admin) -> dict:
+    await state.loop.call(
+        setattr, state.loop.engine.scheduler, "preemption_enabled", switch.enabled
+    )
+    return {"preemption": switch.enabled}
+
+
+@router.post("/drain")
+async def drain(switch: Switch, state: Admin) -> dict:
+    state.draining = switch.enabled
+    return {"draining": state.draining}
+
+
+@router.get("/stats")
+async def stats(state: Admin) -> dict:
+    snapshot = await state.loop.call(engine_snapshot, state.loop.engine)
+    return {**snapshot, "draining": state.draining, "shadow_checks": state.shadow.checked}
+
+
+@router.get("/audit")
+async def audit(state: Admin) -> dict:
+    return {"events": list(state.audit.recent)}
+
+
+def _salt(state: ServerState, switch: Switch) -> str | None:
+    if switch.tenant is not None:
+        if switch.tenant not in state.tenants.keys.values():
+            raise ApiError(f"unknown tenant {switch.tenant!r}", "tenant")
+        return state.tenants.salt_for(switch.tenant)
+    return switch.cache_salt
+
+
+def _set_global_caching(engine: LLMEngine, enabled: bool) -> None:
+    engine.cache.enable_prefix_caching = enabled
+
+
+def _set_namespace_caching(engine: LLMEngine, salt: str | None, enabled: bool) -> None:
+    engine.cache.set_namespace_enabled(engine.namespace.with_salt(salt).digest(), enabled)

@@ -1,0 +1,237 @@
+"""The OpenAI-compatible HTTP app (R31): /v1/completions, /v1/chat/completions, /v1/models,
+/health, /metrics, and the /admin switches.
+
+`create_app(engine, options)` builds it around an engine the app then owns: the engine loop and the
+shadow worker start and stop with the app's lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+
+from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvpage.engine.engine import LLMEngine
+from kvpage.errors import InvalidRequest
+from kvpage.model.tokenizer import encode_text
+from kvpage.server import admin
+from kvpage.server.audit import AuditLog
+from kvpage.server.chat import load_chat_template
+from kvpage.server.engine_loop import EngineFailure, EngineLoop
+from kvpage.server.generation import Generation, run, submit
+from kvpage.server.hooks import install_hooks
+from kvpage.server.metrics import ServerMetrics, engine_snapshot
+from kvpage.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_response,
+    invalid_request,
+    sampling_params,
+    validation_error,
+)
+from kvpage.server.responses import (
+    Shape,
+    chunk_body,
+    final_body,
+    role_chunk,
+    sse,
+    usage_chunk,
+)
+from kvpage.server.shadow import ShadowChecker
+from kvpage.server.state import ServerOptions, ServerState
+from kvpage.server.tenants import Tenants
+from kvpage.server.text_stream import TextStream
+
+log = logging.getLogger("kvpage.server")
+
+
+def create_app(engine: LLMEngine, options: ServerOptions | None = None) -> FastAPI:
+    options = options or ServerOptions(model_name=engine.config.model)
+    audit = AuditLog(options.audit_log, options.audit_sample_rate, options.seed)
+    shadow = ShadowChecker(engine.model, audit, options.shadow_rate, options.seed)
+    state = ServerState(
+        options=options,
+        loop=EngineLoop(engine),
+        metrics=ServerMetrics(shadow.counts),
+        audit=audit,
+        tenants=Tenants(dict(options.api_keys)),
+        shadow=shadow,
+        chat_template=load_chat_template(engine.config.model),
+    )
+    install_hooks(engine, audit, state.metrics)
+    app = FastAPI(title="kvpage", lifespan=_lifespan)
+    app.state.server = state
+    app.include_router(admin.router)
+    app.include_router(_routes())
+    app.add_exception_handler(ApiError, lambda _, exc: error_response(exc))
+    app.add_exception_handler(
+        RequestValidationError, lambda _, exc: error_response(validation_error(exc))
+    )
+    return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    state: ServerState = app.state.server
+    state.loop.start()
+    state.shadow.start()
+    try:
+        yield
+    finally:
+        state.loop.stop()
+        state.shadow.stop()
+        state.audit.close()
+
+
+def _routes():
+    from fastapi import APIRouter
+
+    router = APIRouter()
+    router.add_api_route("/health", health, methods=["GET"])
+    router.add_api_route("/metrics", metrics, methods=["GET"])
+    router.add_api_route("/v1/models", models, methods=["GET"])
+    router.add_api_route("/v1/completions", completions, methods=["POST"])
+    router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    return router
+
+
+# --- plain endpoints -------------------------------------------------------------------------
+async def health(request: Request) -> dict:
+    return {"status": "ok", "draining": request.app.state.server.draining}
+
+
+async def metrics(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    stats = await state.loop.call(engine_snapshot, state.loop.engine)
+    return Response(state.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+
+async def models(request: Request, authorization: str | None = Header(default=None)) -> dict:
+    state: ServerState = request.app.state.server
+    state.tenants.authenticate(authorization)
+    card = {"id": state.options.model_name, "object": "model", "owned_by": "kvpage"}
+    return {"object": "list", "data": [{**card, "created": 0}]}
+
+
+# --- generation endpoints --------------------------------------------------------------------
+async def completions(
+    body: CompletionRequest, request: Request, authorization: str | None = Header(default=None)
+) -> Response:
+    state = _admit(request, body, authorization, "completions")
+    prompt = body.single_prompt()
+    prompt_ids = _encode(state, prompt) if isinstance(prompt, str) else list(prompt)
+    max_tokens = body.max_tokens or _room(state, prompt_ids)
+    return await _serve(request, state, body, prompt_ids, max_tokens, body.logprobs, chat=False)
+
+
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, authorization: str | None = Header(default=None)
+) -> Response:
+    state = _admit(request, body, authorization, "chat")
+    messages = [{"role": m.role, "content": m.text} for m in body.messages]
+    prompt_ids = _encode(state, state.chat_template(messages))
+    max_tokens = body.max_completion_tokens or body.max_tokens or _room(state, prompt_ids)
+    return await _serve(request, state, body, prompt_ids, max_tokens, body.num_logprobs, chat=True)
+
+
+def _admit(request: Request, body, authorization: str | None, endpoint: str) -> ServerState:
+    """Checks that need no engine: auth, drain, model name, unsupported fields."""
+    state: ServerState = request.app.state.server
+    request.state.tenant = state.tenants.authenticate(authorization)
+    request.state.endpoint = endpoint
+    if state.draining:
+        raise ApiError("the server is draining; retry elsewhere", None, 503, "service_unavailable")
+    if body.model and body.model != state.options.model_name:
+        raise ApiError(f"model {body.model!r} is not served here", "model", 404, "not_found_error")
+    body.check_unsupported()
+    return state
+
+
+def _encode(state: ServerState, text: str) -> list[int]:
+    engine = state.loop.engine
+    try:
+        return encode_text(engine.tokenizer, text, engine.config.model)
+    except InvalidRequest as err:
+        raise ApiError(str(err), "prompt") from err
+
+
+def _room(state: ServerState, prompt_ids: list[int]) -> int:
+    """Default max_tokens: whatever the context and the KV pool leave after the prompt."""
+    engine = state.loop.engine
+    pool_tokens = engine.cache.pool.num_blocks * engine.config.block_size
+    return max(1, min(engine.max_model_len, pool_tokens) - len(prompt_ids))
+
+
+async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, chat) -> Response:
+    params = sampling_params(body, max_tokens, num_logprobs)
+    salt = state.tenants.cache_salt(request.state.tenant, body.cache_salt)
+    prefix = "chatcmpl" if chat else "cmpl"
+    shape = Shape(
+        chat, f"{prefix}-{uuid.uuid4().hex}", state.options.model_name, num_logprobs,
+        body.return_token_ids, int(time.time()),
+    )  # fmt: skip
+    tokenizer = state.loop.engine.tokenizer
+    gen = Generation(
+        shape.request_id, prompt_ids, params, salt, TextStream(tokenizer, body.stop_strings)
+    )
+    try:
+        sink = await submit(state, gen)
+    except InvalidRequest as err:
+        raise invalid_request(err) from err
+    state.metrics.requests.labels(request.state.endpoint, "200").inc()
+    if body.stream:
+        events = _stream(state, shape, gen, sink, body.include_usage)
+        return StreamingResponse(events, media_type="text/event-stream")
+    return await _complete(request, state, shape, gen, sink)
+
+
+async def _stream(state, shape, gen, sink, include_usage: bool) -> AsyncIterator[str]:
+    tokenizer = state.loop.engine.tokenizer
+    quiet = shape.num_logprobs is None and not shape.return_token_ids
+    if shape.chat:
+        yield sse(role_chunk(shape))
+    try:
+        async with aclosing(run(state, gen, sink)) as deltas:
+            async for delta in deltas:
+                if delta.text or delta.finish_reason is not None or not quiet:
+                    yield sse(chunk_body(shape, delta, tokenizer))
+    except EngineFailure as err:
+        yield sse({"error": {"message": str(err), "type": "server_error", "param": None}})
+    if include_usage:
+        yield sse(usage_chunk(shape, gen))
+    yield sse("[DONE]")
+
+
+async def _complete(request, state, shape, gen, sink) -> Response:
+    """Collect the whole response; a client that hangs up meanwhile aborts the request."""
+
+    async def collect() -> None:
+        async with aclosing(run(state, gen, sink)) as deltas:
+            async for _ in deltas:
+                pass
+
+    task = asyncio.create_task(collect())
+    gone = asyncio.create_task(_disconnected(request))
+    await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if not task.done():
+        task.cancel()  # run() aborts the request on its way out
+        return Response(status_code=499)
+    try:
+        task.result()
+    except EngineFailure as err:
+        raise ApiError(str(err), None, 500, "server_error") from err
+    return JSONResponse(final_body(shape, gen, state.loop.engine.tokenizer))
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,109 @@
+"""Prometheus metrics (R29) on a per-app registry (tests build several apps in one process).
+
+Engine counters are monotonic totals kept by the engine; they are read once per scrape on the engine
+thread (`engine_snapshot`) and exposed by a collector, so no number is counted twice. Latencies are
+observed by the server as tokens reach clients, the restore latency by the engine hooks, and
+pollution by the shadow comparison."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvpage.engine.engine import LLMEngine
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+BLOCK_STATES = ("free", "private", "shared", "cached", "evicting", "restoring")
+COUNTERS = {  # engine stats key -> (metric name without _total, help)
+    "prefix_queries": (
+        "kvpage_prefix_cache_queries_tokens",
+        "Prompt tokens looked up in the cache",
+    ),
+    "prefix_hits": ("kvpage_prefix_cache_hits_tokens", "Prompt tokens served by the prefix cache"),
+    "allocations": ("kvpage_kv_block_allocations", "KV blocks taken from the free list"),
+    "frees": ("kvpage_kv_block_frees", "KV blocks returned to the free list"),
+    "generation_bumps": ("kvpage_kv_block_generation_bumps", "Block generation bumps"),
+    "cow_copies": ("kvpage_kv_cow_copies", "Copy-on-write block copies"),
+    "evictions": ("kvpage_kv_block_evictions", "Cached blocks evicted"),
+    "corruptions": ("kvpage_cache_corruptions", "Fast-key hits whose full digest differed"),
+    "aborts": ("kvpage_request_aborts", "Requests aborted (client gone, stop string)"),
+}
+
+
+def engine_snapshot(engine: LLMEngine) -> dict[str, int]:
+    """Engine stats plus the allocation counters; call it on the engine thread."""
+    cs = engine.cache.stats
+    return {**engine.stats(), "allocations": cs.allocations, "frees": cs.frees}
+
+
+class _EngineCollector:
+    """Exposes the last engine snapshot; `stats` is refreshed right before each scrape."""
+
+    def __init__(self, shadow_counts: Callable[[], tuple[int, int]]) -> None:
+        self.stats: dict[str, int] = {}
+        self.shadow_counts = shadow_counts  # () -> (checked, mismatched)
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        if not s:
+            return
+        for key, (name, doc) in COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=s[key])
+        yield _gauge("kvpage_prefix_cache_hit_rate", "hits / queries (tokens)", _rate(s))
+        blocks = GaugeMetricFamily("kvpage_kv_blocks", "KV blocks by state", labels=["state"])
+        for state in BLOCK_STATES:
+            blocks.add_metric([state], s[f"{state}_blocks"])
+        yield blocks
+        pre = CounterMetricFamily("kvpage_preemptions", "Preemptions by mode", labels=["mode"])
+        for mode in ("recompute", "swap"):
+            pre.add_metric([mode], s[f"preemptions_{mode}"])
+        yield pre
+        reqs = GaugeMetricFamily("kvpage_requests", "Requests by queue", labels=["queue"])
+        for q in ("running", "waiting", "swapped"):
+            reqs.add_metric([q], s[q])
+        yield reqs
+        checked, bad = self.shadow_counts()
+        yield CounterMetricFamily("kvpage_shadow_checks", "Shadow comparisons run", value=checked)
+        yield CounterMetricFamily(
+            "kvpage_shadow_mismatches", "Shadow comparisons that differed", value=bad
+        )
+        yield _gauge("kvpage_pollution_rate", "Shadow mismatches / checks", bad / max(checked, 1))
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _rate(s: dict[str, Any]) -> float:
+    return s["prefix_hits"] / s["prefix_queries"] if s["prefix_queries"] else 0.0
+
+
+class ServerMetrics:
+    def __init__(self, shadow_counts: Callable[[], tuple[int, int]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "kvpage_time_to_first_token_seconds", "Arrival to first token", registry=r,
+            buckets=LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "kvpage_inter_token_latency_seconds", "Between consecutive tokens of a request",
+            registry=r, buckets=LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.restore_latency = Histogram(
+            "kvpage_restore_latency_seconds", "Swap-in of a preempted request", registry=r,
+            buckets=LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.requests = Counter(
+            "kvpage_http_requests", "Requests by endpoint and status", ["endpoint", "status"],
+            registry=r,
+        )  # fmt: skip
+        self._engine = _EngineCollector(shadow_counts)
+        r.register(self._engine)
+
+    def render(self, stats: dict[str, int]) -> bytes:
+        self._engine.stats = stats
+        return generate_latest(self.registry)
