@@ -64,6 +64,26 @@ def _build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--model", default="builtin:passphrase-mini")
     pp.add_argument("--out", required=True, help="directory for results.json, report.md, PNGs")
     pp.set_defaults(func=_cmd_passphrase)
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (R31)")
+    srv.add_argument("--model", default="builtin:tiny-llama", help="builtin:NAME or a HF directory")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--block-size", type=int, default=16)
+    srv.add_argument("--num-blocks", type=int, default=None)
+    srv.add_argument("--max-num-seqs", type=int, default=64)
+    srv.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    srv.add_argument("--no-prefix-caching", action="store_true")
+    srv.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    srv.add_argument("--dtype", default="float32")
+    srv.add_argument("--device", default="cpu")
+    srv.add_argument(
+        "--api-keys", help="file of API keys: JSON {key: tenant} or lines `key tenant`"
+    )
+    srv.add_argument("--admin-token", help="enables /admin (header X-Admin-Token)")
+    srv.add_argument("--shadow-rate", type=float, default=0.01, help="cache hits re-checked")
+    srv.add_argument("--audit-log", help="JSON-lines audit file (default: the kvpage.audit logger)")
+    srv.add_argument("--audit-sample-rate", type=float, default=1.0)
+    srv.set_defaults(func=_cmd_serve)
     return parser
 
 
@@ -132,6 +152,39 @@ def _cmd_passphrase(args: argparse.Namespace) -> int:
             f"{name:<15}{g['runs']:>6}{g['requests']:>10}{g['correct']:>9}{g['contaminated']:>14}"
         )
     print(f"{results['seconds']}s; results in {args.out}/results.json, report.md")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvpage.config import EngineConfig
+    from kvpage.engine.engine import LLMEngine
+    from kvpage.server import ServerOptions, create_app
+    from kvpage.server.tenants import load_api_keys
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=not args.no_prefix_caching,
+            preemption_mode=args.preemption_mode,
+            dtype=args.dtype,
+            device=args.device,
+        )
+    )
+    options = ServerOptions(
+        model_name=args.model,
+        api_keys=load_api_keys(args.api_keys) if args.api_keys else {},
+        admin_token=args.admin_token,
+        shadow_rate=args.shadow_rate,
+        audit_log=args.audit_log,
+        audit_sample_rate=args.audit_sample_rate,
+    )
+    uvicorn.run(create_app(engine, options), host=args.host, port=args.port, log_level="info")
     return 0
 
 
