@@ -93,7 +93,9 @@ class ModelRunner:
                 decode_tables.append(snap.block_ids)
                 decode_lens.append(context_len)
             else:
-                prefills.append(PrefillChunk(start, end, self._context_slots(snap, context_len)))
+                fresh = item.seq.num_computed == 0
+                slots_ctx = None if fresh else self._context_slots(snap, context_len)
+                prefills.append(PrefillChunk(start, end, slots_ctx))
         decode_slots, decode_mask = self._decode_gather(decode_tables, decode_lens)
         return PagedAttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),

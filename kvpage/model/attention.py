@@ -33,6 +33,19 @@ def masked_attention(
     return out.squeeze(0).transpose(0, 1)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """q: (T, H, D); k, v: (T, KVH, D), the same T tokens -> (T, H, D), causal."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
 def causal_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor:
     """(T, S) mask for T new tokens that are the last T of S: query i sees keys 0..S-T+i."""
     q_idx = torch.arange(num_keys - num_queries, num_keys, device=device)

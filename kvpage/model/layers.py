@@ -56,15 +56,20 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim), persistent=False)
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: (N, H, D), k: (N, KVH, D), positions: (N,)
+        """(N, 1, D) cos and sin for the positions; computed once per forward, used by every layer."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # (N, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (N, D)
-        cos = emb.cos().to(q.dtype)[:, None, :]  # (N, 1, D)
-        sin = emb.sin().to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: (N, H, D), k: (N, KVH, D); cos, sin: (N, 1, D)."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

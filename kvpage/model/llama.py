@@ -9,7 +9,7 @@ from torch import nn
 from kvpage.config import ModelConfig
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.base import CausalLM
-from kvpage.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from kvpage.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
 
 class LlamaAttention(nn.Module):
@@ -29,17 +29,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
-        attn: AttentionBackend,
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
     ) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # (N, H, D)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # (N, KVH, D)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)  # (N, KVH, D)
-        q, k = rotary(q, k, positions)
+        q, k = apply_rotary(q, k, *rope)
         out = attn.attend(self.layer, q, k, v, self.scale)  # (N, H, D)
         return self.o_proj(out.reshape(n, -1))  # (N, C)
 
@@ -52,8 +48,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, x, positions, rotary, attn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
+    def forward(self, x, rope, attn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -82,8 +78,9 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, input_ids, positions, attn) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (N, C)
+        rope = self.model.rotary.cos_sin(positions, x.dtype)  # ((N, 1, D), (N, 1, D))
         for layer in self.model.layers:
-            x = layer(x, positions, self.model.rotary, attn)
+            x = layer(x, rope, attn)
         return self.model.norm(x)  # (N, C)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

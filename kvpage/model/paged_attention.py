@@ -11,14 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpage.model.attention import causal_mask, masked_attention
+from kvpage.model.attention import causal_attention, causal_mask, masked_attention
 
 
 @dataclass(slots=True)
 class PrefillChunk:
     token_start: int  # rows [token_start, token_end) of the packed batch
     token_end: int
-    context_slots: torch.Tensor  # (ctx,) slots of the whole context, this chunk included
+    context_slots: torch.Tensor | None  # (ctx,) slots of the whole context, chunk included;
+    # None when the chunk is the whole context (a fresh prompt): it attends to its own K/V
 
 
 @dataclass(slots=True)
@@ -112,7 +113,7 @@ class PagedAttention:
             out[self.meta.decode_rows] = self._decode(q, k_flat, v_flat, scale)
         for chunk in self.meta.prefills:
             rows = slice(chunk.token_start, chunk.token_end)
-            out[rows] = self._prefill(q[rows], chunk, k_flat, v_flat, scale)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], chunk, k_flat, v_flat, scale)
         return out
 
     def _decode(self, q, k_flat, v_flat, scale: float) -> torch.Tensor:
@@ -130,7 +131,9 @@ class PagedAttention:
         )  # (Sd, H, 1, D)
         return out.squeeze(2)
 
-    def _prefill(self, q, chunk: PrefillChunk, k_flat, v_flat, scale: float) -> torch.Tensor:
+    def _prefill(self, q, k, v, chunk: PrefillChunk, k_flat, v_flat, scale: float):
+        if chunk.context_slots is None:  # nothing cached before it: no gather needed
+            return causal_attention(q, k, v, scale)
         k_ctx = k_flat[chunk.context_slots]  # (ctx, KVH, D)
         v_ctx = v_flat[chunk.context_slots]
         mask = causal_mask(q.shape[0], k_ctx.shape[0], q.device)
