@@ -159,7 +159,8 @@ class BlockPool:
             raise InvariantViolation(f"block {block_id}: unpin without a pin")
         b.pins -= 1
         b.ref_count -= 1
-        self._settle(b)
+        if not b.owners:  # pins never decide private vs shared: only a last pin can move it
+            self._settle(b)
 
     # --- content / lifecycle ---------------------------------------------------------------
     def set_valid(self, block_id: int, valid_len: int) -> None:

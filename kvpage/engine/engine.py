@@ -78,6 +78,7 @@ class LLMEngine:
         }
         self._tracer = None
         self._pending: list[RequestOutput] = []
+        self.emit_progress = True  # per-token outputs for streaming; offline callers turn it off
         self._seq_ids = itertools.count()
 
     # --- construction helpers --------------------------------------------------------------
@@ -256,7 +257,7 @@ class LLMEngine:
             self._finish(seq, "stop")
         elif len(seq.output_ids) >= seq.params.max_tokens:
             self._finish(seq, "length")
-        else:
+        elif self.emit_progress:
             self._pending.append(self._output(seq, [token]))
 
     def _finish(self, seq: Sequence, reason: str) -> None:

@@ -16,6 +16,7 @@ class LLM:
     def __init__(self, model: str = "builtin:tiny-llama", **engine_args) -> None:
         self.config = EngineConfig(model=model, **engine_args)
         self.engine = LLMEngine(self.config)
+        self.engine.emit_progress = False  # generate() only needs finished outputs
         self._next_id = 0
 
     @property
