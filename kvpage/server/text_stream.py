@@ -32,8 +32,7 @@ class TextStream:
             return self._emit(text[:cut])
         if final:
             return self._emit(text)
-        hold = max((len(s) - 1 for s in self.stop), default=0)
-        end = len(text) - hold
+        end = len(text) - self._partial_stop(text)
         while end > len(self.sent) and text[end - 1] == _INCOMPLETE:
             end -= 1
         return self._emit(text[:end])
@@ -43,6 +42,14 @@ class TextStream:
         start = max(0, len(self.sent) - max((len(s) for s in self.stop), default=0))
         hits = [i for s in self.stop if (i := text.find(s, start)) >= 0]
         return min(hits) if hits else None
+
+    def _partial_stop(self, text: str) -> int:
+        """Length of the longest tail of `text` that a stop string starts with."""
+        longest = max((len(s) for s in self.stop), default=1)
+        for n in range(min(len(text), longest - 1), 0, -1):
+            if any(s.startswith(text[-n:]) for s in self.stop):
+                return n
+        return 0
 
     def _emit(self, text: str) -> str:
         if len(text) <= len(self.sent):
