@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 
@@ -38,9 +36,9 @@ from kvpage.server.protocol import (
     validation_error,
 )
 from kvpage.server.responses import (
-    Shape,
     chunk_body,
     final_body,
+    new_shape,
     role_chunk,
     sse,
     usage_chunk,
@@ -173,11 +171,7 @@ def _room(state: ServerState, prompt_ids: list[int]) -> int:
 async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, chat) -> Response:
     params = sampling_params(body, max_tokens, num_logprobs)
     salt = state.tenants.cache_salt(request.state.tenant, body.cache_salt)
-    prefix = "chatcmpl" if chat else "cmpl"
-    shape = Shape(
-        chat, f"{prefix}-{uuid.uuid4().hex}", state.options.model_name, num_logprobs,
-        body.return_token_ids, int(time.time()),
-    )  # fmt: skip
+    shape = new_shape(chat, state.options.model_name, num_logprobs, body.return_token_ids)
     tokenizer = state.loop.engine.tokenizer
     gen = Generation(
         shape.request_id, prompt_ids, params, salt, TextStream(tokenizer, body.stop_strings)

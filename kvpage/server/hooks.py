@@ -45,9 +45,12 @@ def _wrap_swap_in(engine: LLMEngine, audit: AuditLog, metrics: ServerMetrics) ->
         latency = time.perf_counter() - start
         metrics.restore_latency.observe(latency)
         audit.write(
-            "restore", request_id=seq.request_id, mode="swap", latency_s=latency,
+            "restore",
+            request_id=seq.request_id,
+            mode="swap",
+            latency_s=latency,
             **_blocks(engine, seq),
-        )  # fmt: skip
+        )
 
     engine.swap_in = swap_in
 

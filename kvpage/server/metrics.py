@@ -86,21 +86,29 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
-            "kvpage_time_to_first_token_seconds", "Arrival to first token", registry=r,
-            buckets=LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.itl = Histogram(
-            "kvpage_inter_token_latency_seconds", "Between consecutive tokens of a request",
-            registry=r, buckets=LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.restore_latency = Histogram(
-            "kvpage_restore_latency_seconds", "Swap-in of a preempted request", registry=r,
-            buckets=LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.requests = Counter(
-            "kvpage_http_requests", "Requests by endpoint and status", ["endpoint", "status"],
+            "kvpage_time_to_first_token_seconds",
+            "Arrival to first token",
             registry=r,
-        )  # fmt: skip
+            buckets=LATENCY_BUCKETS,
+        )
+        self.itl = Histogram(
+            "kvpage_inter_token_latency_seconds",
+            "Between consecutive tokens of a request",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.restore_latency = Histogram(
+            "kvpage_restore_latency_seconds",
+            "Swap-in of a preempted request",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.requests = Counter(
+            "kvpage_http_requests",
+            "Requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
         self._engine = _EngineCollector(shadow_counts)
         r.register(self._engine)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,7 @@ def sse(body: dict[str, Any] | str) -> str:
 
 def new_shape(chat: bool, model: str, num_logprobs: int | None, token_ids: bool) -> Shape:
     prefix = "chatcmpl" if chat else "cmpl"
-    request_id = f"{prefix}-{time.time_ns():x}"
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
     return Shape(chat, request_id, model, num_logprobs, token_ids, int(time.time()))
 
 

@@ -85,10 +85,15 @@ class ShadowChecker:
         if step is not None:
             self.mismatched += 1
             self.audit.write(
-                "shadow_mismatch", always=True, request_id=job.request_id, step=step,
-                reference_token=_at(reference, step), served_token=_at(job.served_ids, step),
-                cached_tokens=job.cached_tokens, prompt_tokens=len(job.prompt_ids),
-            )  # fmt: skip
+                "shadow_mismatch",
+                always=True,
+                request_id=job.request_id,
+                step=step,
+                reference_token=_at(reference, step),
+                served_token=_at(job.served_ids, step),
+                cached_tokens=job.cached_tokens,
+                prompt_tokens=len(job.prompt_ids),
+            )
             log.error("shadow comparison: %s diverged at step %d", job.request_id, step)
         return step
 

@@ -56,9 +56,12 @@ def _burst(server, n: int = 6) -> None:
 
     def one(i: int) -> int:
         r = client.completions.create(
-            model=MODEL, prompt=f"burst {i} " + "x" * 150, max_tokens=150, temperature=0,
+            model=MODEL,
+            prompt=f"burst {i} " + "x" * 150,
+            max_tokens=150,
+            temperature=0,
             extra_body={"ignore_eos": True},
-        )  # fmt: skip
+        )
         return r.usage.completion_tokens
 
     with ThreadPoolExecutor(n) as pool:
@@ -80,9 +83,13 @@ def test_preemption_switch(open_server):
 def test_drain(open_server):
     client = open_server.client()
     stream = client.completions.create(
-        model=MODEL, prompt="draining", max_tokens=30, temperature=0, stream=True,
+        model=MODEL,
+        prompt="draining",
+        max_tokens=30,
+        temperature=0,
+        stream=True,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     first = next(iter(stream))
     open_server.admin("drain", {"enabled": True})
     try:

@@ -24,9 +24,13 @@ def _client_run(server, i: int, hang_up_after: int | None) -> list[int] | None:
     client = server.client()
     seed = {"seed": 100 + i, "temperature": 0.8} if i % 2 else {"temperature": 0.0}
     stream = client.completions.create(
-        model=MODEL, prompt=_prompt(i), max_tokens=MAX_TOKENS, stream=True,
-        extra_body={"return_token_ids": True}, **seed,
-    )  # fmt: skip
+        model=MODEL,
+        prompt=_prompt(i),
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        extra_body={"return_token_ids": True},
+        **seed,
+    )
     ids: list[int] = []
     for chunk in stream:
         ids.extend(chunk.choices[0].model_extra["token_ids"])
@@ -71,9 +75,13 @@ def test_disconnect_aborts_the_request(open_server):
     """A long stream dropped after two chunks is aborted at once, not run to max_tokens."""
     before = open_server.wait_idle()
     stream = open_server.client().completions.create(
-        model=MODEL, prompt="hang up on me", max_tokens=1000, temperature=0, stream=True,
+        model=MODEL,
+        prompt="hang up on me",
+        max_tokens=1000,
+        temperature=0,
+        stream=True,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     chunks = iter(stream)
     next(chunks), next(chunks)
     stream.close()

@@ -46,10 +46,13 @@ def test_metrics_move(open_server):
     assert m1["kvpage_kv_blocks{state=private}"] == m1["kvpage_kv_blocks{state=shared}"] == 0
     assert m1["kvpage_requests{queue=running}"] == m1["kvpage_requests{queue=waiting}"] == 0
     for name in (
-        "kvpage_preemptions_total{mode=recompute}", "kvpage_preemptions_total{mode=swap}",
-        "kvpage_kv_cow_copies_total", "kvpage_cache_corruptions_total",
-        "kvpage_restore_latency_seconds_count", "kvpage_pollution_rate",
-    ):  # fmt: skip
+        "kvpage_preemptions_total{mode=recompute}",
+        "kvpage_preemptions_total{mode=swap}",
+        "kvpage_kv_cow_copies_total",
+        "kvpage_cache_corruptions_total",
+        "kvpage_restore_latency_seconds_count",
+        "kvpage_pollution_rate",
+    ):
         assert name in m1
 
 

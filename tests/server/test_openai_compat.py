@@ -46,9 +46,14 @@ def test_streamed_completion_matches_offline(open_server, offline, case):
     params, fields = CASES[case]
     ids, text = _expected(offline, PROMPT, params)
     stream = open_server.client().completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=24, stream=True, extra_body=TOKEN_IDS,
-        stream_options={"include_usage": True}, **fields,
-    )  # fmt: skip
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=24,
+        stream=True,
+        extra_body=TOKEN_IDS,
+        stream_options={"include_usage": True},
+        **fields,
+    )
     chunks = list(stream)
     got_ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]]
     assert got_ids == ids
@@ -95,9 +100,13 @@ def test_logprobs(open_server, offline):
     # greedy: the chosen token is the top-1, so its logprob is known
     assert lp.token_logprobs == pytest.approx([max(s.values()) for s in expected.logprobs])
     chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
-        logprobs=True, top_logprobs=2,
-    )  # fmt: skip
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
 
