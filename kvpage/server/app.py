@@ -69,11 +69,21 @@ def create_app(engine: LLMEngine, options: ServerOptions | None = None) -> FastA
     app.state.server = state
     app.include_router(admin.router)
     app.include_router(_routes())
-    app.add_exception_handler(ApiError, lambda _, exc: error_response(exc))
-    app.add_exception_handler(
-        RequestValidationError, lambda _, exc: error_response(validation_error(exc))
-    )
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _api_error)
+    app.add_exception_handler(Exception, _api_error)
     return app
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    """Every error leaves in OpenAI's shape and is counted by path and status."""
+    if isinstance(exc, RequestValidationError):
+        exc = validation_error(exc)
+    elif not isinstance(exc, ApiError):
+        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+        exc = ApiError(f"internal error: {type(exc).__name__}", None, 500)
+    request.app.state.server.metrics.requests.labels(request.url.path, str(exc.status)).inc()
+    return error_response(exc)
 
 
 @asynccontextmanager
@@ -123,7 +133,7 @@ async def models(request: Request, authorization: str | None = Header(default=No
 async def completions(
     body: CompletionRequest, request: Request, authorization: str | None = Header(default=None)
 ) -> Response:
-    state = _admit(request, body, authorization, "completions")
+    state = _admit(request, body, authorization)
     prompt = body.single_prompt()
     prompt_ids = _encode(state, prompt) if isinstance(prompt, str) else list(prompt)
     max_tokens = body.max_tokens or _room(state, prompt_ids)
@@ -133,18 +143,17 @@ async def completions(
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, authorization: str | None = Header(default=None)
 ) -> Response:
-    state = _admit(request, body, authorization, "chat")
+    state = _admit(request, body, authorization)
     messages = [{"role": m.role, "content": m.text} for m in body.messages]
     prompt_ids = _encode(state, state.chat_template(messages))
     max_tokens = body.max_completion_tokens or body.max_tokens or _room(state, prompt_ids)
     return await _serve(request, state, body, prompt_ids, max_tokens, body.num_logprobs, chat=True)
 
 
-def _admit(request: Request, body, authorization: str | None, endpoint: str) -> ServerState:
+def _admit(request: Request, body, authorization: str | None) -> ServerState:
     """Checks that need no engine: auth, drain, model name, unsupported fields."""
     state: ServerState = request.app.state.server
     request.state.tenant = state.tenants.authenticate(authorization)
-    request.state.endpoint = endpoint
     if state.draining:
         raise ApiError("the server is draining; retry elsewhere", None, 503, "service_unavailable")
     if body.model and body.model != state.options.model_name:
@@ -180,7 +189,7 @@ async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, cha
         sink = await submit(state, gen)
     except InvalidRequest as err:
         raise invalid_request(err) from err
-    state.metrics.requests.labels(request.state.endpoint, "200").inc()
+    state.metrics.requests.labels(request.url.path, "200").inc()
     if body.stream:
         events = _stream(state, shape, gen, sink, body.include_usage)
         return StreamingResponse(events, media_type="text/event-stream")

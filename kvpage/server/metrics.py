@@ -105,8 +105,8 @@ class ServerMetrics:
         )
         self.requests = Counter(
             "kvpage_http_requests",
-            "Requests by endpoint and status",
-            ["endpoint", "status"],
+            "Requests by path and status",
+            ["path", "status"],
             registry=r,
         )
         self._engine = _EngineCollector(shadow_counts)

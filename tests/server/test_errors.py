@@ -6,6 +6,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from kvpage import EngineConfig, LLMEngine
+from kvpage.server import ServerOptions, create_app
+from kvpage.server.background import BackgroundServer
+
 from .conftest import MODEL
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -60,10 +64,39 @@ def test_malformed_json_and_unknown_model(open_server):
 
 
 def test_server_survives_bad_requests(open_server):
+    key = "kvpage_http_requests_total{path=/v1/completions,status=400}"
+    rejected = open_server.metrics().get(key, 0)
     for path, body, _ in BAD:
         open_server.post(path, body)
+    m = open_server.metrics()
+    grew = m[key] - rejected
+    assert grew == sum(path == "/v1/completions" for path, _, _ in BAD)
     client = open_server.client()
     r = client.completions.create(model=MODEL, prompt="still up?", max_tokens=3, temperature=0)
     assert 1 <= r.usage.completion_tokens <= 3
     stats = open_server.wait_idle()
     assert stats["private_blocks"] == 0 and stats["waiting"] == 0
+
+
+def test_engine_failure_fails_requests_not_the_server():
+    """If a step raises (a bug), requests in flight get a 500 / an error event; serving goes on."""
+    engine = LLMEngine(EngineConfig(model=MODEL, num_blocks=32))
+    original, failures = engine.step, [1, 1]
+
+    def flaky_step():
+        if failures:
+            failures.pop()
+            raise RuntimeError("injected step failure")
+        return original()
+
+    engine.step = flaky_step
+    app = create_app(engine, ServerOptions(model_name=MODEL, shadow_rate=0.0))
+    with BackgroundServer(app) as server:
+        body = {"prompt": "boom", "max_tokens": 4}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
+        r = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=30)
+        assert '"error"' in r.text and r.text.endswith("data: [DONE]\n\n")
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        assert engine.stats()["private_blocks"] == 0

@@ -40,7 +40,7 @@ def test_metrics_move(open_server):
     assert grew("kvpage_kv_block_allocations_total") > 0
     assert grew("kvpage_kv_block_frees_total") > 0
     assert grew("kvpage_kv_block_generation_bumps_total") > 0
-    assert grew("kvpage_http_requests_total{endpoint=completions,status=200}") == 2
+    assert grew("kvpage_http_requests_total{path=/v1/completions,status=200}") == 2
     states = [f"kvpage_kv_blocks{{state={s}}}" for s in ("free", "private", "shared", "cached")]
     assert sum(m1[s] for s in states) == NUM_BLOCKS
     assert m1["kvpage_kv_blocks{state=private}"] == m1["kvpage_kv_blocks{state=shared}"] == 0
