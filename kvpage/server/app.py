@@ -11,7 +11,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 
-from fastapi import FastAPI, Header, Request
+from fastapi import APIRouter, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -99,9 +99,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.audit.close()
 
 
-def _routes():
-    from fastapi import APIRouter
-
+def _routes() -> APIRouter:
     router = APIRouter()
     router.add_api_route("/health", health, methods=["GET"])
     router.add_api_route("/metrics", metrics, methods=["GET"])

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-from kvpage import SamplingParams
+from kvpage import EngineConfig, LLMEngine, SamplingParams
+from kvpage.server import ServerOptions, create_app
 from kvpage.server.audit import AuditLog
+from kvpage.server.background import BackgroundServer
 from kvpage.server.shadow import ShadowChecker, ShadowJob, first_difference
 
-from .conftest import MODEL, NUM_BLOCKS
+from .conftest import MODEL, NUM_BLOCKS, Server
 
 PROMPT = "Observability: a prompt long enough for three blocks."
 
@@ -114,3 +117,33 @@ def test_shadow_sampling_rules(offline):
     checker.offer(ShadowJob("hit", [1, 2], SamplingParams(), [3], cached_tokens=16))
     assert checker._jobs.qsize() == 1
     assert first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([1], [1]) is None
+
+
+def test_swap_preemption_is_audited(tmp_path):
+    """Swap mode on a small pool: preempt and restore lines, restore latency observed."""
+    engine = LLMEngine(EngineConfig(model=MODEL, num_blocks=24, preemption_mode="swap"))
+    options = ServerOptions(model_name=MODEL, shadow_rate=0.0, audit_log=tmp_path / "a.jsonl")
+    with BackgroundServer(create_app(engine, options)) as bg:
+        server = Server(bg.url, tmp_path / "a.jsonl")
+        client = server.client()
+
+        def one(i: int) -> int:
+            r = client.completions.create(
+                model=MODEL,
+                prompt=f"swap {i}",
+                max_tokens=120,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            return r.usage.completion_tokens
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(one, range(4), timeout=60)) == [120] * 4
+        m = server.metrics()
+    events = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    preempts = [e for e in events if e["event"] == "preempt"]
+    restores = [e for e in events if e["event"] == "restore"]
+    assert preempts and {"request_id", "mode", "blocks", "generations"} <= set(preempts[0])
+    assert any(e["mode"] == "swap" for e in preempts)
+    assert restores and m["kvpage_restore_latency_seconds_count"] == len(restores)
+    assert m["kvpage_preemptions_total{mode=swap}"] >= len(restores)
