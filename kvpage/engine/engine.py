@@ -346,6 +346,8 @@ class LLMEngine:
             "corruptions": cs.corruption_count,
             "cow_copies": cs.cow_copies,
             "evictions": cs.evictions,
+            "block_allocations": cs.allocations,
+            "block_frees": cs.frees,
             "generation_bumps": cs.generation_bumps,
             "preemptions": pre["recompute"] + pre["swap"],
             "preemptions_recompute": pre["recompute"],
