@@ -1,0 +1,531 @@
+"""Offline throughput of kvpage against Hugging Face `generate` (static padded batches) and Hugging
+Face continuous batching (`generate_batch`), on the same random-weight Llama and the same prompts, in
+one process:
+
+    python bench/throughput.py [--models small,120m] [--scenarios a,b,c] [--requests 64]
+                               [--repeats N] [--seed 0] [--threads 2] [--hf-batch 32] [--profile]
+
+(a) prompts uniform in 16-256 tokens, 64 output tokens each; (b) the same prompts, outputs uniform
+in 16-256 tokens (HF `generate` runs each static batch to its longest output; only the tokens each
+request asked for count); (c) a common 512-token prefix + 32 unique tokens per request, 64 output
+tokens: prefill tokens computed and median TTFT, kvpage prefix caching on vs off. Every table row
+gives useful output tokens/s, the ratio against both HF peers, achieved GFLOP/s (useful FLOPs only,
+see `useful_flops`) and its share of a plain `torch.mm` measured in the same run. `--profile` adds
+a cProfile and a torch.profiler summary of kvpage on each scenario.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import logging
+import pstats
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+from kvpage import LLM, SamplingParams
+
+BLOCK_SIZE = 16
+MAX_NUM_SEQS = 64
+MAX_BATCHED_TOKENS = 2048
+INIT_STD = 0.15  # wide init so greedy tokens are not near-ties (see tests/model/hf_models.py)
+FIRST_TOKEN_ID = 3  # prompts avoid pad (0), bos (1) and eos (2)
+PAD_ID = 0
+
+MODELS = {
+    # 4 layers, d=256: ~3.2M layer parameters + 2 x 2.1M embedding / head.
+    "small": dict(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    ),
+    # 12 layers, d=768: ~85M layer parameters + 2 x 24.6M untied embedding / head = ~134M.
+    "120m": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+    ),
+}
+
+
+# --- workloads ----------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    prefix_len: int = 0  # (c): tokens every prompt shares
+
+
+def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(n)]
+
+
+def make_workloads(scenarios: str, n: int, vocab: int, seed: int) -> list[Workload]:
+    rng = random.Random(seed)
+    prompts = [random_tokens(rng, rng.randint(16, 256), vocab) for _ in range(n)]
+    out_b = [rng.randint(16, 256) for _ in range(n)]
+    prefix = random_tokens(rng, 512, vocab)
+    shared = [prefix + random_tokens(rng, 32, vocab) for _ in range(n)]
+    all_ = {
+        "a": Workload("(a) prompts 16-256, 64 out", prompts, [64] * n),
+        "b": Workload("(b) prompts 16-256, out 16-256", prompts, out_b),
+        "c": Workload("(c) 512 shared + 32 unique, 64 out", shared, [64] * n, prefix_len=512),
+    }
+    return [all_[s] for s in scenarios.split(",")]
+
+
+def blocks_needed(wl: Workload) -> int:
+    """A KV pool that holds the whole workload at once (plus warm-up slack): no preemption, so the
+    comparison is about compute, not about pool sizing. HF CB gets the same pool."""
+    need = sum(
+        -(-(len(p) + m) // BLOCK_SIZE) for p, m in zip(wl.prompts, wl.max_tokens, strict=True)
+    )
+    return need + 64
+
+
+# --- useful FLOPs -------------------------------------------------------------------------------
+@dataclass(slots=True)
+class FlopModel:
+    """Useful FLOPs of one request of prompt p and o output tokens, counting what a dense, unpadded,
+    cache-reusing-within-a-request implementation must do:
+      - the n = p + o - 1 tokens that pass through the layers (the last sampled token is never fed
+        back), each costing 2 FLOPs per weight of every layer matmul (q, k, v, o, gate, up, down);
+      - attention: the token at position t attends to t + 1 keys; QK^T and PV are each
+        heads * head_dim multiply-adds per key, so 4 * layers * heads * head_dim * (t + 1), summed
+        over t = 0..n-1 gives 4 * L * H * hd * n (n + 1) / 2;
+      - the LM head only where a token is sampled: 2 * d * V per output token.
+    Norms, RoPE, softmax, SiLU and the embedding lookup are O(d) per token and left out. Padding
+    (HF generate) and recomputation are not counted, nor is prefix-cache reuse across requests, so
+    in (c) the figure is the effective rate of a workload whose no-reuse cost is fixed."""
+
+    layer_weights: int  # 2-D weights in all decoder layers
+    attn_width: int  # layers * heads * head_dim
+    head_weights: int  # d * V
+
+    @classmethod
+    def of(cls, model: transformers.PreTrainedModel) -> FlopModel:
+        cfg = model.config
+        layers = sum(p.numel() for p in model.model.layers.parameters() if p.dim() == 2)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        width = cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
+        return cls(layers, width, model.lm_head.weight.numel())
+
+    def request(self, prompt_len: int, out_len: int) -> float:
+        n = prompt_len + out_len - 1
+        return (
+            2.0 * self.layer_weights * n
+            + 2.0 * self.attn_width * n * (n + 1)
+            + (2.0 * self.head_weights * out_len)
+        )
+
+    def workload(self, wl: Workload) -> float:
+        return sum(self.request(len(p), m) for p, m in zip(wl.prompts, wl.max_tokens, strict=True))
+
+
+def mm_peak_gflops(size: int = 1024, reps: int = 15) -> float:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    for _ in range(3):
+        torch.mm(a, b)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t0)
+    return 2 * size**3 / statistics.median(times) / 1e9
+
+
+# --- one run's result ---------------------------------------------------------------------------
+@dataclass(slots=True)
+class RunResult:
+    engine: str
+    walls: list[float] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)  # each request's first max_tokens outputs
+    ttfts: list[float] | None = None
+    prefill_computed: int | None = None
+    spans: list[float] = field(default_factory=list)  # HF CB: first submit -> last token
+    error: str | None = None
+
+    @property
+    def wall(self) -> float:
+        return statistics.median(self.walls)
+
+
+@dataclass(slots=True)
+class Engine:
+    """`run` is timed; `setup` (untimed) runs before each repeat. `run` returns each request's
+    tokens, TTFTs (or None), the prefill tokens computed (or None when unknown) and, for HF CB, the
+    span from the first submission to the last token (or None)."""
+
+    name: str
+    run: Callable[[], tuple]
+    setup: Callable[[], None] = lambda: None
+
+
+def measure(engine: Engine, res: RunResult) -> None:
+    try:
+        engine.setup()
+        t0 = time.perf_counter()
+        tokens, ttfts, prefill, span = engine.run()
+        res.walls.append(time.perf_counter() - t0)
+        res.tokens, res.ttfts, res.prefill_computed = tokens, ttfts, prefill
+        if span is not None:
+            res.spans.append(span)
+    except Exception as err:  # a peer that cannot run here is reported, not fatal
+        res.error = f"{type(err).__name__}: {err}"
+
+
+# --- kvpage -------------------------------------------------------------------------------------
+def kvpage_llm(model_dir: str, num_blocks: int, prefix_caching: bool, seed: int) -> LLM:
+    llm = LLM(
+        model_dir,
+        block_size=BLOCK_SIZE,
+        num_blocks=num_blocks,
+        enable_prefix_caching=prefix_caching,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        dtype="float32",
+        device="cpu",
+        seed=seed,
+    )
+    rng = random.Random(seed + 1)
+    warm = [random_tokens(rng, 48, llm.engine.model.config.vocab_size) for _ in range(4)]
+    llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    return llm
+
+
+def kvpage_engine(
+    name: str, model_dir: str, wl: Workload, prefix_caching: bool, seed: int, prime: bool = False
+) -> Engine:
+    """A fresh engine per repeat (built and warmed before the clock starts), so one repeat's cache
+    cannot serve the next. All requests are added at once: TTFT includes queueing. With `prime`, one
+    earlier request has already put the shared prefix in the cache (a warm system prompt)."""
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in wl.max_tokens]
+    holder: dict[str, LLM] = {}
+
+    def setup() -> None:
+        llm = kvpage_llm(model_dir, blocks_needed(wl), prefix_caching, seed)
+        if prime:
+            rng = random.Random(seed + 2)
+            vocab = llm.engine.model.config.vocab_size
+            first = wl.prompts[0][: wl.prefix_len] + random_tokens(rng, 32, vocab)
+            llm.generate([first], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+        holder["llm"] = llm
+
+    def run() -> tuple:
+        outs = holder["llm"].generate(wl.prompts, params, use_tqdm=False)
+        cached = sum(o.metrics.num_cached_tokens for o in outs)
+        prefill = sum(len(p) for p in wl.prompts) - cached
+        ttfts = [o.metrics.ttft for o in outs]
+        return [list(o.outputs[0].token_ids) for o in outs], ttfts, prefill, None
+
+    return Engine(name, run, setup)
+
+
+# --- Hugging Face generate (static, left-padded batches) ----------------------------------------
+class _FirstLogits(LogitsProcessor):
+    """Records when the batch's first logits exist: the TTFT of every request in a static batch."""
+
+    def __init__(self) -> None:
+        self.t: float | None = None
+
+    def __call__(self, input_ids, scores):
+        if self.t is None:
+            self.t = time.perf_counter()
+        return scores
+
+
+def run_hf_generate(model, wl: Workload, batch_size: int) -> Callable[[], tuple]:
+    """Static batches of `batch_size` in prompt order, left-padded, each run to the longest requested
+    output in it; EOS is disabled so every row runs to that length."""
+
+    @torch.inference_mode()
+    def run() -> tuple:
+        t0 = time.perf_counter()
+        tokens: list[list[int]] = []
+        ttfts: list[float] = []
+        for start in range(0, len(wl.prompts), batch_size):
+            prompts = wl.prompts[start : start + batch_size]
+            wants = wl.max_tokens[start : start + batch_size]
+            width = max(len(p) for p in prompts)
+            ids = torch.tensor([[PAD_ID] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            first = _FirstLogits()
+            gen = GenerationConfig(
+                do_sample=False,
+                max_new_tokens=max(wants),
+                pad_token_id=PAD_ID,
+                eos_token_id=None,
+            )
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                generation_config=gen,
+                logits_processor=LogitsProcessorList([first]),
+            )
+            new = out[:, width:].tolist()
+            tokens += [row[:want] for row, want in zip(new, wants, strict=True)]
+            ttfts += [first.t - t0] * len(prompts)
+        return tokens, ttfts, sum(len(p) for p in wl.prompts), None
+
+    return run
+
+
+# --- Hugging Face continuous batching -----------------------------------------------------------
+def hf_cb_config(wl: Workload) -> ContinuousBatchingConfig:
+    """The same page size, pool, step token budget and batch width as kvpage. Left to itself on CPU
+    HF sizes the cache from system memory (tens of seconds of allocation per call)."""
+    return ContinuousBatchingConfig(
+        page_size=BLOCK_SIZE,
+        num_blocks=blocks_needed(wl),
+        max_batch_tokens=MAX_BATCHED_TOKENS,
+        max_requests_per_batch=MAX_NUM_SEQS,
+    )
+
+
+def run_hf_cb(model, wl: Workload) -> Callable[[], tuple]:
+    """`generate_batch` when every request wants the same length. It takes one max_new_tokens for
+    all, so for per-request lengths (b) this drives the same manager the way generate_batch does but
+    with `add_request(..., max_new_tokens=m)` per request. The timed span includes the manager's
+    start and stop (a fresh one per call, as generate_batch does: no cache survives a repeat)."""
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(wl.max_tokens), eos_token_id=-1)
+    uniform = len(set(wl.max_tokens)) == 1
+
+    @torch.inference_mode()
+    def run() -> tuple:
+        if uniform:
+            out = model.generate_batch(
+                inputs=wl.prompts,
+                generation_config=gen,
+                continuous_batching_config=hf_cb_config(wl),
+                record_timestamps=True,
+                progress_bar=False,
+            )
+            results = list(out.values())
+        else:
+            results = _hf_cb_per_request(model, wl, gen)
+        if len(results) != len(wl.prompts) or any(r.error for r in results):
+            errs = [r.error for r in results if r.error]
+            raise RuntimeError(f"{len(results)}/{len(wl.prompts)} results; errors: {errs[:2]}")
+        tokens = [list(r.generated_tokens) for r in results]
+        ttfts = [r.timestamps[0] - r.created_time for r in results]
+        span = max(r.timestamps[-1] for r in results) - min(r.created_time for r in results)
+        return tokens, ttfts, None, span
+
+    return run
+
+
+def _hf_cb_per_request(model, wl: Workload, gen: GenerationConfig) -> list:
+    with model.continuous_batching_context_manager(
+        generation_config=gen,
+        continuous_batching_config=hf_cb_config(wl),
+        block=True,
+        timeout=5,
+    ) as manager:
+        ids = [
+            manager.add_request(p, max_new_tokens=m, record_timestamps=True, eos_token_id=-1)
+            for p, m in zip(wl.prompts, wl.max_tokens, strict=True)
+        ]
+        results: dict[str, object] = {}
+        while len(results) < len(ids):
+            r = manager.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                results[r.request_id] = r
+            elif r is None and not manager.is_running():
+                break
+    return [results[i] for i in ids if i in results]
+
+
+# --- the model ----------------------------------------------------------------------------------
+def build_model(name: str, max_len: int, tmpdir: str):
+    torch.manual_seed(1234)
+    cfg = transformers.LlamaConfig(
+        **MODELS[name],
+        max_position_embeddings=max_len,
+        initializer_range=INIT_STD,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=PAD_ID,
+    )
+    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    model = model.float().eval()
+    model.save_pretrained(tmpdir)
+    model.generation_config.eos_token_id = None  # EOS never ends an HF run; kvpage uses ignore_eos
+    return model
+
+
+def warm_hf(model, vocab: int, seed: int) -> None:
+    rng = random.Random(seed + 3)
+    wl = Workload("warm", [random_tokens(rng, 48, vocab) for _ in range(4)], [8] * 4)
+    run_hf_generate(model, wl, 4)()
+    with contextlib.suppress(Exception):  # a failure here shows up, reported, in the timed run
+        run_hf_cb(model, wl)()
+
+
+# --- reporting ----------------------------------------------------------------------------------
+def agreement(a: RunResult, b: RunResult) -> str:
+    if a.error or b.error or not a.tokens or not b.tokens:
+        return "-"
+    same = sum(x == y for x, y in zip(a.tokens, b.tokens, strict=True))
+    return f"{same}/{len(a.tokens)}"
+
+
+def print_table(wl: Workload, results: list[RunResult], flops: float, peak: float) -> None:
+    useful = sum(wl.max_tokens)
+    by = {r.engine: r for r in results}
+    gen, cb = by.get("hf generate"), by.get("hf generate_batch")
+    ref_gen = gen.wall if gen and not gen.error else None
+    ref_cb = cb.wall if cb and not cb.error else None
+    head = (
+        f"{'engine':<24} {'wall s':>8} {'out tok/s':>10} {'x HF gen':>9} {'x HF CB':>8} "
+        f"{'GFLOP/s':>8} {'% mm':>6} {'prefill tok':>11} {'TTFT p50':>9} {'=HF gen':>8}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        if r.error:
+            print(f"{r.engine:<24} FAILED: {r.error[:200]}")
+            continue
+        gfs = flops / r.wall / 1e9
+        ttft = f"{statistics.median(r.ttfts) * 1e3:8.0f}ms" if r.ttfts else f"{'-':>9}"
+        prefill = "-" if r.prefill_computed is None else str(r.prefill_computed)
+        print(
+            f"{r.engine:<24} {r.wall:8.2f} {useful / r.wall:10.1f} "
+            f"{_ratio(ref_gen, r.wall):>9} {_ratio(ref_cb, r.wall):>8} {gfs:8.1f} "
+            f"{100 * gfs / peak:5.1f}% {prefill:>11} {ttft} {agreement(r, gen) if gen else '-':>8}"
+        )
+
+
+def print_cb_span(results: list[RunResult]) -> None:
+    """generate_batch starts and stops a manager thread per call; say how much of its wall that is."""
+    by = {r.engine: r for r in results}
+    cb = by.get("hf generate_batch")
+    if cb is None or cb.error or not cb.spans:
+        return
+    span = statistics.median(cb.spans)
+    others = ", ".join(
+        f"{r.engine} {span / r.wall:.2f}x"
+        for r in results
+        if r.engine.startswith("kvpage") and not r.error
+    )
+    print(
+        f"  hf generate_batch: {span:.2f}s from first submit to last token, the other "
+        f"{cb.wall - span:.2f}s of its wall is manager start/stop; against that span: {others}"
+    )
+
+
+def _ratio(ref: float | None, wall: float) -> str:
+    return "-" if ref is None else f"{ref / wall:.2f}x"
+
+
+# --- profiling ----------------------------------------------------------------------------------
+def profile_kvpage(model_dir: str, wl: Workload, seed: int, top: int = 18) -> None:
+    """Where kvpage's time goes on this workload: Python functions (cProfile, by self time) and
+    tensor operators (torch.profiler, by CPU self time)."""
+    llm = kvpage_llm(model_dir, blocks_needed(wl), True, seed)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in wl.max_tokens]
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(wl.prompts, params, use_tqdm=False)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    print(f"\n[profile] kvpage {wl.name}: cProfile, top {top} by self time")
+    print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[-6000:])
+    llm = kvpage_llm(model_dir, blocks_needed(wl), True, seed)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
+        llm.generate(wl.prompts, params, use_tqdm=False)
+    print(f"\n[profile] kvpage {wl.name}: torch operators, top {top} by self CPU time")
+    print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
+
+
+# --- main ---------------------------------------------------------------------------------------
+def run_scenario(model, model_dir: str, wl: Workload, args, fm: FlopModel, peak: float) -> None:
+    engines = [
+        Engine("hf generate", run_hf_generate(model, wl, args.hf_batch)),
+        Engine("hf generate_batch", run_hf_cb(model, wl)),
+    ]
+    if wl.prefix_len:
+        engines += [
+            kvpage_engine("kvpage cache off", model_dir, wl, False, args.seed),
+            kvpage_engine("kvpage cache on", model_dir, wl, True, args.seed),
+            kvpage_engine("kvpage cache on, warm", model_dir, wl, True, args.seed, prime=True),
+        ]
+    else:
+        engines.append(kvpage_engine("kvpage", model_dir, wl, True, args.seed))
+    results = {e.name: RunResult(e.name) for e in engines}
+    for _ in range(args.repeats):  # interleaved, so drift in machine load hits every engine alike
+        for engine in engines:
+            if not results[engine.name].error:
+                measure(engine, results[engine.name])
+    print(
+        f"\n{wl.name}: {len(wl.prompts)} requests, {sum(map(len, wl.prompts))} prompt tokens, "
+        f"{sum(wl.max_tokens)} useful output tokens, {fm.workload(wl) / 1e9:.1f} useful GFLOP"
+    )
+    print_table(wl, list(results.values()), fm.workload(wl), peak)
+    print_cb_span(list(results.values()))
+    if args.profile:
+        profile_kvpage(model_dir, wl, args.seed)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="small,120m")
+    ap.add_argument("--scenarios", default="a,b,c")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--hf-batch", type=int, default=32, help="static batch size of HF generate")
+    ap.add_argument("--profile", action="store_true", help="profile kvpage on each scenario")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    # On CPU the CB manager logs, per call, that psutil is missing; its failures still reach the table.
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
+    started = time.perf_counter()
+    peak = mm_peak_gflops()
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"{args.threads} threads, fp32, block_size {BLOCK_SIZE}, max_num_seqs {MAX_NUM_SEQS}, "
+        f"max_num_batched_tokens {MAX_BATCHED_TOKENS}, HF generate static batch {args.hf_batch}, "
+        f"repeats {args.repeats} (median wall)"
+    )
+    print(f"torch.mm 1024x1024 @ 1024x1024: {peak:.1f} GFLOP/s (the '% mm' reference)")
+    for name in args.models.split(","):
+        with tempfile.TemporaryDirectory() as tmpdir:
+            model = build_model(name, 1024, tmpdir)
+            fm = FlopModel.of(model)
+            total = sum(p.numel() for p in model.parameters())
+            print(
+                f"\n=== model {name}: {total / 1e6:.1f}M parameters "
+                f"({fm.layer_weights / 1e6:.1f}M in layer matmuls, head {fm.head_weights / 1e6:.1f}M)"
+            )
+            warm_hf(model, model.config.vocab_size, args.seed)
+            for wl in make_workloads(
+                args.scenarios, args.requests, model.config.vocab_size, args.seed
+            ):
+                run_scenario(model, tmpdir, wl, args, fm, peak)
+    print(f"\ntotal wall {time.perf_counter() - started:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
