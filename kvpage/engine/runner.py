@@ -96,12 +96,12 @@ class ModelRunner:
                 fresh = item.seq.num_computed == 0
                 slots_ctx = None if fresh else self._context_slots(snap, context_len)
                 prefills.append(PrefillChunk(start, end, slots_ctx))
-        decode_slots, decode_mask = self._decode_gather(decode_tables, decode_lens)
+        decode_tables_t, decode_mask = self._decode_gather(decode_tables, decode_lens)
         return PagedAttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             cu_seqlens_q=batch.cu_seqlens_q,
             decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
-            decode_slots=decode_slots,
+            decode_tables=decode_tables_t,
             decode_mask=decode_mask,
             prefills=prefills,
         )
@@ -111,7 +111,8 @@ class ModelRunner:
         return (blocks[:, None] * self.block_size + self._block_offsets).flatten()[:context_len]
 
     def _decode_gather(self, tables: list[tuple[int, ...]], lens: list[int]):
-        """(Sd, Cmax) context slots padded with slot 0, and the (Sd, 1, 1, Cmax) validity mask."""
+        """(Sd, max_blocks) block tables padded with block 0, and the (Sd, 1, 1, max_blocks * B)
+        mask of real context positions."""
         if not tables:
             empty = torch.zeros(0, 0, dtype=torch.long, device=self.device)
             return empty, torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=self.device)
@@ -119,7 +120,7 @@ class ModelRunner:
         padded = torch.tensor(
             [list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device
         )  # (Sd, max_blocks)
-        slots = (padded[:, :, None] * self.block_size + self._block_offsets).flatten(1)
         lens_t = torch.tensor(lens, dtype=torch.long, device=self.device)
-        mask = torch.arange(slots.shape[1], device=self.device)[None, :] < lens_t[:, None]
-        return slots, mask[:, None, None, :]
+        positions = torch.arange(width * self.block_size, device=self.device)
+        mask = positions[None, :] < lens_t[:, None]
+        return padded, mask[:, None, None, :]

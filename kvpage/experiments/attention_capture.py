@@ -26,7 +26,8 @@ class _CapturingAttention(PagedAttention):
     def _weights(self, layer: int, q: torch.Tensor, scale: float) -> list[list[float]]:
         i, meta = self.decode_index, self.meta
         length = int(meta.decode_mask[i].sum())
-        keys = self.storage.flat(layer)[0][meta.decode_slots[i, :length]]  # (ctx, KVH, D)
+        keys = self.storage.gather_blocks(layer, meta.decode_tables[i : i + 1])[0][0]
+        keys = keys.transpose(0, 1)[:length]  # (ctx, KVH, D)
         query = q[meta.decode_rows[i]]  # (H, D)
         keys = keys.repeat_interleave(query.shape[0] // keys.shape[1], dim=1)  # (ctx, H, D)
         scores = torch.einsum("hd,chd->hc", query.float(), keys.float()) * scale

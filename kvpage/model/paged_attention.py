@@ -29,8 +29,8 @@ class PagedAttentionMetadata:
     slot_mapping: torch.Tensor  # (N,) long
     cu_seqlens_q: list[int]  # (S+1,) no zero-length entries; last == N
     decode_rows: torch.Tensor  # (Sd,) rows of decode tokens
-    decode_slots: torch.Tensor  # (Sd, Cmax) long, context slots padded with slot 0
-    decode_mask: torch.Tensor  # (Sd, 1, 1, Cmax) bool, True = real context
+    decode_tables: torch.Tensor  # (Sd, max_blocks) long, block tables padded with block 0
+    decode_mask: torch.Tensor  # (Sd, 1, 1, max_blocks * B) bool, True = real context
     prefills: list[PrefillChunk]
 
     @property
@@ -73,6 +73,7 @@ class KVStorage:
             dtype=dtype,
             device=device,
         )
+        self._workspace = torch.empty(0, dtype=dtype, device=device)  # decode gather buffers
 
     @staticmethod
     def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
@@ -82,6 +83,28 @@ class KVStorage:
         """(num_blocks * B, KVH, D) views of one layer's K and V."""
         kv = self.data[layer]
         return kv[0].flatten(0, 1), kv[1].flatten(0, 1)
+
+    def gather_blocks(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole blocks through padded block tables (S, max_blocks), as
+        (S, KVH, max_blocks * B, D) views. Copies whole blocks (one index per block, not per
+        token) into buffers reused across layers and steps, so a decode step allocates nothing."""
+        s, nb = tables.shape
+        kv = self.data[layer]  # (2, NB, B, KVH, D)
+        shape = (s * nb, *kv.shape[2:])
+        need = 2 * s * nb * kv[0, 0].numel()
+        if self._workspace.numel() < need:
+            self._workspace = torch.empty(int(need * 1.25), dtype=kv.dtype, device=kv.device)
+        half = need // 2
+        k_buf = self._workspace[:half].view(shape)
+        v_buf = self._workspace[half:need].view(shape)
+        flat = tables.reshape(-1)
+        torch.index_select(kv[0], 0, flat, out=k_buf)
+        torch.index_select(kv[1], 0, flat, out=v_buf)
+        ctx = nb * self.block_size
+        return (
+            k_buf.view(s, ctx, *kv.shape[3:]).transpose(1, 2),
+            v_buf.view(s, ctx, *kv.shape[3:]).transpose(1, 2),
+        )
 
     def copy_block(self, src: int, dst: int) -> None:
         self.data[:, :, dst].copy_(self.data[:, :, src])
@@ -110,17 +133,16 @@ class PagedAttention:
         v_flat.index_copy_(0, self.meta.slot_mapping, v)
         out = torch.empty_like(q)
         if self.meta.decode_rows.numel():
-            out[self.meta.decode_rows] = self._decode(q, k_flat, v_flat, scale)
+            out[self.meta.decode_rows] = self._decode(q, layer, scale)
         for chunk in self.meta.prefills:
             rows = slice(chunk.token_start, chunk.token_end)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], chunk, k_flat, v_flat, scale)
         return out
 
-    def _decode(self, q, k_flat, v_flat, scale: float) -> torch.Tensor:
+    def _decode(self, q, layer: int, scale: float) -> torch.Tensor:
         meta = self.meta
         q_d = q[meta.decode_rows].unsqueeze(2)  # (Sd, H, 1, D)
-        k_d = k_flat[meta.decode_slots].transpose(1, 2)  # (Sd, KVH, Cmax, D)
-        v_d = v_flat[meta.decode_slots].transpose(1, 2)
+        k_d, v_d = self.storage.gather_blocks(layer, meta.decode_tables)  # (Sd, KVH, C, D)
         out = torch.nn.functional.scaled_dot_product_attention(
             q_d,
             k_d,
