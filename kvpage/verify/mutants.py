@@ -99,23 +99,8 @@ def _unchecked_set_valid(pool) -> None:
 
 
 def _build_without_cu_check(engine: LLMEngine) -> None:
-    """The runner's build, minus the cu_seqlens assertion (R10)."""
-    runner = engine.runner
-
-    def build(self, scheduled):
-        ids, positions, cu, rows, sample = [], [], [0], [], []
-        for item in scheduled:
-            seq, start, n = item.seq, item.seq.num_computed, item.num_new_tokens
-            ids += seq.token_at(start, start + n)
-            positions += range(start, start + n)
-            cu.append(cu[-1] + n)
-            if start + n == seq.num_tokens:
-                rows.append(cu[-1] - 1)
-                sample.append(item)
-        snaps = [self.cache.snapshot(item.seq.table) for item in scheduled]
-        return StepBatch(scheduled, ids, positions, cu, snaps, rows, sample)
-
-    _bind(runner, "build", build)
+    """The runner, minus the cu_seqlens assertion (R10)."""
+    _bind(engine.runner, "check_cu_seqlens", lambda self, cu_seqlens, num_tokens: None)
 
 
 # --- the mutants -------------------------------------------------------------------------------

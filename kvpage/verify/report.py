@@ -9,6 +9,19 @@ from pathlib import Path
 
 from kvpage.verify.diff import WHERE_TO_LOOK
 
+# The per-step fields shown for reference and candidate at a first divergence.
+STEP_FIELDS = (
+    "input_ids",
+    "position_ids",
+    "chosen_token",
+    "topk_ids",
+    "topk_values",
+    "logits_digest",
+    "prefix_hit_tokens",
+    "after_resume",
+    "restore_complete",
+)
+
 
 def write_reports(result, directory: str | Path) -> dict:
     out = Path(directory)
@@ -106,17 +119,7 @@ def _md_divergence(title: str, d: dict) -> list[str]:
         "| field | reference | candidate |",
         "|---|---|---|",
     ]
-    for key in (
-        "input_ids",
-        "position_ids",
-        "chosen_token",
-        "topk_ids",
-        "topk_values",
-        "logits_digest",
-        "prefix_hit_tokens",
-        "after_resume",
-        "restore_complete",
-    ):
+    for key in STEP_FIELDS:
         lines.append(f"| {key} | {_short(ref, key)} | {_short(cand, key)} |")
     lines += [
         "",
@@ -258,17 +261,7 @@ def _html_table(header: list[str], rows: list[list]) -> str:
 def _html_divergence(title: str, d: dict) -> str:
     ref, cand, a = d["reference"], d["candidate"], d["attribution"]
     e = html.escape
-    keys = (
-        "input_ids",
-        "position_ids",
-        "chosen_token",
-        "topk_ids",
-        "topk_values",
-        "logits_digest",
-        "prefix_hit_tokens",
-        "after_resume",
-        "restore_complete",
-    )
+    keys = STEP_FIELDS
     steps = _html_table(
         ["field", "reference", "candidate"], [[k, _short(ref, k), _short(cand, k)] for k in keys]
     )
