@@ -7,7 +7,7 @@ view, so the two can be diffed field by field (kvpage.verify.diff)."""
 
 from __future__ import annotations
 
-import hashlib
+import functools
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -78,9 +78,18 @@ def logits_digest(logits: torch.Tensor) -> str:
 
 
 def logits_digests(logits: torch.Tensor) -> list[str]:
-    """One digest per row of (M, V) logits."""
-    rounded = torch.round(logits.float() * 1e4).to(torch.int64).cpu().numpy()
-    return [hashlib.sha256(row.tobytes()).hexdigest()[:16] for row in rounded]
+    """One 64-bit fingerprint per row of (M, V) logits: the 1e-4-rounded values dotted with fixed
+    pseudo-random 64-bit weights (wrapping). Not cryptographic — a compact identity for reports,
+    cheap for a 32k vocabulary every step; the atol check compares the logits themselves."""
+    rounded = torch.round(logits.float() * 1e4).to(torch.int64)  # (M, V)
+    fingerprint = (rounded * _digest_weights(logits.shape[-1])).sum(dim=-1)  # (M,) wraps mod 2^64
+    return [f"{value & 0xFFFFFFFFFFFFFFFF:016x}" for value in fingerprint.tolist()]
+
+
+@functools.cache
+def _digest_weights(vocab: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0x6B7670616765)
+    return torch.randint(-(2**62), 2**62, (vocab,), generator=gen, dtype=torch.int64)
 
 
 def make_record(request_id, step, input_ids, position_ids, logits, token, view, **extra):
@@ -118,7 +127,8 @@ class EngineTracer:
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.records: dict[str, list[StepRecord]] = {}
+        self._records: dict[str, list[StepRecord]] = {}
+        self._unsummarized: list[tuple[torch.Tensor, list[StepRecord]]] = []
         self._pending: dict[str, _PendingInputs] = {}
         self._views: dict[int, CacheView] = {}
         self._block_size = engine.config.block_size
@@ -168,25 +178,37 @@ class EngineTracer:
             if seq.seq_id in sampling:
                 self._views[seq.seq_id] = self._view(seq, snap)
 
+    @property
+    def records(self) -> dict[str, list[StepRecord]]:
+        """Per request, its records in order. Top-k and digests are summarised here, when the
+        trace is read, so the step loop only keeps the raw logits."""
+        for logits, step_records in self._unsummarized:
+            top_values, top_ids = torch.topk(logits, min(TOP_K, logits.shape[-1]), dim=-1)
+            digests = logits_digests(logits)
+            for rec, values, ids, digest in zip(
+                step_records, top_values.tolist(), top_ids.tolist(), digests, strict=True
+            ):
+                rec.topk_values, rec.topk_ids, rec.logits_digest = values, ids, digest
+        self._unsummarized.clear()
+        return self._records
+
     def on_sampled(self, batch, logits: torch.Tensor, tokens: list[int]) -> None:
-        logits = logits.detach().float().cpu()  # (M, V): one copy for the whole step
-        top_values, top_ids = torch.topk(logits, min(TOP_K, logits.shape[-1]), dim=-1)
-        digests = logits_digests(logits)
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        logits = logits.detach().float().cpu()  # (M, V): the step's own tensor, kept as is
+        step_records = []
         for row, (item, token) in enumerate(zip(batch.sample_seqs, tokens, strict=True)):
             seq = item.seq
             pend = self._pending.pop(seq.request_id, _PendingInputs())
             order = sorted(pend.by_index)
-            records = self.records.setdefault(seq.request_id, [])
-            records.append(
+            records = self._records.setdefault(seq.request_id, [])
+            step_records.append(
                 StepRecord(
                     request_id=seq.request_id,
                     step=len(records),
                     input_ids=[pend.by_index[i][0] for i in order],
                     position_ids=[pend.by_index[i][1] for i in order],
-                    logits_digest=digests[row],
-                    topk_ids=top_ids[row],
-                    topk_values=top_values[row],
+                    logits_digest="",
+                    topk_ids=[],
+                    topk_values=[],
                     chosen_token=int(token),
                     view=self._views.get(seq.seq_id, EMPTY_VIEW),
                     prefix_hit_tokens=pend.hit_tokens,
@@ -195,10 +217,12 @@ class EngineTracer:
                     resume_mode=pend.resume_mode,
                     restore_complete=pend.restore_complete,
                     engine_step=self.engine.step_count,
-                    logits=logits[row].clone(),
+                    logits=logits[row],  # a view of this step's own logits tensor
                 )
             )
+            records.append(step_records[-1])
             self._pending[seq.request_id] = _PendingInputs(context_start=seq.num_tokens - 1)
+        self._unsummarized.append((logits, step_records))
 
     # --- helpers ---------------------------------------------------------------------------
     def _pending_for(self, seq) -> _PendingInputs:
@@ -212,7 +236,13 @@ class EngineTracer:
             owners = len(b.owners)
             entries.append(
                 ViewEntry(
-                    i, bid, generation, valid_len, owners > 1 or b.published, owners, b.state.name
+                    i,
+                    bid,
+                    generation,
+                    valid_len,
+                    owners > 1 or b.published,
+                    owners,
+                    b.state._value_,  # the plain attribute: Enum.name/.value go through descriptors
                 )
             )
         return CacheView(
