@@ -555,7 +555,7 @@ def failure_cases(vocab: int) -> list[Case]:
             expect_counters={"aborts": 3, "swap_space_used": 0},
         )
     )
-    slow = RequestSpec("slow", t.take(10), _greedy(400), timeout_s=0.2)
+    slow = RequestSpec("slow", t.take(10), _greedy(2000), timeout_s=0.2)  # cannot finish in 0.2 s
     others = [RequestSpec(f"o{i}", t.take(9 + i), _greedy(16)) for i in range(3)]
     cases.append(
         Case(
