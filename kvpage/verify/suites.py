@@ -562,7 +562,7 @@ def failure_cases(vocab: int) -> list[Case]:
             "failure",
             "timeout",
             [slow, *others],
-            dict(block_size=8, num_blocks=96),
+            dict(block_size=8, num_blocks=300),  # room for all 2000 tokens: only the clock stops it
             expect_finish={"slow": "timeout"},
             expect_counters={"timeouts": 1},
         )
