@@ -138,19 +138,29 @@ class Scheduler:
                 return
             self._acquire_prefix(seq)
             n = min(seq.num_uncomputed, budget)
-            if not self.cache.can_append(seq.table, n):
+            admitted = self.cache.can_append(seq.table, n)
+            if not admitted or seq.admitted_once:
+                self._uncount_lookup(seq)
+            if not admitted:
                 self.cache.free_table(seq.table)  # give the hit blocks back; retry next step
                 seq.num_computed = 0
                 return
             self.waiting.remove(seq)
             self._note_resume(seq)
             seq.status = SeqStatus.RUNNING
-            if not seq.admitted_once:  # hits of a retried or resumed admission are not counted
+            if not seq.admitted_once:
                 seq.num_cached_tokens = seq.num_computed
             seq.admitted_once = True
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n, self.cache.append_slots(seq.table, n)))
             budget -= n
+
+    def _uncount_lookup(self, seq: Sequence) -> None:
+        """prefix_queries / prefix_hits count each request's prompt once, at its first admission:
+        a retried admission, or a re-prefill after recompute preemption, is not a new query and
+        the tokens it finds again are not hits."""
+        self.cache.stats.queries_tokens -= seq.num_tokens
+        self.cache.stats.hit_tokens -= seq.num_computed
 
     def _fits_worst_case(self, seq: Sequence) -> bool:
         """Without preemption nothing can be taken back, so admit a request only if it and every

@@ -120,3 +120,17 @@ def _byte_tokenizer():
     from kvpage.model.tokenizer import ByteTokenizer
 
     return ByteTokenizer()
+
+
+def test_prefix_counters_count_each_prompt_once_under_preemption(references):
+    """prefix_queries/prefix_hits: each request's prompt once, at its first admission; retries
+    and re-prefills after recompute preemption add nothing."""
+    ref = references("builtin:tiny-llama")
+    prompts = prefix_prompts(8, ref.model.config.vocab_size, n=12, seed=5)
+    cfg = _config("builtin:tiny-llama", 8, prompts, {"pool": "tight"})
+    engine = LLMEngine(cfg, ref.model, _byte_tokenizer())
+    outs = run_engine(engine, prompts, GREEDY)
+    stats = engine.stats()
+    assert stats["preemptions"] > 0
+    assert stats["prefix_queries"] == sum(len(p) for p in prompts)
+    assert stats["prefix_hits"] == sum(o.metrics.num_cached_tokens for o in outs) > 0
