@@ -89,8 +89,7 @@ class KVCacheManager:
         self.stats.queries_tokens += prompt_len
         if not self._caching_on(chain.namespace_digest):
             return 0
-        # At least one prompt token must be computed: its logits choose the first output token.
-        cap = (prompt_len - 1) // self.block_size
+        cap = self.max_hit_blocks(prompt_len)
         hits = self.index.match(chain, cap)
         for e in hits:
             self.pool.add_owner(e.block_id, table.seq_id)
@@ -105,6 +104,11 @@ class KVCacheManager:
             self._emit_hit(table, hits, prompt_len, capped)
         self._debug()
         return table.num_tokens
+
+    def max_hit_blocks(self, prompt_len: int) -> int:
+        """Full blocks a prompt may take from the cache: at least one prompt token is left to
+        compute, since its logits choose the first output token."""
+        return (prompt_len - 1) // self.block_size
 
     def _emit_hit(self, table: BlockTable, hits, prompt_len: int, capped: bool) -> None:
         last = self.pool.blocks[hits[-1].block_id]

@@ -78,6 +78,7 @@ class LLMEngine:
         }
         self._tracer = None
         self._pending: list[RequestOutput] = []
+        self._with_deadline: set[str] = set()  # request ids with a timeout still in flight
         self.emit_progress = True  # per-token outputs for streaming; offline callers turn it off
         self._seq_ids = itertools.count()
 
@@ -114,6 +115,8 @@ class LLMEngine:
         timeout_s = timeout_s if timeout_s is not None else self.config.request_timeout_s
         seq = self._new_sequence(request_id, prompt_ids, params, cache_salt, now)
         seq.deadline = None if timeout_s is None else now + timeout_s
+        if seq.deadline is not None:
+            self._with_deadline.add(request_id)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -268,11 +271,14 @@ class LLMEngine:
         new = seq.output_ids[-1:] if reason in ("stop", "length") else []
         self._pending.append(self._output(seq, new))
         del self.seqs[seq.request_id]
+        self._with_deadline.discard(seq.request_id)
 
     def _expire_timeouts(self) -> None:
+        """Only requests that have a deadline are looked at: none, no per-step scan."""
         now = time.monotonic()
-        for seq in [s for s in self.seqs.values() if s.deadline is not None and now > s.deadline]:
-            self.abort_request(seq.request_id, reason="timeout")
+        expired = [r for r in self._with_deadline if now > self.seqs[r].deadline]
+        for request_id in expired:
+            self.abort_request(request_id, reason="timeout")
 
     def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         text = ""

@@ -99,7 +99,7 @@ class ModelRunner:
                 fresh = item.seq.num_computed == 0
                 slots_ctx = None if fresh else self._context_slots(snap, context_len)
                 prefills.append(PrefillChunk(start, end, slots_ctx))
-        decode_tables_t, decode_mask = self._decode_gather(decode_tables, decode_lens)
+        decode_tables_t, decode_mask = self._decode_tables(decode_tables, decode_lens)
         return PagedAttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             cu_seqlens_q=batch.cu_seqlens_q,
@@ -113,7 +113,7 @@ class ModelRunner:
         blocks = torch.tensor(snap.block_ids, dtype=torch.long, device=self.device)
         return (blocks[:, None] * self.block_size + self._block_offsets).flatten()[:context_len]
 
-    def _decode_gather(self, tables: list[tuple[int, ...]], lens: list[int]):
+    def _decode_tables(self, tables: list[tuple[int, ...]], lens: list[int]):
         """(Sd, max_blocks) block tables padded with block 0, and the (Sd, 1, 1, max_blocks * B)
         mask of real context positions."""
         if not tables:

@@ -35,11 +35,6 @@ class SchedulerOutput:
     step: int
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[tuple[Sequence, str]] = field(default_factory=list)  # (seq, mode used)
-    restored: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
 
 
 class Scheduler:
@@ -123,7 +118,6 @@ class Scheduler:
             self._note_resume(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.restored.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n, self.cache.append_slots(seq.table, n)))
             budget -= n
         return budget

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import nn
 
@@ -9,19 +11,21 @@ from kvpage.config import ModelConfig
 from kvpage.model.attention import AttentionBackend, NoCacheAttention
 
 
-class CausalLM(nn.Module):
+class CausalLM(nn.Module, ABC):
     """A decoder over packed tokens. `forward` returns hidden states (N, C); `compute_logits` maps
     the rows that need them to (M, vocab)."""
 
     config: ModelConfig
 
+    @abstractmethod
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
-        raise NotImplementedError
+        """input_ids, positions: (N,) -> hidden states (N, C)."""
 
+    @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """hidden: (M, C) -> logits (M, V)."""
 
     def tie_weights(self) -> None:
         """Re-establish shared parameters (moving to a device can split them)."""

@@ -33,10 +33,6 @@ class PagedAttentionMetadata:
     decode_mask: torch.Tensor  # (Sd, 1, 1, max_blocks * B) bool, True = real context
     prefills: list[PrefillChunk]
 
-    @property
-    def num_tokens(self) -> int:
-        return self.cu_seqlens_q[-1]
-
 
 def validate_cu_seqlens(cu_seqlens: list[int], num_tokens: int) -> None:
     """R10: strictly increasing (no zero-length sequence), starts at 0, ends at the token count."""

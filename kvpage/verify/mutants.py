@@ -332,38 +332,24 @@ def restore_visible_before_copy(engine: LLMEngine) -> None:
 def full_prefix_no_token_left(engine: LLMEngine) -> None:
     """A prompt of exactly k cached blocks is served whole: no token is left to compute, so the
     first token is sampled from whatever logits row the batch happens to end with."""
-    cache = engine.cache
 
-    def acquire_prefix(self, table, chain, prompt_len):
-        table.namespace = chain.namespace_digest
-        self.stats.queries_tokens += prompt_len
-        if not self._caching_on(chain.namespace_digest):
-            return 0
-        hits = self.index.match(chain, prompt_len // self.block_size)  # no cap
-        for e in hits:
-            self.pool.add_owner(e.block_id, table.seq_id)
-        table.block_ids = [e.block_id for e in hits]
-        table.num_tokens = table.num_published = len(hits)
-        table.num_tokens *= self.block_size
-        table.bump()
-        self.live_tables[table.seq_id] = table
-        self.stats.hit_tokens += table.num_tokens
-        return table.num_tokens
+    def max_hit_blocks(self, prompt_len):
+        return prompt_len // self.block_size  # every full block, even the prompt's last
 
-    _bind(cache, "acquire_prefix", acquire_prefix)
+    _bind(engine.cache, "max_hit_blocks", max_hit_blocks)
     _build_without_cu_check(engine)
 
 
 def off_by_one_block_boundary(engine: LLMEngine) -> None:
     """The decode context length is one short when the new token opens a new block."""
     runner = engine.runner
-    original = runner._decode_gather
+    original = runner._decode_tables
     B = engine.config.block_size
 
-    def decode_gather(self, tables, lens):
+    def decode_tables(self, tables, lens):
         return original(tables, [n - 1 if n % B == 1 else n for n in lens])
 
-    _bind(runner, "_decode_gather", decode_gather)
+    _bind(runner, "_decode_tables", decode_tables)
 
 
 def zero_length_cu_seqlens(engine: LLMEngine) -> None:
