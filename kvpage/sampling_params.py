@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvpage.errors import InvalidRequest
 
@@ -17,6 +17,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    n: int = 1  # parallel samples of one prompt (forked after prefill, R33)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -28,9 +29,17 @@ class SamplingParams:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise InvalidRequest(f"n must be an int >= 1, got {self.n!r}")
         if self.logprobs is not None and self.logprobs < 0:
             raise InvalidRequest(f"logprobs must be >= 0, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The n == 1 parameters of parallel sample `index`: its seed is `seed + index`, so each
+        sample replays alone exactly (None stays None: the engine derives one per sequence)."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)

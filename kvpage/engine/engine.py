@@ -13,7 +13,7 @@ from kvpage.config import EngineConfig
 from kvpage.engine.namespace import base_namespace
 from kvpage.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpage.engine.runner import ModelRunner, StepBatch
-from kvpage.engine.sampler import sample_batch
+from kvpage.engine.sampler import Sampler
 from kvpage.engine.scheduler import Scheduler
 from kvpage.engine.sequence import ForcedPreemption, SeqStatus, Sequence
 from kvpage.engine.swap import SwapSpace
@@ -62,10 +62,11 @@ class LLMEngine:
             fast_key_bits=config.fast_key_bits,
             debug_checks=False,
         )
-        self.cache.copy_block_fn = self.storage.copy_block
+        self.cache.copy_block_fn = self._copy_block
         self.swap_space = SwapSpace(config.swap_space_blocks)
         self.scheduler = Scheduler(config, self.cache, self)
         self.runner = ModelRunner(model, self.storage, self.cache)
+        self.sampler = Sampler()
         self.namespace = base_namespace(model, tokenizer, config.block_size, config.model)
         self.seqs: dict[str, Sequence] = {}
         self.step_count = 0
@@ -243,7 +244,7 @@ class LLMEngine:
             item.seq.num_computed += item.num_new_tokens
             self.cache.publish_full_blocks(item.seq.table, item.seq.chain)
         seqs = [item.seq for item in batch.sample_seqs]
-        tokens = sample_batch(logits, seqs)
+        tokens = self.sampler.sample(logits, seqs)
         for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             self._append_token(seq, token, logits[row])
         if self._tracer is not None:
@@ -308,6 +309,12 @@ class LLMEngine:
             new_token_ids=new_tokens,
         )
 
+    def _copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write of one block's KV (the cache manager's copy callback)."""
+        self.storage.copy_block(src, dst)
+        if self._tracer is not None:
+            self._tracer.on_kv_copy(src, dst)
+
     # --- KV movement for swap preemption (the scheduler's KVMover) -------------------------
     def swap_out(self, seq: Sequence) -> bool:
         if not self.swap_space.can_store(len(seq.table.block_ids)):
@@ -329,6 +336,8 @@ class LLMEngine:
         blocks = self.swap_space.take(seq.seq_id)
         ids = self.cache.allocate_restoring(seq.table, seq.swapped_tokens)
         self.storage.write_blocks(ids, blocks)
+        if self._tracer is not None:
+            self._tracer.on_kv_restored(seq, ids)
         seq.kv_restored = True
         self.cache.finish_restore(seq.table)  # only now may a step read these blocks
         seq.num_computed = seq.swapped_tokens

@@ -9,10 +9,15 @@ from kvpage.engine.sequence import Sequence
 from kvpage.sampling import sample_token
 
 
-def sample_batch(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits: (M, V), one row per sequence -> M token ids."""
-    tokens = torch.argmax(logits, dim=-1).tolist()  # one host sync for all greedy rows
-    for row, seq in enumerate(seqs):
-        if not seq.params.greedy:
-            tokens[row] = sample_token(logits[row], seq.params, seq.generator)
-    return tokens
+class Sampler:
+    """The engine's sampling seam: one object per engine, so a mutant can replace it on one
+    instance without touching the module the reference also uses."""
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """logits: (M, V), one row per sequence -> M token ids."""
+        tokens = torch.argmax(logits, dim=-1).tolist()  # one host sync for all greedy rows
+        for row, seq in enumerate(seqs):
+            if not seq.params.greedy:
+                tokens[row] = sample_token(logits[row], seq.params, seq.generator)
+                seq.num_draws += 1
+        return tokens

@@ -64,6 +64,13 @@ class Sequence:
     swapped_tokens: int = 0  # KV tokens held in the swap space while SWAPPED
     resume_pending: str = ""  # preemption mode, until the request runs again
     kv_restored: bool = True  # False from swap-out until the restored KV has been copied back
+    sample_index: int = 0  # which of the request's n parallel samples this sequence is
+    num_draws: int = 0  # random draws taken from `generator` so far (its offset)
+
+    @property
+    def sample_id(self) -> str:
+        """The request id for n == 1; `request_id#i` for sample i of a parallel request."""
+        return self.request_id if self.params.n == 1 else f"{self.request_id}#{self.sample_index}"
 
     @property
     def num_tokens(self) -> int:

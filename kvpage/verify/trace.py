@@ -157,6 +157,12 @@ class EngineTracer:
         pend.resume_mode = mode
         pend.restore_complete = pend.restore_complete and restore_complete
 
+    def on_kv_copy(self, src: int, dst: int) -> None:
+        """A copy-on-write copied block `src` into `dst` (KV written outside a step)."""
+
+    def on_kv_restored(self, seq, block_ids: list[int]) -> None:
+        """A swap-in wrote `seq`'s saved KV into `block_ids` (KV written outside a step)."""
+
     def on_batch(self, batch) -> None:
         """Before the model runs: the inputs each request feeds, and the view each request that
         will sample reads."""
@@ -197,12 +203,12 @@ class EngineTracer:
         step_records = []
         for row, (item, token) in enumerate(zip(batch.sample_seqs, tokens, strict=True)):
             seq = item.seq
-            pend = self._pending.pop(seq.request_id, _PendingInputs())
+            pend = self._pending.pop(seq.sample_id, _PendingInputs())
             order = sorted(pend.by_index)
-            records = self._records.setdefault(seq.request_id, [])
+            records = self._records.setdefault(seq.sample_id, [])
             step_records.append(
                 StepRecord(
-                    request_id=seq.request_id,
+                    request_id=seq.sample_id,
                     step=len(records),
                     input_ids=[pend.by_index[i][0] for i in order],
                     position_ids=[pend.by_index[i][1] for i in order],
@@ -221,12 +227,12 @@ class EngineTracer:
                 )
             )
             records.append(step_records[-1])
-            self._pending[seq.request_id] = _PendingInputs(context_start=seq.num_tokens - 1)
+            self._pending[seq.sample_id] = _PendingInputs(context_start=seq.num_tokens - 1)
         self._unsummarized.append((logits, step_records))
 
     # --- helpers ---------------------------------------------------------------------------
     def _pending_for(self, seq) -> _PendingInputs:
-        return self._pending.setdefault(seq.request_id, _PendingInputs())
+        return self._pending.setdefault(seq.sample_id, _PendingInputs())
 
     def _view(self, seq, snap) -> CacheView:
         blocks = self.engine.cache.pool.blocks

@@ -1,4 +1,4 @@
-"""Deliberately broken engines (R23): each mutant patches ONE engine instance — never a branch in
+"""Cache and block-table mutants (R23): each mutant patches ONE engine instance — never a branch in
 the hot path, never a module-level change — to reproduce one classic paged-KV bug. The mutation
 check runs the suites against each and demands that every mutant is caught and that its first
 divergence is attributed (kvpage.verify.diff) to the class that matches its bug.
@@ -9,9 +9,7 @@ outside, by token-level differential traces, canaries and counters."""
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from kvpage.cache.block_pool import BlockState
 from kvpage.cache.block_table import SnapshotEntry, TableSnapshot
@@ -20,21 +18,9 @@ from kvpage.cache.namespace import CacheNamespace
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.runner import StepBatch
 from kvpage.engine.scheduler import ScheduledSeq
+from kvpage.verify.mutants.base import Mutant, _bind, _replace
 
 _S = BlockState
-
-
-@dataclass(frozen=True, slots=True)
-class Mutant:
-    name: str
-    bug: str
-    expected_class: str  # attribution class its first divergence must get
-    apply: Callable[[LLMEngine], None]
-    config: dict = field(default_factory=dict)  # EngineConfig overrides the bug needs
-
-
-def _bind(obj, name: str, fn) -> None:
-    setattr(obj, name, types.MethodType(fn, obj))
 
 
 # --- shared broken pieces ----------------------------------------------------------------------
@@ -124,7 +110,7 @@ def share_running_prefix(engine: LLMEngine, refcount: bool, cow: bool) -> None:
 
     _bind(sched, "_acquire_prefix", acquire)
     if not cow:
-        cache._cow_needed = lambda table: False
+        _bind(cache, "_cow_needed", lambda self, table: False)
         _unchecked_set_valid(cache.pool)
     if not refcount:  # blocks held without a reference: nothing may check who owns what
         _tolerant_release(cache.pool)
@@ -213,8 +199,10 @@ class _SaltBlindNamespace(CacheNamespace):
 def namespace_missing_field(engine: LLMEngine) -> None:
     """The namespace key leaves out the per-request cache salt (tenant isolation, R5)."""
     ns = engine.namespace
-    engine.namespace = _SaltBlindNamespace(
-        **{f.name: getattr(ns, f.name) for f in fields(ns) if f.init}
+    _replace(
+        engine,
+        "namespace",
+        _SaltBlindNamespace(**{f.name: getattr(ns, f.name) for f in fields(ns) if f.init}),
     )
 
 
@@ -397,7 +385,7 @@ def zero_length_cu_seqlens(engine: LLMEngine) -> None:
     _bind(runner, "_metadata", metadata)
 
 
-MUTANTS: tuple[Mutant, ...] = (
+CACHE_MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "share_partial_no_cow",
         "shares a partial block and appends into it without CoW",

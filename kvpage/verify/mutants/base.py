@@ -1,0 +1,37 @@
+"""What a mutant is, and the one way it patches an engine instance: through a named seam that must
+exist (a renamed seam fails loudly at apply time instead of showing up as a "missed" mutant)."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvpage.engine.engine import LLMEngine
+
+
+@dataclass(frozen=True, slots=True)
+class Mutant:
+    name: str
+    bug: str
+    expected_class: str  # attribution class its first divergence must get
+    apply: Callable[[LLMEngine], None]
+    config: dict = field(default_factory=dict)  # EngineConfig overrides the bug needs
+
+
+class MissingSeam(AttributeError):
+    """A mutant targets an attribute the engine no longer has."""
+
+
+def _bind(obj, name: str, fn) -> None:
+    """Replace method `name` of one instance; the method must already exist."""
+    if not callable(getattr(obj, name, None)):
+        raise MissingSeam(f"{type(obj).__name__} has no method {name!r} to patch")
+    setattr(obj, name, types.MethodType(fn, obj))
+
+
+def _replace(obj, name: str, value) -> None:
+    """Replace attribute `name` of one instance; the attribute must already exist."""
+    if not hasattr(obj, name):
+        raise MissingSeam(f"{type(obj).__name__} has no attribute {name!r} to replace")
+    setattr(obj, name, value)
