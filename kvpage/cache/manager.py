@@ -126,6 +126,10 @@ class KVCacheManager:
         )
 
     # --- allocation ------------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens from position 0."""
+        return -(-num_tokens // self.block_size)
+
     def num_free_blocks(self) -> int:
         return self.pool.num_free + self.index.num_evictable()
 

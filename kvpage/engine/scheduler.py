@@ -48,6 +48,7 @@ class Scheduler:
         self.preemption_enabled = True  # kill switch (R30)
         self.observer = None  # a verify.trace.EngineTracer while tracing
         self.preemptions = {"recompute": 0, "swap": 0}
+        self.last_output: SchedulerOutput | None = None  # what the latest step decided
 
     # --- queue management ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -73,6 +74,7 @@ class Scheduler:
             budget = self._restore_swapped(out, budget)
             if not any(s.hold_until_step <= step for s in self.swapped):
                 self._admit_waiting(out, budget)
+        self.last_output = out
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -102,16 +104,16 @@ class Scheduler:
         return "ok"
 
     def _restore_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        """Swapped requests come back before any new admission, oldest first. One swapped out
+        mid-prefill may have more uncomputed tokens than a whole step's budget: it is restored
+        with a chunk of them (like any prefill), never left waiting for a budget it cannot get."""
         for seq in list(self.swapped):
             if seq.hold_until_step > out.step:
                 continue
-            n = seq.num_uncomputed
-            need = -(-seq.num_tokens // self.cache.block_size)
-            if (
-                len(self.running) >= self.config.max_num_seqs
-                or n > budget
-                or need > self.cache.num_free_blocks()
-            ):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            n = min(seq.num_uncomputed, budget)
+            if self.cache.blocks_for(seq.swapped_tokens + n) > self.cache.num_free_blocks():
                 break
             self.swapped.remove(seq)
             self.mover.swap_in(seq)  # table readable only once the copy is complete
@@ -163,7 +165,7 @@ class Scheduler:
         return growth + self._worst_case_blocks(seq) <= self.cache.num_free_blocks()
 
     def _worst_case_blocks(self, seq: Sequence) -> int:
-        return -(-(len(seq.prompt_ids) + seq.params.max_tokens) // self.cache.block_size)
+        return self.cache.blocks_for(len(seq.prompt_ids) + seq.params.max_tokens)
 
     def _acquire_prefix(self, seq: Sequence) -> None:
         cached = self.cache.acquire_prefix(seq.table, seq.chain, seq.num_tokens)

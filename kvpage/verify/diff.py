@@ -1,16 +1,20 @@
 """First divergence between a reference trace and a candidate trace (R16), attributed by the fixed
 matrix of seed 000 §8 (R17):
 
+  same logits, different token              -> sampling:     seed, generator offset/state, filters
+  runs longer or shorter / other finish      -> stop_rule:    finish reasons, stop ids, max_tokens
   diverges right after a preemption resume  -> restore:      restore-complete flag, generations
   diverges only on a quantized-KV path      -> quantized_kv: KV scale and layout
   diverges at the end of prefill / a hit    -> prefix_key:   namespace, prefix digest, position ids
   diverges later (after a block boundary)   -> block_table:  in-block offset, last-block length
 
+The first two come first: when the logits agree, no KV was read wrongly, so the cause is in what
+turns logits into tokens or decides when to stop, whatever the cache did before.
 Each class names the fields it needs; an attribution missing any of them makes the report fail."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
 
 from kvpage.verify.trace import StepRecord
@@ -19,7 +23,29 @@ DEFAULT_ATOL = 1e-4
 QUANTIZED_KV_DTYPES = ("int8", "uint8", "int4", "float8_e4m3fn", "float8_e5m2")
 
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
+    "sampling": (
+        "seed",
+        "generator_offset",
+        "generator_state",
+        "temperature",
+        "top_k",
+        "top_p",
+        "support",
+    ),
+    "stop_rule": (
+        "finish_reason_ref",
+        "finish_reason_cand",
+        "steps_ref",
+        "steps_cand",
+        "last_token",
+        "stop_token_ids",
+        "max_tokens",
+    ),
     "restore": ("restore_complete", "resume_mode", "generations", "block_ids"),
+    # Found by the case checks rather than a step pair (kvpage.verify.checks):
+    "liveness": ("steps", "bound", "stalled", "queues", "uncomputed", "free_blocks"),
+    "resource": ("leaked", "stats", "live_tables"),
+    "accounting": ("counter", "expected", "actual"),
     "quantized_kv": ("kv_dtype", "kv_scale", "kv_layout"),
     "prefix_key": (
         "namespace_ref",
@@ -32,7 +58,12 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "block_table": ("in_block_offset", "last_block_len", "block_ids", "generations"),
 }
 WHERE_TO_LOOK = {
+    "sampling": "the sampler: seed, per-request generator state, temperature / top-k / top-p",
+    "stop_rule": "stop rules: stop token ids, EOS, max_tokens and the finish reason",
     "restore": "restore-complete flag and block generations",
+    "liveness": "the scheduler: what was ready, what it waited for, free blocks",
+    "resource": "the release paths: blocks, tables, swap space left behind",
+    "accounting": "counters and finish reasons against what the case implies",
     "quantized_kv": "KV scale and layout",
     "prefix_key": "prefix key (namespace, chained digest) and position ids",
     "block_table": "in-block offset and last-block valid length in the block table",
@@ -49,6 +80,17 @@ class Attribution:
     @property
     def complete(self) -> bool:
         return not self.missing
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    """What the diff needs to know about the request beyond its trace: its sampling parameters
+    (the sampling and stop classes) and how each side finished."""
+
+    params: object  # kvpage.sampling_params.SamplingParams
+    finish_ref: str | None = None
+    finish_cand: str | None = None
+    stop_ids: tuple[int, ...] = ()  # stop_token_ids plus EOS unless ignore_eos
 
 
 @dataclass(slots=True)
@@ -82,30 +124,65 @@ class Divergence:
 
 
 def first_divergence(
-    reference: list[StepRecord], candidate: list[StepRecord], atol: float = DEFAULT_ATOL
+    reference: list[StepRecord],
+    candidate: list[StepRecord],
+    atol: float = DEFAULT_ATOL,
+    context: RequestContext | None = None,
 ) -> Divergence | None:
     for step, (ref, cand) in enumerate(zip(reference, candidate, strict=False)):
         found = _compare(ref, cand, atol)
         if found is not None:
             kind, detail, drift = found
-            return Divergence(
-                cand.request_id, step, kind, detail, ref, cand, drift, attribute(ref, cand)
-            )
-    if len(reference) != len(candidate):
-        step = min(len(reference), len(candidate))
-        ref = reference[step] if step < len(reference) else None
-        cand = candidate[step] if step < len(candidate) else None
-        last = (reference or candidate)[-1]
-        detail = f"reference has {len(reference)} steps, candidate {len(candidate)}"
-        attribution = (
-            attribute(ref, cand)
-            if ref is not None and cand is not None
-            else Attribution(
-                "block_table", "trace lengths differ", {}, list(REQUIRED_FIELDS["block_table"])
-            )
-        )
-        return Divergence(last.request_id, step, "length", detail, ref, cand, None, attribution)
-    return None
+            attribution = attribute(ref, cand, context, drift, atol)
+            return Divergence(cand.request_id, step, kind, detail, ref, cand, drift, attribution)
+    ended = _ending_divergence(reference, candidate, context)
+    return ended
+
+
+def _ending_divergence(reference, candidate, context: RequestContext | None):
+    """Same tokens so far, but one side ran longer, or both stopped for different reasons."""
+    finish_ref = context.finish_ref if context else None
+    finish_cand = context.finish_cand if context else None
+    same_length = len(reference) == len(candidate)
+    if same_length and (finish_ref is None or finish_cand is None or finish_ref == finish_cand):
+        return None
+    step = min(len(reference), len(candidate))
+    ref = reference[step] if step < len(reference) else None
+    cand = candidate[step] if step < len(candidate) else None
+    last = (candidate or reference)[-1] if (candidate or reference) else None
+    kind = "finish_reason" if same_length else "length"
+    detail = (
+        f"reference {len(reference)} tokens ({finish_ref}), candidate {len(candidate)} tokens "
+        f"({finish_cand})"
+    )
+    attribution = _stop_attribution(reference, candidate, context)
+    rid = last.request_id if last is not None else ""
+    shown_ref = ref if ref is not None else (reference[-1] if reference else None)
+    shown_cand = cand if cand is not None else (candidate[-1] if candidate else None)
+    return Divergence(rid, step, kind, detail, shown_ref, shown_cand, None, attribution)
+
+
+def _stop_attribution(reference, candidate, context: RequestContext | None) -> Attribution:
+    shorter = reference if len(reference) <= len(candidate) else candidate
+    params = context.params if context else None
+    fields: dict[str, Any] = {
+        "finish_reason_ref": context.finish_ref if context else None,
+        "finish_reason_cand": context.finish_cand if context else None,
+        "steps_ref": len(reference),
+        "steps_cand": len(candidate),
+        "last_token": shorter[-1].chosen_token if shorter else None,
+        "stop_token_ids": list(context.stop_ids) if context else None,
+        "max_tokens": getattr(params, "max_tokens", None),
+        "ignore_eos": getattr(params, "ignore_eos", None),
+    }
+    which = "candidate" if len(candidate) < len(reference) else "reference"
+    reason = (
+        f"the {which} stopped first"
+        if len(reference) != len(candidate)
+        else "same tokens, different finish reason"
+    )
+    missing = [f for f in REQUIRED_FIELDS["stop_rule"] if fields.get(f) is None]
+    return Attribution("stop_rule", reason, fields, missing)
 
 
 def _compare(ref: StepRecord, cand: StepRecord, atol: float):
@@ -133,7 +210,21 @@ def _max_abs(ref: StepRecord, cand: StepRecord) -> float | None:
     return float((ref.logits - cand.logits).abs().max())
 
 
-def attribute(ref: StepRecord, cand: StepRecord) -> Attribution:
+def attribute(
+    ref: StepRecord,
+    cand: StepRecord,
+    context: RequestContext | None = None,
+    drift: float | None = None,
+    atol: float = DEFAULT_ATOL,
+) -> Attribution:
+    if (
+        ref.chosen_token != cand.chosen_token
+        and drift is not None
+        and drift <= atol
+        and ref.input_ids == cand.input_ids
+        and ref.position_ids == cand.position_ids
+    ):
+        return sampling_attribution(ref, cand, context)
     view = cand.view
     fields: dict[str, Any] = {
         "block_ids": [e.physical for e in view.entries],
@@ -175,3 +266,34 @@ def attribute(ref: StepRecord, cand: StepRecord) -> Attribution:
         )
     missing = [f for f in REQUIRED_FIELDS[cls] if fields.get(f) is None]
     return Attribution(cls, reason, fields, missing)
+
+
+def sampling_attribution(
+    ref: StepRecord, cand: StepRecord, context: RequestContext | None
+) -> Attribution:
+    """Same inputs, same logits, another token: the sampler (or its generator) chose it."""
+    from kvpage.verify.sampling_oracle import filtered_support  # the oracle, not the sampler
+
+    params = context.params if context else None
+    sampler = cand.sampler or {}
+    fields: dict[str, Any] = {
+        "seed": sampler.get("seed"),
+        "generator_offset": sampler.get("generator_offset"),
+        "generator_state": sampler.get("generator_state"),
+        "temperature": getattr(params, "temperature", None),
+        "top_k": getattr(params, "top_k", None),
+        "top_p": getattr(params, "top_p", None),
+        "support": None,
+        "reference_token": ref.chosen_token,
+        "candidate_token": cand.chosen_token,
+        "reference_sampler": ref.sampler,
+    }
+    if params is not None and cand.logits is not None:
+        support = filtered_support(cand.logits, params)
+        fields["support"] = asdict(support) if is_dataclass(support) else support
+    if params is not None and params.greedy:
+        # A greedy request has no generator: its "state" is the argmax rule itself.
+        fields.update(seed="greedy", generator_offset=0, generator_state="greedy")
+    reason = "logits agree but the chosen token differs"
+    missing = [f for f in REQUIRED_FIELDS["sampling"] if fields.get(f) is None]
+    return Attribution("sampling", reason, fields, missing)

@@ -13,7 +13,7 @@ from kvpage.model.attention import ContiguousKVCache
 from kvpage.model.base import CausalLM
 from kvpage.sampling import DEFAULT_SEED, make_generator, sample_token, top_logprobs
 from kvpage.sampling_params import SamplingParams
-from kvpage.verify.trace import CacheView, StepRecord, ViewEntry, make_record
+from kvpage.verify.trace import CacheView, StepRecord, ViewEntry, make_record, sampler_state
 
 
 @dataclass
@@ -47,7 +47,9 @@ def generate(
         logits = _step(model, cache, step_input, out)
         token = sample_token(logits, params, generator)
         if trace_as is not None:
-            out.records.append(_record(trace_as, out, step_input, logits, token, cache, namespace))
+            record = _record(trace_as, out, step_input, logits, token, cache, namespace)
+            record.sampler = sampler_state(generator, len(out.token_ids) + 1)
+            out.records.append(record)
         out.token_ids.append(token)
         out.step_logits.append(logits.float().cpu())
         if out.logprobs is not None:

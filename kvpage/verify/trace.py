@@ -8,6 +8,7 @@ view, so the two can be diffed field by field (kvpage.verify.diff)."""
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -63,6 +64,7 @@ class StepRecord:
     resume_mode: str = ""
     restore_complete: bool = True  # the restored KV had landed when this step read it
     engine_step: int = -1
+    sampler: dict | None = None  # seed, generator offset and state digest after this draw
     logits: torch.Tensor | None = field(default=None, repr=False)  # (V,) float32, for atol checks
 
     def to_dict(self) -> dict:
@@ -90,6 +92,18 @@ def logits_digests(logits: torch.Tensor) -> list[str]:
 def _digest_weights(vocab: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0x6B7670616765)
     return torch.randint(-(2**62), 2**62, (vocab,), generator=gen, dtype=torch.int64)
+
+
+def sampler_state(generator: torch.Generator | None, num_draws: int) -> dict | None:
+    """The request's generator after a draw: seed, offset (draws so far) and a state digest."""
+    if generator is None:
+        return None
+    state = hashlib.sha256(generator.get_state().numpy().tobytes()).hexdigest()[:16]
+    return {
+        "seed": generator.initial_seed(),
+        "generator_offset": num_draws,
+        "generator_state": state,
+    }
 
 
 def make_record(request_id, step, input_ids, position_ids, logits, token, view, **extra):
@@ -223,6 +237,7 @@ class EngineTracer:
                     resume_mode=pend.resume_mode,
                     restore_complete=pend.restore_complete,
                     engine_step=self.engine.step_count,
+                    sampler=sampler_state(seq.generator, seq.num_draws),
                     logits=logits[row],  # a view of this step's own logits tensor
                 )
             )

@@ -1,0 +1,91 @@
+"""What a verification case is: requests with arrival steps and expectations, and actions done to
+the engine between steps (R19-R21). Case builders live in kvpage.verify.cases, one module per suite."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvpage.engine.engine import LLMEngine
+from kvpage.sampling_params import SamplingParams
+from kvpage.verify.canary import make_canaries
+
+
+@dataclass(slots=True)
+class RequestSpec:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrive_step: int = 0  # engine steps run before this request is added
+    cache_salt: str | None = None
+    timeout_s: float | None = None
+    canary: tuple[int, ...] = ()
+    # Stop on the token the reference draws at this step (resolved against the reference before
+    # the case runs), so a stop rule is exercised whatever the model's weights are.
+    stop_at_ref_step: int | None = None
+
+    def sample_ids(self) -> list[str]:
+        """Trace keys of the request's samples (kvpage.engine.sequence.Sequence.sample_id)."""
+        n = self.params.n
+        return [self.request_id] if n == 1 else [f"{self.request_id}#{i}" for i in range(n)]
+
+
+@dataclass(slots=True)
+class Action:
+    """Something done to the engine between steps, once `when(engine, step)` holds."""
+
+    name: str
+    when: Callable[[LLMEngine, int], bool]
+    do: Callable[[LLMEngine], None]
+
+
+@dataclass(slots=True)
+class Case:
+    suite: str
+    name: str
+    requests: list[RequestSpec]
+    engine: dict = field(default_factory=dict)  # EngineConfig overrides
+    actions: list[Action] = field(default_factory=list)
+    expect_finish: dict[str, str] = field(default_factory=dict)  # request -> finish reason
+    expect_hit: tuple[str, ...] = ()  # requests that must be served from the prefix cache
+    expect_no_hit: tuple[str, ...] = ()  # requests that must not be (another namespace)
+    expect_preemption: bool = False
+    expect_counters: dict[str, int] = field(default_factory=dict)  # exact stats at the end
+    expect_hit_tokens: dict[str, int] = field(default_factory=dict)  # exact cached tokens
+    check_sampling: bool = False  # also test the case's draws against the sampling oracle
+    hold_steps: int = 0  # steps its forced preemptions keep requests out (for the step bound)
+
+    @property
+    def full_name(self) -> str:
+        return f"{self.suite}/{self.name}"
+
+
+class Tokens:
+    """Deterministic token material, avoiding special ids."""
+
+    def __init__(self, vocab: int, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.ids = list(range(3, min(vocab, 256)))
+
+    def take(self, n: int) -> list[int]:
+        return [self.rng.choice(self.ids) for _ in range(n)]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def with_canaries(specs: list[RequestSpec], vocab: int, seed: int) -> list[RequestSpec]:
+    """Put each request's canary at the end of its private tail (keeps shared prefixes intact)."""
+    ids = list(range(3, min(vocab, 256)))
+    canaries = make_canaries([s.request_id for s in specs], ids, seed)
+    for s in specs:
+        s.canary = canaries[s.request_id]
+        s.prompt = s.prompt + list(s.canary)
+    return specs
+
+
+def status_of(engine: LLMEngine, rid: str):
+    seq = engine.seqs.get(rid)
+    return None if seq is None else seq.status

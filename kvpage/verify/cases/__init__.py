@@ -1,0 +1,26 @@
+"""The gate's cases, one module per suite (kvpage.verify.case describes what a case is)."""
+
+from __future__ import annotations
+
+from kvpage.verify.case import Case
+from kvpage.verify.cases.batching import batching_cases
+from kvpage.verify.cases.failure import failure_cases
+from kvpage.verify.cases.preemption import preemption_cases
+from kvpage.verify.cases.prefix import prefix_cases
+
+SUITES = ("prefix", "batching", "preemption", "failure")
+BLOCK_SIZES = (8, 16)
+
+
+def build_suites(vocab: int, suites: tuple[str, ...] = SUITES) -> list[Case]:
+    cases: list[Case] = []
+    if "prefix" in suites:
+        for block_size in BLOCK_SIZES:
+            cases += prefix_cases(vocab, block_size)
+    if "batching" in suites:
+        cases += batching_cases(vocab)
+    if "preemption" in suites:
+        cases += preemption_cases(vocab)
+    if "failure" in suites:
+        cases += failure_cases(vocab)
+    return cases

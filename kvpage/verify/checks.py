@@ -1,0 +1,279 @@
+"""What a finished case is checked for besides the token-by-token diff: sampled draws against the
+independent sampling oracle, KV provenance of every read, the case's expectations (prefix hits,
+finish reasons, counters) and the idle engine's baseline. Every failure carries an attribution,
+so a bug caught only by these checks still says where to look."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvpage.engine.engine import LLMEngine
+from kvpage.verify.case import Case, RequestSpec
+from kvpage.verify.diff import (
+    REQUIRED_FIELDS,
+    Attribution,
+    Divergence,
+    RequestContext,
+    attribute,
+    sampling_attribution,
+)
+from kvpage.verify.sampling_oracle import (
+    SAMPLING_P_THRESHOLD,
+    DrawSample,
+    check_draw,
+    check_logprobs,
+    uniformity_test,
+)
+from kvpage.verify.trace import StepRecord
+
+
+@dataclass(slots=True)
+class Failure:
+    kind: str  # divergence | sampling | canary | provenance | expectation | baseline | liveness | crash
+    message: str
+    request_id: str | None = None
+    divergence: Divergence | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "message": self.message,
+            "request_id": self.request_id,
+            "divergence": None if self.divergence is None else self.divergence.to_dict(),
+        }
+
+
+def finding(
+    kind: str, cls: str, reason: str, fields: dict[str, Any], request_id: str = "", step: int = -1
+) -> Divergence:
+    """A failure with no reference/candidate step pair, attributed all the same."""
+    missing = [f for f in REQUIRED_FIELDS[cls] if fields.get(f) is None]
+    return Divergence(
+        request_id, step, kind, reason, None, None, None, Attribution(cls, reason, fields, missing)
+    )
+
+
+# --- sampling ----------------------------------------------------------------------------------
+def check_sampling(
+    spec: RequestSpec, sample: int, ref: list[StepRecord], cand: list[StepRecord], completion
+) -> list[Failure]:
+    """Every draw of a sampled request must be possible under the oracle, and its logprobs must be
+    the raw distribution's. The first violation per sample is enough to fail it."""
+    params = spec.params.for_sample(sample)
+    logprobs = None if completion is None else completion.logprobs
+    for step, rec in enumerate(cand):
+        problem = None if rec.logits is None else check_draw(rec.logits, params, rec.chosen_token)
+        if problem is None and logprobs is not None and step < len(logprobs):
+            problem = check_logprobs(rec.logits, logprobs[step], params.logprobs)
+        if problem is not None:
+            ref_rec = ref[step] if step < len(ref) else rec
+            attribution = sampling_attribution(ref_rec, rec, RequestContext(params))
+            div = Divergence(
+                rec.request_id, step, "sampling", problem, ref_rec, rec, None, attribution
+            )
+            return [
+                Failure("sampling", f"{rec.request_id} step {step}: {problem}", rec.request_id, div)
+            ]
+    return []
+
+
+def check_draw_distribution(case: Case, records: dict[str, list[StepRecord]]) -> list[Failure]:
+    """All sampled draws of the case together must be distributed as the oracle says (a
+    randomized-PIT uniformity test; deterministic, since every draw is seeded)."""
+    draws, first = [], None
+    for spec in case.requests:
+        for sample, sample_id in enumerate(spec.sample_ids()):
+            params = spec.params.for_sample(sample)
+            if params.greedy:
+                continue
+            for rec in records.get(sample_id, []):
+                draws.append(DrawSample(rec.logits, params, rec.chosen_token))
+                first = first or (rec, params)
+    if not draws:
+        return []
+    stat = uniformity_test(draws)
+    if stat.p_value >= SAMPLING_P_THRESHOLD:
+        return []
+    rec, params = first
+    message = (
+        f"{stat.n} draws do not follow the oracle's distribution: statistic "
+        f"{stat.statistic:.4g}, p = {stat.p_value:.3g} < {SAMPLING_P_THRESHOLD:g}"
+    )
+    attribution = sampling_attribution(rec, rec, RequestContext(params))
+    attribution.reason = message
+    div = Divergence(rec.request_id, 0, "draw_distribution", message, None, rec, None, attribution)
+    return [Failure("sampling", message, rec.request_id, div)]
+
+
+# --- provenance --------------------------------------------------------------------------------
+def check_provenance(tracer) -> list[Failure]:
+    """Every (block, generation) a step read must hold KV written for the reader's own history."""
+    provenance = getattr(tracer, "provenance", None)
+    if provenance is None or not provenance.violations:
+        return []
+    records = tracer.records
+    failures = []
+    for v in provenance.violations[:4]:
+        own = records.get(v.sample_id, [])
+        rec = own[min(v.record_step, len(own) - 1)] if own else None
+        fields = {
+            "block_ids": [v.block_id],
+            "generations": [v.generation],
+            "in_block_offset": None,
+            "last_block_len": None,
+            "violation": v.kind,
+            "logical_block": v.logical,
+        }
+        if rec is not None:
+            attribution = attribute(rec, rec)
+            attribution.fields.update(violation=v.kind, logical_block=v.logical)
+            attribution.reason = f"{v.kind}: {attribution.reason}"
+            if attribution.cls != "block_table":  # provenance is about table entries
+                fields.update(in_block_offset=-1, last_block_len=rec.view.last_block_len)
+                attribution = Attribution("block_table", v.kind, fields, [])
+        else:
+            fields.update(in_block_offset=-1, last_block_len=-1)
+            attribution = Attribution("block_table", v.kind, fields, [])
+        div = Divergence(
+            v.sample_id, v.record_step, "provenance", v.message, None, rec, None, attribution
+        )
+        failures.append(Failure("provenance", v.message, v.sample_id, div))
+    return failures
+
+
+# --- expectations ------------------------------------------------------------------------------
+def check_expectations(case: Case, engine: LLMEngine, finished) -> list[Failure]:
+    failures: list[Failure] = []
+    for rid, reason in case.expect_finish.items():
+        got = finished[rid].outputs[0].finish_reason if rid in finished else None
+        if got != reason:
+            message = f"finish_reason {got}, expected {reason}"
+            fields = {"expected": reason, "actual": got, "counter": "finish_reason"}
+            div = finding("finish_reason", "accounting", message, fields, rid)
+            failures.append(Failure("expectation", message, rid, div))
+    failures += _check_hits(case, engine, finished)
+    failures += _check_counters(case, engine, finished)
+    return failures
+
+
+def _expected_hits(case: Case) -> dict[str, tuple[str, int | None]]:
+    """request -> ("exact", n) | ("some", None) | ("none", 0)."""
+    expected: dict[str, tuple[str, int | None]] = {}
+    for rid in case.expect_hit:
+        expected[rid] = ("some", None)
+    for rid in case.expect_no_hit:
+        expected[rid] = ("none", 0)
+    for rid, n in case.expect_hit_tokens.items():
+        expected[rid] = ("exact", n)
+    return expected
+
+
+def _check_hits(case: Case, engine: LLMEngine, finished) -> list[Failure]:
+    failures = []
+    records = engine.tracer.records
+    for rid, (how, n) in _expected_hits(case).items():
+        if rid not in finished:
+            continue
+        got = finished[rid].metrics.num_cached_tokens
+        if (how == "some" and got > 0) or (how != "some" and got == n):
+            continue
+        want = "a prefix-cache hit" if how == "some" else f"{n} cached tokens"
+        message = f"expected {want}, got {got} cached tokens"
+        spec = next(s for s in case.requests if s.request_id == rid)
+        failures.append(
+            Failure("expectation", message, rid, _hit_divergence(spec, records, message))
+        )
+    return failures
+
+
+def _hit_divergence(spec: RequestSpec, records, message: str) -> Divergence | None:
+    """A wrong hit or miss is a prefix-key matter: show the step-0 record and its namespace."""
+    sample_id = spec.sample_ids()[0]
+    own = records.get(sample_id, [])
+    if not own:
+        return None
+    rec = own[0]
+    attribution = attribute(rec, rec)
+    attribution.reason = message
+    if attribution.cls != "prefix_key":
+        fields = dict(attribution.fields)
+        fields.update(
+            namespace_ref=rec.view.namespace,
+            namespace_cand=rec.view.namespace,
+            prefix_digest=rec.prefix_digest,
+            prefix_hit_tokens=rec.prefix_hit_tokens,
+            position_ids_ref=rec.position_ids,
+            position_ids_cand=rec.position_ids,
+        )
+        attribution = Attribution("prefix_key", message, fields, [])
+    return Divergence(sample_id, 0, "prefix_hit", message, None, rec, None, attribution)
+
+
+def _check_counters(case: Case, engine: LLMEngine, finished) -> list[Failure]:
+    failures = []
+    stats = engine.stats()
+    if case.expect_preemption and stats["preemptions"] == 0:
+        message = "the case was built to preempt, but nothing was"
+        fields = {"counter": "preemptions", "expected": ">0", "actual": 0}
+        failures.append(
+            Failure("expectation", message, None, finding("counter", "accounting", message, fields))
+        )
+    expected = dict(case.expect_counters)
+    # Prefix accounting (R29): hits count each prompt once, at its first admission.
+    expected.setdefault("prefix_hits", sum(o.metrics.num_cached_tokens for o in finished.values()))
+    for name, value in expected.items():
+        if stats[name] != value:
+            message = f"stats[{name!r}] = {stats[name]}, expected {value}"
+            fields = {"counter": name, "expected": value, "actual": stats[name]}
+            div = finding("counter", "accounting", message, fields)
+            failures.append(Failure("expectation", message, None, div))
+    return failures
+
+
+# --- baseline ----------------------------------------------------------------------------------
+def check_baseline(engine: LLMEngine) -> list[Failure]:
+    """Idle engine: every block free or cached, each cached block indexed, nothing held (R21)."""
+    s = engine.stats()
+    problems = []
+    if s["private_blocks"] or s["shared_blocks"] or s["evicting_blocks"] or s["restoring_blocks"]:
+        problems.append(
+            f"blocks still held: {s['private_blocks']} private, {s['shared_blocks']} "
+            f"shared, {s['evicting_blocks']} evicting, {s['restoring_blocks']} restoring"
+        )
+    if s["free_blocks"] + s["cached_blocks"] != s["num_blocks"]:
+        problems.append(
+            f"free {s['free_blocks']} + cached {s['cached_blocks']} != {s['num_blocks']}"
+        )
+    if s["index_entries"] != s["cached_blocks"]:
+        problems.append(
+            f"index has {s['index_entries']} entries for {s['cached_blocks']} cached blocks"
+        )
+    if s["running"] or s["waiting"] or s["swapped"] or s["swap_space_used"]:
+        problems.append("requests or swap space still held")
+    if engine.cache.live_tables or engine.cache.inflight:
+        problems.append("live tables or in-flight snapshots remain")
+    fields = {
+        "leaked": problems,
+        "stats": {k: s[k] for k in _BASELINE_KEYS},
+        "live_tables": sorted(engine.cache.live_tables),
+    }
+    return [
+        Failure("baseline", p, None, finding("baseline", "resource", p, fields)) for p in problems
+    ]
+
+
+_BASELINE_KEYS = (
+    "num_blocks",
+    "free_blocks",
+    "private_blocks",
+    "shared_blocks",
+    "cached_blocks",
+    "evicting_blocks",
+    "restoring_blocks",
+    "index_entries",
+    "running",
+    "waiting",
+    "swapped",
+    "swap_space_used",
+)
