@@ -68,7 +68,10 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.storage, self.cache)
         self.sampler = Sampler()
         self.namespace = base_namespace(model, tokenizer, config.block_size, config.model)
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, Sequence] = {}  # request id -> its sample 0 (the only one if n == 1)
+        self.samples: dict[str, list[Sequence]] = {}  # request id -> its samples, by index
+        self._to_fork: set[int] = set()  # seq ids of n > 1 requests before their first token
+        self._forced_later: dict[str, ForcedPreemption] = {}  # sample id -> plan, until forked
         self.step_count = 0
         self.counters = {
             "swap_outs": 0,
@@ -119,6 +122,9 @@ class LLMEngine:
         if seq.deadline is not None:
             self._with_deadline.add(request_id)
         self.seqs[request_id] = seq
+        self.samples[request_id] = [seq]
+        if params.n > 1:
+            self._to_fork.add(seq.seq_id)  # R33: one sequence until its prefill is done
         self.scheduler.add(seq)
 
     def _new_sequence(self, request_id, prompt_ids, params, cache_salt, now) -> Sequence:
@@ -133,6 +139,7 @@ class LLMEngine:
             params=params,
             chain=chain,
             table=self.cache.new_table(seq_id),
+            # Sample 0's seed is params.seed, which is what params.for_sample(0) would give.
             generator=make_generator(params, self.config.seed + seq_id, self.model.device),
             stop_ids=frozenset((*eos, *params.stop_token_ids)),
             arrival_time=now,
@@ -176,13 +183,33 @@ class LLMEngine:
             )
 
     def abort_request(self, request_id: str, reason: str = "abort") -> bool:
-        """Abort wherever the request is (waiting, running, swapped); its blocks come back."""
-        seq = self.seqs.get(request_id)
-        if seq is None or seq.finished:
+        """Abort wherever the request is (waiting, running, swapped); its blocks come back.
+        Every unfinished sample of a parallel request goes; a sample id `rid#i` aborts only
+        that sample (the server's stop strings end samples one at a time)."""
+        live = [seq for seq in self._samples_named(request_id) if not seq.finished]
+        if not live:
             return False
         self.counters["aborts" if reason == "abort" else "timeouts"] += 1
-        self._finish(seq, reason)
+        for seq in live:
+            self._finish(seq, reason)
         return True
+
+    def _samples_named(self, name: str) -> list[Sequence]:
+        """A request id names all its samples; `rid#i` names sample i once it exists."""
+        if name in self.samples:
+            return self.samples[name]
+        ref = self._split_sample_id(name)
+        if ref is None or ref[1] >= len(self.samples[ref[0]]):
+            return []
+        return [self.samples[ref[0]][ref[1]]]
+
+    def _split_sample_id(self, sample_id: str) -> tuple[str, int] | None:
+        """`rid#i` of a live parallel request -> (rid, i); anything else -> None."""
+        rid, sep, index = sample_id.rpartition("#")
+        head = self.seqs.get(rid)
+        if not sep or head is None or not index.isdigit() or int(index) >= head.params.n:
+            return None
+        return rid, int(index)
 
     def force_preempt(
         self,
@@ -192,13 +219,21 @@ class LLMEngine:
         mode: str | None = None,
     ) -> None:
         """R20: preempt the request once it has `after_tokens` outputs; keep it out for
-        `resume_after_steps` steps; `mode` defaults to the engine's preemption mode."""
-        if request_id not in self.seqs:
+        `resume_after_steps` steps; `mode` defaults to the engine's preemption mode. A request
+        id targets its sample 0; `rid#i` targets sample i, also before it is forked."""
+        ref = None if request_id in self.seqs else self._split_sample_id(request_id)
+        if request_id not in self.seqs and ref is None:
             raise InvalidRequest(f"unknown request_id {request_id!r}")
         mode = mode or self.config.preemption_mode
         if mode not in ("recompute", "swap"):
             raise InvalidRequest(f"mode must be 'recompute' or 'swap', got {mode!r}")
-        self.seqs[request_id].forced = ForcedPreemption(after_tokens, resume_after_steps, mode)
+        plan = ForcedPreemption(after_tokens, resume_after_steps, mode)
+        if ref is None:
+            self.seqs[request_id].forced = plan
+        elif ref[1] < len(self.samples[ref[0]]):
+            self.samples[ref[0]][ref[1]].forced = plan
+        else:
+            self._forced_later[f"{ref[0]}#{ref[1]}"] = plan
 
     def inject_swap_failure(self, count: int = 1) -> None:
         """R21: the next `count` swap-out writes fail; the engine must fall back to recompute."""
@@ -245,10 +280,58 @@ class LLMEngine:
             self.cache.publish_full_blocks(item.seq.table, item.seq.chain)
         seqs = [item.seq for item in batch.sample_seqs]
         tokens = self.sampler.sample(logits, seqs)
+        if self._to_fork:  # empty unless a parallel request is before its first token
+            self._fork_ready(seqs, logits)
         for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             self._append_token(seq, token, logits[row])
         if self._tracer is not None:
             self._tracer.on_sampled(batch, logits, tokens)
+
+    # --- parallel sampling (R33) -----------------------------------------------------------
+    def _fork_ready(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Fork every parallel request whose prefill just completed, before sample 0's first
+        token is appended: the children must share the prompt's KV, not sample 0's output."""
+        for row, seq in enumerate(seqs):
+            if seq.seq_id in self._to_fork:
+                self._to_fork.discard(seq.seq_id)
+                self._fork(seq, logits[row])
+
+    def _fork(self, parent: Sequence, logits_row: torch.Tensor) -> None:
+        """Samples 1..n-1 share every block of sample 0 (the partial last one is copied on its
+        first write) and draw their first token from the same logits with their own generator."""
+        children = [self._new_sample(parent, i) for i in range(1, parent.params.n)]
+        at = self.scheduler.running.index(parent) + 1
+        self.scheduler.running[at:at] = children  # right after the parent: same age
+        self.samples[parent.request_id].extend(children)
+        for child in children:
+            token = self.sampler.sample(logits_row[None], [child])[0]  # the seam counts draws
+            self._append_token(child, token, logits_row)
+
+    def _new_sample(self, parent: Sequence, index: int) -> Sequence:
+        seq_id = next(self._seq_ids)
+        params = parent.params  # n kept, so sample_id reads `rid#index`
+        seed_params = params.for_sample(index)
+        return Sequence(
+            seq_id=seq_id,
+            request_id=parent.request_id,
+            prompt_ids=parent.prompt_ids,
+            params=params,
+            chain=parent.chain.copy(),
+            table=self.cache.fork(parent.table, seq_id),
+            generator=make_generator(seed_params, self.config.seed + seq_id, self.model.device),
+            stop_ids=parent.stop_ids,
+            arrival_time=parent.arrival_time,
+            deadline=parent.deadline,
+            cache_salt=parent.cache_salt,
+            logprobs=[] if params.logprobs is not None else None,
+            status=SeqStatus.RUNNING,
+            num_computed=parent.num_computed,
+            num_cached_tokens=parent.num_cached_tokens,
+            # Its later re-prefills (after recompute) are not new prefix queries.
+            admitted_once=True,
+            forced=self._forced_later.pop(f"{parent.request_id}#{index}", None),
+            sample_index=index,
+        )
 
     def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor) -> None:
         seq.output_ids.append(token)
@@ -270,9 +353,31 @@ class LLMEngine:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         new = seq.output_ids[-1:] if reason in ("stop", "length") else []
-        self._pending.append(self._output(seq, new))
-        del self.seqs[seq.request_id]
-        self._with_deadline.discard(seq.request_id)
+        if seq.params.n == 1:
+            self._pending.append(self._output(seq, new))
+            self._retire(seq.request_id)
+        else:
+            self._finish_sample(seq, new)
+
+    def _finish_sample(self, seq: Sequence, new: list[int]) -> None:
+        """One sample of a parallel request is done; the request is once every sample is (a
+        request that ends before its fork has only sample 0)."""
+        self._to_fork.discard(seq.seq_id)
+        if self.emit_progress:
+            self._pending.append(self._output(seq, new))
+        samples = self.samples[seq.request_id]
+        if all(s.finished for s in samples):
+            self._pending.append(self._final_output(samples))
+            self._retire(seq.request_id)
+
+    def _retire(self, request_id: str) -> None:
+        del self.seqs[request_id]
+        del self.samples[request_id]
+        self._with_deadline.discard(request_id)
+        if self._forced_later:  # plans for samples that were never forked
+            prefix = f"{request_id}#"
+            for key in [k for k in self._forced_later if k.startswith(prefix)]:
+                del self._forced_later[key]
 
     def _expire_timeouts(self) -> None:
         """Only requests that have a deadline are looked at: none, no per-step scan."""
@@ -282,31 +387,48 @@ class LLMEngine:
             self.abort_request(request_id, reason="timeout")
 
     def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
-        text = ""
-        if seq.finished and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_ids)
-        ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
+        """The request's output for n == 1; for n > 1 one sample's progress (never finished:
+        `_final_output` ends a parallel request)."""
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_ids,
-            outputs=[
-                CompletionOutput(
-                    0,
-                    list(seq.output_ids),
-                    text,
-                    None if seq.logprobs is None else list(seq.logprobs),
-                    seq.finish_reason,
-                )
-            ],
-            finished=seq.finished,
-            metrics=RequestMetrics(
-                seq.arrival_time,
-                seq.first_token_time,
-                ttft,
-                seq.num_cached_tokens,
-                seq.num_preemptions,
-            ),
+            outputs=[self._completion(seq)],
+            finished=seq.finished and seq.params.n == 1,
+            metrics=self._metrics(seq, seq.num_preemptions),
             new_token_ids=new_tokens,
+        )
+
+    def _final_output(self, samples: list[Sequence]) -> RequestOutput:
+        """All n samples by index. Samples never forked (the request ended before its first
+        token) are empty, with sample 0's finish reason."""
+        head = samples[0]
+        outputs = [self._completion(s) for s in samples]
+        empty_logprobs = None if head.logprobs is None else []
+        outputs += [
+            CompletionOutput(i, [], "", empty_logprobs, head.finish_reason)
+            for i in range(len(samples), head.params.n)
+        ]
+        preemptions = sum(s.num_preemptions for s in samples)
+        return RequestOutput(
+            head.request_id, head.prompt_ids, outputs, True, self._metrics(head, preemptions)
+        )
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        text = ""
+        if seq.finished and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_ids)
+        return CompletionOutput(
+            seq.sample_index,
+            list(seq.output_ids),
+            text,
+            None if seq.logprobs is None else list(seq.logprobs),
+            seq.finish_reason,
+        )
+
+    def _metrics(self, seq: Sequence, num_preemptions: int) -> RequestMetrics:
+        ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
+        return RequestMetrics(
+            seq.arrival_time, seq.first_token_time, ttft, seq.num_cached_tokens, num_preemptions
         )
 
     def _copy_block(self, src: int, dst: int) -> None:

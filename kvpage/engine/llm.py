@@ -30,7 +30,8 @@ class LLM:
         use_tqdm: bool = True,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order. Every prompt is validated
+        """Run every prompt to completion; outputs in prompt order, one per prompt (with
+        `n` CompletionOutputs, by index, for SamplingParams(n=...)). Every prompt is validated
         before any runs, so one bad prompt raises InvalidRequest (naming its index) and nothing
         is left queued."""
         prompts = _as_prompt_list(prompts)

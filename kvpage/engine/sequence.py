@@ -4,6 +4,10 @@ WAITING --admit--> RUNNING --finish--> FINISHED
    ^                 |  \\--preempt(recompute)--> WAITING (front of the queue)
    |                 \\--preempt(swap)--> SWAPPED --restore--> RUNNING
 any state --abort/timeout--> FINISHED
+
+A request with n > 1 (R33) enters as one sequence, sample 0. The step that samples its first token
+forks samples 1..n-1: new sequences, RUNNING, sharing its blocks and key chain up to the prompt's
+end. From then on each sample moves through this machine on its own.
 """
 
 from __future__ import annotations

@@ -46,7 +46,6 @@ from kvpage.server.responses import (
 from kvpage.server.shadow import ShadowChecker
 from kvpage.server.state import ServerOptions, ServerState
 from kvpage.server.tenants import Tenants
-from kvpage.server.text_stream import TextStream
 
 log = logging.getLogger("kvpage.server")
 
@@ -180,9 +179,7 @@ async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, cha
     salt = state.tenants.cache_salt(request.state.tenant, body.cache_salt)
     shape = new_shape(chat, state.options.model_name, num_logprobs, body.return_token_ids)
     tokenizer = state.loop.engine.tokenizer
-    gen = Generation(
-        shape.request_id, prompt_ids, params, salt, TextStream(tokenizer, body.stop_strings)
-    )
+    gen = Generation.new(shape.request_id, prompt_ids, params, salt, tokenizer, body.stop_strings)
     try:
         sink = await submit(state, gen)
     except InvalidRequest as err:
@@ -198,7 +195,8 @@ async def _stream(state, shape, gen, sink, include_usage: bool) -> AsyncIterator
     tokenizer = state.loop.engine.tokenizer
     quiet = shape.num_logprobs is None and not shape.return_token_ids
     if shape.chat:
-        yield sse(role_chunk(shape))
+        for index in range(len(gen.choices)):
+            yield sse(role_chunk(shape, index))
     try:
         async with aclosing(run(state, gen, sink)) as deltas:
             async for delta in deltas:

@@ -1,5 +1,6 @@
-"""One request's life on the server: submit it, turn engine outputs into text deltas (stop strings,
-incremental decode), time its tokens, and hand it to the shadow comparison when it is done."""
+"""One request's life on the server: submit it, turn engine outputs into text deltas per choice
+(stop strings, incremental decode), time its tokens, and hand each sample to the shadow comparison
+when it is done. A request with n > 1 has n choices, one per engine sample (R33)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from kvpage.engine.outputs import RequestOutput
+from kvpage.engine.outputs import CompletionOutput, RequestOutput
+from kvpage.model.tokenizer import Tokenizer
 from kvpage.sampling_params import SamplingParams
 from kvpage.server.shadow import ShadowJob
 from kvpage.server.state import ServerState
@@ -18,12 +20,41 @@ from kvpage.server.text_stream import TextStream
 
 @dataclass(slots=True)
 class Delta:
-    """What one engine output adds to the response."""
+    """What one engine output adds to one choice of the response."""
 
+    index: int  # the choice (sample) it belongs to
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None  # one top-k dict per token in token_ids
     finish_reason: str | None
+    cut: bool = False  # the server ended this choice (stop string) before the engine did
+
+
+@dataclass(slots=True)
+class Choice:
+    """One sample's text as the client sees it."""
+
+    index: int
+    text: TextStream
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.text.token_ids
+
+    def advance(self, completion: CompletionOutput, new: list[int], final: bool) -> Delta:
+        piece = self.text.add(new, final=final)
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = completion.logprobs[len(completion.logprobs) - len(new) :] if new else []
+            self.logprobs.extend(logprobs)
+        cut = self.text.stopped
+        if cut:
+            self.finish_reason = "stop"
+        elif final:
+            self.finish_reason = completion.finish_reason
+        return Delta(self.index, piece, new, logprobs, self.finish_reason, cut)
 
 
 @dataclass(slots=True)
@@ -32,29 +63,58 @@ class Generation:
     prompt_ids: list[int]
     params: SamplingParams
     salt: str | None
-    text: TextStream
+    choices: list[Choice]
     cached_tokens: int = 0
-    finish_reason: str | None = None
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+
+    @classmethod
+    def new(cls, request_id, prompt_ids, params, salt, tokenizer: Tokenizer, stop: list[str]):
+        choices = [Choice(i, TextStream(tokenizer, list(stop))) for i in range(params.n)]
+        return cls(request_id, prompt_ids, params, salt, choices)
 
     @property
-    def token_ids(self) -> list[int]:
-        return self.text.token_ids
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
 
-    def advance(self, out: RequestOutput) -> Delta:
-        completion = out.outputs[0]
-        new = list(out.new_token_ids)
-        piece = self.text.add(new, final=out.finished)
-        logprobs = None
-        if completion.logprobs is not None:
-            logprobs = completion.logprobs[len(completion.logprobs) - len(new) :] if new else []
-            self.logprobs.extend(logprobs)
+    @property
+    def num_tokens(self) -> int:
+        """Completion tokens over all choices (usage)."""
+        return sum(len(c.token_ids) for c in self.choices)
+
+    def advance(self, out: RequestOutput) -> list[Delta]:
+        """The deltas of one engine output. Outputs of a choice already ended are dropped."""
         self.cached_tokens = out.metrics.num_cached_tokens
-        if self.text.stopped:
-            self.finish_reason = "stop"
-        elif out.finished:
-            self.finish_reason = completion.finish_reason
-        return Delta(piece, new, logprobs, self.finish_reason)
+        if out.finished and self.params.n > 1:
+            return self._close(out)  # the request's final output: every sample at once
+        completion = out.outputs[0]
+        choice = self.choices[completion.index]
+        if choice.finish_reason is not None:
+            return []
+        final = out.finished or completion.finish_reason is not None
+        return [choice.advance(completion, list(out.new_token_ids), final)]
+
+    def _close(self, out: RequestOutput) -> list[Delta]:
+        """Progress outputs already ended the choices whose samples finished on their own; the
+        rest (never forked, or the stream had no per-token outputs) end here."""
+        deltas = []
+        for choice, completion in zip(self.choices, out.outputs, strict=True):
+            if choice.finish_reason is None:
+                new = completion.token_ids[len(choice.token_ids) :]
+                deltas.append(choice.advance(completion, new, final=True))
+        return deltas
+
+    def shadow_jobs(self) -> list[ShadowJob]:
+        """One job per sample, each with the parameters it replays with alone."""
+        if self.params.n == 1:
+            return [self._job(self.request_id, self.params, self.choices[0])]
+        return [
+            self._job(f"{self.request_id}#{c.index}", self.params.for_sample(c.index), c)
+            for c in self.choices
+        ]
+
+    def _job(self, job_id: str, params: SamplingParams, choice: Choice) -> ShadowJob:
+        return ShadowJob(
+            job_id, self.prompt_ids, params, list(choice.token_ids), self.cached_tokens
+        )
 
 
 async def submit(state: ServerState, gen: Generation) -> asyncio.Queue:
@@ -63,21 +123,21 @@ async def submit(state: ServerState, gen: Generation) -> asyncio.Queue:
 
 
 async def run(state: ServerState, gen: Generation, sink: asyncio.Queue) -> AsyncIterator[Delta]:
-    """Deltas until the request finishes. Leaving early (client gone, stop string) aborts it in
-    the engine, which gives its blocks back."""
+    """Deltas until every choice is finished. Leaving early (client gone, stop string) aborts the
+    request in the engine, which gives its blocks back; a stop string in one of several choices
+    aborts only that sample."""
     last = time.perf_counter()
     async with aclosing(state.loop.outputs(gen.request_id, sink)) as outputs:
         async for out in outputs:
             if out.new_token_ids:
                 now = time.perf_counter()
-                (state.metrics.itl if gen.token_ids else state.metrics.ttft).observe(now - last)
+                (state.metrics.itl if gen.num_tokens else state.metrics.ttft).observe(now - last)
                 last = now
-            delta = gen.advance(out)
-            yield delta
-            if delta.finish_reason is not None:
+            for delta in gen.advance(out):
+                yield delta
+                if delta.cut and not gen.finished:
+                    state.loop.abort(f"{gen.request_id}#{delta.index}")
+            if gen.finished:
                 break
-    state.shadow.offer(
-        ShadowJob(
-            gen.request_id, gen.prompt_ids, gen.params, list(gen.token_ids), gen.cached_tokens
-        )
-    )
+    for job in gen.shadow_jobs():
+        state.shadow.offer(job)

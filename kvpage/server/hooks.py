@@ -30,7 +30,7 @@ def _wrap_preempt(engine: LLMEngine, audit: AuditLog) -> None:
     def preempt(seq: Sequence, out: Any, mode: str | None = None) -> str:
         held = _blocks(engine, seq)  # before: preemption gives them away
         used = original(seq, out, mode)
-        audit.write("preempt", request_id=seq.request_id, mode=used, **held)
+        audit.write("preempt", request_id=seq.sample_id, mode=used, **held)
         return used
 
     engine.scheduler.preempt = preempt
@@ -46,7 +46,7 @@ def _wrap_swap_in(engine: LLMEngine, audit: AuditLog, metrics: ServerMetrics) ->
         metrics.restore_latency.observe(latency)
         audit.write(
             "restore",
-            request_id=seq.request_id,
+            request_id=seq.sample_id,
             mode="swap",
             latency_s=latency,
             **_blocks(engine, seq),
@@ -61,7 +61,7 @@ def _wrap_finish(engine: LLMEngine, audit: AuditLog) -> None:
     def finish(seq: Sequence, reason: str) -> None:
         held = _blocks(engine, seq)
         original(seq, reason)
-        audit.write("free", request_id=seq.request_id, reason=reason, **held)
+        audit.write("free", request_id=seq.sample_id, reason=reason, **held)
 
     engine._finish = finish
 
@@ -74,4 +74,5 @@ def _blocks(engine: LLMEngine, seq: Sequence) -> dict[str, list[int]]:
 
 def _request_of(engine: LLMEngine, event: Any) -> str | None:
     seq_id = getattr(event, "seq_id", None)
-    return next((s.request_id for s in engine.seqs.values() if s.seq_id == seq_id), None)
+    samples = (s for group in engine.samples.values() for s in group)
+    return next((s.sample_id for s in samples if s.seq_id == seq_id), None)

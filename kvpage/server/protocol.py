@@ -14,6 +14,7 @@ from kvpage.errors import InvalidRequest
 from kvpage.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
+MAX_N = 16  # parallel samples per request (R33)
 
 
 class ApiError(Exception):
@@ -67,8 +68,8 @@ class _Common(BaseModel):
     return_token_ids: bool = False
 
     def check_unsupported(self) -> None:
-        if self.n != 1:
-            raise ApiError(f"n must be 1 (got {self.n}): parallel sampling is not served", "n")
+        if not 1 <= self.n <= MAX_N:
+            raise ApiError(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0.0:
                 raise ApiError(f"{name} is not supported; leave it at 0", name)
@@ -99,7 +100,7 @@ class CompletionRequest(_Common):
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
-                raise ApiError("only one prompt per request is served (n=1, no batches)", "prompt")
+                raise ApiError("only one prompt per request is served (no batches)", "prompt")
             p = p[0]
         if not p:
             raise ApiError("prompt is empty", "prompt")
@@ -158,6 +159,7 @@ def sampling_params(
             ignore_eos=req.ignore_eos,
             stop_token_ids=tuple(req.stop_token_ids),
             logprobs=None if num_logprobs is None else max(num_logprobs, 1),
+            n=req.n,  # sample i draws with seed + i (SamplingParams.for_sample)
         )
     except InvalidRequest as err:
         raise ApiError(str(err), _field_named(str(err))) from err

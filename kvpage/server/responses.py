@@ -52,33 +52,45 @@ def _envelope(shape: Shape, choices: list[dict], chunk: bool) -> dict[str, Any]:
 
 
 def final_body(shape: Shape, gen: Generation, tok: Tokenizer) -> dict[str, Any]:
-    lps = gen.logprobs if shape.num_logprobs is not None else None
-    choice = _choice(shape, gen.text.text, gen.token_ids, lps, gen.finish_reason, tok, False)
-    body = _envelope(shape, [choice], chunk=False)
-    body["usage"] = usage(len(gen.prompt_ids), len(gen.token_ids), gen.cached_tokens)
+    """One choice per sample, by index; usage counts the tokens of all of them."""
+    choices = []
+    for c in gen.choices:
+        lps = c.logprobs if shape.num_logprobs is not None else None
+        choices.append(
+            _choice(shape, c.index, c.text.text, c.token_ids, lps, c.finish_reason, tok, False)
+        )
+    body = _envelope(shape, choices, chunk=False)
+    body["usage"] = usage(len(gen.prompt_ids), gen.num_tokens, gen.cached_tokens)
     return body
 
 
 def chunk_body(shape: Shape, delta: Delta, tok: Tokenizer) -> dict[str, Any]:
     choice = _choice(
-        shape, delta.text, delta.token_ids, delta.logprobs, delta.finish_reason, tok, True
+        shape,
+        delta.index,
+        delta.text,
+        delta.token_ids,
+        delta.logprobs,
+        delta.finish_reason,
+        tok,
+        True,
     )
     return _envelope(shape, [choice], chunk=True)
 
 
-def role_chunk(shape: Shape) -> dict[str, Any]:
-    choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+def role_chunk(shape: Shape, index: int = 0) -> dict[str, Any]:
+    choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
     return _envelope(shape, [choice], chunk=True)
 
 
 def usage_chunk(shape: Shape, gen: Generation) -> dict[str, Any]:
     body = _envelope(shape, [], chunk=True)
-    body["usage"] = usage(len(gen.prompt_ids), len(gen.token_ids), gen.cached_tokens)
+    body["usage"] = usage(len(gen.prompt_ids), gen.num_tokens, gen.cached_tokens)
     return body
 
 
-def _choice(shape, text, token_ids, logprobs, finish_reason, tok, chunk) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0}
+def _choice(shape, index, text, token_ids, logprobs, finish_reason, tok, chunk) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index}
     if shape.chat:
         choice["delta" if chunk else "message"] = (
             {"content": text} if chunk else {"role": "assistant", "content": text}

@@ -14,7 +14,7 @@ from .conftest import MODEL
 
 CHAT = [{"role": "user", "content": "hi"}]
 BAD = [  # (path, body, field named)
-    ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, "n"),  # 1 <= n <= 16
     ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "x", "top_k": 0}, "top_k"),
@@ -32,7 +32,7 @@ BAD = [  # (path, body, field named)
     ("/v1/completions", {"prompt": "x", "seed": "abc"}, "seed"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-    ("/v1/chat/completions", {"messages": CHAT, "n": 3}, "n"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 0}, "n"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": -1}, "top_logprobs"),
     (
         "/v1/chat/completions",
