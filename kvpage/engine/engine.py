@@ -306,6 +306,8 @@ class LLMEngine:
         for child in children:
             token = self.sampler.sample(logits_row[None], [child])[0]  # the seam counts draws
             self._append_token(child, token, logits_row)
+            if self._tracer is not None:
+                self._tracer.on_forked(parent, child, logits_row, token)
 
     def _new_sample(self, parent: Sequence, index: int) -> Sequence:
         seq_id = next(self._seq_ids)
@@ -464,6 +466,18 @@ class LLMEngine:
         self.cache.finish_restore(seq.table)  # only now may a step read these blocks
         seq.num_computed = seq.swapped_tokens
         self.counters["swap_ins"] += 1
+
+    # --- kill switches (R30) ----------------------------------------------------------------
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Engine-wide: while off, no request gets a hit and nothing is published."""
+        self.cache.enable_prefix_caching = enabled
+
+    def set_namespace_caching(self, cache_salt: str | None, enabled: bool) -> None:
+        """Per namespace (tenant): while off, no hit and no publish for requests of that salt."""
+        self.cache.set_namespace_enabled(self.namespace.with_salt(cache_salt).digest(), enabled)
+
+    def set_preemption(self, enabled: bool) -> None:
+        self.scheduler.preemption_enabled = enabled
 
     # --- observability ---------------------------------------------------------------------
     def stats(self) -> dict[str, int]:

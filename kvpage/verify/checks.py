@@ -225,8 +225,12 @@ def _check_counters(case: Case, engine: LLMEngine, finished) -> list[Failure]:
     for name, value in expected.items():
         if stats[name] != value:
             message = f"stats[{name!r}] = {stats[name]}, expected {value}"
-            fields = {"counter": name, "expected": value, "actual": stats[name]}
-            div = finding("counter", "accounting", message, fields)
+            if name in _BASELINE_KEYS:  # memory left behind, not a miscount
+                fields = _resource_fields(engine, [message])
+                div = finding("counter", "resource", message, fields)
+            else:
+                fields = {"counter": name, "expected": value, "actual": stats[name]}
+                div = finding("counter", "accounting", message, fields)
             failures.append(Failure("expectation", message, None, div))
     return failures
 
@@ -253,14 +257,19 @@ def check_baseline(engine: LLMEngine) -> list[Failure]:
         problems.append("requests or swap space still held")
     if engine.cache.live_tables or engine.cache.inflight:
         problems.append("live tables or in-flight snapshots remain")
-    fields = {
-        "leaked": problems,
-        "stats": {k: s[k] for k in _BASELINE_KEYS},
-        "live_tables": sorted(engine.cache.live_tables),
-    }
+    fields = _resource_fields(engine, problems)
     return [
         Failure("baseline", p, None, finding("baseline", "resource", p, fields)) for p in problems
     ]
+
+
+def _resource_fields(engine: LLMEngine, problems: list[str]) -> dict:
+    stats = engine.stats()
+    return {
+        "leaked": problems,
+        "stats": {k: stats[k] for k in _BASELINE_KEYS},
+        "live_tables": sorted(engine.cache.live_tables),
+    }
 
 
 _BASELINE_KEYS = (

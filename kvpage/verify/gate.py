@@ -179,7 +179,8 @@ def run_mutant(mutant: Mutant, model, tokenizer, model_name: str, cases, base: R
     runtime._refs = base._refs  # the references do not depend on the engine
     start = time.perf_counter()
     caught_by, first_failure, divergence = [], None, None
-    for case in cases:
+    focus = [c for c in cases if c.suite in mutant.suites]
+    for case in focus + [c for c in cases if c.suite not in mutant.suites]:
         result = run_case(case, runtime)
         if result.passed:
             continue

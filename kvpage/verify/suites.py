@@ -73,11 +73,17 @@ class Runtime:
         args.update(overrides)
         return self.engine_factory(EngineConfig(**args))
 
-    def reference(self, spec: RequestSpec, block_size: int, sample: int = 0) -> ReferenceOutput:
-        """Sample `sample` of the request, run alone on the contiguous reference."""
+    def reference(
+        self, spec: RequestSpec, block_size: int, sample: int = 0, max_tokens: int | None = None
+    ) -> ReferenceOutput:
+        """Sample `sample` of the request, run alone on the contiguous reference; `max_tokens`
+        cuts it short (the first k steps do not depend on how many follow)."""
         ns = base_namespace(self.model, self.tokenizer, block_size, self.model_name)
         ns_hex = ns.with_salt(spec.cache_salt).digest().hex()
-        return self._generate(spec.prompt, spec.params.for_sample(sample), ns_hex)
+        params = spec.params.for_sample(sample)
+        if max_tokens is not None and max_tokens < params.max_tokens:
+            params = replace(params, max_tokens=max(1, max_tokens))
+        return self._generate(spec.prompt, params, ns_hex)
 
     def resolve(self, spec: RequestSpec) -> RequestSpec:
         """Fix a stop-at-reference-step request's stop token from its reference run."""
@@ -107,12 +113,16 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         engine.tracer = EngineTracer(engine)
         drive = _Drive(engine, case)
         finished, steps = drive.run()
+        failures += drive.liveness  # first: when the engine stalls, the rest follows from it
         failures += _check_requests(case, runtime, engine, finished)
         failures += check_provenance(engine.tracer)
         failures += check_expectations(case, engine, finished)
         failures += check_baseline(engine)
-        failures += drive.liveness
     except Exception as err:  # a crash is a failure of the case, not of the verifier
+        # What the engine produced before it crashed is still diffed: the first divergence
+        # usually says more than the exception that followed it.
+        if engine is not None and engine.tracer is not None and not failures:
+            failures += _partial_divergences(case, runtime, engine)
         failures.append(Failure("crash", f"{type(err).__name__}: {err}"))
     return CaseResult(
         case.full_name, case.suite, failures, len(case.requests), steps, time.perf_counter() - start
@@ -231,10 +241,11 @@ def _check_requests(case: Case, runtime: Runtime, engine: LLMEngine, finished) -
             failures.append(Failure("expectation", "request never finished", spec.request_id))
             continue
         for sample, sample_id in enumerate(spec.sample_ids()):
-            ref = runtime.reference(spec, block_size, sample)
-            refs[sample_id] = ref.records
             cand = records.get(sample_id, [])
             completion = _completion(out, sample)
+            cut = completion is None or completion.finish_reason not in ("stop", "length")
+            ref = runtime.reference(spec, block_size, sample, len(cand) if cut else None)
+            refs[sample_id] = ref.records
             div = _diff_sample(runtime, spec, sample, ref, cand, completion)
             if div is not None:
                 div.request_id = sample_id
@@ -246,6 +257,23 @@ def _check_requests(case: Case, runtime: Runtime, engine: LLMEngine, finished) -
         failures.append(Failure("canary", str(leak), leak.victim))
     if case.check_sampling:
         failures += check_draw_distribution(case, records)
+    return failures
+
+
+def _partial_divergences(case: Case, runtime: Runtime, engine: LLMEngine) -> list[Failure]:
+    failures = []
+    records = engine.tracer.records
+    for spec in case.requests:
+        for sample, sample_id in enumerate(spec.sample_ids()):
+            cand = records.get(sample_id, [])
+            if not cand:
+                continue
+            ref = runtime.reference(spec, engine.config.block_size, sample, len(cand))
+            div = first_divergence(ref.records[: len(cand)], cand)
+            if div is not None:
+                div.request_id = sample_id
+                message = f"{sample_id} diverged at step {div.step} ({div.kind}: {div.detail})"
+                failures.append(Failure("divergence", message, sample_id, div))
     return failures
 
 

@@ -5,10 +5,27 @@ from __future__ import annotations
 from kvpage.verify.case import Case
 from kvpage.verify.cases.batching import batching_cases
 from kvpage.verify.cases.failure import failure_cases
+from kvpage.verify.cases.namespaces import namespace_cases
+from kvpage.verify.cases.parallel import parallel_cases
+from kvpage.verify.cases.policy import policy_cases
 from kvpage.verify.cases.preemption import preemption_cases
 from kvpage.verify.cases.prefix import prefix_cases
+from kvpage.verify.cases.resources import resource_cases
+from kvpage.verify.cases.sampling import sampling_cases
+from kvpage.verify.cases.stop import stop_cases
 
-SUITES = ("prefix", "batching", "preemption", "failure")
+SUITES = (
+    "prefix",
+    "batching",
+    "preemption",
+    "failure",
+    "sampling",
+    "stop",
+    "resources",
+    "namespaces",
+    "policy",
+    "parallel",
+)
 BLOCK_SIZES = (8, 16)
 
 
@@ -23,4 +40,15 @@ def build_suites(vocab: int, suites: tuple[str, ...] = SUITES) -> list[Case]:
         cases += preemption_cases(vocab)
     if "failure" in suites:
         cases += failure_cases(vocab)
+    builders = {
+        "sampling": sampling_cases,
+        "stop": stop_cases,
+        "resources": resource_cases,
+        "namespaces": namespace_cases,
+        "policy": policy_cases,
+        "parallel": parallel_cases,
+    }
+    for name, build in builders.items():
+        if name in suites:
+            cases += build(vocab)
     return cases

@@ -6,7 +6,19 @@ Mutants are grouped by the class of bug they plant, one module per class."""
 
 from kvpage.verify.mutants.base import MissingSeam, Mutant
 from kvpage.verify.mutants.cache import CACHE_MUTANTS, share_running_prefix
+from kvpage.verify.mutants.namespaces import NAMESPACE_MUTANTS
+from kvpage.verify.mutants.policy import POLICY_MUTANTS
+from kvpage.verify.mutants.resources import RESOURCE_MUTANTS
+from kvpage.verify.mutants.sampling import SAMPLING_MUTANTS
+from kvpage.verify.mutants.stop import STOP_MUTANTS
 
-MUTANTS: tuple[Mutant, ...] = (*CACHE_MUTANTS,)
+MUTANTS: tuple[Mutant, ...] = (
+    *CACHE_MUTANTS,
+    *SAMPLING_MUTANTS,
+    *STOP_MUTANTS,
+    *RESOURCE_MUTANTS,
+    *NAMESPACE_MUTANTS,
+    *POLICY_MUTANTS,
+)
 
 __all__ = ["MUTANTS", "MissingSeam", "Mutant", "share_running_prefix"]

@@ -17,6 +17,9 @@ class Mutant:
     expected_class: str  # attribution class its first divergence must get
     apply: Callable[[LLMEngine], None]
     config: dict = field(default_factory=dict)  # EngineConfig overrides the bug needs
+    # Suites run first against this mutant (the rest follow): only the order, and so the gate's
+    # time, depends on it; any case of any suite may catch it.
+    suites: tuple[str, ...] = ()
 
 
 class MissingSeam(AttributeError):

@@ -166,6 +166,13 @@ def _longest_running_match(engine: LLMEngine, seq):
     return best, best_len
 
 
+def fork_shares_partial_without_copy(engine: LLMEngine) -> None:
+    """Parallel samples share the prompt's partial last block and each appends into it in
+    place: copy-on-write relabels nothing and copies nothing (R6, R33)."""
+    _bind(engine.cache, "_cow_needed", lambda self, table: False)
+    _unchecked_set_valid(engine.cache.pool)
+
+
 def no_refcount(engine: LLMEngine) -> None:
     """Releasing a shared block frees it for everyone (no reference count)."""
     pool, index = engine.cache.pool, engine.cache.index
@@ -391,6 +398,13 @@ CACHE_MUTANTS: tuple[Mutant, ...] = (
         "shares a partial block and appends into it without CoW",
         "block_table",
         share_partial_no_cow,
+    ),
+    Mutant(
+        "fork_shares_partial_without_copy",
+        "forked samples write into their shared partial block without CoW",
+        "block_table",
+        fork_shares_partial_without_copy,
+        suites=("parallel",),
     ),
     Mutant(
         "no_refcount",

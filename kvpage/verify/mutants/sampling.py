@@ -108,23 +108,27 @@ SAMPLING_MUTANTS: tuple[Mutant, ...] = (
         "all rows of a step draw from one generator",
         "sampling",
         sampler_shared_generator,
+        suites=("sampling",),
     ),
     Mutant(
         "generator_reseeded_on_recompute",
         "generator re-created from its seed after recompute preemption",
         "sampling",
         generator_reseeded_on_recompute,
+        suites=("sampling",),
     ),
     Mutant(
         "top_p_before_temperature",
         "top-p applied to the untempered logits",
         "sampling",
         top_p_before_temperature,
+        suites=("sampling",),
     ),
     Mutant(
         "top_k_off_by_one",
         "top-k keeps k + 1 tokens",
         "sampling",
         top_k_off_by_one,
+        suites=("sampling",),
     ),
 )

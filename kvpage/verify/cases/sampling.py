@@ -1,0 +1,81 @@
+"""Seeded sampling (R13, R34). Every request here samples; each is diffed token by token against
+the reference run alone with the same seed, so a draw that depends on the batch, a generator
+shared across rows or re-seeded after a preemption is a divergence. The draws themselves are
+checked against the independent sampling oracle: each must be possible, and all of a case's draws
+together must follow the oracle's distribution (kvpage.verify.sampling_oracle)."""
+
+from __future__ import annotations
+
+from kvpage.sampling_params import SamplingParams
+from kvpage.verify.case import Action, Case, RequestSpec, Tokens
+
+B = 8
+SETTINGS = (  # (temperature, top_k, top_p)
+    (0.7, -1, 1.0),
+    (1.0, 20, 1.0),
+    (1.0, -1, 0.9),
+    (1.3, 50, 0.95),
+    (0.5, 5, 0.8),
+    (2.0, -1, 1.0),
+)
+
+
+def sampling_cases(vocab: int) -> list[Case]:
+    t = Tokens(vocab, seed=808)
+    cases = [_seeded_batch(t)]
+    cases += [_seeded_preempted(t, mode) for mode in ("recompute", "swap")]
+    return cases
+
+
+def _params(i: int, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
+    temperature, top_k, top_p = SETTINGS[i % len(SETTINGS)]
+    return SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        max_tokens=max_tokens,
+        seed=1000 + i,
+        ignore_eos=True,
+        logprobs=logprobs,
+    )
+
+
+def _seeded_batch(t: Tokens) -> Case:
+    """36 seeded requests in a batch (chunked: budget 64), logprobs on a third of them."""
+    specs = [
+        RequestSpec(
+            f"s{i}", t.take(5 + 3 * (i % 7)), _params(i, 32, 3 if i % 3 == 0 else None), i // 6
+        )
+        for i in range(36)
+    ]
+    return Case(
+        "sampling",
+        "seeded_batch",
+        specs,
+        dict(block_size=B, num_blocks=256, max_num_batched_tokens=64),
+        check_sampling=True,
+    )
+
+
+def _seeded_preempted(t: Tokens, mode: str) -> Case:
+    """Seeded requests preempted mid-decode (forced, and by a tiny pool): a replay after
+    recompute or swap must continue the same generator, not restart it."""
+    specs = [RequestSpec(f"p{i}", t.take(9 + 2 * i), _params(i, 28), i // 3) for i in range(9)]
+    forced = [
+        Action(
+            f"preempt p{i}",
+            lambda e, s, i=i: f"p{i}" in e.seqs,
+            lambda e, i=i: e.force_preempt(f"p{i}", 4 + i, 2, mode),
+        )
+        for i in (0, 4, 8)
+    ]
+    return Case(
+        "sampling",
+        f"seeded_preempted_{mode}",
+        specs,
+        dict(block_size=B, num_blocks=30, preemption_mode=mode, swap_space_blocks=64),
+        actions=forced,
+        expect_preemption=True,
+        check_sampling=True,
+        hold_steps=6,
+    )
