@@ -107,7 +107,7 @@ def check_draw_distribution(case: Case, records: dict[str, list[StepRecord]]) ->
 
 
 # --- provenance --------------------------------------------------------------------------------
-def check_provenance(tracer) -> list[Failure]:
+def check_provenance(tracer, refs: dict[str, list[StepRecord]]) -> list[Failure]:
     """Every (block, generation) a step read must hold KV written for the reader's own history."""
     provenance = getattr(tracer, "provenance", None)
     if provenance is None or not provenance.violations:
@@ -117,33 +117,28 @@ def check_provenance(tracer) -> list[Failure]:
     for v in provenance.violations[:4]:
         own = records.get(v.sample_id, [])
         rec = own[min(v.record_step, len(own) - 1)] if own else None
-        fields = {
-            "block_ids": [v.block_id],
-            "generations": [v.generation],
-            "in_block_offset": None,
-            "last_block_len": None,
-            "violation": v.kind,
-            "logical_block": v.logical,
-        }
+        ref_records = refs.get(v.sample_id, [])
+        ref = ref_records[v.record_step] if v.record_step < len(ref_records) else None
         if rec is not None:
-            attribution = attribute(rec, rec)
-            attribution.fields.update(violation=v.kind, logical_block=v.logical)
+            # Where the bad read happened decides the class, as for any divergence (R17).
+            attribution = attribute(ref or rec, rec)
             attribution.reason = f"{v.kind}: {attribution.reason}"
-            if attribution.cls != "block_table":  # provenance is about table entries
-                fields.update(in_block_offset=-1, last_block_len=rec.view.last_block_len)
-                attribution = Attribution("block_table", v.kind, fields, [])
         else:
+            fields = {"block_ids": [v.block_id], "generations": [v.generation]}
             fields.update(in_block_offset=-1, last_block_len=-1)
             attribution = Attribution("block_table", v.kind, fields, [])
+        attribution.fields.update(violation=v.kind, logical_block=v.logical, block=v.block_id)
         div = Divergence(
-            v.sample_id, v.record_step, "provenance", v.message, None, rec, None, attribution
+            v.sample_id, v.record_step, "provenance", v.message, ref, rec, None, attribution
         )
         failures.append(Failure("provenance", v.message, v.sample_id, div))
     return failures
 
 
 # --- expectations ------------------------------------------------------------------------------
-def check_expectations(case: Case, engine: LLMEngine, finished) -> list[Failure]:
+def check_expectations(
+    case: Case, engine: LLMEngine, finished, refs: dict[str, list[StepRecord]]
+) -> list[Failure]:
     failures: list[Failure] = []
     for rid, reason in case.expect_finish.items():
         got = finished[rid].outputs[0].finish_reason if rid in finished else None
@@ -152,7 +147,7 @@ def check_expectations(case: Case, engine: LLMEngine, finished) -> list[Failure]
             fields = {"expected": reason, "actual": got, "counter": "finish_reason"}
             div = finding("finish_reason", "accounting", message, fields, rid)
             failures.append(Failure("expectation", message, rid, div))
-    failures += _check_hits(case, engine, finished)
+    failures += _check_hits(case, engine, finished, refs)
     failures += _check_counters(case, engine, finished)
     return failures
 
@@ -169,7 +164,7 @@ def _expected_hits(case: Case) -> dict[str, tuple[str, int | None]]:
     return expected
 
 
-def _check_hits(case: Case, engine: LLMEngine, finished) -> list[Failure]:
+def _check_hits(case: Case, engine: LLMEngine, finished, refs) -> list[Failure]:
     failures = []
     records = engine.tracer.records
     for rid, (how, n) in _expected_hits(case).items():
@@ -181,33 +176,33 @@ def _check_hits(case: Case, engine: LLMEngine, finished) -> list[Failure]:
         want = "a prefix-cache hit" if how == "some" else f"{n} cached tokens"
         message = f"expected {want}, got {got} cached tokens"
         spec = next(s for s in case.requests if s.request_id == rid)
-        failures.append(
-            Failure("expectation", message, rid, _hit_divergence(spec, records, message))
-        )
+        div = _hit_divergence(spec, records, refs, message)
+        failures.append(Failure("expectation", message, rid, div))
     return failures
 
 
-def _hit_divergence(spec: RequestSpec, records, message: str) -> Divergence | None:
+def _hit_divergence(spec: RequestSpec, records, refs, message: str) -> Divergence | None:
     """A wrong hit or miss is a prefix-key matter: show the step-0 record and its namespace."""
     sample_id = spec.sample_ids()[0]
     own = records.get(sample_id, [])
     if not own:
         return None
     rec = own[0]
-    attribution = attribute(rec, rec)
+    ref = (refs.get(sample_id) or [rec])[0]
+    attribution = attribute(ref, rec)
     attribution.reason = message
     if attribution.cls != "prefix_key":
         fields = dict(attribution.fields)
         fields.update(
-            namespace_ref=rec.view.namespace,
+            namespace_ref=ref.view.namespace,
             namespace_cand=rec.view.namespace,
             prefix_digest=rec.prefix_digest,
             prefix_hit_tokens=rec.prefix_hit_tokens,
-            position_ids_ref=rec.position_ids,
+            position_ids_ref=ref.position_ids,
             position_ids_cand=rec.position_ids,
         )
         attribution = Attribution("prefix_key", message, fields, [])
-    return Divergence(sample_id, 0, "prefix_hit", message, None, rec, None, attribution)
+    return Divergence(sample_id, 0, "prefix_hit", message, ref, rec, None, attribution)
 
 
 def _check_counters(case: Case, engine: LLMEngine, finished) -> list[Failure]:

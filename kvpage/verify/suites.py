@@ -114,9 +114,10 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         drive = _Drive(engine, case)
         finished, steps = drive.run()
         failures += drive.liveness  # first: when the engine stalls, the rest follows from it
-        failures += _check_requests(case, runtime, engine, finished)
-        failures += check_provenance(engine.tracer)
-        failures += check_expectations(case, engine, finished)
+        refs: dict[str, list[StepRecord]] = {}
+        failures += _check_requests(case, runtime, engine, finished, refs)
+        failures += check_provenance(engine.tracer, refs)
+        failures += check_expectations(case, engine, finished, refs)
         failures += check_baseline(engine)
     except Exception as err:  # a crash is a failure of the case, not of the verifier
         # What the engine produced before it crashed is still diffed: the first divergence
@@ -230,10 +231,12 @@ class _Drive:
         )
 
 
-def _check_requests(case: Case, runtime: Runtime, engine: LLMEngine, finished) -> list[Failure]:
+def _check_requests(
+    case: Case, runtime: Runtime, engine: LLMEngine, finished, refs: dict[str, list[StepRecord]]
+) -> list[Failure]:
+    """Diffs every sample against its reference; fills `refs` (sample id -> reference records)."""
     failures: list[Failure] = []
     block_size = engine.config.block_size
-    refs: dict[str, list[StepRecord]] = {}
     records = engine.tracer.records
     for spec in case.requests:
         out = finished.get(spec.request_id)

@@ -162,3 +162,29 @@ def test_preemption_kill_switch_admits_only_what_fits(tiny, references):
     assert engine.stats()["preemptions"] == 0
     _check_survivors(done, prompts, references)
     assert_idle_baseline(engine)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preempted_mid_prefill_with_a_remainder_over_the_budget_comes_back(tiny, references, mode):
+    """Regression (issue 10): a request swapped out after its first prefill chunk, with more
+    prompt left than a whole step's budget, was never restored and blocked every admission."""
+    model, tokenizer = tiny
+    prompts = prefix_prompts(16, 258, n=3, seed=16)
+    big = [t for p in prompts for t in p][:100]
+    engine = _engine(
+        tiny, block_size=8, num_blocks=40, max_num_batched_tokens=16, preemption_mode=mode
+    )
+    engine.add_request("big", big, PARAMS)
+    _drive(engine, until=lambda: engine.seqs["big"].num_computed > 0)
+    assert len(big) - engine.seqs["big"].num_computed > 16
+    engine.force_preempt("big", after_tokens=0, resume_after_steps=1, mode=mode)
+    engine.step()
+    expected_status = SeqStatus.SWAPPED if mode == "swap" else SeqStatus.WAITING
+    assert _status(engine, "big") is expected_status
+    _add(engine, prompts[:2])  # arrive after it: admitted only once it is back
+    done = _drive(engine, max_steps=200)
+    ref = references("builtin:tiny-llama")
+    assert done["big"].outputs[0].token_ids == ref.tokens(big, PARAMS)
+    _check_survivors(done, prompts[:2], references)
+    assert engine.stats()["swap_ins"] == (1 if mode == "swap" else 0)
+    assert_idle_baseline(engine)
