@@ -42,6 +42,7 @@ EXPECTED_CLASS = {
     "abort_keeps_swap_space": "resource",
     "abort_mid_prefill_leaks_blocks": "resource",
     "restore_needs_whole_remainder": "liveness",
+    "held_swap_blocks_admission": "liveness",
     # namespaces and kill switches: a hit where none is allowed, or none where one is due
     "empty_salt_is_no_salt": "prefix_key",
     "tenant_switch_lookup_only": "prefix_key",

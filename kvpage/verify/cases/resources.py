@@ -22,6 +22,7 @@ def resource_cases(vocab: int) -> list[Case]:
             _preempt_after_prefix_hit(t, mode),
         ]
     cases.append(_timeout_while_swapped(Tokens(vocab, seed=709)))
+    cases.append(_parked_swap_does_not_block(Tokens(vocab, seed=710)))
     return cases
 
 
@@ -127,4 +128,27 @@ def _timeout_while_swapped(t: Tokens) -> Case:
         expect_finish={"parked": "timeout", "other": "length"},
         expect_counters={"timeouts": 1, "swap_outs": 1, "swap_ins": 0},
         hold_steps=10**6,
+    )
+
+
+def _parked_swap_does_not_block(t: Tokens) -> Case:
+    """A request held in swap for 30 steps must not hold up the requests that arrive meanwhile:
+    only a swapped request that is ready to come back goes before new admissions."""
+    specs = [
+        RequestSpec("held", t.take(10), greedy(12)),
+        *(RequestSpec(f"new{i}", t.take(8 + i), greedy(6), arrive_step=4) for i in range(3)),
+    ]
+    park = Action(
+        "hold 'held' in swap for 30 steps",
+        lambda e, s: s == 0,
+        lambda e: e.force_preempt("held", after_tokens=2, resume_after_steps=30, mode="swap"),
+    )
+    return Case(
+        "resources",
+        "parked_swap_does_not_block",
+        specs,
+        _engine("swap", num_blocks=32),
+        actions=[park],
+        expect_counters={"swap_ins": 1},
+        hold_steps=30,
     )

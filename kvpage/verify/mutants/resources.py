@@ -4,7 +4,7 @@ behind, and the scheduler that never restored a request swapped out mid-prefill.
 from __future__ import annotations
 
 from kvpage.engine.engine import LLMEngine
-from kvpage.engine.scheduler import ScheduledSeq
+from kvpage.engine.scheduler import ScheduledSeq, SchedulerOutput
 from kvpage.engine.sequence import SeqStatus
 from kvpage.verify.mutants.base import Mutant, _bind
 
@@ -59,6 +59,23 @@ def restore_needs_whole_remainder(engine: LLMEngine) -> None:
     _bind(engine.scheduler, "_restore_swapped", restore_swapped)
 
 
+def held_swap_blocks_admission(engine: LLMEngine) -> None:
+    """Any swapped request blocks new admissions, even one held out for many steps."""
+
+    def schedule(self, step):
+        out = SchedulerOutput(step)
+        self._apply_forced_preemptions(out)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            budget = self._restore_swapped(out, budget)
+            if not self.swapped:
+                self._admit_waiting(out, budget)
+        self.last_output = out
+        return out
+
+    _bind(engine.scheduler, "schedule", schedule)
+
+
 RESOURCE_MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "abort_keeps_swap_space",
@@ -79,6 +96,13 @@ RESOURCE_MUTANTS: tuple[Mutant, ...] = (
         "a request swapped out mid-prefill is never restored",
         "liveness",
         restore_needs_whole_remainder,
+        suites=("resources",),
+    ),
+    Mutant(
+        "held_swap_blocks_admission",
+        "a request held in swap blocks every admission",
+        "liveness",
+        held_swap_blocks_admission,
         suites=("resources",),
     ),
 )
