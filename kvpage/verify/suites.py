@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from kvpage.config import EngineConfig
 from kvpage.engine.engine import LLMEngine
@@ -42,6 +42,7 @@ class CaseResult:
     requests: int
     steps: int
     seconds: float
+    stats: dict = field(default_factory=dict)  # the engine's stats() when the case ended
 
     @property
     def passed(self) -> bool:
@@ -125,8 +126,15 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         if engine is not None and engine.tracer is not None and not failures:
             failures += _partial_divergences(case, runtime, engine)
         failures.append(Failure("crash", f"{type(err).__name__}: {err}"))
+    stats = {} if engine is None else engine.stats()
     return CaseResult(
-        case.full_name, case.suite, failures, len(case.requests), steps, time.perf_counter() - start
+        case.full_name,
+        case.suite,
+        failures,
+        len(case.requests),
+        steps,
+        time.perf_counter() - start,
+        stats,
     )
 
 
