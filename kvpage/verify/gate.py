@@ -48,10 +48,20 @@ class GateResult:
     mutants: list[MutantResult]
     seconds: float
     environment: dict = field(default_factory=dict)
+    mutants_run: bool = True  # False with --no-mutants
 
     @property
-    def mutation_score(self) -> float:
-        return sum(m.caught for m in self.mutants) / len(self.mutants) if self.mutants else 1.0
+    def mutation_score(self) -> float | None:
+        """Caught / run; None when the mutation check was skipped (never a vacuous 100%)."""
+        if not self.mutants_run:
+            return None
+        return sum(m.caught for m in self.mutants) / len(self.mutants)
+
+    @property
+    def attribution_score(self) -> float | None:
+        if not self.mutants_run:
+            return None
+        return sum(m.attribution_ok for m in self.mutants) / len(self.mutants)
 
     @property
     def passed(self) -> bool:
@@ -75,11 +85,8 @@ class GateResult:
             "seconds": round(self.seconds, 2),
             "suites": per_suite,
             "mutation_score": self.mutation_score,
-            "attribution_score": (
-                sum(m.attribution_ok for m in self.mutants) / len(self.mutants)
-                if self.mutants
-                else 1.0
-            ),
+            "attribution_score": self.attribution_score,
+            "mutation_check": "run" if self.mutants_run else "skipped",
             "mutants": {m.mutant.name: _mutant_dict(m) for m in self.mutants},
         }
 
@@ -163,6 +170,7 @@ def run_gate(
         mutant_results,
         time.perf_counter() - start,
         _environment(model),
+        mutants_run=mutants,
     )
 
 

@@ -33,6 +33,15 @@ def write_reports(result, directory: str | Path) -> dict:
     return data
 
 
+def scores(data: dict) -> str:
+    if data["mutation_score"] is None:
+        return "mutation check skipped (--no-mutants)"
+    return (
+        f"mutation score {data['mutation_score']:.0%}, attribution "
+        f"{data['attribution_score']:.0%} over {len(data['mutants'])} mutants"
+    )
+
+
 def summary_table(data: dict) -> str:
     rows = [("suite / mutant", "result", "detail")]
     for suite, s in data["suites"].items():
@@ -53,8 +62,7 @@ def summary_table(data: dict) -> str:
     lines.insert(1, "  ".join("-" * w for w in width))
     verdict = "PASSED" if data["passed"] else "FAILED"
     lines.append(
-        f"\ngate {verdict}: mutation score {data['mutation_score']:.0%}, attribution "
-        f"{data['attribution_score']:.0%}, {data['seconds']:.1f}s"
+        f"\ngate {verdict}: {scores(data)}, {data['seconds']:.1f}s"
     )
     return "\n".join(lines)
 
@@ -189,8 +197,8 @@ def html_page(data: dict) -> str:
         f"</title><style>{_CSS}</style></head><body>",
         f"<h1>kvpage release gate: <span class='{'pass' if data['passed'] else 'fail'}'>"
         f"{verdict}</span></h1>",
-        f"<p>Model <code>{e(data['model'])}</code>, {data['seconds']:.1f}s, mutation score "
-        f"{data['mutation_score']:.0%}, attribution {data['attribution_score']:.0%}.</p>",
+        f"<p>Model <code>{e(data['model'])}</code>, {data['seconds']:.1f}s, "
+        f"{e(scores(data))}.</p>",
         f"<pre>{e(summary_table(data))}</pre>",
     ]
     for suite, s in data["suites"].items():

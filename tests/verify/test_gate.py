@@ -125,5 +125,11 @@ def test_cli_exit_codes(tmp_path):
         )
         == 0
     )
-    assert (tmp_path / "report.json").is_file()
+    data = json.loads((tmp_path / "report.json").read_text())
+    # A skipped mutation check is reported as skipped, never as a vacuous 100%.
+    assert data["mutation_score"] is None and data["attribution_score"] is None
+    assert data["mutation_check"] == "skipped"
+    for name in ("report.md", "report.html"):
+        text = (tmp_path / name).read_text()
+        assert "mutation check skipped" in text and "100%" not in text
     assert cli_main(["verify", "--suite", "nope", "--quiet", "--report", str(tmp_path)]) == 2
