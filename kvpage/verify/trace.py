@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import torch
 
+from kvpage.verify.provenance import KVProvenance
+
 TOP_K = 5
 
 
@@ -142,6 +144,8 @@ class EngineTracer:
     def __init__(self, engine) -> None:
         self.engine = engine
         self._records: dict[str, list[StepRecord]] = {}
+        # Whose KV every block incarnation holds; a violation names the reader's next record.
+        self.provenance = KVProvenance(engine, lambda sid: len(self._records.get(sid, ())))
         self._unsummarized: list[tuple[torch.Tensor, list[StepRecord]]] = []
         self._pending: dict[str, _PendingInputs] = {}
         self._views: dict[int, CacheView] = {}
@@ -173,13 +177,16 @@ class EngineTracer:
 
     def on_kv_copy(self, src: int, dst: int) -> None:
         """A copy-on-write copied block `src` into `dst` (KV written outside a step)."""
+        self.provenance.on_kv_copy(src, dst)
 
     def on_kv_restored(self, seq, block_ids: list[int]) -> None:
         """A swap-in wrote `seq`'s saved KV into `block_ids` (KV written outside a step)."""
+        self.provenance.on_kv_restored(seq, block_ids)
 
     def on_batch(self, batch) -> None:
         """Before the model runs: the inputs each request feeds, and the view each request that
         will sample reads."""
+        self.provenance.on_batch(batch)
         sampling = {item.seq.seq_id for item in batch.sample_seqs}
         self._views = {}
         cu = batch.cu_seqlens_q
