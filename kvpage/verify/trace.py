@@ -252,6 +252,32 @@ class EngineTracer:
             self._pending[seq.sample_id] = _PendingInputs(context_start=seq.num_tokens - 1)
         self._unsummarized.append((logits, step_records))
 
+    def on_forked(self, parent, child, logits_row: torch.Tensor, token: int) -> None:
+        """A parallel sample forked off `parent` drew its first token from the parent's logits:
+        its first record has the parent's inputs and cache view (the blocks they share)."""
+        pend = self._pending_for(parent)
+        order = sorted(pend.by_index)
+        logits = logits_row.detach().float().cpu()[None]  # (1, V)
+        record = StepRecord(
+            request_id=child.sample_id,
+            step=0,
+            input_ids=[pend.by_index[i][0] for i in order],
+            position_ids=[pend.by_index[i][1] for i in order],
+            logits_digest="",
+            topk_ids=[],
+            topk_values=[],
+            chosen_token=int(token),
+            view=self._views.get(parent.seq_id, EMPTY_VIEW),
+            prefix_hit_tokens=pend.hit_tokens,
+            prefix_digest=pend.hit_digest,
+            engine_step=self.engine.step_count,
+            sampler=sampler_state(child.generator, child.num_draws),
+            logits=logits[0],
+        )
+        self._records[child.sample_id] = [record]
+        self._unsummarized.append((logits, [record]))
+        self._pending[child.sample_id] = _PendingInputs(context_start=child.num_tokens - 1)
+
     # --- helpers ---------------------------------------------------------------------------
     def _pending_for(self, seq) -> _PendingInputs:
         return self._pending.setdefault(seq.sample_id, _PendingInputs())
