@@ -119,10 +119,12 @@ def check_provenance(tracer, refs: dict[str, list[StepRecord]]) -> list[Failure]
         rec = own[min(v.record_step, len(own) - 1)] if own else None
         ref_records = refs.get(v.sample_id, [])
         ref = ref_records[v.record_step] if v.record_step < len(ref_records) else None
-        if rec is not None:
+        if rec is not None and v.kind not in _WRITE_SIDE:
             # Where the bad read happened decides the class, as for any divergence (R17).
             attribution = attribute(ref or rec, rec)
             attribution.reason = f"{v.kind}: {attribution.reason}"
+        elif rec is not None:
+            attribution = _write_side_attribution(v, rec)
         else:
             fields = {"block_ids": [v.block_id], "generations": [v.generation]}
             fields.update(in_block_offset=-1, last_block_len=-1)
@@ -133,6 +135,24 @@ def check_provenance(tracer, refs: dict[str, list[StepRecord]]) -> list[Failure]
         )
         failures.append(Failure("provenance", v.message, v.sample_id, div))
     return failures
+
+
+_WRITE_SIDE = ("no_generation_bump", "write_into_foreign")
+
+
+def _write_side_attribution(v, rec: StepRecord) -> Attribution:
+    """A bad write is about the block table entry it went through, wherever the writer was."""
+    view = rec.view
+    size = view.block_size or None
+    last = rec.position_ids[-1] if rec.position_ids else None
+    fields = {
+        "block_ids": [e.physical for e in view.entries] or [v.block_id],
+        "generations": [e.generation for e in view.entries] or [v.generation],
+        "in_block_offset": None if last is None or size is None else last % size,
+        "last_block_len": view.last_block_len,
+    }
+    missing = [f for f in REQUIRED_FIELDS["block_table"] if fields.get(f) is None]
+    return Attribution("block_table", v.kind, fields, missing)
 
 
 # --- expectations ------------------------------------------------------------------------------

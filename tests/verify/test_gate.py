@@ -29,6 +29,9 @@ EXPECTED_CLASS = {
     "full_prefix_no_token_left": "prefix_key",
     "off_by_one_block_boundary": "block_table",
     "zero_length_cu_seqlens": "block_table",
+    # generations: tokens agree, KV provenance does not
+    "free_without_generation_bump": "block_table",
+    "reclaim_freed_tail": "restore",
     # sampling: same logits, another token
     "sampler_shared_generator": "sampling",
     "generator_reseeded_on_recompute": "sampling",

@@ -6,6 +6,7 @@ Mutants are grouped by the class of bug they plant, one module per class."""
 
 from kvpage.verify.mutants.base import MissingSeam, Mutant
 from kvpage.verify.mutants.cache import CACHE_MUTANTS, share_running_prefix
+from kvpage.verify.mutants.generations import GENERATION_MUTANTS
 from kvpage.verify.mutants.namespaces import NAMESPACE_MUTANTS
 from kvpage.verify.mutants.policy import POLICY_MUTANTS
 from kvpage.verify.mutants.resources import RESOURCE_MUTANTS
@@ -14,6 +15,7 @@ from kvpage.verify.mutants.stop import STOP_MUTANTS
 
 MUTANTS: tuple[Mutant, ...] = (
     *CACHE_MUTANTS,
+    *GENERATION_MUTANTS,
     *SAMPLING_MUTANTS,
     *STOP_MUTANTS,
     *RESOURCE_MUTANTS,

@@ -91,7 +91,7 @@ GENERATION_MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "reclaim_freed_tail",
         "recompute resume takes its freed tail block back without a generation check",
-        "block_table",
+        "restore",
         reclaim_freed_tail,
     ),
 )
