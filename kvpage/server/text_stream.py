@@ -1,9 +1,14 @@
-"""Incremental detokenization with stop strings.
+"""Incremental detokenization with stop strings, at a cost per token that does not grow with the
+output (decoding the whole output on every token made long streams quadratic).
 
-The engine decodes text only when a request finishes; a stream needs it token by token. Decoding
-the whole output each time and emitting what is new handles tokens that are only part of a
-character (an incomplete UTF-8 sequence decodes to U+FFFD and is held back until it completes).
-Text that could still grow into a stop string is held back too, so a stop string is never sent."""
+The engine decodes text only when a request finishes; a stream needs it token by token. Each step
+decodes a small window: the tokens emitted last time (context, so a tokenizer that spells a token
+differently at the start of a text agrees with a whole decode) plus the tokens not emitted yet.
+Text ending in U+FFFD is a character still arriving (UTF-8 split across byte tokens) and waits.
+
+Stop strings are looked for in the new text plus what is held back. Text that could still grow
+into a stop string (at most the longest one less a character) is never sent, so a match never
+starts in text already sent and nothing before the held-back tail needs scanning again."""
 
 from __future__ import annotations
 
@@ -12,52 +17,96 @@ from dataclasses import dataclass, field
 from kvpage.model.tokenizer import Tokenizer
 
 _INCOMPLETE = "\ufffd"
+# Tokens held for a character that never completes (invalid bytes) before they go out as U+FFFD.
+# Longer than any UTF-8 sequence (4 bytes); when forced, the last _TAIL tokens still wait, since
+# they may be the start of a character that is still arriving.
+_MAX_PENDING = 8
+_TAIL = 3
+
+
+@dataclass(slots=True)
+class Detokenizer:
+    """The stable text of a growing token list, a few tokens at a time (vLLM's two offsets)."""
+
+    tokenizer: Tokenizer
+    token_ids: list[int] = field(default_factory=list)
+    prefix: int = 0  # the window starts here: the tokens emitted last time, as context
+    read: int = 0  # tokens before this have been emitted
+
+    def add(self, new_ids: list[int], final: bool) -> str:
+        """Append tokens; return the text they complete (everything left when `final`)."""
+        self.token_ids.extend(new_ids)
+        end = len(self.token_ids)
+        text = self._decode(end)
+        if not final and text.endswith(_INCOMPLETE):
+            if end - self.read <= _MAX_PENDING:
+                return ""
+            end -= _TAIL
+            text = self._decode(end)
+        context = self._decode(self.read)
+        self.prefix, self.read = self.read, end
+        return text[len(context) :]
+
+    def _decode(self, end: int) -> str:
+        return self.tokenizer.decode(self.token_ids[self.prefix : end]) if end > self.prefix else ""
 
 
 @dataclass(slots=True)
 class TextStream:
     tokenizer: Tokenizer
     stop: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    sent: str = ""  # text already handed out
     stopped: bool = False  # a stop string matched; the text ends before it
+    detok: Detokenizer = field(init=False)
+    held: str = ""  # decoded, not sent: it may be the start of a stop string
+    pieces: list[str] = field(default_factory=list)  # text sent, in order
+    longest: int = field(init=False)
+    first_chars: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.detok = Detokenizer(self.tokenizer)
+        self.longest = max((len(s) for s in self.stop), default=0)
+        self.first_chars = frozenset(s[0] for s in self.stop if s)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.detok.token_ids
 
     def add(self, new_ids: list[int], final: bool) -> str:
         """Append tokens; return the text that may be sent now (all of it when `final`)."""
-        self.token_ids.extend(new_ids)
-        text = self.tokenizer.decode(self.token_ids)
-        cut = self._stop_at(text)
+        new = self.detok.add(new_ids, final)
+        if self.stopped:
+            return ""
+        window = self.held + new
+        cut = self._stop_at(window)
         if cut is not None:
             self.stopped = True
-            return self._emit(text[:cut])
-        if final:
-            return self._emit(text)
-        end = len(text) - self._partial_stop(text)
-        while end > len(self.sent) and text[end - 1] == _INCOMPLETE:
-            end -= 1
-        return self._emit(text[:end])
+            return self._emit(window[:cut], "")
+        keep = 0 if final else self._partial_stop(window)
+        return self._emit(window[: len(window) - keep], window[len(window) - keep :])
 
-    def _stop_at(self, text: str) -> int | None:
-        # A match can only end in text not yet checked; start early enough to see one straddle.
-        start = max(0, len(self.sent) - max((len(s) for s in self.stop), default=0))
-        hits = [i for s in self.stop if (i := text.find(s, start)) >= 0]
+    def _stop_at(self, window: str) -> int | None:
+        hits = [i for s in self.stop if (i := window.find(s)) >= 0]
         return min(hits) if hits else None
 
-    def _partial_stop(self, text: str) -> int:
-        """Length of the longest tail of `text` that a stop string starts with."""
-        longest = max((len(s) for s in self.stop), default=1)
-        for n in range(min(len(text), longest - 1), 0, -1):
-            if any(s.startswith(text[-n:]) for s in self.stop):
-                return n
+    def _partial_stop(self, window: str) -> int:
+        """Length of the longest tail of `window` that a stop string starts with (< longest)."""
+        if self.longest < 2:
+            return 0
+        tail = window[-(self.longest - 1) :]
+        for i, ch in enumerate(tail):  # longest tail first
+            if ch in self.first_chars and any(s.startswith(tail[i:]) for s in self.stop):
+                return len(tail) - i
         return 0
 
-    def _emit(self, text: str) -> str:
-        if len(text) <= len(self.sent):
-            return ""
-        piece = text[len(self.sent) :]
-        self.sent = text
+    def _emit(self, piece: str, held: str) -> str:
+        self.held = held
+        if piece:
+            self.pieces.append(piece)
         return piece
 
     @property
     def text(self) -> str:
-        return self.sent
+        """Everything sent so far."""
+        if len(self.pieces) > 1:
+            self.pieces[:] = ["".join(self.pieces)]
+        return self.pieces[0] if self.pieces else ""
