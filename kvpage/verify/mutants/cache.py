@@ -234,18 +234,19 @@ def block_key_own_tokens(engine: LLMEngine) -> None:
 def fast_key_trusted(engine: LLMEngine) -> None:
     """A hit on the (narrow, 8-bit) fast key is served without confirming the full digest."""
     index = engine.cache.index
-
-    def confirmed(self, key, namespace, depth):
-        entry = self.entries.get(key.fast)
-        if entry is None or self.pool.blocks[entry.block_id].state not in (
-            _S.SHARED_READONLY,
-            _S.CACHED,
-        ):
-            return None
-        return entry
-
-    _bind(index, "_confirmed", confirmed)
+    _bind(index, "_confirmed", lambda self, key, namespace, depth: _fast_key_entry(self, key))
     _bind(index, "match", _naive_match)
+
+
+def _fast_key_entry(index, key):
+    """The joinable entry under a fast key, its digest never compared."""
+    entry = index.entries.get(key.fast)
+    if entry is None or index.pool.blocks[entry.block_id].state not in (
+        _S.SHARED_READONLY,
+        _S.CACHED,
+    ):
+        return None
+    return entry
 
 
 def stale_index_after_evict(engine: LLMEngine) -> None:

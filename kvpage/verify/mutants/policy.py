@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvpage.cache.block_pool import BlockState
 from kvpage.engine.engine import LLMEngine
 from kvpage.verify.mutants.base import Mutant, _bind
-from kvpage.verify.mutants.cache import _naive_match
+from kvpage.verify.mutants.cache import _fast_key_entry, _naive_match
 
 
 def fifo_eviction(engine: LLMEngine) -> None:
@@ -32,13 +32,7 @@ def digest_confirmed_at_root_only(engine: LLMEngine) -> None:
     def confirmed(self, key, namespace, depth):
         if depth == 0:
             return original(key, namespace, depth)
-        entry = self.entries.get(key.fast)
-        if entry is None or self.pool.blocks[entry.block_id].state not in (
-            BlockState.SHARED_READONLY,
-            BlockState.CACHED,
-        ):
-            return None
-        return entry
+        return _fast_key_entry(self, key)
 
     _bind(index, "_confirmed", confirmed)
     _bind(index, "match", _naive_match)
