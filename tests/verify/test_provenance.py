@@ -198,12 +198,12 @@ def test_reclaimed_freed_tail_is_caught(model, reference):
         assert (v.block_id, v.generation) in {(e.physical, e.generation) for e in rec.view.entries}
 
 
-def test_generation_mutants_are_block_table_bugs():
+def test_generation_mutants_are_registered():
+    # Their attribution classes are stated (independently) in tests/verify/test_gate.py.
     assert [m.name for m in GENERATION_MUTANTS] == [
         "free_without_generation_bump",
         "reclaim_freed_tail",
     ]
-    assert {m.expected_class for m in GENERATION_MUTANTS} == {"block_table"}
 
 
 # --- other cache bugs leave provenance marks too ----------------------------------------------
