@@ -46,6 +46,7 @@ from kvpage.server.responses import (
 from kvpage.server.shadow import ShadowChecker
 from kvpage.server.state import ServerOptions, ServerState
 from kvpage.server.tenants import Tenants
+from kvpage.server.transport import RequestGuard
 
 log = logging.getLogger("kvpage.server")
 
@@ -71,6 +72,7 @@ def create_app(engine: LLMEngine, options: ServerOptions | None = None) -> FastA
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _api_error)
     app.add_exception_handler(Exception, _api_error)
+    app.add_middleware(RequestGuard, state=state)  # auth and body size before any parsing
     return app
 
 
@@ -109,8 +111,11 @@ def _routes() -> APIRouter:
 
 
 # --- plain endpoints -------------------------------------------------------------------------
-async def health(request: Request) -> dict:
-    return {"status": "ok", "draining": request.app.state.server.draining}
+async def health(request: Request) -> Response:
+    """503 while draining (admin switch or shutdown), so a load balancer stops sending here."""
+    draining = request.app.state.server.draining
+    body = {"status": "draining" if draining else "ok", "draining": draining}
+    return JSONResponse(body, status_code=503 if draining else 200)
 
 
 async def metrics(request: Request) -> Response:
@@ -227,7 +232,7 @@ async def _complete(request, state, shape, gen, sink) -> Response:
     try:
         task.result()
     except EngineFailure as err:
-        raise ApiError(str(err), None, 500, "server_error") from err
+        raise ApiError(str(err), None, err.status, "server_error") from err
     return JSONResponse(final_body(shape, gen, state.loop.engine.tokenizer))
 
 

@@ -1,7 +1,10 @@
-"""A real uvicorn server on loopback in a background thread, for tests and the load benchmark."""
+"""uvicorn with a graceful shutdown, for `kvpage serve`; and the same on loopback in a background
+thread, for tests and the load benchmark."""
 
 from __future__ import annotations
 
+import json
+import logging
 import socket
 import threading
 import time
@@ -9,6 +12,43 @@ import time
 import httpx
 import uvicorn
 from fastapi import FastAPI
+
+from kvpage.server.state import ServerState
+
+log = logging.getLogger("kvpage.server")
+# After the drain, how long uvicorn waits for connections to close before it cancels them: the
+# responses cut by the drain only have their error event and [DONE] left to write.
+_CLOSE_GRACE_S = 5
+
+
+class GracefulServer(uvicorn.Server):
+    """On shutdown (SIGINT/SIGTERM, or `should_exit`) the app drains before uvicorn closes its
+    sockets: new requests and /health get 503 (a load balancer moves away), requests in flight
+    get the app's `shutdown_timeout`, and streams still running then end with an error event. A
+    second Ctrl-C cuts the wait short."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        timeout = self.state.options.shutdown_timeout
+        cut = await self.state.shut_down(timeout, force=lambda: self.force_exit)
+        if cut:
+            log.warning(json.dumps({"event": "shutdown_cut_requests", "requests": cut}))
+        await super().shutdown(sockets)
+
+
+def graceful_server(app: FastAPI, host: str, port: int, log_level: str) -> GracefulServer:
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=_CLOSE_GRACE_S
+    )
+    return GracefulServer(config, app.state.server)
+
+
+def serve(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+    """Serve until interrupted (what `kvpage serve` runs)."""
+    graceful_server(app, host, port, log_level).run()
 
 
 def free_port() -> int:
@@ -23,8 +63,8 @@ class BackgroundServer:
     def __init__(self, app: FastAPI, port: int | None = None, start_timeout: float = 30.0) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
+        self.server = graceful_server(app, "127.0.0.1", self.port, "warning")
+        self._stop_timeout = app.state.server.options.shutdown_timeout + 15.0
         self._thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self._start_timeout = start_timeout
 
@@ -45,7 +85,7 @@ class BackgroundServer:
 
     def close(self) -> None:
         self.server.should_exit = True
-        self._thread.join(15.0)
+        self._thread.join(self._stop_timeout)
 
     def __exit__(self, *exc) -> None:
         self.close()

@@ -27,6 +27,14 @@ _STOP = object()
 class EngineFailure(RuntimeError):
     """The engine raised during a step; every request in flight is failed with it."""
 
+    status = 500  # what a request that has not started its response answers
+
+
+class ServerShutdown(EngineFailure):
+    """The server stopped before the request finished (its shutdown timeout ran out)."""
+
+    status = 503
+
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine) -> None:
@@ -42,6 +50,15 @@ class EngineLoop:
     def stop(self, timeout: float = 10.0) -> None:
         self._commands.put(_STOP)
         self._thread.join(timeout)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests whose outputs someone still waits for."""
+        return len(self._sinks)
+
+    def fail_in_flight(self, failure: EngineFailure) -> None:
+        """End every request in flight with `failure` (aborted in the engine, blocks freed)."""
+        self._commands.put((self._fail_all, (failure,), None))
 
     # --- called from the event loop --------------------------------------------------------
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
