@@ -1,90 +1,228 @@
-"""`kvpage` command line."""
+"""`kvpage` command line.
+
+A mistake on the command line (a bad value, a file that cannot be read or written, a device that
+is not there) is one `error: ...` line on stderr and exit status 2, found before the model loads
+wherever it can be."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
+from kvpage.config import PREEMPTION_MODES
 from kvpage.errors import KVPageError
+from kvpage.model import DTYPES
 from kvpage.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvpage.server import ServerOptions
+
+ADMIN_TOKEN_ENV = "KVPAGE_ADMIN_TOKEN"
+
+
+class CliError(Exception):
+    """A bad command line: printed as one `error:` line, exit status 2."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = _build_parser().parse_args(argv)
         return args.func(args)
+    except CliError as err:
+        print(f"error: {err}", file=sys.stderr)
     except KVPageError as err:
         print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
-        return 2
+    return 2
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in --help, except None and flags (nothing useful to show)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors become one line in `main` instead of usage text and a SystemExit."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        raise CliError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+# --- argument types: checked while parsing, so before anything loads ------------------------
+def _number(kind: type, low: float | None = None, high: float | None = None) -> Callable:
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if (low is not None and value < low) or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
+        return value
+
+    return parse
+
+
+_count = _number(int, 1)
+_port = _number(int, 1, 65535)
+_fraction = _number(float, 0.0, 1.0)
+
+
+def _token_ids(text: str) -> list[int]:
+    ids = []
+    for part in text.split(","):
+        if part.strip():
+            if not part.strip().isdigit():
+                raise argparse.ArgumentTypeError(f"{part.strip()!r} is not a token id")
+            ids.append(int(part))
+    if not ids:
+        raise argparse.ArgumentTypeError("no token ids")
+    return ids
+
+
+def _device(text: str) -> str:
+    """A device this machine has: `--device cuda` without CUDA fails here, not in the loader."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device ({err})") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise argparse.ArgumentTypeError(f"{text}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(f"{text}: this machine has {count} CUDA device(s)")
+    elif device.type != "cpu":
+        raise argparse.ArgumentTypeError(f"{text}: only cpu and cuda devices are supported")
+    return text
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpage", description=__doc__)
+    parser = _Parser(prog="kvpage", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_verify(sub)
+    _add_experiment(sub)
+    _add_serve(sub)
+    return parser
+
+
+def _add_model_args(p: argparse.ArgumentParser, model: str = "builtin:tiny-llama") -> None:
+    p.add_argument("--model", default=model, help="builtin:NAME or a Hugging Face directory")
+    p.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="weights and KV")
+    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
+
+
+def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
-    gen.add_argument("--model", default="builtin:tiny-llama", help="builtin:NAME or a HF directory")
+    _add_model_args(gen)
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs a tokenizer)")
-    prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--dtype", default="float32")
-    gen.add_argument("--device", default="cpu")
+    prompt.add_argument("--prompt-ids", type=_token_ids, help="comma-separated prompt token ids")
+    gen.add_argument("--max-tokens", type=_count, default=32, help="tokens to generate")
+    gen.add_argument("--temperature", type=_number(float, 0.0), default=0.0, help="0: greedy")
+    gen.add_argument("--top-k", type=int, default=-1, help="-1: all tokens")
+    gen.add_argument("--top-p", type=_number(float, 0.0, 1.0), default=1.0, help="nucleus mass")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens")
     gen.set_defaults(func=_cmd_generate)
 
+
+def _add_verify(sub) -> None:
     ver = sub.add_parser("verify", help="release gate: suites + mutation check + report (R24)")
-    ver.add_argument("--model", default="builtin:tiny-llama")
-    ver.add_argument(
-        "--suite",
-        default="all",
-        help="comma-separated: prefix,batching,preemption,failure (default all)",
-    )
+    ver.add_argument("--model", default="builtin:tiny-llama", help="builtin:NAME or a HF dir")
+    ver.add_argument("--suite", default="all", help="comma-separated suite names, or all")
     ver.add_argument("--no-mutants", action="store_true", help="skip the mutation check")
     ver.add_argument("--report", default="reports/gate", help="directory for the reports")
     ver.add_argument("--quiet", action="store_true", help="no progress bar")
     ver.set_defaults(func=_cmd_verify)
 
+
+def _add_experiment(sub) -> None:
     exp = sub.add_parser("experiment", help="experiments built on the engine")
     exp_sub = exp.add_subparsers(dest="experiment", required=True)
     pp = exp_sub.add_parser("passphrase", help="KV sharing contamination study (R26-R28)")
-    pp.add_argument("--runs", type=int, default=100)
-    pp.add_argument("--concurrency", type=int, default=2)
-    pp.add_argument("--block-size", type=int, default=16)
-    pp.add_argument("--num-blocks", type=int, default=256)
-    pp.add_argument("--max-model-len", type=int, default=128)
-    pp.add_argument("--strategies", default="no_sharing,shared_no_cow,shared_cow")
+    pp.add_argument("--runs", type=_count, default=100, help="runs per strategy")
+    pp.add_argument("--concurrency", type=_count, default=2, help="requests sharing a run")
+    pp.add_argument("--block-size", type=_count, default=16, help="tokens per KV block")
+    pp.add_argument("--num-blocks", type=_count, default=256, help="KV pool blocks")
+    pp.add_argument("--max-model-len", type=_count, default=128, help="tokens per sequence")
+    pp.add_argument(
+        "--strategies", default="no_sharing,shared_no_cow,shared_cow", help="comma-separated"
+    )
     pp.add_argument("--secrets", help="file with one secret per line (6-10 letters/digits)")
-    pp.add_argument("--seed", type=int, default=0)
-    pp.add_argument("--model", default="builtin:passphrase-mini")
+    pp.add_argument("--seed", type=int, default=0, help="experiment seed")
+    pp.add_argument("--model", default="builtin:passphrase-mini", help="builtin:NAME or HF dir")
     pp.add_argument("--out", required=True, help="directory for results.json, report.md, PNGs")
     pp.set_defaults(func=_cmd_passphrase)
+
+
+def _add_serve(sub) -> None:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (R31)")
-    srv.add_argument("--model", default="builtin:tiny-llama", help="builtin:NAME or a HF directory")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--block-size", type=int, default=16)
-    srv.add_argument("--num-blocks", type=int, default=None)
-    srv.add_argument("--max-num-seqs", type=int, default=64)
-    srv.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    srv.add_argument("--no-prefix-caching", action="store_true")
-    srv.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
-    srv.add_argument("--dtype", default="float32")
-    srv.add_argument("--device", default="cpu")
+    _add_model_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=_port, default=8000, help="port to listen on")
+    srv.add_argument("--block-size", type=_count, default=16, help="tokens per KV block")
     srv.add_argument(
-        "--api-keys", help="file of API keys: JSON {key: tenant} or lines `key tenant`"
+        "--num-blocks",
+        type=_count,
+        default=None,
+        help="KV pool blocks (default: sized from the model and --max-num-seqs)",
     )
-    srv.add_argument("--admin-token", help="enables /admin (header X-Admin-Token)")
-    srv.add_argument("--shadow-rate", type=float, default=0.01, help="cache hits re-checked")
+    srv.add_argument("--max-num-seqs", type=_count, default=64, help="requests per step")
+    srv.add_argument("--max-num-batched-tokens", type=_count, default=2048, help="per step")
+    srv.add_argument("--no-prefix-caching", action="store_true", help="never share KV blocks")
+    srv.add_argument(
+        "--preemption-mode",
+        choices=PREEMPTION_MODES,
+        default="recompute",
+        help="what happens to a preempted request's KV",
+    )
+    srv.add_argument(
+        "--api-keys",
+        help="file of API keys: JSON {key: tenant} or lines `key tenant` "
+        "(default: none, an open server)",
+    )
+    token = srv.add_mutually_exclusive_group()
+    token.add_argument(
+        "--admin-token",
+        help="enables /admin (header X-Admin-Token); visible in the process "
+        f"list: prefer --admin-token-file or ${ADMIN_TOKEN_ENV}",
+    )
+    token.add_argument(
+        "--admin-token-file",
+        help=f"file holding the admin token (else ${ADMIN_TOKEN_ENV}; with neither, /admin is off)",
+    )
+    srv.add_argument("--shadow-rate", type=_fraction, default=0.01, help="cache hits re-checked")
     srv.add_argument("--audit-log", help="JSON-lines audit file (default: the kvpage.audit logger)")
-    srv.add_argument("--audit-sample-rate", type=float, default=1.0)
+    srv.add_argument("--audit-sample-rate", type=_fraction, default=1.0, help="lines kept")
+    srv.add_argument(
+        "--max-body-bytes",
+        type=_count,
+        default=4 * 1024 * 1024,
+        help="larger request bodies get 413 before they are parsed",
+    )
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=_number(float, 0.0),
+        default=10.0,
+        help="seconds in-flight requests get on shutdown; then streams end with an error event",
+    )
     srv.set_defaults(func=_cmd_serve)
-    return parser
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -92,12 +230,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from kvpage.model.tokenizer import encode_text
     from kvpage.verify.reference import generate
 
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    if args.prompt is not None:
-        prompt_ids = encode_text(tokenizer, args.prompt, args.model)
-    else:
-        prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-    params = SamplingParams(
+    params = SamplingParams(  # checked before the model loads
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -105,6 +238,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    if args.prompt is not None:
+        prompt_ids = encode_text(tokenizer, args.prompt, args.model)
+    else:
+        prompt_ids = args.prompt_ids
     out = generate(model, prompt_ids, params)
     if tokenizer is not None:
         print(f"text: {tokenizer.decode(out.token_ids)!r}")
@@ -156,13 +294,13 @@ def _cmd_passphrase(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from kvpage.config import EngineConfig
     from kvpage.engine.engine import LLMEngine
-    from kvpage.server import ServerOptions, create_app
-    from kvpage.server.tenants import load_api_keys
+    from kvpage.server import create_app
+    from kvpage.server.background import serve
 
+    options = _server_options(args)  # every file and the address, before the model loads
+    _check_listen(args.host, args.port)
     engine = LLMEngine(
         EngineConfig(
             model=args.model,
@@ -176,16 +314,75 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             device=args.device,
         )
     )
-    options = ServerOptions(
+    app = create_app(engine, options)
+    print("kvpage serve", *(f"  {line}" for line in app.state.server.describe()), sep="\n")
+    print(f"  listening on http://{args.host}:{args.port}", flush=True)
+    serve(app, args.host, args.port)
+    return 0
+
+
+def _server_options(args: argparse.Namespace) -> ServerOptions:
+    from kvpage.server import ServerOptions
+    from kvpage.server.tenants import load_api_keys
+
+    try:
+        api_keys = load_api_keys(args.api_keys) if args.api_keys else {}
+    except ValueError as err:
+        raise CliError(f"--api-keys {err}") from None
+    if args.audit_log:
+        _check_writable(args.audit_log)
+    return ServerOptions(
         model_name=args.model,
-        api_keys=load_api_keys(args.api_keys) if args.api_keys else {},
-        admin_token=args.admin_token,
+        api_keys=api_keys,
+        admin_token=_admin_token(args),
         shadow_rate=args.shadow_rate,
         audit_log=args.audit_log,
         audit_sample_rate=args.audit_sample_rate,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_timeout=args.shutdown_timeout,
     )
-    uvicorn.run(create_app(engine, options), host=args.host, port=args.port, log_level="info")
-    return 0
+
+
+def _admin_token(args: argparse.Namespace) -> str | None:
+    """--admin-token, else --admin-token-file, else $KVPAGE_ADMIN_TOKEN, else None (no /admin).
+    A token given but empty is an error; an empty environment variable counts as unset."""
+    if args.admin_token is not None:
+        token, source = args.admin_token, "--admin-token"
+    elif args.admin_token_file is not None:
+        source = f"--admin-token-file {args.admin_token_file}"
+        try:
+            token = Path(args.admin_token_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise CliError(f"{source}: cannot read it ({_reason(err)})") from None
+    else:
+        return os.environ.get(ADMIN_TOKEN_ENV, "").strip() or None
+    if not token.strip():
+        raise CliError(f"{source}: the admin token is empty")
+    return token
+
+
+def _check_writable(path: str) -> None:
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as err:
+        raise CliError(f"--audit-log {path}: cannot write to it ({_reason(err)})") from None
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Fail now rather than after the model has loaded (a race remains, but not the common case
+    of a port already taken or a host that is not this machine's)."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as err:
+        raise CliError(
+            f"--host {host} --port {port}: cannot listen there ({_reason(err)})"
+        ) from None
+
+
+def _reason(err: Exception) -> str:
+    return err.strerror if isinstance(err, OSError) and err.strerror else type(err).__name__
 
 
 if __name__ == "__main__":

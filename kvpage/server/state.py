@@ -51,3 +51,34 @@ class ServerState:
         if cut:
             self.loop.fail_in_flight(ServerShutdown("the server is shutting down"))
         return cut
+
+    def describe(self) -> list[str]:
+        """What this server serves, for the start-up banner. Never a key or a token."""
+        engine, opts = self.loop.engine, self.options
+        pool_blocks, block_size = engine.cache.pool.num_blocks, engine.config.block_size
+        caching = "on" if engine.cache.enable_prefix_caching else "off"
+        return [
+            f"model: {opts.model_name} ({engine.config.dtype} on {engine.config.device})",
+            f"KV pool: {pool_blocks} blocks x {block_size} tokens = {pool_blocks * block_size} "
+            f"tokens, {_mib(engine.storage.data.nbytes)}",
+            f"prefix caching: {caching}; preemption: {engine.config.preemption_mode}",
+            f"auth: {self._auth()}",
+            f"admin API: {'on' if opts.admin_token else 'off (no admin token)'}",
+            f"limits: request body {_mib(opts.max_body_bytes)}, "
+            f"shutdown timeout {opts.shutdown_timeout:g} s",
+        ]
+
+    def _auth(self) -> str:
+        if not self.tenants.enabled:
+            return "off (open server: no API keys, a request may set its own cache_salt)"
+        tenants = sorted(set(self.tenants.keys.values()))
+        shown = ", ".join(tenants[:_TENANTS_SHOWN])
+        more = f" and {len(tenants) - _TENANTS_SHOWN} more" if len(tenants) > _TENANTS_SHOWN else ""
+        return f"on ({len(self.tenants.keys)} API keys; {len(tenants)} tenants: {shown}{more})"
+
+
+_TENANTS_SHOWN = 10
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"

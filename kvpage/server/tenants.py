@@ -18,19 +18,42 @@ from kvpage.server.protocol import ApiError
 
 
 def load_api_keys(path: str | Path) -> dict[str, str]:
-    """A JSON object {"key": "tenant"} or lines `key tenant` (blank lines and # comments skipped)."""
-    text = Path(path).read_text()
-    if text.lstrip().startswith("{"):
-        keys = json.loads(text)
-    else:
-        rows = [ln.split() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
-        bad = [r for r in rows if len(r) != 2]
-        if bad:
-            raise ValueError(f"{path}: each line must be `key tenant`, got {bad[0]}")
-        keys = dict(rows)
-    if not keys or not all(isinstance(k, str) and isinstance(t, str) for k, t in keys.items()):
-        raise ValueError(f"{path}: no keys, or a key/tenant that is not a string")
+    """A JSON object {"key": "tenant"} or lines `key tenant` (blank lines and # comments skipped).
+    Raises ValueError naming the file and what is wrong with it (unreadable included)."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: cannot read the API key file ({_reason(err)})") from err
+    pairs = _json_pairs(path, text) if text.lstrip().startswith("{") else _line_pairs(path, text)
+    if not pairs:
+        raise ValueError(f"{path}: no API keys in the file")
+    keys: dict[str, str] = {}
+    for key, tenant in pairs:
+        if not (isinstance(key, str) and isinstance(tenant, str) and key and tenant):
+            raise ValueError(f"{path}: keys and tenants must be non-empty strings")
+        if key in keys:  # which tenant would it be? refuse rather than pick one
+            raise ValueError(f"{path}: a key is listed twice")
+        keys[key] = tenant
     return keys
+
+
+def _json_pairs(path: str | Path, text: str) -> list[tuple[object, object]]:
+    try:  # as pairs, duplicates included (a dict would silently keep the last)
+        return json.loads(text, object_pairs_hook=list)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from err
+
+
+def _line_pairs(path: str | Path, text: str) -> list[tuple[str, str]]:
+    rows = [ln.split() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    for number, row in enumerate(rows, 1):
+        if len(row) != 2:  # never echo the line: it may hold a key
+            raise ValueError(f"{path}: entry {number} is not `key tenant` ({len(row)} fields)")
+    return [(key, tenant) for key, tenant in rows]
+
+
+def _reason(err: Exception) -> str:
+    return err.strerror if isinstance(err, OSError) and err.strerror else type(err).__name__
 
 
 @dataclass(slots=True)
