@@ -22,7 +22,7 @@ from kvpage.model import load_model
 from kvpage.model.base import CausalLM
 from kvpage.model.paged_attention import KVStorage
 from kvpage.model.tokenizer import Tokenizer, encode_text
-from kvpage.sampling import make_generator, top_logprobs
+from kvpage.sampling import chosen_logprobs, make_generator
 from kvpage.sampling_params import SamplingParams
 
 DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
@@ -145,6 +145,7 @@ class LLMEngine:
             arrival_time=now,
             cache_salt=cache_salt,
             logprobs=[] if params.logprobs is not None else None,
+            token_logprobs=[] if params.logprobs is not None else None,
         )
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -326,6 +327,7 @@ class LLMEngine:
             deadline=parent.deadline,
             cache_salt=parent.cache_salt,
             logprobs=[] if params.logprobs is not None else None,
+            token_logprobs=[] if params.logprobs is not None else None,
             status=SeqStatus.RUNNING,
             num_computed=parent.num_computed,
             num_cached_tokens=parent.num_cached_tokens,
@@ -339,7 +341,9 @@ class LLMEngine:
         seq.output_ids.append(token)
         seq.chain.extend((token,))
         if seq.logprobs is not None:
-            seq.logprobs.append(top_logprobs(logits, seq.params.logprobs))
+            top, chosen = chosen_logprobs(logits, seq.params.logprobs, token)
+            seq.logprobs.append(top)
+            seq.token_logprobs.append(chosen)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         if token in seq.stop_ids:
@@ -407,7 +411,7 @@ class LLMEngine:
         outputs = [self._completion(s) for s in samples]
         empty_logprobs = None if head.logprobs is None else []
         outputs += [
-            CompletionOutput(i, [], "", empty_logprobs, head.finish_reason)
+            CompletionOutput(i, [], "", empty_logprobs, head.finish_reason, empty_logprobs)
             for i in range(len(samples), head.params.n)
         ]
         preemptions = sum(s.num_preemptions for s in samples)
@@ -425,6 +429,7 @@ class LLMEngine:
             text,
             None if seq.logprobs is None else list(seq.logprobs),
             seq.finish_reason,
+            None if seq.token_logprobs is None else list(seq.token_logprobs),
         )
 
     def _metrics(self, seq: Sequence, num_preemptions: int) -> RequestMetrics:

@@ -10,8 +10,11 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     text: str  # decoded once the request finishes ("" while it runs)
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, float]] | None  # per token: the k most likely raw tokens
     finish_reason: str | None  # "stop" | "length" | "abort" | "timeout" | "error" | None
+    # Per token: the chosen token's raw logprob, also when it is outside the top k (as OpenAI
+    # reports it). Kept apart from `logprobs`, which must be exactly the top k.
+    token_logprobs: list[float] | None = None
 
 
 @dataclass(slots=True)

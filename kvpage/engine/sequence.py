@@ -55,6 +55,7 @@ class Sequence:
     cache_salt: str | None = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
+    token_logprobs: list[float] | None = None  # the chosen token's, when logprobs are wanted
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # leading tokens whose KV is in the pool
     num_cached_tokens: int = 0  # prefix-cache hit at first admission

@@ -46,6 +46,10 @@ class ByteTokenizer:
                 )
         return bytes(i for i in ids if i < self.NUM_BYTES).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The token's raw bytes (None for BOS and EOS, which have no text)."""
+        return bytes([token_id]) if 0 <= token_id < self.NUM_BYTES else None
+
 
 class HFTokenizer:
     """tokenizer.json via the `tokenizers` library; special ids from the model config or
@@ -67,6 +71,38 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The token's raw bytes: byte-level BPE pieces map back through GPT-2's byte alphabet,
+        SentencePiece's `<0xNN>` is that byte and `▁` a space. None for special tokens."""
+        from tokenizers import decoders
+
+        piece = self._tok.id_to_token(token_id)
+        added = self._tok.get_added_tokens_decoder().get(token_id)
+        if piece is None or (added is not None and added.special):
+            return None
+        byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
+        if byte_level and all(ch in _BYTE_LEVEL for ch in piece):  # else an added plain token
+            return bytes(_BYTE_LEVEL[ch] for ch in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in character for each byte (`bytes_to_unicode`), inverted."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
 
 
 def _special_ids_from_tokenizer_config(directory: Path, tok) -> dict[str, int]:

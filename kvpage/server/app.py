@@ -15,6 +15,7 @@ from fastapi import APIRouter, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from kvpage.engine.engine import LLMEngine
 from kvpage.errors import InvalidRequest
@@ -71,9 +72,28 @@ def create_app(engine: LLMEngine, options: ServerOptions | None = None) -> FastA
     app.include_router(_routes())
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _api_error)
     app.add_middleware(RequestGuard, state=state)  # auth and body size before any parsing
     return app
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own errors (no such route, wrong method, unreadable body) in OpenAI's shape."""
+    where = f"{request.method} {request.url.path}"
+    message = {404: f"Invalid URL ({where})", 405: f"Method not allowed ({where})"}
+    text = message.get(exc.status_code, f"{exc.detail} ({where})")
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    err = ApiError(text, None, exc.status_code, kind)
+    _count(request, err.status)
+    return error_response(err, exc.headers)
+
+
+def _count(request: Request, status: int) -> None:
+    """By the matched route's template (`/v1/models/{model_id:path}`), else `other`: any path can
+    be asked for, and each must not become a new metrics label."""
+    path = getattr(request.scope.get("route"), "path", "other")
+    request.app.state.server.metrics.requests.labels(path, str(status)).inc()
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -83,7 +103,7 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     elif not isinstance(exc, ApiError):
         log.exception("unhandled error on %s", request.url.path, exc_info=exc)
         exc = ApiError(f"internal error: {type(exc).__name__}", None, 500)
-    request.app.state.server.metrics.requests.labels(request.url.path, str(exc.status)).inc()
+    _count(request, exc.status)
     return error_response(exc)
 
 
@@ -105,6 +125,7 @@ def _routes() -> APIRouter:
     router.add_api_route("/health", health, methods=["GET"])
     router.add_api_route("/metrics", metrics, methods=["GET"])
     router.add_api_route("/v1/models", models, methods=["GET"])
+    router.add_api_route("/v1/models/{model_id:path}", model_card, methods=["GET"])
     router.add_api_route("/v1/completions", completions, methods=["POST"])
     router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     return router
@@ -127,8 +148,22 @@ async def metrics(request: Request) -> Response:
 async def models(request: Request, authorization: str | None = Header(default=None)) -> dict:
     state: ServerState = request.app.state.server
     state.tenants.authenticate(authorization)
-    card = {"id": state.options.model_name, "object": "model", "owned_by": "kvpage"}
-    return {"object": "list", "data": [{**card, "created": 0}]}
+    return {"object": "list", "data": [_card(state)]}
+
+
+async def model_card(
+    model_id: str, request: Request, authorization: str | None = Header(default=None)
+) -> dict:
+    state: ServerState = request.app.state.server
+    state.tenants.authenticate(authorization)
+    if model_id != state.options.model_name:
+        message = f"The model {model_id!r} does not exist"
+        raise ApiError(message, "model", 404, "not_found_error")
+    return _card(state)
+
+
+def _card(state: ServerState) -> dict:
+    return {"id": state.options.model_name, "object": "model", "created": 0, "owned_by": "kvpage"}
 
 
 # --- generation endpoints --------------------------------------------------------------------
@@ -182,7 +217,8 @@ def _room(state: ServerState, prompt_ids: list[int]) -> int:
 async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, chat) -> Response:
     params = sampling_params(body, max_tokens, num_logprobs)
     salt = state.tenants.cache_salt(request.state.tenant, body.cache_salt)
-    shape = new_shape(chat, state.options.model_name, num_logprobs, body.return_token_ids)
+    model = state.options.model_name
+    shape = new_shape(chat, model, num_logprobs, body.return_token_ids, body.include_usage)
     tokenizer = state.loop.engine.tokenizer
     gen = Generation.new(shape.request_id, prompt_ids, params, salt, tokenizer, body.stop_strings)
     try:

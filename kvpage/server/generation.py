@@ -19,13 +19,27 @@ from kvpage.server.text_stream import TextStream
 
 
 @dataclass(slots=True)
+class TokenLogprobs:
+    """Per token of a choice (or of a delta), when logprobs were asked for."""
+
+    top: list[dict[int, float]] = field(default_factory=list)  # the k most likely raw tokens
+    chosen: list[float] = field(default_factory=list)  # the chosen token's, even outside top k
+    offsets: list[int] = field(default_factory=list)  # where its text starts in the choice text
+
+    def extend(self, other: TokenLogprobs) -> None:
+        self.top.extend(other.top)
+        self.chosen.extend(other.chosen)
+        self.offsets.extend(other.offsets)
+
+
+@dataclass(slots=True)
 class Delta:
     """What one engine output adds to one choice of the response."""
 
     index: int  # the choice (sample) it belongs to
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None  # one top-k dict per token in token_ids
+    logprobs: TokenLogprobs | None  # one entry per token in token_ids
     finish_reason: str | None
     cut: bool = False  # the server ended this choice (stop string) before the engine did
 
@@ -37,17 +51,18 @@ class Choice:
     index: int
     text: TextStream
     finish_reason: str | None = None
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: TokenLogprobs = field(default_factory=TokenLogprobs)
 
     @property
     def token_ids(self) -> list[int]:
         return self.text.token_ids
 
     def advance(self, completion: CompletionOutput, new: list[int], final: bool) -> Delta:
-        piece = self.text.add(new, final=final)
         logprobs = None
-        if completion.logprobs is not None:
-            logprobs = completion.logprobs[len(completion.logprobs) - len(new) :] if new else []
+        if completion.logprobs is None:
+            piece = self.text.add(new, final=final)
+        else:
+            piece, logprobs = self._add_logged(completion, new, final)
             self.logprobs.extend(logprobs)
         cut = self.text.stopped
         if cut:
@@ -55,6 +70,28 @@ class Choice:
         elif final:
             self.finish_reason = completion.finish_reason
         return Delta(self.index, piece, new, logprobs, self.finish_reason, cut)
+
+    def _add_logged(
+        self, completion: CompletionOutput, new: list[int], final: bool
+    ) -> tuple[str, TokenLogprobs]:
+        """Adds the tokens one at a time, so each one's text offset is the count of characters
+        of the choice's text before it, across every earlier delta (OpenAI's `text_offset`)."""
+        offsets, pieces = [], []
+        for i, token in enumerate(new):
+            offsets.append(self._chars_so_far())
+            pieces.append(self.text.add([token], final=final and i == len(new) - 1))
+        if not new:
+            pieces.append(self.text.add([], final=final))
+        if self.text.stopped:  # a token past the stop string starts where the text ends
+            offsets = [min(o, len(self.text.text)) for o in offsets]
+        start = len(completion.logprobs) - len(new)
+        chosen = completion.token_logprobs[start:]  # set whenever `logprobs` is
+        return "".join(pieces), TokenLogprobs(completion.logprobs[start:], chosen, offsets)
+
+    def _chars_so_far(self) -> int:
+        """Characters decoded so far: those sent plus those held back (they may start a stop
+        string) and sent later, in front of the next token's text."""
+        return len(self.text.text) + len(self.text.held)
 
 
 @dataclass(slots=True)

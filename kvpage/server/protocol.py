@@ -30,28 +30,170 @@ class ApiError(Exception):
         self.kind = kind or ("invalid_request_error" if status == 400 else "server_error")
 
 
-def error_response(err: ApiError) -> JSONResponse:
-    body = {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": None}}
-    return JSONResponse(body, status_code=err.status)
+def error_response(err: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    error = {"message": _printable(err.message), "type": err.kind, "param": err.param}
+    return JSONResponse({"error": {**error, "code": None}}, err.status, headers)
+
+
+def _printable(text: str) -> str:
+    """A message may quote the client's text; a lone surrogate in it would fail UTF-8 encoding
+    of the error body itself (a 500 in place of the 400)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:
-    """pydantic's first complaint, with its location turned into the OpenAI `param`."""
-    first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    return ApiError(f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)
+    """pydantic's complaint, with its location turned into the OpenAI `param`: the field, its
+    exact place in the message. A union (`prompt` is a string or token ids) yields one error per
+    alternative, each located under a tag such as `list[int]`: the param stops before the tag,
+    and the message is the alternative that got furthest (for `[true, 2]`: param `prompt`,
+    message `prompt.0: Input should be a valid integer`)."""
+    errors = exc.errors()
+    if not errors:
+        return ApiError("invalid request body", None)
+    if errors[0].get("type") == "json_invalid":
+        return _json_error(errors[0])
+    loc = _loc(errors[0])
+    if not loc:
+        return ApiError(_body_message(errors[0]), None)
+    param = _field_of(_untagged(loc, stop_at_tag=True))
+    same = [e for e in errors if _field_of(_untagged(_loc(e), stop_at_tag=True)) == param]
+    best = max(same, key=lambda e: len(_loc(e)))  # the first of the deepest
+    where = ".".join(_untagged(_loc(best), stop_at_tag=False))
+    return ApiError(f"{where}: {best.get('msg', 'invalid value')}", param)
 
 
-class StreamOptions(BaseModel):
+def _field_of(path: list[str]) -> str:
+    """`stop_token_ids.0` -> `stop_token_ids`; `messages.0.role` stays (a field of a message)."""
+    while len(path) > 1 and path[-1].isdigit():
+        path = path[:-1]
+    return ".".join(path)
+
+
+def _loc(error: dict) -> list[str | int]:
+    loc = list(error.get("loc", ()))
+    return loc[1:] if loc[:1] == ["body"] else loc
+
+
+def _untagged(loc: list[str | int], stop_at_tag: bool) -> list[str]:
+    """The location's field names and indices, without union tags (names no model has)."""
+    out = []
+    for part in loc:
+        if isinstance(part, str) and part not in _FIELD_NAMES:
+            if stop_at_tag:
+                break
+            continue
+        out.append(str(part))
+    return out
+
+
+def _json_error(error: dict) -> ApiError:
+    pos = _loc(error)
+    reason = (error.get("ctx") or {}).get("error", "")
+    where = f" at character {pos[0]}" if pos and isinstance(pos[0], int) else ""
+    detail = f" ({reason}{where})" if reason or where else ""
+    return ApiError(f"the request body is not valid JSON{detail}", None)
+
+
+def _body_message(error: dict) -> str:
+    if error.get("type") == "missing":
+        return "the request body is empty: send a JSON object"
+    return f"the request body must be a JSON object: {error.get('msg', 'invalid value')}"
+
+
+# OpenAI and vLLM request fields that would change the output but are not implemented here, each
+# with the values that mean "off" (accepted: a client may send the default explicitly). Any other
+# value is refused by name rather than ignored. Fields that do not change the output (`user`,
+# `metadata`, ...) are accepted and ignored.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logit_bias": ({},),
+    "response_format": ({"type": "text"},),
+    "min_p": (0,),
+    "repetition_penalty": (1,),
+    "length_penalty": (1,),
+    "min_tokens": (0,),
+    "use_beam_search": (False,),
+    "include_stop_str_in_output": (False,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "prompt_logprobs": (),
+    "truncate_prompt_tokens": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+    "logits_processors": ([],),
+    "return_tokens_as_token_ids": (False,),
+    "skip_special_tokens": (True,),  # special tokens are always left out of the text
+    "prompt_embeds": (),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "continue_final_message": (False,),
+    "add_generation_prompt": (True,),
+    "documents": (),
+    "echo": (False,),  # a field of completions; chat (vLLM) has it too
+    "best_of": (1,),
+}
+
+
+def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
+    """None, or equal to an "off" value of the same kind (`false` is not 0, nor `1.0` True)."""
+    if value is None:
+        return True
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in off)
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string (or key) holding a lone surrogate: JSON's `"\\ud800"`
+    parses, but no UTF-8 encoder (tokenizer, cache salt digest, audit log) accepts it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, BaseModel):
+        items = [(k, getattr(value, k)) for k in type(value).model_fields]
+        items += list((value.model_extra or {}).items())
+    elif isinstance(value, dict):
+        items = [(k, k) for k in value] + list(value.items())
+    elif isinstance(value, list):
+        items = list(enumerate(value))
+    else:
+        return None
+    for key, item in items:
+        found = _lone_surrogate(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+class _Strict(BaseModel):
+    """No coercion: `"3"` is not 3, `true` is not 1, `2.0` is not a token id, and NaN or
+    Infinity (which Python's JSON parser accepts) is not a number."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Common(_Strict):
     """Fields shared by both endpoints; OpenAI names, plus vLLM's extensions (top_k, ignore_eos,
-    stop_token_ids, cache_salt) and `return_token_ids` (token ids in each choice)."""
+    stop_token_ids, cache_salt) and `return_token_ids` (token ids in each choice). Other fields
+    are kept (`model_extra`) so that those known to change the output can be refused by name."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
     model: str = ""
     temperature: float = Field(1.0, ge=0.0)
@@ -70,6 +212,15 @@ class _Common(BaseModel):
     return_token_ids: bool = False
 
     def check_unsupported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and not _is_off(value, UNSUPPORTED[name]):
+                raise ApiError(f"{name} is not supported by this server", name)
+        bad_text = _lone_surrogate(self, "")
+        if bad_text is not None:
+            param = _field_of(bad_text.split("."))
+            raise ApiError(f"{bad_text} is not valid Unicode (a lone surrogate)", param)
+        if self.stream_options is not None and not self.stream:
+            raise ApiError("stream_options is only allowed when stream is true", "stream_options")
         if not 1 <= self.n <= MAX_N:
             raise ApiError(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -122,12 +273,12 @@ class CompletionRequest(_Common):
             raise ApiError("best_of must be 1", "best_of")
 
 
-class ContentPart(BaseModel):
+class ContentPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
 
@@ -149,12 +300,17 @@ class ChatCompletionRequest(_Common):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError("top_logprobs needs logprobs set to true", "top_logprobs")
+
 
 def sampling_params(
     req: CompletionRequest | ChatCompletionRequest, max_tokens: int, num_logprobs: int | None
 ) -> SamplingParams:
-    """The engine's parameters. At least one logprob is asked of the engine whenever any are
-    wanted, so the chosen token's own logprob is known whenever it is the top-1 (greedy)."""
+    """The engine's parameters. The engine reports the chosen token's logprob apart from the top
+    k, so `num_logprobs` (0 included) is asked for as it is."""
     try:
         return SamplingParams(
             temperature=req.temperature,
@@ -164,7 +320,7 @@ def sampling_params(
             seed=req.seed,
             ignore_eos=req.ignore_eos,
             stop_token_ids=tuple(req.stop_token_ids),
-            logprobs=None if num_logprobs is None else max(num_logprobs, 1),
+            logprobs=num_logprobs,
             n=req.n,  # sample i draws with seed + i (SamplingParams.for_sample)
         )
     except InvalidRequest as err:
@@ -187,6 +343,9 @@ def invalid_request(err: InvalidRequest) -> ApiError:
 
 
 _KNOWN_PARAMS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+_FIELD_NAMES = _KNOWN_PARAMS.union(
+    ChatMessage.model_fields, ContentPart.model_fields, StreamOptions.model_fields
+)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

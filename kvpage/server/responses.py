@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpage.model.tokenizer import Tokenizer
-from kvpage.server.generation import Delta, Generation
+from kvpage.server.generation import Delta, Generation, TokenLogprobs
 from kvpage.server.protocol import usage
 
 
@@ -23,6 +23,7 @@ class Shape:
     num_logprobs: int | None  # top-k wanted per token (None: no logprobs)
     return_token_ids: bool
     created: int = 0
+    include_usage: bool = False  # stream chunks carry `usage` (null until the last one)
 
     @property
     def object(self) -> str:
@@ -34,10 +35,13 @@ def sse(body: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-def new_shape(chat: bool, model: str, num_logprobs: int | None, token_ids: bool) -> Shape:
+def new_shape(
+    chat: bool, model: str, num_logprobs: int | None, token_ids: bool, include_usage: bool = False
+) -> Shape:
     prefix = "chatcmpl" if chat else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
-    return Shape(chat, request_id, model, num_logprobs, token_ids, int(time.time()))
+    created = int(time.time())
+    return Shape(chat, request_id, model, num_logprobs, token_ids, created, include_usage)
 
 
 def _envelope(shape: Shape, choices: list[dict], chunk: bool) -> dict[str, Any]:
@@ -75,12 +79,20 @@ def chunk_body(shape: Shape, delta: Delta, tok: Tokenizer) -> dict[str, Any]:
         tok,
         True,
     )
-    return _envelope(shape, [choice], chunk=True)
+    return _stream_envelope(shape, [choice])
 
 
 def role_chunk(shape: Shape, index: int = 0) -> dict[str, Any]:
     choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-    return _envelope(shape, [choice], chunk=True)
+    return _stream_envelope(shape, [choice])
+
+
+def _stream_envelope(shape: Shape, choices: list[dict]) -> dict[str, Any]:
+    """A chunk before the last: with include_usage, OpenAI sends `usage: null` on every one."""
+    body = _envelope(shape, choices, chunk=True)
+    if shape.include_usage:
+        body["usage"] = None
+    return body
 
 
 def usage_chunk(shape: Shape, gen: Generation) -> dict[str, Any]:
@@ -104,41 +116,53 @@ def _choice(shape, index, text, token_ids, logprobs, finish_reason, tok, chunk) 
     return choice
 
 
-def _logprobs(shape: Shape, token_ids, logprobs, tok: Tokenizer) -> dict[str, Any] | None:
-    if shape.num_logprobs is None or logprobs is None:
+def _logprobs(
+    shape: Shape, token_ids: list[int], lp: TokenLogprobs | None, tok: Tokenizer
+) -> dict[str, Any] | None:
+    if shape.num_logprobs is None or lp is None:
         return None
     k = shape.num_logprobs
+    per_token = list(zip(token_ids, lp.chosen, lp.top, strict=True))
     if shape.chat:
-        return {
-            "content": [
-                _chat_entry(t, lp, k, tok) for t, lp in zip(token_ids, logprobs, strict=True)
-            ]
-        }
-    tokens = [token_text(tok, t) for t in token_ids]
-    offsets = [sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
+        return {"content": [_chat_entry(t, chosen, top, k, tok) for t, chosen, top in per_token]}
     return {
-        "tokens": tokens,
-        "token_logprobs": [lp.get(t) for t, lp in zip(token_ids, logprobs, strict=True)],
-        "top_logprobs": [{token_text(tok, i): v for i, v in _top(lp, k)} for lp in logprobs],
-        "text_offset": offsets,
+        "tokens": [token_text(tok, t) for t in token_ids],
+        "token_logprobs": list(lp.chosen),
+        "top_logprobs": [{token_text(tok, i): v for i, v in _top(top, k)} for top in lp.top],
+        "text_offset": list(lp.offsets),
     }
 
 
-def _chat_entry(token_id: int, top: dict[int, float], k: int, tok: Tokenizer) -> dict[str, Any]:
-    text = token_text(tok, token_id)
+def _chat_entry(
+    token_id: int, chosen: float, top: dict[int, float], k: int, tok: Tokenizer
+) -> dict[str, Any]:
     return {
-        "token": text,
-        "logprob": top.get(token_id),  # known when the token is in the engine's top-k
-        "bytes": list(text.encode()),
-        "top_logprobs": [
-            {"token": token_text(tok, i), "logprob": v, "bytes": list(token_text(tok, i).encode())}
-            for i, v in _top(top, k)
-        ],
+        **_chat_token(token_id, chosen, tok),
+        "top_logprobs": [_chat_token(i, v, tok) for i, v in _top(top, k)],
+    }
+
+
+def _chat_token(token_id: int, logprob: float, tok: Tokenizer) -> dict[str, Any]:
+    return {
+        "token": token_text(tok, token_id),
+        "logprob": logprob,
+        "bytes": token_bytes(tok, token_id),
     }
 
 
 def _top(top: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(top.items(), key=lambda kv: -kv[1])[:k]
+
+
+def token_bytes(tok: Tokenizer, token_id: int) -> list[int] | None:
+    """The token's raw bytes, also for a byte that is only part of a character (`token` then
+    reads `token_id:N`); None for a token with no text (a special token), as OpenAI allows."""
+    raw = getattr(tok, "token_bytes", None)  # the Tokenizer protocol does not require it
+    if raw is not None:
+        data = raw(token_id)
+        return None if data is None else list(data)
+    text = tok.decode([token_id])
+    return list(text.encode()) if text and "\ufffd" not in text else None
 
 
 def token_text(tok: Tokenizer, token_id: int) -> str:

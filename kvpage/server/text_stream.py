@@ -73,9 +73,10 @@ class TextStream:
 
     def add(self, new_ids: list[int], final: bool) -> str:
         """Append tokens; return the text that may be sent now (all of it when `final`)."""
-        new = self.detok.add(new_ids, final)
-        if self.stopped:
+        if self.stopped:  # the text is over; keep the ids (usage counts them), decode nothing
+            self.detok.token_ids.extend(new_ids)
             return ""
+        new = self.detok.add(new_ids, final)
         window = self.held + new
         cut = self._stop_at(window)
         if cut is not None:
