@@ -1,8 +1,9 @@
 """Counters and audit events of the cache (R29).
 
 The pool, the prefix index and the manager share one `CacheStats` object so that every counter lives
-in one place; audit events are small frozen records handed to the manager's `audit` log (and an
-optional sink) so that every cache hit and every refused hit can be explained after the fact.
+in one place; audit events are small frozen records handed to the manager's `audit` log (and its
+listener: the engine, which names the request behind the sequence id and tells its observers) so
+that every cache hit, refused hit and copy-on-write can be explained after the fact.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 class CacheStats:
     """Monotonic counters; rates are computed by whoever samples them."""
 
+    # Every lookup, retries and re-prefills included; the engine's prefix_queries / prefix_hits
+    # count each prompt once instead (its scheduler, at first admission).
     queries_tokens: int = 0  # prompt tokens offered to acquire_prefix
     hit_tokens: int = 0  # of those, tokens served from the cache
     corruption_count: int = 0  # fast key matched, full digest did not (R5)
@@ -49,6 +52,17 @@ class CorruptionEvent:
     found_digest: bytes
     block_id: int
     depth: int  # logical block index of the lookup
+    seq_id: int = -1  # whose lookup found it (the index knows keys only; the manager fills it in)
 
 
-AuditEvent = HitEvent | CorruptionEvent
+@dataclass(frozen=True, slots=True)
+class CowEvent:
+    """Copy-on-write of one shared partial block before a write."""
+
+    seq_id: int
+    logical_block: int
+    src_block: int
+    dst_block: int
+
+
+AuditEvent = HitEvent | CorruptionEvent | CowEvent

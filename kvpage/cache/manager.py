@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from kvpage.cache.block_pool import READABLE, BlockPool, BlockState, CacheUsage
 from kvpage.cache.block_table import BlockTable, SnapshotEntry, TableSnapshot
-from kvpage.cache.events import AuditEvent, CacheStats, HitEvent
+from kvpage.cache.events import AuditEvent, CacheStats, CorruptionEvent, CowEvent, HitEvent
 from kvpage.cache.invariants import check_invariants
 from kvpage.cache.key_chain import BlockKeyChain
 from kvpage.cache.namespace import CacheNamespace
@@ -44,6 +45,8 @@ class KVCacheManager:
         fast_key_bits: int = 64,
         debug_checks: bool = False,
         audit_maxlen: int = 10_000,
+        copy_block_fn: Callable[[int, int], None] = _no_copy,
+        listener: Callable[[AuditEvent], None] | None = None,
     ):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -51,10 +54,11 @@ class KVCacheManager:
         self.debug_checks = debug_checks
         self.stats = CacheStats()
         self.audit: deque[AuditEvent] = deque(maxlen=audit_maxlen)
-        self.audit_sink: Callable[[AuditEvent], None] | None = None
-        self.copy_block_fn: Callable[[int, int], None] = _no_copy
+        self.listener = listener  # the engine: it tells its observers, naming the request
+        self.copy_block_fn = copy_block_fn
         self.pool = BlockPool(num_blocks, block_size, self.stats)
-        self.index = PrefixIndex(self.pool, self.stats, self._emit, fast_key_bits)
+        self.index = PrefixIndex(self.pool, self.stats, self._emit_from_index, fast_key_bits)
+        self._looking_up = -1  # seq id of the lookup in progress (names its corruption events)
         self.pool.on_cached = self.index.note_cached
         self.live_tables: dict[int, BlockTable] = {}  # seq_id -> table holding blocks
         self.inflight: dict[int, TableSnapshot] = {}
@@ -90,7 +94,11 @@ class KVCacheManager:
         if not self._caching_on(chain.namespace_digest):
             return 0
         cap = self.max_hit_blocks(prompt_len)
-        hits = self.index.match(chain, cap)
+        self._looking_up = table.seq_id
+        try:
+            hits = self.index.match(chain, cap)
+        finally:
+            self._looking_up = -1
         for e in hits:
             self.pool.add_owner(e.block_id, table.seq_id)
         table.block_ids = [e.block_id for e in hits]
@@ -218,6 +226,7 @@ class KVCacheManager:
         table.block_ids[logical_block] = dst
         self.pool.remove_owner(src, table.seq_id)
         self.stats.cow_copies += 1
+        self._emit(CowEvent(table.seq_id, logical_block, src, dst))
         return dst
 
     def _reserve(self, n: int) -> None:
@@ -409,8 +418,14 @@ class KVCacheManager:
 
     def _emit(self, event: AuditEvent) -> None:
         self.audit.append(event)
-        if self.audit_sink is not None:
-            self.audit_sink(event)
+        if self.listener is not None:
+            self.listener(event)
+
+    def _emit_from_index(self, event: AuditEvent) -> None:
+        """The index knows keys, not sequences: name the sequence whose lookup found it."""
+        if isinstance(event, CorruptionEvent):
+            event = replace(event, seq_id=self._looking_up)
+        self._emit(event)
 
     def _debug(self) -> None:
         if self.debug_checks:

@@ -1,5 +1,8 @@
 """LLMEngine: add / abort / step. Owns the model, the KV pool, the cache manager and the scheduler;
-one `step()` schedules, runs the model once over the packed batch, samples and retires requests."""
+one `step()` schedules, runs the model once over the packed batch, samples and retires requests.
+
+Whoever watches the engine (the verifier's tracer, the server's audit log and metrics, tests)
+attaches an `EngineObserver` (kvpage.engine.events) with `add_observer`; nothing else reaches in."""
 
 from __future__ import annotations
 
@@ -8,16 +11,29 @@ import time
 
 import torch
 
+from kvpage.cache.events import AuditEvent, CorruptionEvent, CowEvent
 from kvpage.cache.manager import KVCacheManager
 from kvpage.config import EngineConfig
+from kvpage.engine.events import (
+    Aborted,
+    CacheCorruption,
+    CowCopy,
+    EngineObserver,
+    Finished,
+    Freed,
+    TimedOut,
+    emit,
+    held_blocks,
+    who,
+)
 from kvpage.engine.namespace import base_namespace
 from kvpage.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpage.engine.runner import ModelRunner, StepBatch
 from kvpage.engine.sampler import Sampler
 from kvpage.engine.scheduler import Scheduler
 from kvpage.engine.sequence import ForcedPreemption, SeqStatus, Sequence
-from kvpage.engine.swap import SwapSpace
-from kvpage.errors import InvalidRequest, SwapError
+from kvpage.engine.swap import KVSwapper, SwapSpace
+from kvpage.errors import InvalidRequest
 from kvpage.model import load_model
 from kvpage.model.base import CausalLM
 from kvpage.model.paged_attention import KVStorage
@@ -61,26 +77,23 @@ class LLMEngine:
             # every invariant once per step instead (R22), which catches the same corruption.
             fast_key_bits=config.fast_key_bits,
             debug_checks=False,
+            copy_block_fn=self._copy_block,
+            listener=self._on_cache_event,
         )
-        self.cache.copy_block_fn = self._copy_block
+        self._observers: list[EngineObserver] = []  # shared with the scheduler and the swapper
         self.swap_space = SwapSpace(config.swap_space_blocks)
-        self.scheduler = Scheduler(config, self.cache, self)
+        self.swapper = KVSwapper(self.cache, self.storage, self.swap_space, self._observers)
+        self.scheduler = Scheduler(config, self.cache, self.swapper, self._observers)
         self.runner = ModelRunner(model, self.storage, self.cache)
         self.sampler = Sampler()
         self.namespace = base_namespace(model, tokenizer, config.block_size, config.model)
         self.seqs: dict[str, Sequence] = {}  # request id -> its sample 0 (the only one if n == 1)
         self.samples: dict[str, list[Sequence]] = {}  # request id -> its samples, by index
+        self._by_seq_id: dict[int, Sequence] = {}  # live sequences: cache events name seq ids
         self._to_fork: set[int] = set()  # seq ids of n > 1 requests before their first token
         self._forced_later: dict[str, ForcedPreemption] = {}  # sample id -> plan, until forked
         self.step_count = 0
-        self.counters = {
-            "swap_outs": 0,
-            "swap_ins": 0,
-            "swap_failures": 0,
-            "aborts": 0,
-            "timeouts": 0,
-        }
-        self._tracer = None
+        self.counters = {"aborts": 0, "timeouts": 0}  # swap counts are the swapper's
         self._pending: list[RequestOutput] = []
         self._with_deadline: set[str] = set()  # request ids with a timeout still in flight
         self.emit_progress = True  # per-token outputs for streaming; offline callers turn it off
@@ -123,6 +136,7 @@ class LLMEngine:
             self._with_deadline.add(request_id)
         self.seqs[request_id] = seq
         self.samples[request_id] = [seq]
+        self._by_seq_id[seq.seq_id] = seq
         if params.n > 1:
             self._to_fork.add(seq.seq_id)  # R33: one sequence until its prefill is done
         self.scheduler.add(seq)
@@ -191,9 +205,20 @@ class LLMEngine:
         if not live:
             return False
         self.counters["aborts" if reason == "abort" else "timeouts"] += 1
+        if self._observers:
+            self._emit_abort(request_id, live, reason)
         for seq in live:
             self._finish(seq, reason)
         return True
+
+    def _emit_abort(self, name: str, live: list[Sequence], reason: str) -> None:
+        """One event for the call; it names the request (or sample) as the caller did."""
+        fields = {**who(live[0]), "sample_id": name, "samples": tuple(s.sample_id for s in live)}
+        if reason == "timeout":
+            overdue = time.monotonic() - live[0].deadline
+            emit(self._observers, TimedOut(**fields, overdue_s=overdue))
+        else:
+            emit(self._observers, Aborted(**fields))
 
     def _samples_named(self, name: str) -> list[Sequence]:
         """A request id names all its samples; `rid#i` names sample i once it exists."""
@@ -240,15 +265,20 @@ class LLMEngine:
         """R21: the next `count` swap-out writes fail; the engine must fall back to recompute."""
         self.swap_space.fail_next_writes += count
 
-    @property
-    def tracer(self):
-        return self._tracer
+    # --- observers ---------------------------------------------------------------------------
+    def add_observer(self, observer: EngineObserver) -> None:
+        """Attach an observer: it sees every event and tracing hook from now on."""
+        if observer not in self._observers:
+            self._observers.append(observer)
 
-    @tracer.setter
-    def tracer(self, tracer) -> None:
-        """A verify.trace.EngineTracer, or None (the default: tracing costs nothing)."""
-        self._tracer = tracer
-        self.scheduler.observer = tracer
+    def remove_observer(self, observer: EngineObserver) -> None:
+        self._observers.remove(observer)
+
+    @property
+    def tracer(self) -> EngineObserver | None:
+        """The attached step tracer (verify.trace.EngineTracer), if any: the verifier reads its
+        records through here. Attach one with add_observer."""
+        return next((o for o in self._observers if o.traces_steps), None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -258,10 +288,12 @@ class LLMEngine:
         self.step_count += 1
         self._expire_timeouts()
         plan = self.scheduler.schedule(self.step_count)
+        for seq, message in plan.failed:  # stuck with preemption off: failed to free its blocks
+            self._fail(seq, message)
         if plan.scheduled:
             batch = self.runner.build(plan.scheduled)
-            if self._tracer is not None:
-                self._tracer.on_batch(batch)
+            for observer in self._observers:
+                observer.on_batch(batch)
             try:
                 if self.config.debug_checks:
                     for snap in batch.snapshots:
@@ -285,8 +317,8 @@ class LLMEngine:
             self._fork_ready(seqs, logits)
         for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             self._append_token(seq, token, logits[row])
-        if self._tracer is not None:
-            self._tracer.on_sampled(batch, logits, tokens)
+        for observer in self._observers:
+            observer.on_sampled(batch, logits, tokens)
 
     # --- parallel sampling (R33) -----------------------------------------------------------
     def _fork_ready(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
@@ -305,10 +337,11 @@ class LLMEngine:
         self.scheduler.running[at:at] = children  # right after the parent: same age
         self.samples[parent.request_id].extend(children)
         for child in children:
+            self._by_seq_id[child.seq_id] = child
             token = self.sampler.sample(logits_row[None], [child])[0]  # the seam counts draws
             self._append_token(child, token, logits_row)
-            if self._tracer is not None:
-                self._tracer.on_forked(parent, child, logits_row, token)
+            for observer in self._observers:
+                observer.on_forked(parent, child, logits_row, token)
 
     def _new_sample(self, parent: Sequence, index: int) -> Sequence:
         seq_id = next(self._seq_ids)
@@ -353,11 +386,19 @@ class LLMEngine:
         elif self.emit_progress:
             self._pending.append(self._output(seq, [token]))
 
+    def _fail(self, seq: Sequence, message: str) -> None:
+        """End a sample with finish reason "error"; `message` reaches RequestOutput.error."""
+        seq.error = message
+        self._finish(seq, "error")
+
     def _finish(self, seq: Sequence, reason: str) -> None:
+        held = held_blocks(seq, self.cache.pool) if self._observers else None
         self.scheduler.remove(seq)
-        self.swap_space.discard(seq.seq_id)
+        self.swapper.discard(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        if held is not None:
+            self._emit_finish(seq, reason, held)
         new = seq.output_ids[-1:] if reason in ("stop", "length") else []
         if seq.params.n == 1:
             self._pending.append(self._output(seq, new))
@@ -376,9 +417,18 @@ class LLMEngine:
             self._pending.append(self._final_output(samples))
             self._retire(seq.request_id)
 
+    def _emit_finish(self, seq: Sequence, reason: str, held: dict) -> None:
+        emit(self._observers, Freed(**who(seq), reason=reason, **held))
+        count = len(seq.output_ids)
+        emit(
+            self._observers,
+            Finished(**who(seq), reason=reason, num_output_tokens=count, error=seq.error),
+        )
+
     def _retire(self, request_id: str) -> None:
         del self.seqs[request_id]
-        del self.samples[request_id]
+        for seq in self.samples.pop(request_id):
+            self._by_seq_id.pop(seq.seq_id, None)
         self._with_deadline.discard(request_id)
         if self._forced_later:  # plans for samples that were never forked
             prefix = f"{request_id}#"
@@ -394,14 +444,32 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         """The request's output for n == 1; for n > 1 one sample's progress (never finished:
-        `_final_output` ends a parallel request)."""
+        `_final_output` ends a parallel request). A finished output is complete; a progress
+        output carries only this step's tokens (copying the whole list per token would make a
+        request's streaming cost quadratic in its length)."""
+        finished = seq.finished and seq.params.n == 1
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_ids,
-            outputs=[self._completion(seq)],
-            finished=seq.finished and seq.params.n == 1,
+            outputs=[self._completion(seq) if finished else self._delta(seq, new_tokens)],
+            finished=finished,
             metrics=self._metrics(seq, seq.num_preemptions),
             new_token_ids=new_tokens,
+            error=seq.error,
+        )
+
+    def _delta(self, seq: Sequence, new_tokens: list[int]) -> CompletionOutput:
+        """One sample's progress: the step's tokens and their logprobs, from output position
+        `offset`; no text (it comes with the finished output)."""
+        offset = len(seq.output_ids) - len(new_tokens)
+        return CompletionOutput(
+            seq.sample_index,
+            list(new_tokens),
+            "",
+            None if seq.logprobs is None else seq.logprobs[offset:],
+            seq.finish_reason,
+            None if seq.token_logprobs is None else seq.token_logprobs[offset:],
+            offset=offset,
         )
 
     def _final_output(self, samples: list[Sequence]) -> RequestOutput:
@@ -415,8 +483,14 @@ class LLMEngine:
             for i in range(len(samples), head.params.n)
         ]
         preemptions = sum(s.num_preemptions for s in samples)
+        error = next((s.error for s in samples if s.error), None)
         return RequestOutput(
-            head.request_id, head.prompt_ids, outputs, True, self._metrics(head, preemptions)
+            head.request_id,
+            head.prompt_ids,
+            outputs,
+            True,
+            self._metrics(head, preemptions),
+            error=error,
         )
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
@@ -441,36 +515,39 @@ class LLMEngine:
     def _copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write of one block's KV (the cache manager's copy callback)."""
         self.storage.copy_block(src, dst)
-        if self._tracer is not None:
-            self._tracer.on_kv_copy(src, dst)
+        for observer in self._observers:
+            observer.on_kv_copy(src, dst)
 
-    # --- KV movement for swap preemption (the scheduler's KVMover) -------------------------
-    def swap_out(self, seq: Sequence) -> bool:
-        if not self.swap_space.can_store(len(seq.table.block_ids)):
-            return False
-        block_ids = self.cache.begin_evict(seq.table)
-        try:
-            self.swap_space.write(seq.seq_id, self.storage.read_blocks(block_ids))
-        except SwapError:
-            self.cache.cancel_evict(seq.table)
-            self.counters["swap_failures"] += 1
-            return False
-        seq.swapped_tokens = seq.num_computed
-        seq.kv_restored = False
-        self.cache.free_table(seq.table)
-        self.counters["swap_outs"] += 1
-        return True
-
-    def swap_in(self, seq: Sequence) -> None:
-        blocks = self.swap_space.take(seq.seq_id)
-        ids = self.cache.allocate_restoring(seq.table, seq.swapped_tokens)
-        self.storage.write_blocks(ids, blocks)
-        if self._tracer is not None:
-            self._tracer.on_kv_restored(seq, ids)
-        seq.kv_restored = True
-        self.cache.finish_restore(seq.table)  # only now may a step read these blocks
-        seq.num_computed = seq.swapped_tokens
-        self.counters["swap_ins"] += 1
+    def _on_cache_event(self, event: AuditEvent) -> None:
+        """The cache manager's listener: its events name sequence ids; observers get the
+        request. Prefix hits are reported by the scheduler, once the admission is final."""
+        if not self._observers:
+            return
+        seq = self._by_seq_id.get(event.seq_id)
+        if seq is None:
+            return
+        if isinstance(event, CowEvent):
+            emit(
+                self._observers,
+                CowCopy(
+                    **who(seq),
+                    logical_block=event.logical_block,
+                    src_block=event.src_block,
+                    dst_block=event.dst_block,
+                ),
+            )
+        elif isinstance(event, CorruptionEvent):
+            emit(
+                self._observers,
+                CacheCorruption(
+                    **who(seq),
+                    fast_key=event.fast_key,
+                    wanted_digest=event.wanted_digest.hex(),
+                    found_digest=event.found_digest.hex(),
+                    block_id=event.block_id,
+                    depth=event.depth,
+                ),
+            )
 
     # --- kill switches (R30) ----------------------------------------------------------------
     def set_prefix_caching(self, enabled: bool) -> None:
@@ -482,6 +559,8 @@ class LLMEngine:
         self.cache.set_namespace_enabled(self.namespace.with_salt(cache_salt).digest(), enabled)
 
     def set_preemption(self, enabled: bool) -> None:
+        """While off, admission reserves each request's worst case; a request that still cannot
+        grow (preemption switched off while it ran) fails rather than waiting forever."""
         self.scheduler.preemption_enabled = enabled
 
     # --- observability ---------------------------------------------------------------------
@@ -497,8 +576,8 @@ class LLMEngine:
             "evicting_blocks": usage.evicting,
             "restoring_blocks": usage.restoring,
             "index_entries": len(self.cache.index),
-            "prefix_queries": cs.queries_tokens,
-            "prefix_hits": cs.hit_tokens,
+            "prefix_queries": self.scheduler.prefix_queries,
+            "prefix_hits": self.scheduler.prefix_hits,
             "corruptions": cs.corruption_count,
             "cow_copies": cs.cow_copies,
             "evictions": cs.evictions,
@@ -512,5 +591,6 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "swapped": len(self.scheduler.swapped),
             "swap_space_used": self.swap_space.used_blocks,
+            **self.swapper.counts,
             **self.counters,
         }

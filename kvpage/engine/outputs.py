@@ -15,6 +15,9 @@ class CompletionOutput:
     # Per token: the chosen token's raw logprob, also when it is outside the top k (as OpenAI
     # reports it). Kept apart from `logprobs`, which must be exactly the top k.
     token_logprobs: list[float] | None = None
+    # Output position of token_ids[0]. A finished RequestOutput is complete (offset 0); every
+    # other one is a progress output holding only the step's new tokens (and their logprobs).
+    offset: int = 0
 
 
 @dataclass(slots=True)
@@ -34,4 +37,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     new_token_ids: list[int] = field(default_factory=list)  # produced by the step that made this
-    error: str | None = None
+    error: str | None = None  # why, when a sample ended with finish_reason "error"

@@ -4,23 +4,24 @@ Each step: running requests first, oldest first, each gets its pending tokens (1
 for prefill) within the token budget; when blocks run out the newest running request is preempted
 (recompute: free and re-prefill later, at the front of the queue; swap: KV copied to the CPU).
 Then swapped requests are restored, and only then are waiting requests admitted — prefix-cache hits
-taken (ref_count raised) before any new allocation, so the allocation cannot evict them."""
+taken (ref_count raised) before any new allocation, so the allocation cannot evict them.
+
+With preemption switched off nothing can be taken back: admission reserves each request's worst
+case, and if running requests still hold every block and none can grow (preemption was switched off
+while they ran), the newest of them fails with finish reason "error" so the others can finish.
+
+The scheduler holds the cache, the swapper (KV movement) and the observers; never the engine."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from kvpage.cache.manager import KVCacheManager
 from kvpage.config import EngineConfig
+from kvpage.engine.events import EngineObserver, Preempted, emit, held_blocks, prefix_hit, who
 from kvpage.engine.sequence import SeqStatus, Sequence
-
-
-class KVMover(Protocol):
-    def swap_out(self, seq: Sequence) -> bool: ...
-
-    def swap_in(self, seq: Sequence) -> None: ...
+from kvpage.engine.swap import KVSwapper
 
 
 @dataclass(slots=True)
@@ -35,19 +36,31 @@ class SchedulerOutput:
     step: int
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[tuple[Sequence, str]] = field(default_factory=list)  # (seq, mode used)
+    # Running but unable to grow with preemption off; and those failed for it (the engine ends them)
+    stalled: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)  # (seq, why)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: KVCacheManager, mover: KVMover) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        cache: KVCacheManager,
+        swapper: KVSwapper,
+        observers: list[EngineObserver],
+    ) -> None:
         self.config = config
         self.cache = cache
-        self.mover = mover
+        self.swapper = swapper
+        self.observers = observers  # the engine's list, shared
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.preemption_enabled = True  # kill switch (R30)
-        self.observer = None  # a verify.trace.EngineTracer while tracing
         self.preemptions = {"recompute": 0, "swap": 0}
+        # Each prompt once, at its first admission (R29): prefix_hits == sum(num_cached_tokens).
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of those, tokens served from the cache
         self.last_output: SchedulerOutput | None = None  # what the latest step decided
 
     # --- queue management ------------------------------------------------------------------
@@ -74,6 +87,7 @@ class Scheduler:
             budget = self._restore_swapped(out, budget)
             if not any(s.hold_until_step <= step for s in self.swapped):
                 self._admit_waiting(out, budget)
+        self._fail_if_stuck(out)
         self.last_output = out
         return out
 
@@ -86,6 +100,7 @@ class Scheduler:
             if room == "self_preempted":
                 break  # seq itself was the newest; nothing after it is left
             if room == "no_room":  # preemption switched off: wait for blocks to come back
+                out.stalled.append(seq)
                 i += 1
                 continue
             out.scheduled.append(ScheduledSeq(seq, n, self.cache.append_slots(seq.table, n)))
@@ -116,7 +131,7 @@ class Scheduler:
             if self.cache.blocks_for(seq.swapped_tokens + n) > self.cache.num_free_blocks():
                 break
             self.swapped.remove(seq)
-            self.mover.swap_in(seq)  # table readable only once the copy is complete
+            self.swapper.swap_in(seq)  # table readable only once the copy is complete
             self._note_resume(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -134,58 +149,94 @@ class Scheduler:
                 return
             self._acquire_prefix(seq)
             n = min(seq.num_uncomputed, budget)
-            admitted = self.cache.can_append(seq.table, n)
-            if not admitted or seq.admitted_once:
-                self._uncount_lookup(seq)
-            if not admitted:
+            if not self.cache.can_append(seq.table, n):
                 self.cache.free_table(seq.table)  # give the hit blocks back; retry next step
                 seq.num_computed = 0
                 return
-            self.waiting.remove(seq)
-            self._note_resume(seq)
-            seq.status = SeqStatus.RUNNING
-            if not seq.admitted_once:
-                seq.num_cached_tokens = seq.num_computed
-            seq.admitted_once = True
-            self.running.append(seq)
+            self._admit(seq)
             out.scheduled.append(ScheduledSeq(seq, n, self.cache.append_slots(seq.table, n)))
             budget -= n
 
-    def _uncount_lookup(self, seq: Sequence) -> None:
+    def _admit(self, seq: Sequence) -> None:
+        """The admission is final: count the lookup (first time only) and report the hit."""
+        self.waiting.remove(seq)
+        self._note_resume(seq)
+        seq.status = SeqStatus.RUNNING
+        self._count_lookup(seq)
+        if self.observers and seq.num_computed:
+            first = not seq.admitted_once
+            emit(self.observers, prefix_hit(seq, self.cache, first))
+        if not seq.admitted_once:
+            seq.num_cached_tokens = seq.num_computed
+        seq.admitted_once = True
+        self.running.append(seq)
+
+    def _count_lookup(self, seq: Sequence) -> None:
         """prefix_queries / prefix_hits count each request's prompt once, at its first admission:
-        a retried admission, or a re-prefill after recompute preemption, is not a new query and
-        the tokens it finds again are not hits."""
-        self.cache.stats.queries_tokens -= seq.num_tokens
-        self.cache.stats.hit_tokens -= seq.num_computed
+        a retried admission never gets here, and a re-prefill after recompute preemption is not
+        a new query (the tokens it finds again are not new hits)."""
+        if seq.admitted_once:
+            return
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += seq.num_computed
 
     def _fits_worst_case(self, seq: Sequence) -> bool:
         """Without preemption nothing can be taken back, so admit a request only if it and every
         running request can grow to max_tokens in the blocks that are left."""
         growth = sum(self._worst_case_blocks(s) - len(s.table.block_ids) for s in self.running)
-        return growth + self._worst_case_blocks(seq) <= self.cache.num_free_blocks()
+        # A parallel request whose samples together could outgrow the whole pool is admitted
+        # once it has the pool to itself, never left waiting for a pool it cannot get.
+        need = min(self._worst_case_blocks(seq), self.cache.pool.num_blocks)
+        return growth + need <= self.cache.num_free_blocks()
 
     def _worst_case_blocks(self, seq: Sequence) -> int:
-        return self.cache.blocks_for(len(seq.prompt_ids) + seq.params.max_tokens)
+        """Blocks the sequence may come to hold. A parallel request before its fork (one sequence
+        until its first token) becomes n sequences: n times as many."""
+        blocks = self.cache.blocks_for(len(seq.prompt_ids) + seq.params.max_tokens)
+        unforked = seq.params.n > 1 and seq.sample_index == 0 and not seq.output_ids
+        return blocks * seq.params.n if unforked else blocks
 
     def _acquire_prefix(self, seq: Sequence) -> None:
-        cached = self.cache.acquire_prefix(seq.table, seq.chain, seq.num_tokens)
-        seq.num_computed = cached
-        if self.observer is not None:
-            self.observer.on_prefix_hit(seq, cached)
+        seq.num_computed = self.cache.acquire_prefix(seq.table, seq.chain, seq.num_tokens)
+        self._note_prefix(seq)
+
+    def _note_prefix(self, seq: Sequence) -> None:
+        """Tracers see every lookup's result (a retry's too): the tokens the next step skips."""
+        for observer in self.observers:
+            observer.on_prefix_hit(seq, seq.num_computed)
 
     def _note_resume(self, seq: Sequence) -> None:
-        if seq.resume_pending and self.observer is not None:
-            self.observer.on_resume(seq, seq.resume_pending, seq.kv_restored)
+        if seq.resume_pending:
+            for observer in self.observers:
+                observer.on_resume(seq, seq.resume_pending, seq.kv_restored)
         seq.resume_pending = ""
+
+    def _fail_if_stuck(self, out: SchedulerOutput) -> None:
+        """Preemption off, nothing scheduled, and running requests that cannot grow: no step will
+        ever free a block, so the newest of them is failed (the engine ends it) and its blocks
+        let the others finish. Without this the server loop would spin on empty steps."""
+        if not out.stalled or out.scheduled or out.preempted:
+            return
+        victim = out.stalled[-1]  # running is oldest first
+        held = len({b for s in self.running for b in s.table.block_ids})
+        out.failed.append(
+            (
+                victim,
+                f"request {victim.sample_id!r} cannot grow: preemption is off and the running "
+                f"requests hold every KV block ({held} of {self.cache.pool.num_blocks}); it was "
+                f"failed so that the others can finish",
+            )
+        )
 
     # --- preemption ------------------------------------------------------------------------
     def preempt(self, seq: Sequence, out: SchedulerOutput, mode: str | None = None) -> str:
         """Take a running request off the pool. Swap falls back to recompute when the swap
         space is full or the copy fails (R21); returns the mode actually used."""
-        mode = mode or self.config.preemption_mode
+        requested = mode = mode or self.config.preemption_mode
+        held = held_blocks(seq, self.cache.pool) if self.observers else None
         self.running.remove(seq)
         seq.num_preemptions += 1
-        if mode == "swap" and self.mover.swap_out(seq):
+        if mode == "swap" and self.swapper.swap_out(seq):
             seq.status = SeqStatus.SWAPPED
             self.swapped.append(seq)
         else:
@@ -197,6 +248,8 @@ class Scheduler:
         self.preemptions[mode] += 1
         seq.resume_pending = mode
         out.preempted.append((seq, mode))
+        if held is not None:
+            emit(self.observers, Preempted(**who(seq), mode=mode, requested_mode=requested, **held))
         return mode
 
     def _apply_forced_preemptions(self, out: SchedulerOutput) -> None:

@@ -1,13 +1,13 @@
 """Attention weights of one request's decode steps, captured from the engine's real paged KV (so a
-contaminated pool shows up in the weights). Experiment-only: patches one engine's runner."""
+contaminated pool shows up in the weights). Experiment-only: patches one engine's runner, through
+the named seam `run` (a rename fails loudly, as a mutant's would)."""
 
 from __future__ import annotations
-
-import types
 
 import torch
 
 from kvpage.model.paged_attention import PagedAttention
+from kvpage.verify.mutants.base import _bind
 
 MAX_STEPS = 4
 
@@ -58,7 +58,7 @@ class AttentionCapture:
                 capture.weights.append([sink[layer] for layer in sorted(sink)])
             return logits
 
-        runner.run = types.MethodType(run, runner)
+        _bind(runner, "run", run)
 
     def _decode_index(self, batch, meta) -> int | None:
         rows = meta.decode_rows.tolist()

@@ -3,8 +3,8 @@
 Layered from narrow to wide: prefix caching off for one namespace (a tenant, a cache salt, or the
 unsalted namespace), prefix caching off everywhere, preemption off, and drain (refuse new requests
 with 503 while running ones finish). Each switch is applied on the engine thread between two steps,
-so it holds from the next scheduling decision on. Cached entries stay until evicted; they are
-simply neither hit nor extended while caching is off."""
+so it holds from the next scheduling decision on; each is one of the engine's own switch methods.
+Cached entries stay until evicted; they are simply neither hit nor extended while caching is off."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Request
 from pydantic import BaseModel
 
-from kvpage.engine.engine import LLMEngine
 from kvpage.server.metrics import engine_snapshot
 from kvpage.server.protocol import ApiError
 from kvpage.server.state import ServerState
@@ -52,20 +51,19 @@ router = APIRouter(prefix="/admin")
 @router.post("/prefix-caching")
 async def prefix_caching(switch: Switch, state: Admin) -> dict:
     scoped = switch.tenant is not None or switch.cache_salt is not None or switch.namespace
+    engine = state.loop.engine
     if not scoped:
-        await state.loop.call(_set_global_caching, state.loop.engine, switch.enabled)
+        await state.loop.call(engine.set_prefix_caching, switch.enabled)
         return {"prefix_caching": switch.enabled, "scope": "global"}
     salt = _salt(state, switch)
-    await state.loop.call(_set_namespace_caching, state.loop.engine, salt, switch.enabled)
+    await state.loop.call(engine.set_namespace_caching, salt, switch.enabled)
     digest = state.loop.engine.namespace.with_salt(salt).digest().hex()
     return {"prefix_caching": switch.enabled, "scope": "namespace", "namespace": digest}
 
 
 @router.post("/preemption")
 async def preemption(switch: Switch, state: Admin) -> dict:
-    await state.loop.call(
-        setattr, state.loop.engine.scheduler, "preemption_enabled", switch.enabled
-    )
+    await state.loop.call(state.loop.engine.set_preemption, switch.enabled)
     return {"preemption": switch.enabled}
 
 
@@ -92,11 +90,3 @@ def _salt(state: ServerState, switch: Switch) -> str | None:
             raise ApiError(f"unknown tenant {switch.tenant!r}", "tenant")
         return state.tenants.salt_for(switch.tenant)
     return switch.cache_salt
-
-
-def _set_global_caching(engine: LLMEngine, enabled: bool) -> None:
-    engine.cache.enable_prefix_caching = enabled
-
-
-def _set_namespace_caching(engine: LLMEngine, salt: str | None, enabled: bool) -> None:
-    engine.cache.set_namespace_enabled(engine.namespace.with_salt(salt).digest(), enabled)

@@ -21,11 +21,10 @@ from kvpage.engine.engine import LLMEngine
 from kvpage.errors import InvalidRequest
 from kvpage.model.tokenizer import encode_text
 from kvpage.server import admin
-from kvpage.server.audit import AuditLog
+from kvpage.server.audit import AuditLog, AuditObserver
 from kvpage.server.chat import load_chat_template
 from kvpage.server.engine_loop import EngineFailure, EngineLoop
 from kvpage.server.generation import Generation, run, submit
-from kvpage.server.hooks import install_hooks
 from kvpage.server.metrics import ServerMetrics, engine_snapshot
 from kvpage.server.protocol import (
     ApiError,
@@ -65,7 +64,8 @@ def create_app(engine: LLMEngine, options: ServerOptions | None = None) -> FastA
         shadow=shadow,
         chat_template=load_chat_template(engine.config.model),
     )
-    install_hooks(engine, audit, state.metrics)
+    engine.add_observer(AuditObserver(audit))
+    engine.add_observer(state.metrics)
     app = FastAPI(title="kvpage", lifespan=_lifespan)
     app.state.server = state
     app.include_router(admin.router)

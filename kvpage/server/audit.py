@@ -1,8 +1,12 @@
-"""Audit log (R29): one JSON line per prefix hit and per preempt / free / restore, sampled at a
-configurable rate; cache corruption and shadow-comparison alerts are always written.
+"""Audit log (R29): one JSON line per engine event — prefix hit, copy-on-write, preempt, swap out,
+swap in (the restore, with its latency), free, finish, abort, timeout — sampled at a configurable
+rate; cache corruption, requests failed with an error and shadow-comparison alerts are always
+written. Each line names the request and sample and the namespace digest (which identifies the
+tenant); the cache salt itself is not written, since it is the tenant's isolation key.
 
-Lines go to a file (`--audit-log`) or, without one, to the `kvpage.audit` logger; the last few
-hundred also stay in memory for the admin API and tests."""
+`AuditObserver` is the engine observer that feeds it. Lines go to a file (`--audit-log`) or,
+without one, to the `kvpage.audit` logger; the last few hundred also stay in memory for the admin
+API and tests."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvpage.cache.events import AuditEvent, CorruptionEvent, HitEvent
+from kvpage.engine.events import EngineEvent, EngineObserver, Finished
 
 log = logging.getLogger("kvpage.audit")
 
@@ -47,18 +51,26 @@ class AuditLog:
                 self._file.write(text + "\n")
                 self._file.flush()
 
-    def cache_event(self, event: AuditEvent, request_id: str | None) -> None:
-        """The cache manager's audit sink."""
-        if isinstance(event, HitEvent):
-            self.write("prefix_hit", request_id=request_id, **asdict(event))
-        elif isinstance(event, CorruptionEvent):
-            self.write("cache_corruption", always=True, **asdict(event))
-
     def close(self) -> None:
         with self._lock:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+
+class AuditObserver(EngineObserver):
+    """Engine events -> audit lines, on the engine thread."""
+
+    def __init__(self, audit: AuditLog) -> None:
+        self.audit = audit
+
+    def on_event(self, event: EngineEvent) -> None:
+        fields = asdict(event)
+        del fields["tenant"]  # the salt: the namespace digest names the tenant without it
+        alert = event.kind == "cache_corruption" or (
+            isinstance(event, Finished) and event.reason == "error"
+        )
+        self.audit.write(event.kind, always=alert, **fields)
 
 
 def _plain(value: Any) -> Any:

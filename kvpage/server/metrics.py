@@ -2,8 +2,8 @@
 
 Engine counters are monotonic totals kept by the engine; they are read once per scrape on the engine
 thread (`engine_snapshot`) and exposed by a collector, so no number is counted twice. Latencies are
-observed by the server as tokens reach clients, the restore latency by the engine hooks, and
-pollution by the shadow comparison."""
+observed by the server as tokens reach clients, the restore latency from the engine's swap-in
+events (ServerMetrics is an engine observer), and pollution by the shadow comparison."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvpage.engine.engine import LLMEngine
+from kvpage.engine.events import EngineEvent, EngineObserver, SwappedIn
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 BLOCK_STATES = ("free", "private", "shared", "cached", "evicting", "restoring")
@@ -40,11 +41,14 @@ def engine_snapshot(engine: LLMEngine) -> dict[str, int]:
 
 
 class _EngineCollector:
-    """Exposes the last engine snapshot; `stats` is refreshed right before each scrape."""
+    """Exposes the last engine snapshot, handed over (`show`) right before each scrape."""
 
     def __init__(self, shadow_counts: Callable[[], tuple[int, int]]) -> None:
         self.stats: dict[str, int] = {}
         self.shadow_counts = shadow_counts  # () -> (checked, mismatched)
+
+    def show(self, stats: dict[str, int]) -> None:
+        self.stats = stats
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats
@@ -81,7 +85,9 @@ def _rate(s: dict[str, Any]) -> float:
     return s["prefix_hits"] / s["prefix_queries"] if s["prefix_queries"] else 0.0
 
 
-class ServerMetrics:
+class ServerMetrics(EngineObserver):
+    """The app's metrics; attached to the engine as an observer for the restore latency."""
+
     def __init__(self, shadow_counts: Callable[[], tuple[int, int]]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -109,9 +115,13 @@ class ServerMetrics:
             ["path", "status"],
             registry=r,
         )
-        self._engine = _EngineCollector(shadow_counts)
-        r.register(self._engine)
+        self._collector = _EngineCollector(shadow_counts)
+        r.register(self._collector)
+
+    def on_event(self, event: EngineEvent) -> None:
+        if isinstance(event, SwappedIn):
+            self.restore_latency.observe(event.latency_s)
 
     def render(self, stats: dict[str, int]) -> bytes:
-        self._engine.stats = stats
+        self._collector.show(stats)
         return generate_latest(self.registry)

@@ -111,7 +111,7 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
     try:
         case = replace(case, requests=[runtime.resolve(s) for s in case.requests])
         engine = runtime.make_engine(case.engine)
-        engine.tracer = EngineTracer(engine)
+        engine.add_observer(EngineTracer(engine))
         drive = _Drive(engine, case)
         finished, steps = drive.run()
         failures += drive.liveness  # first: when the engine stalls, the rest follows from it

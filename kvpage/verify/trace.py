@@ -1,8 +1,9 @@
 """Per-step traces (R15): for each request and each sampled token, what went in (input ids, position
 ids), what came out (a logits digest, top-k, the chosen token) and the cache view the step read.
 
-The engine calls an `EngineTracer` only when one is attached (`engine.tracer`), so tracing off costs
-one `is None` test per step. The reference produces the same `StepRecord` shape with a contiguous
+An `EngineTracer` is an engine observer (kvpage.engine.events): attach it with
+`engine.add_observer(EngineTracer(engine))` and read it back as `engine.tracer`; with no observer
+attached, tracing costs the engine an empty-list test per hook. The reference produces the same `StepRecord` shape with a contiguous
 view, so the two can be diffed field by field (kvpage.verify.diff)."""
 
 from __future__ import annotations
@@ -139,7 +140,12 @@ class _PendingInputs:
 
 
 class EngineTracer:
-    """Attach with `engine.tracer = EngineTracer(engine)`; read `records[request_id]`."""
+    """Attach with `engine.add_observer(EngineTracer(engine))`; read `records[request_id]`.
+
+    It implements kvpage.engine.events.EngineObserver (every hook) without subclassing it: the
+    reference imports this module's record types and must reach no engine code (R14)."""
+
+    traces_steps = True  # `engine.tracer` returns it
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -153,6 +159,9 @@ class EngineTracer:
         self._kv_dtype = str(engine.model.dtype).removeprefix("torch.")
 
     # --- hooks the engine calls ------------------------------------------------------------
+    def on_event(self, event) -> None:
+        """Lifecycle events are not part of a step trace (the hooks below are)."""
+
     def on_prefix_hit(self, seq, cached_tokens: int) -> None:
         pend = self._pending_for(seq)
         pend.hit_tokens = max(0, cached_tokens - pend.context_start)

@@ -1,9 +1,10 @@
-"""R21: abort while waiting / running / swapped, timeout, swap-write failure, cancelled recompute.
-After each, the pool, the ref_counts and the index return to baseline and the other requests
-still produce the reference's tokens."""
+"""R21: abort while waiting / running / swapped, timeout, swap-write failure, cancelled recompute,
+and preemption switched off while every block is held. After each, the pool, the ref_counts and the
+index return to baseline and the other requests still produce the reference's tokens."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -14,6 +15,7 @@ from kvpage.engine.sequence import SeqStatus
 from kvpage.model import load_model
 
 from .test_differential import assert_idle_baseline
+from .test_events import Recorder
 from .workload import prefix_prompts
 
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -156,7 +158,7 @@ def test_preemption_kill_switch_admits_only_what_fits(tiny, references):
     runs requests a few at a time instead of deadlocking."""
     prompts = prefix_prompts(16, 258, n=8, seed=15)
     engine = _engine(tiny, num_blocks=12)
-    engine.scheduler.preemption_enabled = False
+    engine.set_preemption(False)
     _add(engine, prompts)
     done = _drive(engine)
     assert engine.stats()["preemptions"] == 0
@@ -187,4 +189,83 @@ def test_preempted_mid_prefill_with_a_remainder_over_the_budget_comes_back(tiny,
     assert done["big"].outputs[0].token_ids == ref.tokens(big, PARAMS)
     _check_survivors(done, prompts[:2], references)
     assert engine.stats()["swap_ins"] == (1 if mode == "swap" else 0)
+    assert_idle_baseline(engine)
+
+
+def _distinct(n: int, length: int, seed: int) -> list[list[int]]:
+    """Prompts sharing no prefix: no hit or cached block changes who holds what."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 258) for _ in range(length)] for _ in range(n)]
+
+
+def test_preemption_switched_off_with_every_block_held(tiny, references):
+    """Livelock (issue 11 §2): preemption goes off while two requests run that each need five
+    blocks of an eight-block pool. When both need their fifth, no step can ever free one: the
+    newest fails with finish reason "error" (and says why), its blocks come back, the other and
+    a request queued behind them finish with the reference's tokens."""
+    prompts = _distinct(3, 30, seed=17)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    engine = _engine(tiny, num_blocks=8)
+    recorder = Recorder()
+    engine.add_observer(recorder)
+    engine.add_request("r0", prompts[0], params)
+    engine.add_request("r1", prompts[1], params)
+    engine.step()  # both admitted, while preemption is still on
+    engine.set_preemption(False)
+    engine.add_request("r2", prompts[2], params)
+    done = _drive(engine, max_steps=500)
+    failed = done["r1"]
+    assert failed.outputs[0].finish_reason == "error"
+    assert "preemption is off" in failed.error and "'r1'" in failed.error
+    ref = references("builtin:tiny-llama")
+    # Four blocks hold positions 0..63: it drew its 35th token, whose KV (position 64) had no room.
+    assert failed.outputs[0].token_ids == ref.tokens(prompts[1], params)[:35]
+    for rid in ("r0", "r2"):
+        assert done[rid].error is None
+        assert done[rid].outputs[0].token_ids == ref.tokens(prompts[int(rid[1])], params), rid
+    (error,) = [e for e in recorder.events if e.kind == "finish" and e.reason == "error"]
+    assert error.request_id == "r1" and error.error == failed.error
+    assert engine.stats()["preemptions"] == 0
+    assert_idle_baseline(engine)
+
+
+def test_worst_case_of_a_parallel_request_counts_every_sample(tiny, references):
+    """With preemption off, admission reserves a request's worst case. A request with n = 2 is
+    one sequence until its first token, but grows into two: it reserves both (2 x 4 of an 8-block
+    pool), so the request behind it waits. Counted once, the other would be admitted too, and at
+    position 48 all three sequences would need a block with none left (and one would fail)."""
+    prompts = _distinct(2, 20, seed=18)
+    pair = SamplingParams(n=2, max_tokens=40, ignore_eos=True)
+    single = SamplingParams(max_tokens=40, ignore_eos=True)
+    engine = _engine(tiny, num_blocks=8)
+    engine.set_preemption(False)
+    engine.add_request("pair", prompts[0], pair)
+    engine.add_request("single", prompts[1], single)
+    done = _drive(engine, max_steps=500)
+    ref = references("builtin:tiny-llama")
+    for c in done["pair"].outputs:
+        assert c.finish_reason == "length"
+        assert c.token_ids == ref.tokens(prompts[0], pair.for_sample(c.index)), c.index
+    assert done["single"].outputs[0].token_ids == ref.tokens(prompts[1], single)
+    assert engine.stats()["preemptions"] == 0
+    assert_idle_baseline(engine)
+
+
+def test_parallel_request_larger_than_the_pool_without_preemption(tiny, references):
+    """Its samples together could need 12 blocks of a 7-block pool: it is admitted once it has
+    the pool to itself (not left waiting forever). At position 48 all three samples need a
+    block with none left: the newest sample fails and the others finish with the reference's
+    tokens."""
+    (prompt,) = _distinct(1, 20, seed=19)
+    params = SamplingParams(n=3, max_tokens=40, ignore_eos=True)
+    engine = _engine(tiny, num_blocks=7)
+    engine.set_preemption(False)
+    engine.add_request("big", prompt, params)
+    out = _drive(engine, max_steps=500)["big"]
+    reasons = [c.finish_reason for c in out.outputs]
+    assert reasons == ["length", "length", "error"]
+    assert "'big#2'" in out.error
+    ref = references("builtin:tiny-llama")
+    for c in out.outputs[:2]:
+        assert c.token_ids == ref.tokens(prompt, params.for_sample(c.index)), c.index
     assert_idle_baseline(engine)

@@ -120,7 +120,8 @@ def test_shadow_sampling_rules(offline):
 
 
 def test_swap_preemption_is_audited(tmp_path):
-    """Swap mode on a small pool: preempt and restore lines, restore latency observed."""
+    """Swap mode on a small pool: preempt, swap-out and swap-in (restore) lines, restore latency
+    observed."""
     engine = LLMEngine(EngineConfig(model=MODEL, num_blocks=24, preemption_mode="swap"))
     options = ServerOptions(model_name=MODEL, shadow_rate=0.0, audit_log=tmp_path / "a.jsonl")
     with BackgroundServer(create_app(engine, options)) as bg:
@@ -142,8 +143,10 @@ def test_swap_preemption_is_audited(tmp_path):
         m = server.metrics()
     events = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
     preempts = [e for e in events if e["event"] == "preempt"]
-    restores = [e for e in events if e["event"] == "restore"]
+    restores = [e for e in events if e["event"] == "swap_in"]
     assert preempts and {"request_id", "mode", "blocks", "generations"} <= set(preempts[0])
     assert any(e["mode"] == "swap" for e in preempts)
+    assert {"request_id", "sample_id", "latency_s", "blocks"} <= set(restores[0])
+    assert len([e for e in events if e["event"] == "swap_out"]) >= len(restores)
     assert restores and m["kvpage_restore_latency_seconds_count"] == len(restores)
     assert m["kvpage_preemptions_total{mode=swap}"] >= len(restores)

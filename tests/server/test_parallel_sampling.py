@@ -118,7 +118,7 @@ def test_stop_string_ends_one_choice(open_server, expected):
     stats = open_server.wait_idle()
     assert stats["private_blocks"] == stats["shared_blocks"] == 0
     lines = [json.loads(line) for line in open_server.audit_path.read_text().splitlines()]
-    frees = {e["request_id"]: e["reason"] for e in lines if e["event"] == "free"}
+    frees = {e["sample_id"]: e["reason"] for e in lines if e["event"] == "free"}
     assert frees[f"{r.id}#1"] == "abort"  # the stopped sample, on its own
     assert set(frees) >= {f"{r.id}#{i}" for i in range(N)}
 

@@ -98,7 +98,7 @@ def run(model, workload: str, mutant=None, debug_checks: bool = True) -> Run:
     if mutant is not None:
         mutant(engine)
     tracer = EngineTracer(engine)
-    engine.tracer = tracer
+    engine.add_observer(tracer)
     batch = {str(i): p for i, p in enumerate(prompts())}
     half = len(batch) // 2
     for rid in list(batch)[:half]:
@@ -160,7 +160,7 @@ def test_forked_samples_read_only_their_own_kv(model, reference):
         EngineConfig(model=MODEL, block_size=B, num_blocks=32, debug_checks=True), model
     )
     tracer = EngineTracer(engine)
-    engine.tracer = tracer
+    engine.add_observer(tracer)
     batch = {str(i): p for i, p in enumerate(prompts(3, seed=1))}
     params = SamplingParams(max_tokens=PARAMS.max_tokens, ignore_eos=True, n=3)
     for rid, prompt in batch.items():
@@ -232,7 +232,7 @@ def test_foreign_namespace_read_is_caught_with_equal_tokens(model, reference):
         if mutant is not None:
             mutant(engine)
         tracer = EngineTracer(engine)
-        engine.tracer = tracer
+        engine.add_observer(tracer)
         engine.add_request("a", prompt, PARAMS, cache_salt="tenant-a")
         while engine.has_unfinished_requests():
             engine.step()

@@ -332,7 +332,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 def _traced_run(prompts, params):
     llm = LLM(MODEL, block_size=16)
-    llm.engine.tracer = EngineTracer(llm.engine)
+    llm.engine.add_observer(EngineTracer(llm.engine))
     outs = llm.generate(prompts, params, use_tqdm=False)
     return outs, llm.engine.tracer.records
 

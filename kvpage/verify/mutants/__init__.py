@@ -5,7 +5,7 @@ that its first divergence is attributed (kvpage.verify.diff) to the class that m
 Mutants are grouped by the class of bug they plant, one module per class."""
 
 from kvpage.verify.mutants.base import MissingSeam, Mutant
-from kvpage.verify.mutants.cache import CACHE_MUTANTS, share_running_prefix
+from kvpage.verify.mutants.cache import CACHE_MUTANTS
 from kvpage.verify.mutants.generations import GENERATION_MUTANTS
 from kvpage.verify.mutants.namespaces import NAMESPACE_MUTANTS
 from kvpage.verify.mutants.policy import POLICY_MUTANTS
@@ -23,4 +23,4 @@ MUTANTS: tuple[Mutant, ...] = (
     *POLICY_MUTANTS,
 )
 
-__all__ = ["MUTANTS", "MissingSeam", "Mutant", "share_running_prefix"]
+__all__ = ["MUTANTS", "MissingSeam", "Mutant"]

@@ -92,30 +92,13 @@ def _build_without_cu_check(engine: LLMEngine) -> None:
 # --- the mutants -------------------------------------------------------------------------------
 def share_partial_no_cow(engine: LLMEngine) -> None:
     """A new request joins a running request's blocks up to their common prefix, the partial
-    last block included, and then appends into it in place: no copy-on-write."""
+    last block included, and then appends into it in place: no copy-on-write (the passphrase
+    experiment's sharing, R27, with a reference count but without copy-on-write)."""
+    # Imported here: experiments sit above verify in the layering, and sharing.py imports the
+    # broken pieces below from this module.
+    from kvpage.experiments.sharing import share_running_prefix
+
     share_running_prefix(engine, refcount=True, cow=False)
-
-
-def share_running_prefix(engine: LLMEngine, refcount: bool, cow: bool) -> None:
-    """Sharing at admission with the running request of the longest common prefix, partial last
-    block included. Safe only with refcount and cow; the passphrase experiment (R27) compares
-    the three settings, and the mutant above is the middle one."""
-    sched, cache = engine.scheduler, engine.cache
-    original = sched._acquire_prefix
-
-    def acquire(self, seq):
-        original(seq)
-        if _join_running_prefix(engine, seq, refcount) and self.observer is not None:
-            self.observer.on_prefix_hit(seq, seq.num_computed)
-
-    _bind(sched, "_acquire_prefix", acquire)
-    if not cow:
-        _bind(cache, "_cow_needed", lambda self, table: False)
-        _unchecked_set_valid(cache.pool)
-    if not refcount:  # blocks held without a reference: nothing may check who owns what
-        _tolerant_release(cache.pool)
-        _unguarded_snapshot(engine)
-        _bind(cache, "_check_appendable", lambda self, table: None)
 
 
 def _tolerant_release(pool) -> None:
@@ -126,44 +109,6 @@ def _tolerant_release(pool) -> None:
             original(block_id, owner)
 
     _bind(pool, "remove_owner", remove_owner)
-
-
-def _join_running_prefix(engine: LLMEngine, seq, refcount: bool = True) -> bool:
-    B = engine.config.block_size
-    table = seq.table
-    if table.num_tokens % B:
-        return False
-    donor, common = _longest_running_match(engine, seq)
-    if donor is None or common <= table.num_tokens:
-        return False
-    table.publish_blocked = True  # the joined blocks are the donor's to publish
-    for logical in range(len(table.block_ids), (common - 1) // B + 1):
-        bid = donor.table.block_ids[logical]
-        if refcount:
-            engine.cache.pool.add_owner(bid, seq.seq_id)
-        table.block_ids.append(bid)
-    table.num_tokens = common
-    table.bump()
-    seq.num_computed = common
-    engine.cache.live_tables[seq.seq_id] = table
-    return True
-
-
-def _longest_running_match(engine: LLMEngine, seq):
-    mine = seq.token_at(0, seq.num_tokens - 1)  # at least one token is left to compute
-    best, best_len = None, 0
-    for other in engine.scheduler.running:
-        if other.chain.namespace_digest != seq.chain.namespace_digest:
-            continue
-        theirs = other.token_at(0, other.num_computed)
-        n = 0
-        for a, b in zip(mine, theirs, strict=False):
-            if a != b:
-                break
-            n += 1
-        if n > best_len:
-            best, best_len = other, n
-    return best, best_len
 
 
 def fork_shares_partial_without_copy(engine: LLMEngine) -> None:
@@ -306,11 +251,11 @@ def restore_visible_before_copy(engine: LLMEngine) -> None:
     original_step = engine.step
 
     def swap_in(self, seq):
-        blocks = self.swap_space.take(seq.seq_id)
+        blocks = self.space.take(seq.seq_id)
         ids = self.cache.allocate_restoring(seq.table, seq.swapped_tokens)
         self.cache.finish_restore(seq.table)  # visible now ...
         seq.num_computed = seq.swapped_tokens
-        self.counters["swap_ins"] += 1
+        self.counts["swap_ins"] += 1
         deferred.append((ids, blocks, seq))  # ... copied later
 
     def step(self):
@@ -321,7 +266,7 @@ def restore_visible_before_copy(engine: LLMEngine) -> None:
         deferred.clear()
         return outputs
 
-    _bind(engine, "swap_in", swap_in)
+    _bind(engine.swapper, "swap_in", swap_in)
     _bind(engine, "step", step)
 
 

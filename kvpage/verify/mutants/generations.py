@@ -52,8 +52,8 @@ def reclaim_freed_tail(engine: LLMEngine) -> None:
     def acquire(self, seq):
         original_acquire(seq)
         tail = tails.pop(seq.seq_id, None)
-        if tail is not None and _take_back(cache, seq, tail) and self.observer is not None:
-            self.observer.on_prefix_hit(seq, seq.num_computed)
+        if tail is not None and _take_back(cache, seq, tail):
+            self._note_prefix(seq)
 
     _bind(sched, "preempt", preempt)
     _bind(sched, "_acquire_prefix", acquire)
@@ -71,9 +71,8 @@ def _take_back(cache, seq, tail: _FreedTail) -> bool:
     block.ref_count = 1
     pool.set_valid(tail.block_id, tail.computed - tail.logical * B)
     table.block_ids.append(tail.block_id)
-    # A re-admission un-counts seq.num_computed from the hit stats: count the tail in first, so
-    # the bug shows in the KV it reads and nowhere else.
-    cache.stats.hit_tokens += tail.computed - table.num_tokens
+    # No hit is counted: a re-admission is not a new lookup, so the bug shows in the KV it reads
+    # and nowhere else.
     table.num_tokens = tail.computed
     table.bump()
     cache.live_tables[table.seq_id] = table

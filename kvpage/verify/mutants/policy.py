@@ -39,8 +39,14 @@ def digest_confirmed_at_root_only(engine: LLMEngine) -> None:
 
 
 def hits_recounted_on_readmission(engine: LLMEngine) -> None:
-    """A re-admitted request (retry, recompute) counts its prefix lookup and hits again."""
-    _bind(engine.scheduler, "_uncount_lookup", lambda self, seq: None)
+    """A re-admitted request (re-prefill after recompute) counts its prefix lookup and hits
+    again: every final admission is counted, not the first only."""
+
+    def count_lookup(self, seq):
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += seq.num_computed
+
+    _bind(engine.scheduler, "_count_lookup", count_lookup)
 
 
 POLICY_MUTANTS: tuple[Mutant, ...] = (

@@ -48,7 +48,7 @@ def restore_needs_whole_remainder(engine: LLMEngine) -> None:
             ):
                 break
             self.swapped.remove(seq)
-            self.mover.swap_in(seq)
+            self.swapper.swap_in(seq)
             self._note_resume(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -70,6 +70,7 @@ def held_swap_blocks_admission(engine: LLMEngine) -> None:
             budget = self._restore_swapped(out, budget)
             if not self.swapped:
                 self._admit_waiting(out, budget)
+        self._fail_if_stuck(out)
         self.last_output = out
         return out
 
