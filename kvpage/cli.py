@@ -208,7 +208,12 @@ def _add_serve(sub) -> None:
         help=f"file holding the admin token (else ${ADMIN_TOKEN_ENV}; with neither, /admin is off)",
     )
     srv.add_argument("--shadow-rate", type=_fraction, default=0.01, help="cache hits re-checked")
-    srv.add_argument("--audit-log", help="JSON-lines audit file (default: the kvpage.audit logger)")
+    srv.add_argument(
+        "--audit-log",
+        default="kvpage-audit.jsonl",
+        help="JSON-lines audit file, appended to (relative to the working directory); "
+        "'-' writes the lines to stderr instead",
+    )
     srv.add_argument("--audit-sample-rate", type=_fraction, default=1.0, help="lines kept")
     srv.add_argument(
         "--max-body-bytes",
@@ -329,14 +334,17 @@ def _server_options(args: argparse.Namespace) -> ServerOptions:
         api_keys = load_api_keys(args.api_keys) if args.api_keys else {}
     except ValueError as err:
         raise CliError(f"--api-keys {err}") from None
-    if args.audit_log:
-        _check_writable(args.audit_log)
+    audit_log = None if args.audit_log == "-" else args.audit_log
+    if audit_log:
+        _check_writable(audit_log)
+    else:
+        _audit_to_stderr()
     return ServerOptions(
         model_name=args.model,
         api_keys=api_keys,
         admin_token=_admin_token(args),
         shadow_rate=args.shadow_rate,
-        audit_log=args.audit_log,
+        audit_log=audit_log,
         audit_sample_rate=args.audit_sample_rate,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
@@ -359,6 +367,18 @@ def _admin_token(args: argparse.Namespace) -> str | None:
     if not token.strip():
         raise CliError(f"{source}: the admin token is empty")
     return token
+
+
+def _audit_to_stderr() -> None:
+    """Without a file the audit lines go to the `kvpage.audit` logger: send it to stderr."""
+    import logging
+
+    logger = logging.getLogger("kvpage.audit")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def _check_writable(path: str) -> None:

@@ -54,23 +54,30 @@ async def prefix_caching(switch: Switch, state: Admin) -> dict:
     engine = state.loop.engine
     if not scoped:
         await state.loop.call(engine.set_prefix_caching, switch.enabled)
-        return {"prefix_caching": switch.enabled, "scope": "global"}
+        return _switched(state, {"prefix_caching": switch.enabled, "scope": "global"})
     salt = _salt(state, switch)
     await state.loop.call(engine.set_namespace_caching, salt, switch.enabled)
     digest = state.loop.engine.namespace.with_salt(salt).digest().hex()
-    return {"prefix_caching": switch.enabled, "scope": "namespace", "namespace": digest}
+    result = {"prefix_caching": switch.enabled, "scope": "namespace", "namespace": digest}
+    return _switched(state, {**result, "tenant": switch.tenant})
 
 
 @router.post("/preemption")
 async def preemption(switch: Switch, state: Admin) -> dict:
     await state.loop.call(state.loop.engine.set_preemption, switch.enabled)
-    return {"preemption": switch.enabled}
+    return _switched(state, {"preemption": switch.enabled})
 
 
 @router.post("/drain")
 async def drain(switch: Switch, state: Admin) -> dict:
     state.draining = switch.enabled
-    return {"draining": state.draining}
+    return _switched(state, {"draining": state.draining})
+
+
+def _switched(state: ServerState, change: dict) -> dict:
+    """Every switch change is an audit line (never sampled out): who turned what, when."""
+    state.audit.write("admin_switch", always=True, **change)
+    return change
 
 
 @router.get("/stats")

@@ -221,18 +221,32 @@ async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, cha
     shape = new_shape(chat, model, num_logprobs, body.return_token_ids, body.include_usage)
     tokenizer = state.loop.engine.tokenizer
     gen = Generation.new(shape.request_id, prompt_ids, params, salt, tokenizer, body.stop_strings)
+    state.audit.tenants[gen.request_id] = request.state.tenant
     try:
         sink = await submit(state, gen)
     except InvalidRequest as err:
+        state.audit.tenants.pop(gen.request_id, None)
         raise invalid_request(err) from err
-    state.metrics.requests.labels(request.url.path, "200").inc()
     if body.stream:
-        events = _stream(state, shape, gen, sink, body.include_usage)
+        events = _stream(state, shape, gen, sink, body.include_usage, request.url.path)
         return StreamingResponse(events, media_type="text/event-stream")
-    return await _complete(request, state, shape, gen, sink)
+    response = await _complete(request, state, shape, gen, sink)
+    state.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+    return response
 
 
-async def _stream(state, shape, gen, sink, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(state, shape, gen, sink, include_usage: bool, path: str) -> AsyncIterator[str]:
+    """The SSE body; counted 200 only once the client has had it all (499 if it left first)."""
+    status = "499"
+    try:
+        async for event in _stream_events(state, shape, gen, sink, include_usage):
+            yield event
+        status = "200"
+    finally:
+        state.metrics.requests.labels(path, status).inc()
+
+
+async def _stream_events(state, shape, gen, sink, include_usage: bool) -> AsyncIterator[str]:
     tokenizer = state.loop.engine.tokenizer
     quiet = shape.num_logprobs is None and not shape.return_token_ids
     if shape.chat:

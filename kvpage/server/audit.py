@@ -4,8 +4,10 @@ rate; cache corruption, requests failed with an error and shadow-comparison aler
 written. Each line names the request and sample and the namespace digest (which identifies the
 tenant); the cache salt itself is not written, since it is the tenant's isolation key.
 
-`AuditObserver` is the engine observer that feeds it. Lines go to a file (`--audit-log`) or,
-without one, to the `kvpage.audit` logger; the last few hundred also stay in memory for the admin
+`AuditObserver` is the engine observer that feeds it; admin switch changes are written by the
+admin API. Lines go to a file (`kvpage serve` writes ./kvpage-audit.jsonl unless `--audit-log`
+names another file, or `-` for stderr) or, in an app built without a path, to the `kvpage.audit`
+logger; the last few hundred also stay in memory for the admin
 API and tests."""
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class AuditLog:
         self._file = None if path is None else open(path, "a", encoding="utf-8")  # noqa: SIM115
         self._random = random.Random(seed)
         self._lock = threading.Lock()  # written from the engine and shadow threads
+        # request id -> tenant name while the request runs (set and cleared by the server)
+        self.tenants: dict[str, str | None] = {}
 
     def write(self, event: str, always: bool = False, **fields: Any) -> None:
         with self._lock:
@@ -59,18 +63,22 @@ class AuditLog:
 
 
 class AuditObserver(EngineObserver):
-    """Engine events -> audit lines, on the engine thread."""
+    """Engine events -> audit lines, on the engine thread. Each line names the tenant (the API
+    key's tenant name, registered by the server while the request runs; None on an open
+    server), never the cache salt derived from it."""
 
     def __init__(self, audit: AuditLog) -> None:
         self.audit = audit
 
     def on_event(self, event: EngineEvent) -> None:
         fields = asdict(event)
-        del fields["tenant"]  # the salt: the namespace digest names the tenant without it
+        fields["tenant"] = self.audit.tenants.get(event.request_id)  # never the salt
         alert = event.kind == "cache_corruption" or (
             isinstance(event, Finished) and event.reason == "error"
         )
         self.audit.write(event.kind, always=alert, **fields)
+        if isinstance(event, Finished) and event.sample_id == event.request_id:
+            self.audit.tenants.pop(event.request_id, None)  # n == 1: that was its last line
 
 
 def _plain(value: Any) -> Any:

@@ -163,18 +163,30 @@ async def run(state: ServerState, gen: Generation, sink: asyncio.Queue) -> Async
     """Deltas until every choice is finished. Leaving early (client gone, stop string) aborts the
     request in the engine, which gives its blocks back; a stop string in one of several choices
     aborts only that sample."""
-    last = time.perf_counter()
+    async with aclosing(_deltas(state, gen, sink)) as deltas:  # closing it aborts the request
+        async for delta in deltas:
+            yield delta
+    if gen.params.n > 1:  # one request, n samples: its tenant goes with the last of them
+        state.audit.tenants.pop(gen.request_id, None)
+
+
+async def _deltas(state: ServerState, gen: Generation, sink: asyncio.Queue) -> AsyncIterator[Delta]:
+    start = last = time.perf_counter()
+    state.metrics.prompt_tokens.inc(len(gen.prompt_ids))
     async with aclosing(state.loop.outputs(gen.request_id, sink)) as outputs:
         async for out in outputs:
             if out.new_token_ids:
                 now = time.perf_counter()
                 (state.metrics.itl if gen.num_tokens else state.metrics.ttft).observe(now - last)
                 last = now
+            before = gen.num_tokens
             for delta in gen.advance(out):
                 yield delta
                 if delta.cut and not gen.finished:
                     state.loop.abort(f"{gen.request_id}#{delta.index}")
+            state.metrics.generation_tokens.inc(gen.num_tokens - before)
             if gen.finished:
+                state.metrics.e2e.observe(time.perf_counter() - start)
                 break
     for job in gen.shadow_jobs():
         state.shadow.offer(job)

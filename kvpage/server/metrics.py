@@ -56,7 +56,9 @@ class _EngineCollector:
             return
         for key, (name, doc) in COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=s[key])
-        yield _gauge("kvpage_prefix_cache_hit_rate", "hits / queries (tokens)", _rate(s))
+        yield _gauge(
+            "kvpage_prefix_cache_hit_ratio", "Lifetime hits / queries (tokens)", _hit_ratio(s)
+        )
         blocks = GaugeMetricFamily("kvpage_kv_blocks", "KV blocks by state", labels=["state"])
         for state in BLOCK_STATES:
             blocks.add_metric([state], s[f"{state}_blocks"])
@@ -74,14 +76,16 @@ class _EngineCollector:
         yield CounterMetricFamily(
             "kvpage_shadow_mismatches", "Shadow comparisons that differed", value=bad
         )
-        yield _gauge("kvpage_pollution_rate", "Shadow mismatches / checks", bad / max(checked, 1))
+        yield _gauge(
+            "kvpage_pollution_ratio", "Lifetime shadow mismatches / checks", bad / max(checked, 1)
+        )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
-def _rate(s: dict[str, Any]) -> float:
+def _hit_ratio(s: dict[str, Any]) -> float:
     return s["prefix_hits"] / s["prefix_queries"] if s["prefix_queries"] else 0.0
 
 
@@ -103,6 +107,18 @@ class ServerMetrics(EngineObserver):
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
+        self.e2e = Histogram(
+            "kvpage_e2e_request_latency_seconds",
+            "Arrival to the last token of a request that completed",
+            registry=r,
+            buckets=LATENCY_BUCKETS + (60, 120, 300),
+        )
+        self.prompt_tokens = Counter(
+            "kvpage_prompt_tokens", "Prompt tokens of requests admitted", registry=r
+        )
+        self.generation_tokens = Counter(
+            "kvpage_generation_tokens", "Tokens generated and sent to clients", registry=r
+        )
         self.restore_latency = Histogram(
             "kvpage_restore_latency_seconds",
             "Swap-in of a preempted request",
@@ -111,7 +127,7 @@ class ServerMetrics(EngineObserver):
         )
         self.requests = Counter(
             "kvpage_http_requests",
-            "Requests by path and status",
+            "Requests by path and final status (499: the client went away first)",
             ["path", "status"],
             registry=r,
         )

@@ -37,7 +37,7 @@ def test_metrics_move(open_server):
     grew = lambda name: m1[name] - m0.get(name, 0)  # noqa: E731
     assert grew("kvpage_prefix_cache_queries_tokens_total") == 2 * (len(PROMPT) + 1)
     assert grew("kvpage_prefix_cache_hits_tokens_total") == 48
-    assert 0 < m1["kvpage_prefix_cache_hit_rate"] <= 1
+    assert 0 < m1["kvpage_prefix_cache_hit_ratio"] <= 1
     assert grew("kvpage_time_to_first_token_seconds_count") == 2
     assert grew("kvpage_inter_token_latency_seconds_count") == 2 * 4
     assert grew("kvpage_kv_block_allocations_total") > 0
@@ -54,7 +54,7 @@ def test_metrics_move(open_server):
         "kvpage_kv_cow_copies_total",
         "kvpage_cache_corruptions_total",
         "kvpage_restore_latency_seconds_count",
-        "kvpage_pollution_rate",
+        "kvpage_pollution_ratio",
     ):
         assert name in m1
 
@@ -88,7 +88,7 @@ def test_shadow_checks_cache_hits(open_server):
     done = lambda: open_server.metrics()["kvpage_shadow_checks_total"] >= before + 2  # noqa: E731
     assert _wait(done)
     m = open_server.metrics()
-    assert m["kvpage_shadow_mismatches_total"] == 0 and m["kvpage_pollution_rate"] == 0
+    assert m["kvpage_shadow_mismatches_total"] == 0 and m["kvpage_pollution_ratio"] == 0
 
 
 def test_shadow_mismatch_counts_pollution(offline, tmp_path):
