@@ -47,8 +47,9 @@ LEGAL_TRANSITIONS: dict[BlockState, frozenset[BlockState]] = {
     _S.RESTORING: frozenset({_S.PRIVATE_WRITABLE, _S.FREE}),
 }
 
-HOLDABLE = frozenset({_S.PRIVATE_WRITABLE, _S.SHARED_READONLY})  # a new owner may join these
-READABLE = frozenset({_S.PRIVATE_WRITABLE, _S.SHARED_READONLY})  # a step may read these
+# A step may read these, and only these may take a new owner (a CACHED block is re-held through
+# the index, which makes it SHARED first).
+READABLE = frozenset({_S.PRIVATE_WRITABLE, _S.SHARED_READONLY})
 
 
 @dataclass(slots=True, eq=False)
@@ -127,7 +128,7 @@ class BlockPool:
     def add_owner(self, block_id: int, owner: int) -> None:
         """A table starts holding the block (prefix hit or fork)."""
         b = self.blocks[block_id]
-        if b.state not in HOLDABLE and b.state is not _S.CACHED:
+        if b.state not in READABLE and b.state is not _S.CACHED:
             raise InvariantViolation(f"block {block_id}: cannot take a reference in {b.state.name}")
         if owner in b.owners:
             raise InvariantViolation(f"block {block_id}: seq {owner} already holds it")
@@ -173,7 +174,7 @@ class BlockPool:
 
     def mark_published(self, block_id: int) -> None:
         b = self.blocks[block_id]
-        if b.state not in HOLDABLE or b.published or b.valid_len != self.block_size:
+        if b.state not in READABLE or b.published or b.valid_len != self.block_size:
             raise InvariantViolation(
                 f"block {block_id}: cannot publish (state={b.state.name}, "
                 f"published={b.published}, valid_len={b.valid_len})"

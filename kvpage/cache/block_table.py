@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` tokens from position 0 (ceil division)."""
+    return -(-num_tokens // block_size)
+
+
 @dataclass(slots=True, eq=False)
 class BlockTable:
     seq_id: int

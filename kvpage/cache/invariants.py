@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from kvpage.cache.block_pool import BlockPool, BlockState
-from kvpage.cache.block_table import BlockTable, TableSnapshot
+from kvpage.cache.block_table import BlockTable, TableSnapshot, blocks_for
 from kvpage.cache.prefix_index import PrefixIndex
 from kvpage.errors import InvariantViolation
 
@@ -92,7 +92,7 @@ def _check_tables(
         if t.seq_id in seen_seq:
             out.append(f"two live tables for seq {t.seq_id}")
         seen_seq.add(t.seq_id)
-        if len(t.block_ids) != -(-t.num_tokens // bs):
+        if len(t.block_ids) != blocks_for(t.num_tokens, bs):
             out.append(f"seq {t.seq_id}: {len(t.block_ids)} blocks for {t.num_tokens} tokens")
         if len(set(t.block_ids)) != len(t.block_ids):
             out.append(f"seq {t.seq_id}: a block appears twice in {t.block_ids}")

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from kvpage.cache.block_pool import READABLE, BlockPool, BlockState, CacheUsage
-from kvpage.cache.block_table import BlockTable, SnapshotEntry, TableSnapshot
+from kvpage.cache.block_table import BlockTable, SnapshotEntry, TableSnapshot, blocks_for
 from kvpage.cache.events import AuditEvent, CacheStats, CorruptionEvent, CowEvent, HitEvent
 from kvpage.cache.invariants import check_invariants
 from kvpage.cache.key_chain import BlockKeyChain
@@ -136,16 +136,14 @@ class KVCacheManager:
     # --- allocation ------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens from position 0."""
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def num_free_blocks(self) -> int:
         return self.pool.num_free + self.index.num_evictable()
 
     def blocks_needed(self, table: BlockTable, num_new_tokens: int) -> int:
         """New blocks plus one CoW copy if the first new token lands in a shared block."""
-        bs = self.block_size
-        end = table.num_tokens + num_new_tokens
-        new = -(-end // bs) - len(table.block_ids)
+        new = self.blocks_for(table.num_tokens + num_new_tokens) - len(table.block_ids)
         return max(new, 0) + int(self._cow_needed(table))
 
     def can_append(self, table: BlockTable, num_new_tokens: int) -> bool:
@@ -160,7 +158,7 @@ class KVCacheManager:
         bs = self.block_size
         start, end = table.num_tokens, table.num_tokens + num_new_tokens
         cow = self._cow_needed(table)
-        new = -(-end // bs) - len(table.block_ids)
+        new = self.blocks_for(end) - len(table.block_ids)
         self._reserve(new + int(cow))  # all-or-nothing: past this line nothing can run out
         if cow:
             self._copy_on_write(table, start // bs)
@@ -373,7 +371,7 @@ class KVCacheManager:
             raise InvariantViolation(f"seq {table.seq_id}: restore after a partial block")
         if num_tokens <= 0:
             raise InvariantViolation(f"seq {table.seq_id}: restore of {num_tokens} tokens")
-        n = -(-num_tokens // self.block_size)
+        n = self.blocks_for(num_tokens)
         self._reserve(n)
         ids = self.pool.allocate(n, table.seq_id, _S.RESTORING)
         for j, bid in enumerate(ids):

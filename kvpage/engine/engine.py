@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from kvpage.cache.block_table import blocks_for
 from kvpage.cache.events import AuditEvent, CorruptionEvent, CowEvent
 from kvpage.cache.manager import KVCacheManager
 from kvpage.config import EngineConfig
@@ -108,7 +109,7 @@ class LLMEngine:
             mcfg.num_layers, cfg.block_size, mcfg.num_kv_heads, mcfg.head_dim, self.model.dtype
         )
         by_memory = (cfg.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // per_block
-        by_workload = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        by_workload = cfg.max_num_seqs * blocks_for(self.max_model_len, cfg.block_size)
         return max(1, min(by_memory, by_workload) if cfg.kv_cache_memory is None else by_memory)
 
     # --- requests --------------------------------------------------------------------------
@@ -190,7 +191,7 @@ class LLMEngine:
                 f"max_tokens {params.max_tokens} + prompt {len(prompt_ids)} tokens exceeds the "
                 f"model's context of {self.max_model_len}"
             )
-        need = -(-total // self.config.block_size)
+        need = self.cache.blocks_for(total)
         if need > self.cache.pool.num_blocks:
             raise InvalidRequest(
                 f"prompt + max_tokens needs {need} KV blocks; the pool has only "
@@ -579,6 +580,7 @@ class LLMEngine:
             "prefix_queries": self.scheduler.prefix_queries,
             "prefix_hits": self.scheduler.prefix_hits,
             "corruptions": cs.corruption_count,
+            "key_collisions": cs.key_collisions,
             "cow_copies": cs.cow_copies,
             "evictions": cs.evictions,
             "block_allocations": cs.allocations,

@@ -1,7 +1,7 @@
 """Prometheus metrics (R29) on a per-app registry (tests build several apps in one process).
 
 Engine counters are monotonic totals kept by the engine; they are read once per scrape on the engine
-thread (`engine_snapshot`) and exposed by a collector, so no number is counted twice. Latencies are
+thread (`engine_snapshot`, which is `engine.stats()`) and exposed by a collector, so no number is counted twice. Latencies are
 observed by the server as tokens reach clients, the restore latency from the engine's swap-in
 events (ServerMetrics is an engine observer), and pollution by the shadow comparison."""
 
@@ -24,20 +24,23 @@ COUNTERS = {  # engine stats key -> (metric name without _total, help)
         "Prompt tokens looked up in the cache",
     ),
     "prefix_hits": ("kvpage_prefix_cache_hits_tokens", "Prompt tokens served by the prefix cache"),
-    "allocations": ("kvpage_kv_block_allocations", "KV blocks taken from the free list"),
-    "frees": ("kvpage_kv_block_frees", "KV blocks returned to the free list"),
+    "block_allocations": ("kvpage_kv_block_allocations", "KV blocks taken from the free list"),
+    "block_frees": ("kvpage_kv_block_frees", "KV blocks returned to the free list"),
     "generation_bumps": ("kvpage_kv_block_generation_bumps", "Block generation bumps"),
     "cow_copies": ("kvpage_kv_cow_copies", "Copy-on-write block copies"),
     "evictions": ("kvpage_kv_block_evictions", "Cached blocks evicted"),
     "corruptions": ("kvpage_cache_corruptions", "Fast-key hits whose full digest differed"),
+    "key_collisions": (
+        "kvpage_cache_key_collisions",
+        "Publishes refused: the fast key is held by another digest",
+    ),
     "aborts": ("kvpage_request_aborts", "Requests aborted (client gone, stop string)"),
 }
 
 
 def engine_snapshot(engine: LLMEngine) -> dict[str, int]:
-    """Engine stats plus the allocation counters; call it on the engine thread."""
-    cs = engine.cache.stats
-    return {**engine.stats(), "allocations": cs.allocations, "frees": cs.frees}
+    """The engine's stats; call it on the engine thread."""
+    return engine.stats()
 
 
 class _EngineCollector:

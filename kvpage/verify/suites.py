@@ -7,6 +7,7 @@ swap space must be back at baseline (R21). Case builders live in kvpage.verify.c
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -147,7 +148,7 @@ def step_bound(case: Case) -> int:
     forced hold, with each preemption paying a full re-prefill."""
     budget = case.engine.get("max_num_batched_tokens", _DEFAULT_BUDGET)
     work = sum(
-        -(-len(s.prompt) // budget) + s.params.n * s.params.max_tokens for s in case.requests
+        math.ceil(len(s.prompt) / budget) + s.params.n * s.params.max_tokens for s in case.requests
     )
     last_arrival = max((s.arrive_step for s in case.requests), default=0)
     return last_arrival + case.hold_steps + 2 * work + 16
