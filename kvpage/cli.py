@@ -382,9 +382,13 @@ def _audit_to_stderr() -> None:
 
 
 def _check_writable(path: str) -> None:
+    """Open for append once; a file that did not exist is not left behind by the check."""
+    existed = os.path.exists(path)
     try:
         with open(path, "a"):
             pass
+        if not existed:
+            os.remove(path)
     except OSError as err:
         raise CliError(f"--audit-log {path}: cannot write to it ({_reason(err)})") from None
 
