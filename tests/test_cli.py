@@ -130,8 +130,10 @@ def test_help_shows_defaults_and_choices(capsys):
 
 # --- kvpage serve: what it says it serves, and where the admin token comes from --------------
 @pytest.fixture
-def served(monkeypatch) -> list:
-    """Apps `kvpage serve` would have served (the server itself is not started)."""
+def served(monkeypatch, tmp_path) -> list:
+    """Apps `kvpage serve` would have served (the server itself is not started), from a scratch
+    working directory: the default audit log is written there."""
+    monkeypatch.chdir(tmp_path)
     apps: list = []
     monkeypatch.setattr("kvpage.server.background.serve", lambda app, *a, **k: apps.append(app))
     monkeypatch.delenv("KVPAGE_ADMIN_TOKEN", raising=False)
