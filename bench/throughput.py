@@ -2,13 +2,19 @@
 Face continuous batching (`generate_batch`), on the same random-weight Llama and the same prompts, in
 one process:
 
-    python bench/throughput.py [--models small,120m] [--scenarios a,b,c] [--requests 64]
+    python bench/throughput.py [--models small,120m] [--scenarios a,b,c,bb] [--requests 64]
                                [--repeats N] [--seed 0] [--threads 2] [--hf-batch 32] [--profile]
+                               [--peers hf,llama.cpp] [--llama-cpp-types f32,bf16]
 
 (a) prompts uniform in 16-256 tokens, 64 output tokens each; (b) the same prompts, outputs uniform
 in 16-256 tokens (HF `generate` runs each static batch to its longest output; only the tokens each
 request asked for count); (c) a common 512-token prefix + 32 unique tokens per request, 64 output
-tokens: prefill tokens computed and median TTFT, kvpage prefix caching on vs off. Every table row
+tokens: prefill tokens computed and median TTFT, kvpage prefix caching on vs off; (bb) the shape of
+llama.cpp's `llama-batched-bench -npp 128 -ntg 64 -npl 32`: 32 prompts of 128 tokens, 64 output
+tokens each, with a second table of prefill / decode / overall rates (min and median over the
+repeats). `--peers` picks the peers: `hf` (HF generate and generate_batch, the default) and
+`llama.cpp` (llama-batched-bench as a subprocess, scenario bb only; see bench/peers/llama_cpp.py,
+built once into ~/.cache/kvpage-bench on first use). Every table row
 gives useful output tokens/s, the ratio against both HF peers, achieved GFLOP/s (useful FLOPs only,
 see `useful_flops`) and its share of a plain `torch.mm` measured in the same run. `--profile` adds
 a cProfile and a torch.profiler summary of kvpage on each scenario.
@@ -31,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 import transformers
+from peers import llama_cpp
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -65,6 +72,9 @@ MODELS = {
 }
 
 
+BB_PROMPT, BB_OUTPUT, BB_REQUESTS = 128, 64, 32  # llama-batched-bench -npp 128 -ntg 64 -npl 32
+
+
 # --- workloads ----------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Workload:
@@ -72,6 +82,7 @@ class Workload:
     prompts: list[list[int]]
     max_tokens: list[int]
     prefix_len: int = 0  # (c): tokens every prompt shares
+    key: str = ""  # "a", "b", "c" or "bb"
 
 
 def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -84,12 +95,24 @@ def make_workloads(scenarios: str, n: int, vocab: int, seed: int) -> list[Worklo
     out_b = [rng.randint(16, 256) for _ in range(n)]
     prefix = random_tokens(rng, 512, vocab)
     shared = [prefix + random_tokens(rng, 32, vocab) for _ in range(n)]
+    equal = [random_tokens(rng, BB_PROMPT, vocab) for _ in range(BB_REQUESTS)]
     all_ = {
         "a": Workload("(a) prompts 16-256, 64 out", prompts, [64] * n),
         "b": Workload("(b) prompts 16-256, out 16-256", prompts, out_b),
         "c": Workload("(c) 512 shared + 32 unique, 64 out", shared, [64] * n, prefix_len=512),
+        "bb": Workload(
+            f"(bb) batched-bench: {BB_REQUESTS} x {BB_PROMPT} prompt, {BB_OUTPUT} out",
+            equal,
+            [BB_OUTPUT] * BB_REQUESTS,
+        ),
     }
-    return [all_[s] for s in scenarios.split(",")]
+    unknown = set(scenarios.split(",")) - set(all_)
+    if unknown:
+        raise SystemExit(f"unknown scenario(s) {sorted(unknown)}; choose from {sorted(all_)}")
+    workloads = [all_[s] for s in scenarios.split(",")]
+    for key, wl in all_.items():
+        wl.key = key
+    return workloads
 
 
 def blocks_needed(wl: Workload) -> int:
@@ -154,6 +177,19 @@ def mm_peak_gflops(size: int = 1024, reps: int = 15) -> float:
 
 # --- one run's result ---------------------------------------------------------------------------
 @dataclass(slots=True)
+class RunOut:
+    """What one timed run of an engine reports besides its wall time."""
+
+    tokens: list[list[int]]  # each request's first max_tokens outputs ([] when not available)
+    ttfts: list[float] | None = None
+    prefill_computed: int | None = None  # prompt tokens computed (None when unknown)
+    span: float | None = None  # HF CB: first submission -> last token
+    # (prefill s, decode s): until every request has its first token, then to the last token
+    phases: tuple[float, float] | None = None
+    wall: float | None = None  # the engine's own timing, replacing the caller's (llama.cpp: T)
+
+
+@dataclass(slots=True)
 class RunResult:
     engine: str
     walls: list[float] = field(default_factory=list)
@@ -161,6 +197,7 @@ class RunResult:
     ttfts: list[float] | None = None
     prefill_computed: int | None = None
     spans: list[float] = field(default_factory=list)  # HF CB: first submit -> last token
+    phases: list[tuple[float, float]] = field(default_factory=list)
     error: str | None = None
 
     @property
@@ -170,12 +207,10 @@ class RunResult:
 
 @dataclass(slots=True)
 class Engine:
-    """`run` is timed; `setup` (untimed) runs before each repeat. `run` returns each request's
-    tokens, TTFTs (or None), the prefill tokens computed (or None when unknown) and, for HF CB, the
-    span from the first submission to the last token (or None)."""
+    """`run` is timed; `setup` (untimed) runs before each repeat."""
 
     name: str
-    run: Callable[[], tuple]
+    run: Callable[[], RunOut]
     setup: Callable[[], None] = lambda: None
 
 
@@ -183,11 +218,14 @@ def measure(engine: Engine, res: RunResult) -> None:
     try:
         engine.setup()
         t0 = time.perf_counter()
-        tokens, ttfts, prefill, span = engine.run()
-        res.walls.append(time.perf_counter() - t0)
-        res.tokens, res.ttfts, res.prefill_computed = tokens, ttfts, prefill
-        if span is not None:
-            res.spans.append(span)
+        out = engine.run()
+        wall = time.perf_counter() - t0
+        res.walls.append(out.wall if out.wall is not None else wall)
+        res.tokens, res.ttfts, res.prefill_computed = out.tokens, out.ttfts, out.prefill_computed
+        if out.span is not None:
+            res.spans.append(out.span)
+        if out.phases is not None:
+            res.phases.append(out.phases)
     except Exception as err:  # a peer that cannot run here is reported, not fatal
         res.error = f"{type(err).__name__}: {err}"
 
@@ -229,12 +267,20 @@ def kvpage_engine(
             llm.generate([first], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
         holder["llm"] = llm
 
-    def run() -> tuple:
+    def run() -> RunOut:
+        t0 = time.monotonic()  # the clock of RequestMetrics.first_token_time
         outs = holder["llm"].generate(wl.prompts, params, use_tqdm=False)
+        t1 = time.monotonic()
         cached = sum(o.metrics.num_cached_tokens for o in outs)
         prefill = sum(len(p) for p in wl.prompts) - cached
         ttfts = [o.metrics.ttft for o in outs]
-        return [list(o.outputs[0].token_ids) for o in outs], ttfts, prefill, None
+        firsts = [o.metrics.first_token_time for o in outs]
+        phases = None
+        if all(f is not None for f in firsts):
+            last_first = max(firsts)
+            phases = (last_first - t0, t1 - last_first)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        return RunOut(tokens, ttfts, prefill, phases=phases)
 
     return Engine(name, run, setup)
 
@@ -257,7 +303,7 @@ def run_hf_generate(model, wl: Workload, batch_size: int) -> Callable[[], tuple]
     output in it; EOS is disabled so every row runs to that length."""
 
     @torch.inference_mode()
-    def run() -> tuple:
+    def run() -> RunOut:
         t0 = time.perf_counter()
         tokens: list[list[int]] = []
         ttfts: list[float] = []
@@ -283,7 +329,10 @@ def run_hf_generate(model, wl: Workload, batch_size: int) -> Callable[[], tuple]
             new = out[:, width:].tolist()
             tokens += [row[:want] for row, want in zip(new, wants, strict=True)]
             ttfts += [first.t - t0] * len(prompts)
-        return tokens, ttfts, sum(len(p) for p in wl.prompts), None
+        phases = None
+        if len(wl.prompts) <= batch_size:  # one batch: its first logits end the prefill
+            phases = (ttfts[0], time.perf_counter() - t0 - ttfts[0])
+        return RunOut(tokens, ttfts, sum(len(p) for p in wl.prompts), phases=phases)
 
     return run
 
@@ -309,7 +358,7 @@ def run_hf_cb(model, wl: Workload) -> Callable[[], tuple]:
     uniform = len(set(wl.max_tokens)) == 1
 
     @torch.inference_mode()
-    def run() -> tuple:
+    def run() -> RunOut:
         if uniform:
             out = model.generate_batch(
                 inputs=wl.prompts,
@@ -327,7 +376,12 @@ def run_hf_cb(model, wl: Workload) -> Callable[[], tuple]:
         tokens = [list(r.generated_tokens) for r in results]
         ttfts = [r.timestamps[0] - r.created_time for r in results]
         span = max(r.timestamps[-1] for r in results) - min(r.created_time for r in results)
-        return tokens, ttfts, None, span
+        last_first = max(r.timestamps[0] for r in results)
+        phases = (
+            last_first - min(r.created_time for r in results),
+            max(r.timestamps[-1] for r in results) - last_first,
+        )
+        return RunOut(tokens, ttfts, None, span, phases)
 
     return run
 
@@ -351,6 +405,43 @@ def _hf_cb_per_request(model, wl: Workload, gen: GenerationConfig) -> list:
             elif r is None and not manager.is_running():
                 break
     return [results[i] for i in ids if i in results]
+
+
+# --- llama.cpp (llama-batched-bench, a subprocess) ------------------------------------------------
+def llama_cpp_engines(model_dir: str, outtypes: list[str], threads: int) -> list[Engine]:
+    """One engine per GGUF type, converted (cached) before any clock starts. Its wall is
+    batched-bench's own T = T_PP + T_TG: model load and its 16-token warm-up are left out, as the
+    other engines' construction and warm-up are. Raises llama_cpp.PeerError when it cannot run."""
+    engines = []
+    for outtype in outtypes:
+        gguf = llama_cpp.convert(model_dir, outtype)
+
+        def run(gguf=gguf) -> RunOut:
+            r = llama_cpp.run_batched_bench(
+                gguf, BB_PROMPT, BB_OUTPUT, BB_REQUESTS, threads, batch=MAX_BATCHED_TOKENS
+            )
+            return RunOut([], [r.t_pp] * r.pl, r.pl * r.pp, phases=(r.t_pp, r.t_tg), wall=r.t)
+
+        # Untimed: pages the GGUF into memory and fails here rather than in the table.
+        warm = llama_cpp.run_batched_bench(
+            gguf, BB_PROMPT, BB_OUTPUT, BB_REQUESTS, threads, batch=MAX_BATCHED_TOKENS
+        )
+        setup = ", ".join(f"{k} {v}" for k, v in warm.setup.items())
+        print(f"llama.cpp {outtype}: {gguf.name}, warm-up run {warm.process_wall:.1f}s; {setup}")
+        engines.append(Engine(f"llama.cpp {outtype}", run))
+    return engines
+
+
+def llama_cpp_ready(args) -> str | None:
+    """None when llama-batched-bench is built (building it now if need be), else why not."""
+    try:
+        llama_cpp.build()
+        bad = set(args.llama_cpp_types.split(",")) - set(llama_cpp.converter_outtypes())
+        if bad:
+            return f"the converter has no --outtype {sorted(bad)}"
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 # --- the model ----------------------------------------------------------------------------------
@@ -435,6 +526,48 @@ def _ratio(ref: float | None, wall: float) -> str:
     return "-" if ref is None else f"{ref / wall:.2f}x"
 
 
+def print_phase_table(wl: Workload, results: list[RunResult], flops: float, peak: float) -> None:
+    """Scenario bb: prefill, decode and overall rates, each as `min-time / median` over the
+    repeats (the first figure comes from the fastest repeat of that quantity)."""
+    prompt = sum(map(len, wl.prompts))
+    out = sum(wl.max_tokens)
+
+    def pair(tokens: float, times: list[float]) -> str:
+        return f"{tokens / min(times):7.1f} / {tokens / statistics.median(times):7.1f}"
+
+    head = (
+        f"{'engine':<24} {'wall s min/med':>15} {'prefill tok/s':>17} {'decode tok/s':>17} "
+        f"{'out tok/s':>17} {'GFLOP/s':>8} {'% mm':>6}"
+    )
+    print(f"\n{wl.name}: rates as min-time / median over {len(results[0].walls)} repeats")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        if r.error or not r.walls:
+            continue
+        walls = f"{min(r.walls):6.2f} / {r.wall:6.2f}"
+        if r.phases:
+            # Decode-phase tokens: llama.cpp feeds ntg tokens per sequence after the prefill; the
+            # others sample their first token in the prefill, so max_tokens - 1 remain.
+            dec_tokens = out if r.engine.startswith("llama.cpp") else out - len(wl.prompts)
+            pre = pair(prompt, [p for p, _ in r.phases])
+            dec = pair(dec_tokens, [d for _, d in r.phases])
+        else:
+            pre = dec = f"{'-':>17}"
+        gfs = flops / r.wall / 1e9
+        print(
+            f"{r.engine:<24} {walls:>15} {pre:>17} {dec:>17} {pair(out, r.walls):>17} "
+            f"{gfs:8.1f} {100 * gfs / peak:5.1f}%"
+        )
+    print(
+        f"  torch.mm ceiling, this run: {peak:.1f} GFLOP/s. prefill = start -> every request has "
+        "its first token (kvpage: max RequestMetrics.first_token_time; HF generate: first logits; "
+        "HF CB: max first timestamp from first submission; llama.cpp: T_PP), decode = from there "
+        "to the last token (llama.cpp: T_TG, 64 passes; the others 63 steps after the prefill's "
+        "token), out tok/s = useful output tokens / wall (llama.cpp wall = T_PP + T_TG)."
+    )
+
+
 # --- profiling ----------------------------------------------------------------------------------
 def profile_kvpage(model_dir: str, wl: Workload, seed: int, top: int = 18) -> None:
     """Where kvpage's time goes on this workload: Python functions (cProfile, by self time) and
@@ -457,11 +590,16 @@ def profile_kvpage(model_dir: str, wl: Workload, seed: int, top: int = 18) -> No
 
 
 # --- main ---------------------------------------------------------------------------------------
-def run_scenario(model, model_dir: str, wl: Workload, args, fm: FlopModel, peak: float) -> None:
-    engines = [
-        Engine("hf generate", run_hf_generate(model, wl, args.hf_batch)),
-        Engine("hf generate_batch", run_hf_cb(model, wl)),
-    ]
+def run_scenario(
+    model, model_dir: str, wl: Workload, args, fm: FlopModel, peak: float, llama: str | None
+) -> None:
+    """`llama`: None to leave llama.cpp out, "" to run it, else why it cannot run."""
+    engines = []
+    if "hf" in args.peers:
+        engines += [
+            Engine("hf generate", run_hf_generate(model, wl, args.hf_batch)),
+            Engine("hf generate_batch", run_hf_cb(model, wl)),
+        ]
     if wl.prefix_len:
         engines += [
             kvpage_engine("kvpage cache off", model_dir, wl, False, args.seed),
@@ -470,6 +608,16 @@ def run_scenario(model, model_dir: str, wl: Workload, args, fm: FlopModel, peak:
         ]
     else:
         engines.append(kvpage_engine("kvpage", model_dir, wl, True, args.seed))
+    failed: list[str] = []
+    if llama is not None and wl.key != "bb":
+        failed.append("llama.cpp: skipped, it runs scenario bb only (equal prompts)")
+    elif llama:
+        failed.append(f"llama.cpp: FAILED: {llama}")
+    elif llama is not None:
+        try:
+            engines += llama_cpp_engines(model_dir, args.llama_cpp_types.split(","), args.threads)
+        except Exception as err:
+            failed.append(f"llama.cpp: FAILED: {type(err).__name__}: {err}")
     results = {e.name: RunResult(e.name) for e in engines}
     for _ in range(args.repeats):  # interleaved, so drift in machine load hits every engine alike
         for engine in engines:
@@ -480,7 +628,11 @@ def run_scenario(model, model_dir: str, wl: Workload, args, fm: FlopModel, peak:
         f"{sum(wl.max_tokens)} useful output tokens, {fm.workload(wl) / 1e9:.1f} useful GFLOP"
     )
     print_table(wl, list(results.values()), fm.workload(wl), peak)
+    for line in failed:
+        print(line)
     print_cb_span(list(results.values()))
+    if wl.key == "bb":
+        print_phase_table(wl, list(results.values()), fm.workload(wl), peak)
     if args.profile:
         profile_kvpage(model_dir, wl, args.seed)
 
@@ -495,7 +647,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hf-batch", type=int, default=32, help="static batch size of HF generate")
     ap.add_argument("--profile", action="store_true", help="profile kvpage on each scenario")
+    ap.add_argument("--peers", default="hf", help="comma-separated: hf, llama.cpp")
+    ap.add_argument(
+        "--llama-cpp-types", default="f32,bf16", help="GGUF types llama.cpp runs (f32, bf16, ...)"
+    )
     args = ap.parse_args()
+    args.peers = set(args.peers.split(",")) - {""}
+    if args.peers - {"hf", "llama.cpp"}:
+        raise SystemExit(f"unknown peer(s) {sorted(args.peers - {'hf', 'llama.cpp'})}")
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -507,9 +666,17 @@ def main() -> None:
         f"torch {torch.__version__}, transformers {transformers.__version__}, "
         f"{args.threads} threads, fp32, block_size {BLOCK_SIZE}, max_num_seqs {MAX_NUM_SEQS}, "
         f"max_num_batched_tokens {MAX_BATCHED_TOKENS}, HF generate static batch {args.hf_batch}, "
-        f"repeats {args.repeats} (median wall)"
+        f"repeats {args.repeats} (median wall), peers {','.join(sorted(args.peers)) or 'none'}"
     )
     print(f"torch.mm 1024x1024 @ 1024x1024: {peak:.1f} GFLOP/s (the '% mm' reference)")
+    llama = None
+    if "llama.cpp" in args.peers:
+        llama = llama_cpp_ready(args) or ""
+        if not llama:
+            print(
+                f"llama.cpp: {llama_cpp.binary_path()} (llama-cpp-python {llama_cpp.VERSION}), "
+                f"types {args.llama_cpp_types}, {args.threads} threads, scenario bb only"
+            )
     for name in args.models.split(","):
         with tempfile.TemporaryDirectory() as tmpdir:
             model = build_model(name, 1024, tmpdir)
@@ -519,11 +686,12 @@ def main() -> None:
                 f"\n=== model {name}: {total / 1e6:.1f}M parameters "
                 f"({fm.layer_weights / 1e6:.1f}M in layer matmuls, head {fm.head_weights / 1e6:.1f}M)"
             )
-            warm_hf(model, model.config.vocab_size, args.seed)
+            if "hf" in args.peers:
+                warm_hf(model, model.config.vocab_size, args.seed)
             for wl in make_workloads(
                 args.scenarios, args.requests, model.config.vocab_size, args.seed
             ):
-                run_scenario(model, tmpdir, wl, args, fm, peak)
+                run_scenario(model, tmpdir, wl, args, fm, peak, llama)
     print(f"\ntotal wall {time.perf_counter() - started:.0f}s")
 
 
