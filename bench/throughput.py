@@ -408,28 +408,25 @@ def _hf_cb_per_request(model, wl: Workload, gen: GenerationConfig) -> list:
 
 
 # --- llama.cpp (llama-batched-bench, a subprocess) ------------------------------------------------
-def llama_cpp_engines(model_dir: str, outtypes: list[str], threads: int) -> list[Engine]:
-    """One engine per GGUF type, converted (cached) before any clock starts. Its wall is
-    batched-bench's own T = T_PP + T_TG: model load and its 16-token warm-up are left out, as the
-    other engines' construction and warm-up are. Raises llama_cpp.PeerError when it cannot run."""
-    engines = []
-    for outtype in outtypes:
-        gguf = llama_cpp.convert(model_dir, outtype)
+def llama_cpp_engine(model_dir: str, outtype: str, threads: int) -> Engine:
+    """llama-batched-bench on the model as a GGUF of `outtype`, converted (cached) before any clock
+    starts. Its wall is batched-bench's own T = T_PP + T_TG: model load and its 16-token warm-up
+    are left out, as the other engines' construction and warm-up are. Raises when it cannot run."""
+    gguf = llama_cpp.convert(model_dir, outtype)
 
-        def run(gguf=gguf) -> RunOut:
-            r = llama_cpp.run_batched_bench(
-                gguf, BB_PROMPT, BB_OUTPUT, BB_REQUESTS, threads, batch=MAX_BATCHED_TOKENS
-            )
-            return RunOut([], [r.t_pp] * r.pl, r.pl * r.pp, phases=(r.t_pp, r.t_tg), wall=r.t)
-
-        # Untimed: pages the GGUF into memory and fails here rather than in the table.
-        warm = llama_cpp.run_batched_bench(
+    def run() -> RunOut:
+        r = llama_cpp.run_batched_bench(
             gguf, BB_PROMPT, BB_OUTPUT, BB_REQUESTS, threads, batch=MAX_BATCHED_TOKENS
         )
-        setup = ", ".join(f"{k} {v}" for k, v in warm.setup.items())
-        print(f"llama.cpp {outtype}: {gguf.name}, warm-up run {warm.process_wall:.1f}s; {setup}")
-        engines.append(Engine(f"llama.cpp {outtype}", run))
-    return engines
+        return RunOut([], [r.t_pp] * r.pl, r.pl * r.pp, phases=(r.t_pp, r.t_tg), wall=r.t)
+
+    # Untimed: pages the GGUF into memory and fails here rather than in the table.
+    warm = llama_cpp.run_batched_bench(
+        gguf, BB_PROMPT, BB_OUTPUT, BB_REQUESTS, threads, batch=MAX_BATCHED_TOKENS
+    )
+    setup = ", ".join(f"{k} {v}" for k, v in warm.setup.items())
+    print(f"llama.cpp {outtype}: {gguf.name}, warm-up run {warm.process_wall:.1f}s; {setup}")
+    return Engine(f"llama.cpp {outtype}", run)
 
 
 def llama_cpp_ready(args) -> str | None:
@@ -539,7 +536,8 @@ def print_phase_table(wl: Workload, results: list[RunResult], flops: float, peak
         f"{'engine':<24} {'wall s min/med':>15} {'prefill tok/s':>17} {'decode tok/s':>17} "
         f"{'out tok/s':>17} {'GFLOP/s':>8} {'% mm':>6}"
     )
-    print(f"\n{wl.name}: rates as min-time / median over {len(results[0].walls)} repeats")
+    repeats = max(len(r.walls) for r in results)
+    print(f"\n{wl.name}: rates as min-time / median over {repeats} repeats")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -614,10 +612,11 @@ def run_scenario(
     elif llama:
         failed.append(f"llama.cpp: FAILED: {llama}")
     elif llama is not None:
-        try:
-            engines += llama_cpp_engines(model_dir, args.llama_cpp_types.split(","), args.threads)
-        except Exception as err:
-            failed.append(f"llama.cpp: FAILED: {type(err).__name__}: {err}")
+        for outtype in args.llama_cpp_types.split(","):
+            try:
+                engines.append(llama_cpp_engine(model_dir, outtype, args.threads))
+            except Exception as err:  # one GGUF type failing leaves the others
+                failed.append(f"llama.cpp {outtype}: FAILED: {type(err).__name__}: {err}")
     results = {e.name: RunResult(e.name) for e in engines}
     for _ in range(args.repeats):  # interleaved, so drift in machine load hits every engine alike
         for engine in engines:
