@@ -40,6 +40,7 @@ class ModelRunner:
         self.device = model.device
         self.block_size = storage.block_size
         self._block_offsets = torch.arange(self.block_size, device=self.device)
+        self._arange = torch.arange(0, device=self.device)  # grown on demand; rows and positions
 
     def build(self, scheduled: list[ScheduledSeq]) -> StepBatch:
         ids: list[int] = []
@@ -66,11 +67,14 @@ class ModelRunner:
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Logits (len(sample_rows), V) in float32."""
         meta = self._metadata(batch)
-        ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, PagedAttention(self.storage, meta))  # (N, C)
-        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows]).float()  # (M, V)
+        ids_pos = torch.tensor(
+            (batch.input_ids, batch.positions), dtype=torch.long, device=self.device
+        )  # (2, N): one host-to-tensor copy for both
+        hidden = self.model(ids_pos[0], ids_pos[1], PagedAttention(self.storage, meta))  # (N, C)
+        if batch.sample_rows != list(range(hidden.shape[0])):  # a decode step samples every row
+            rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
+            hidden = hidden[rows]
+        return self.model.compute_logits(hidden).float()  # (M, V)
 
     def release(self, batch: StepBatch) -> None:
         for snap in batch.snapshots:
@@ -100,14 +104,24 @@ class ModelRunner:
                 slots_ctx = None if fresh else self._context_slots(snap, context_len)
                 prefills.append(PrefillChunk(start, end, slots_ctx))
         decode_tables_t, decode_mask = self._decode_tables(decode_tables, decode_lens)
+        decode_only = not prefills and len(decode_rows) == len(batch.input_ids)
         return PagedAttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             cu_seqlens_q=batch.cu_seqlens_q,
-            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
+            decode_rows=self._rows(len(decode_rows))
+            if decode_only
+            else torch.tensor(decode_rows, dtype=torch.long, device=self.device),
             decode_tables=decode_tables_t,
             decode_mask=decode_mask,
             prefills=prefills,
+            decode_only=decode_only,
         )
+
+    def _rows(self, n: int) -> torch.Tensor:
+        """arange(n) as a view of one cached tensor (no per-step allocation)."""
+        if self._arange.numel() < n:
+            self._arange = torch.arange(max(n, 2 * self._arange.numel()), device=self.device)
+        return self._arange[:n]
 
     def _context_slots(self, snap: TableSnapshot, context_len: int) -> torch.Tensor:
         blocks = torch.tensor(snap.block_ids, dtype=torch.long, device=self.device)
@@ -119,11 +133,9 @@ class ModelRunner:
         if not tables:
             empty = torch.zeros(0, 0, dtype=torch.long, device=self.device)
             return empty, torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=self.device)
-        width = max(len(t) for t in tables)
-        padded = torch.tensor(
-            [list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device
-        )  # (Sd, max_blocks)
+        width = max(map(len, tables))
+        flat = [b for t in tables for b in (*t, *(0,) * (width - len(t)))]
+        padded = torch.tensor(flat, dtype=torch.long, device=self.device).view(len(tables), width)
         lens_t = torch.tensor(lens, dtype=torch.long, device=self.device)
-        positions = torch.arange(width * self.block_size, device=self.device)
-        mask = positions[None, :] < lens_t[:, None]
-        return padded, mask[:, None, None, :]
+        mask = self._rows(width * self.block_size)[None, :] < lens_t[:, None]
+        return padded, mask[:, None, None, :]  # (Sd, max_blocks), (Sd, 1, 1, max_blocks * B)

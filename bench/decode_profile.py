@@ -1,0 +1,189 @@
+"""Where one batched decode step's time goes: the model's forward (matmuls, attention, norms, the
+LM head) against everything else the engine does around it (scheduling, metadata, snapshots and
+pins, sampling, observers, outputs).
+
+    python bench/decode_profile.py [--seqs 32] [--prompt 128] [--gen 64] [--steps 12]
+                                   [--windows 3] [--threads 2] [--kv-heads 4] [--top 15]
+
+Builds the 125M Llama of bench/throughput.py (`build_model`, same seed and init) with `--kv-heads`
+KV heads, adds `--seqs` requests of `--prompt` random tokens (`--gen` outputs, EOS ignored) to one
+kvpage engine and steps it until every sequence decodes. Then `--windows` consecutive windows of
+`--steps` decode steps are timed: per step the wall time of `engine.step()`, the model's share
+(forward hooks on the model and its LM head: no profiler running) and the rest, in ms and as a %
+(target: non-model <= 10% at batch 32). Last, one window under cProfile (Python functions by self
+time) and one under torch.profiler (operators by self CPU time). Windows follow each other in one
+run, so the context grows by `--steps` tokens from one to the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+import transformers
+from throughput import BLOCK_SIZE, FIRST_TOKEN_ID, MODELS, build_model
+
+from kvpage import LLM, SamplingParams
+
+
+class ModelClock:
+    """Wall time spent inside the model (forward + LM head), from module hooks."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.total = 0.0
+        self._start = 0.0
+        for module in (model, model.lm_head):
+            module.register_forward_pre_hook(self._enter)
+            module.register_forward_hook(self._leave)
+
+    def _enter(self, *_) -> None:
+        self._start = time.perf_counter()
+
+    def _leave(self, *_) -> None:
+        self.total += time.perf_counter() - self._start
+
+
+def make_engine(model_dir: str, args) -> LLM:
+    blocks = args.seqs * -(-(args.prompt + args.gen) // BLOCK_SIZE)
+    llm = LLM(
+        model_dir,
+        block_size=BLOCK_SIZE,
+        num_blocks=blocks,
+        max_num_seqs=args.seqs,
+        max_num_batched_tokens=2048,
+        dtype="float32",
+        device="cpu",
+        seed=0,
+    )
+    return llm  # LLM turns per-token progress outputs off, as generate() wants
+
+
+def start_decoding(llm: LLM, args) -> None:
+    """Add every request and step until each has its first token (the next step is all decode)."""
+    rng = random.Random(0)
+    vocab = llm.engine.model.config.vocab_size
+    params = SamplingParams(max_tokens=args.gen, ignore_eos=True)
+    for i in range(args.seqs):
+        prompt = [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(args.prompt)]
+        llm.engine.add_request(f"r{i}", prompt, params)
+    while any(not seq.output_ids for seq in llm.engine.seqs.values()):
+        llm.engine.step()
+    for _ in range(2):  # warm the decode path (workspace buffers, allocator)
+        llm.engine.step()
+
+
+def timed_window(llm: LLM, clock: ModelClock, steps: int) -> list[tuple[float, float]]:
+    """(total s, model s) per decode step."""
+    out = []
+    for _ in range(steps):
+        clock.total = 0.0
+        t0 = time.perf_counter()
+        llm.engine.step()
+        out.append((time.perf_counter() - t0, clock.total))
+    return out
+
+
+def print_window(index: int, rows: list[tuple[float, float]], batch: int) -> None:
+    print(f"\nwindow {index}: batch {batch}")
+    print(f"{'step':>4} {'total ms':>9} {'model ms':>9} {'other ms':>9} {'other %':>8}")
+    for i, (total, model) in enumerate(rows):
+        other = total - model
+        print(
+            f"{i:>4} {total * 1e3:>9.2f} {model * 1e3:>9.2f} {other * 1e3:>9.2f} "
+            f"{100 * other / total:>7.1f}%"
+        )
+
+
+def summarise(windows: list[list[tuple[float, float]]]) -> None:
+    """Per window the median step; across windows the min and median of those."""
+    med = [
+        (statistics.median(t for t, _ in w), statistics.median(t - m for t, m in w))
+        for w in windows
+    ]
+    totals = [t for t, _ in med]
+    others = [o for _, o in med]
+    shares = [100 * o / t for t, o in med]
+    print("\nper decode step, median of each window -> min / median over windows")
+    print(f"  total    {min(totals) * 1e3:8.2f} / {statistics.median(totals) * 1e3:8.2f} ms")
+    model = [t - o for t, o in med]
+    print(f"  model    {min(model) * 1e3:8.2f} / {statistics.median(model) * 1e3:8.2f} ms")
+    print(f"  other    {min(others) * 1e3:8.2f} / {statistics.median(others) * 1e3:8.2f} ms")
+    print(f"  other %  {min(shares):8.1f} / {statistics.median(shares):8.1f} %  (target <= 10%)")
+    fastest = min((step for w in windows for step in w), key=lambda step: step[0])
+    total, model = fastest
+    print(
+        f"fastest step: total {total * 1e3:.2f} ms, model {model * 1e3:.2f} ms, other "
+        f"{(total - model) * 1e3:.2f} ms ({100 * (total - model) / total:.1f}%): on a shared "
+        "machine the least disturbed step"
+    )
+
+
+def profile_window(llm: LLM, steps: int, top: int) -> None:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        llm.engine.step()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    print(f"\n[cProfile] {steps} decode steps, top {top} by self time")
+    print("\n".join(line for line in buf.getvalue().splitlines() if line.strip()))
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf).sort_stats("cumulative")
+    stats.print_stats(r"kvpage/(engine|cache|verify)/", top)
+    print(f"\n[cProfile] the engine's own functions, top {top} by cumulative time")
+    print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[-8000:])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
+        for _ in range(steps):
+            llm.engine.step()
+    print(f"\n[torch.profiler] {steps} decode steps, top {top} operators by self CPU time")
+    print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqs", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=12, help="decode steps per window")
+    ap.add_argument("--windows", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--no-profile", action="store_true", help="skip cProfile / torch.profiler")
+    args = ap.parse_args()
+    needed = 2 + args.steps * (args.windows + (0 if args.no_profile else 1))
+    if needed > args.gen - 1:
+        ap.error(f"--gen {args.gen} leaves too few decode steps for {needed}")
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    name = f"125m-kv{args.kv_heads}"
+    MODELS.setdefault(name, {**MODELS["120m"], "num_key_value_heads": args.kv_heads})
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, fp32, model {name} "
+        f"(d768, 12 layers, 12 heads / {args.kv_heads} kv heads, vocab 32000), "
+        f"{args.seqs} seqs x ({args.prompt} prompt + {args.gen} generated), block {BLOCK_SIZE}"
+    )
+    with tempfile.TemporaryDirectory() as tmpdir:
+        build_model(name, 1024, tmpdir)
+        llm = make_engine(tmpdir, args)
+    clock = ModelClock(llm.engine.model)
+    start_decoding(llm, args)
+    windows = []
+    for w in range(args.windows):
+        windows.append(timed_window(llm, clock, args.steps))
+        print_window(w, windows[-1], args.seqs)
+    summarise(windows)
+    if not args.no_profile:
+        profile_window(llm, args.steps // 2, args.top)
+
+
+if __name__ == "__main__":
+    main()
