@@ -579,6 +579,7 @@ class LLMEngine:
             "index_entries": len(self.cache.index),
             "prefix_queries": self.scheduler.prefix_queries,
             "prefix_hits": self.scheduler.prefix_hits,
+            "prefill_tokens": self.scheduler.prefill_tokens,  # prompt tokens fed to the model
             "corruptions": cs.corruption_count,
             "key_collisions": cs.key_collisions,
             "cow_copies": cs.cow_copies,

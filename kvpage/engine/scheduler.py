@@ -10,6 +10,36 @@ With preemption switched off nothing can be taken back: admission reserves each 
 case, and if running requests still hold every block and none can grow (preemption was switched off
 while they ran), the newest of them fails with finish reason "error" so the others can finish.
 
+Prefix sharing inside one step (issue 12). Blocks enter the prefix index only after the step that
+wrote their KV (`KVCacheManager.publish_full_blocks`, from the engine's commit), so N requests that
+share a system prompt and are admitted in the same step would each compute it. Two ways out:
+(a) a request admitted in the same step joins the blocks an earlier request of that step is writing
+    in this very forward pass. Correct here only through a property of another module: every layer
+    writes all of the step's K/V slots before any sequence attends (model/paged_attention.py). A
+    runner that splits a mixed batch into passes (cached-context chunks and decodes before fresh
+    prefills, as many do), a kernel that writes each sequence's K/V inside its own attention, or
+    asynchronous scheduling turns it into a read before the write. It also breaks the seeds' rule
+    as written (R11/R12: a table becomes visible only after its KV is there): the joiner's table
+    and the index would name blocks whose KV does not exist yet. And the gate would not guard it:
+    on this runner such a join passes every check, and the provenance check sees a step as one
+    batch, writes first; only tokens would show the day the runner changes (the mutant
+    `same_step_join` is exactly that pair, and the gate catches it as a prefix_key divergence).
+(b) the request is held back and admitted in a later step, once the writer's step has published
+    the blocks, and takes an ordinary hit. The rule holds literally: nothing is readable, through
+    the index or a table, before its KV is written, whatever the runner does. The price: one step
+    more to the first token of a held request, and only when it would otherwise recompute a block.
+We do (b). Each step, once, the digests of the full blocks that this step's scheduled chunks
+complete, and that the commit will publish (chain.keys[num_published : num_tokens // B], caching on
+for the namespace, publishing not blocked), form a set, updated as requests are admitted; a waiting
+request is deferred when a key it could hit (its first (len - 1) // B: chained digests, so only a
+writer of its own namespace matches) is in the set. It is skipped, not a barrier: requests behind
+it that share nothing are admitted as usual. Live and bounded: only a chunk scheduled in this very
+step makes anyone wait, and a waiter is reached only while budget is left, so every scheduled
+prefill completes its prompt in this step and publishes at its end (a preempted, aborted or stalled
+writer is not scheduled, so it holds nobody); and a request is deferred at most once per full block
+it could hit. A deferred request was not admitted, so its lookup is counted only at its final
+admission (`_count_lookup`).
+
 The scheduler holds the cache, the swapper (KV movement) and the observers; never the engine."""
 
 from __future__ import annotations
@@ -61,6 +91,10 @@ class Scheduler:
         # Each prompt once, at its first admission (R29): prefix_hits == sum(num_cached_tokens).
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens served from the cache
+        # Prompt tokens fed to the model (re-prefills after recompute preemption count again):
+        # without preemption, sum(prompt lengths) - prefix_hits.
+        self.prefill_tokens = 0
+        self._deferrals: dict[int, int] = {}  # seq id -> steps held back for a pending prefix
         self.last_output: SchedulerOutput | None = None  # what the latest step decided
 
     # --- queue management ------------------------------------------------------------------
@@ -72,6 +106,7 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped):
             if seq in queue:
                 queue.remove(seq)
+        self._deferrals.pop(seq.seq_id, None)
         self.cache.free_table(seq.table)
         seq.num_computed = 0
 
@@ -88,6 +123,7 @@ class Scheduler:
             if not any(s.hold_until_step <= step for s in self.swapped):
                 self._admit_waiting(out, budget)
         self._fail_if_stuck(out)
+        self.prefill_tokens += sum(_prompt_tokens(item) for item in out.scheduled)
         self.last_output = out
         return out
 
@@ -140,11 +176,14 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        pending = self._pending_keys(out) if self.waiting else None
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             if seq.hold_until_step > out.step:
                 continue
+            if pending and self._defer(seq, pending):
+                continue  # a chunk of this step computes its prefix: it hits it next step
             if not self.preemption_enabled and not self._fits_worst_case(seq):
                 return
             self._acquire_prefix(seq)
@@ -156,10 +195,48 @@ class Scheduler:
             self._admit(seq)
             out.scheduled.append(ScheduledSeq(seq, n, self.cache.append_slots(seq.table, n)))
             budget -= n
+            if pending is not None:
+                self._add_pending(pending, seq)
+
+    # --- same-step prefix sharing (see the module docstring) -------------------------------
+    def _pending_keys(self, out: SchedulerOutput) -> set[bytes] | None:
+        """Digests of the full blocks this step's chunks complete, published when it ends; None
+        when prefix caching is off (nothing will be published, nobody waits)."""
+        if not self.cache.enable_prefix_caching:
+            return None
+        pending: set[bytes] = set()
+        for item in out.scheduled:
+            self._add_pending(pending, item.seq)
+        return pending
+
+    def _add_pending(self, pending: set[bytes], seq: Sequence) -> None:
+        """What `publish_full_blocks` will publish for seq after this step (its table already
+        counts the step's chunk): O(blocks completed), nothing for most decodes."""
+        table, chain = seq.table, seq.chain
+        if table.publish_blocked or not self.cache.index.is_enabled(chain.namespace_digest):
+            return
+        end = min(len(chain.keys), table.num_tokens // self.cache.block_size)
+        pending.update(key.digest for key in chain.keys[table.num_published : end])
+
+    def _defer(self, seq: Sequence, pending: set[bytes]) -> bool:
+        """Hold seq back this step when a block it could hit is being computed in it. Chained
+        digests cover the namespace, so only a writer of its own namespace can hold it."""
+        chain = seq.chain
+        if not self.cache.index.is_enabled(chain.namespace_digest):
+            return False
+        cap = self.cache.max_hit_blocks(seq.num_tokens)
+        if not any(key.digest in pending for key in chain.keys[:cap]):
+            return False
+        held = self._deferrals.get(seq.seq_id, 0)
+        if held >= cap:  # a backstop: each held step should have published one of its blocks
+            return False
+        self._deferrals[seq.seq_id] = held + 1
+        return True
 
     def _admit(self, seq: Sequence) -> None:
         """The admission is final: count the lookup (first time only) and report the hit."""
         self.waiting.remove(seq)
+        self._deferrals.pop(seq.seq_id, None)
         self._note_resume(seq)
         seq.status = SeqStatus.RUNNING
         self._count_lookup(seq)
@@ -260,3 +337,9 @@ class Scheduler:
             plan.done = True
             self.preempt(seq, out, plan.mode)
             seq.hold_until_step = out.step + plan.resume_after_steps
+
+
+def _prompt_tokens(item: ScheduledSeq) -> int:
+    """Prompt positions in the item's chunk: the tokens of it that are prefill."""
+    start = item.seq.num_computed
+    return max(0, min(len(item.seq.prompt_ids), start + item.num_new_tokens) - start)

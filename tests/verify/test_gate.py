@@ -55,6 +55,7 @@ EXPECTED_CLASS = {
     "fifo_eviction": "prefix_key",
     "digest_confirmed_at_root_only": "prefix_key",
     "hits_recounted_on_readmission": "accounting",
+    "same_step_join": "prefix_key",
 }
 STEP_PAIR_CLASSES = {"block_table", "prefix_key", "restore", "sampling"}
 SUITES = {

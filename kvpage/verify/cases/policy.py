@@ -6,7 +6,11 @@
   so fast keys collide below the root; the digest is confirmed at every depth and every probe
   gets exactly the shared block;
 - prefix counters under preemption: prefix_hits equals the sum of num_cached_tokens (checked on
-  every case by kvpage.verify.checks) with requests re-admitted after recompute."""
+  every case by kvpage.verify.checks) with requests re-admitted after recompute;
+- prefix sharing inside one step: requests submitted together that share full blocks compute
+  them once (the later ones wait one step for the first one's blocks, kvpage.engine.scheduler),
+  per namespace, while a request that shares nothing is not held up: exact hit tokens and an
+  exact count of prompt tokens fed to the model."""
 
 from __future__ import annotations
 
@@ -17,7 +21,41 @@ B = 8
 
 def policy_cases(vocab: int) -> list[Case]:
     t = Tokens(vocab, seed=606)
-    return [_eviction_order(t), _narrow_fast_keys(t), _counters_under_preemption(t)]
+    # The newest case draws its own tokens, so the older cases keep theirs.
+    return [
+        _same_step_sharing(Tokens(vocab, seed=607)),
+        _eviction_order(t),
+        _narrow_fast_keys(t),
+        _counters_under_preemption(t),
+    ]
+
+
+def _same_step_sharing(t: Tokens) -> Case:
+    """All submitted before the first step. "w" writes the 3-block prefix; s0..s3, a full+1
+    prompt and a one-block sharer hit what it wrote; tenant B's pair shares only among itself
+    (another namespace); "solo" shares nothing. Each full block is computed once per namespace."""
+    prefix = t.take(3 * B)
+    specs = [RequestSpec("w", prefix + t.take(5), greedy(4))]
+    specs += [RequestSpec(f"s{i}", prefix + t.take(5), greedy(4)) for i in range(4)]
+    specs += [
+        RequestSpec("full_plus_1", prefix + t.take(1), greedy(4)),
+        RequestSpec("one_block", prefix[:B] + t.take(6), greedy(4)),
+        RequestSpec("b.w", prefix + t.take(5), greedy(4), cache_salt="tenant-b"),
+        RequestSpec("b.s", prefix + t.take(5), greedy(4), cache_salt="tenant-b"),
+        RequestSpec("solo", t.take(20), greedy(4)),
+    ]
+    hits = {s.request_id: 3 * B for s in specs}
+    hits.update({"w": 0, "one_block": B, "b.w": 0, "solo": 0})
+    # The prefix once per namespace plus every private tail: 110 of 262 prompt tokens.
+    prompt_tokens = sum(len(s.prompt) for s in specs)
+    return Case(
+        "policy",
+        "same_step_sharing",
+        specs,
+        dict(block_size=B, num_blocks=64),
+        expect_hit_tokens=hits,
+        expect_counters={"prefill_tokens": prompt_tokens - sum(hits.values())},
+    )
 
 
 def _eviction_order(t: Tokens) -> Case:

@@ -1,10 +1,14 @@
 """Cache-policy mutants (R7, R8, R5, R29, R34): eviction that forgets reuse, a digest confirmed at
-the root only, prefix hits counted again when a request is re-admitted."""
+the root only, prefix hits counted again when a request is re-admitted, and same-step prefix
+sharing that joins blocks before they are written (R11, R12)."""
 
 from __future__ import annotations
 
+import torch
+
 from kvpage.cache.block_pool import BlockState
 from kvpage.engine.engine import LLMEngine
+from kvpage.engine.runner import StepBatch
 from kvpage.verify.mutants.base import Mutant, _bind
 from kvpage.verify.mutants.cache import _fast_key_entry, _naive_match
 
@@ -49,6 +53,56 @@ def hits_recounted_on_readmission(engine: LLMEngine) -> None:
     _bind(engine.scheduler, "_count_lookup", count_lookup)
 
 
+def same_step_join(engine: LLMEngine) -> None:
+    """Option (a) of kvpage.engine.scheduler without its precondition. Blocks are published when
+    they are allocated, so a request admitted later in the same step joins the writer's blocks
+    instead of waiting for them; and the step runs the chunks that read cached context before
+    the fresh prefills that only write it (a mixed batch split into passes, as many runners do).
+    The joiner reads the writer's blocks before the writer's pass has written them."""
+    cache, scheduler, runner = engine.cache, engine.scheduler, engine.runner
+    append_slots, run = cache.append_slots, runner.run
+
+    def publish_on_allocation(self, table, num_new_tokens):
+        slots = append_slots(table, num_new_tokens)
+        seq = next((s for s in scheduler.running if s.table is table), None)
+        if seq is not None:
+            self.publish_full_blocks(table, seq.chain)
+        return slots
+
+    def readers_first(self, batch):
+        reads = [i for i, item in enumerate(batch.scheduled) if item.seq.num_computed]
+        writes = [i for i in range(len(batch.scheduled)) if i not in reads]
+        if not reads or not writes:
+            return run(batch)
+        rows = {}
+        for part in (reads, writes):
+            sub = _sub_batch(batch, part)
+            if sub.sample_seqs:
+                for item, row in zip(sub.sample_seqs, run(sub), strict=True):
+                    rows[id(item)] = row
+        return torch.stack([rows[id(item)] for item in batch.sample_seqs])
+
+    _bind(cache, "append_slots", publish_on_allocation)
+    _bind(runner, "run", readers_first)
+
+
+def _sub_batch(batch: StepBatch, indices: list[int]) -> StepBatch:
+    """The part of a step's batch made of the scheduled items at `indices`, repacked."""
+    sampled = {id(item) for item in batch.sample_seqs}
+    out = StepBatch([], [], [], [0], [], [], [])
+    for i in indices:
+        item, start, end = batch.scheduled[i], batch.cu_seqlens_q[i], batch.cu_seqlens_q[i + 1]
+        out.scheduled.append(item)
+        out.input_ids.extend(batch.input_ids[start:end])
+        out.positions.extend(batch.positions[start:end])
+        out.cu_seqlens_q.append(out.cu_seqlens_q[-1] + end - start)
+        out.snapshots.append(batch.snapshots[i])
+        if id(item) in sampled:
+            out.sample_rows.append(out.cu_seqlens_q[-1] - 1)
+            out.sample_seqs.append(item)
+    return out
+
+
 POLICY_MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fifo_eviction",
@@ -70,6 +124,13 @@ POLICY_MUTANTS: tuple[Mutant, ...] = (
         "prefix hits counted again on re-admission",
         "accounting",
         hits_recounted_on_readmission,
+        suites=("policy",),
+    ),
+    Mutant(
+        "same_step_join",
+        "same-step sharing joins blocks before they are written",
+        "prefix_key",
+        same_step_join,
         suites=("policy",),
     ),
 )
