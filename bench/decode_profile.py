@@ -10,7 +10,9 @@ KV heads, adds `--seqs` requests of `--prompt` random tokens (`--gen` outputs, E
 kvpage engine and steps it until every sequence decodes. Then `--windows` consecutive windows of
 `--steps` decode steps are timed: per step the wall time of `engine.step()`, the model's share
 (forward hooks on the model and its LM head: no profiler running) and the rest, in ms and as a %
-(target: non-model <= 10% at batch 32). Last, one window under cProfile (Python functions by self
+(target: non-model <= 10% at batch 32), in wall time and in this process's CPU time (with
+`--threads 1` the CPU time is the one to compare across runs on a shared machine: waiting for a
+core does not count). Last, one window under cProfile (Python functions by self
 time) and one under torch.profiler (operators by self CPU time). Windows follow each other in one
 run, so the context grows by `--steps` tokens from one to the next.
 """
@@ -32,22 +34,25 @@ from throughput import BLOCK_SIZE, FIRST_TOKEN_ID, MODELS, build_model
 
 from kvpage import LLM, SamplingParams
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process, all threads
+
 
 class ModelClock:
-    """Wall time spent inside the model (forward + LM head), from module hooks."""
+    """Wall and CPU time spent inside the model (forward + LM head), from module hooks."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.total = 0.0
-        self._start = 0.0
+        self.total = dict.fromkeys(CLOCKS, 0.0)
+        self._start = dict.fromkeys(CLOCKS, 0.0)
         for module in (model, model.lm_head):
             module.register_forward_pre_hook(self._enter)
             module.register_forward_hook(self._leave)
 
     def _enter(self, *_) -> None:
-        self._start = time.perf_counter()
+        self._start = {name: clock() for name, clock in CLOCKS.items()}
 
     def _leave(self, *_) -> None:
-        self.total += time.perf_counter() - self._start
+        for name, clock in CLOCKS.items():
+            self.total[name] += clock() - self._start[name]
 
 
 def make_engine(model_dir: str, args) -> LLM:
@@ -79,29 +84,31 @@ def start_decoding(llm: LLM, args) -> None:
         llm.engine.step()
 
 
-def timed_window(llm: LLM, clock: ModelClock, steps: int) -> list[tuple[float, float]]:
-    """(total s, model s) per decode step."""
-    out = []
+def timed_window(llm: LLM, clock: ModelClock, steps: int) -> dict[str, list[tuple[float, float]]]:
+    """Per clock, (total s, model s) of each decode step."""
+    out: dict[str, list[tuple[float, float]]] = {name: [] for name in CLOCKS}
     for _ in range(steps):
-        clock.total = 0.0
-        t0 = time.perf_counter()
+        clock.total = dict.fromkeys(CLOCKS, 0.0)
+        start = {name: c() for name, c in CLOCKS.items()}
         llm.engine.step()
-        out.append((time.perf_counter() - t0, clock.total))
+        for name, c in CLOCKS.items():
+            out[name].append((c() - start[name], clock.total[name]))
     return out
 
 
-def print_window(index: int, rows: list[tuple[float, float]], batch: int) -> None:
-    print(f"\nwindow {index}: batch {batch}")
-    print(f"{'step':>4} {'total ms':>9} {'model ms':>9} {'other ms':>9} {'other %':>8}")
-    for i, (total, model) in enumerate(rows):
-        other = total - model
-        print(
-            f"{i:>4} {total * 1e3:>9.2f} {model * 1e3:>9.2f} {other * 1e3:>9.2f} "
-            f"{100 * other / total:>7.1f}%"
-        )
+def print_window(index: int, rows: dict[str, list[tuple[float, float]]], batch: int) -> None:
+    print(f"\nwindow {index}: batch {batch}; wall | process CPU time")
+    head = f"{'total ms':>9} {'model ms':>9} {'other ms':>9} {'other %':>8}"
+    print(f"{'step':>4} {head} | {head}")
+    for i, steps in enumerate(zip(*rows.values(), strict=True)):
+        cells = [
+            f"{t * 1e3:>9.2f} {m * 1e3:>9.2f} {(t - m) * 1e3:>9.2f} {100 * (t - m) / t:>7.1f}%"
+            for t, m in steps
+        ]
+        print(f"{i:>4} " + " | ".join(cells))
 
 
-def summarise(windows: list[list[tuple[float, float]]]) -> None:
+def summarise(name: str, windows: list[list[tuple[float, float]]]) -> None:
     """Per window the median step; across windows the min and median of those."""
     med = [
         (statistics.median(t for t, _ in w), statistics.median(t - m for t, m in w))
@@ -110,7 +117,7 @@ def summarise(windows: list[list[tuple[float, float]]]) -> None:
     totals = [t for t, _ in med]
     others = [o for _, o in med]
     shares = [100 * o / t for t, o in med]
-    print("\nper decode step, median of each window -> min / median over windows")
+    print(f"\n{name} per decode step, median of each window -> min / median over windows")
     print(f"  total    {min(totals) * 1e3:8.2f} / {statistics.median(totals) * 1e3:8.2f} ms")
     model = [t - o for t, o in med]
     print(f"  model    {min(model) * 1e3:8.2f} / {statistics.median(model) * 1e3:8.2f} ms")
@@ -180,7 +187,8 @@ def main() -> None:
     for w in range(args.windows):
         windows.append(timed_window(llm, clock, args.steps))
         print_window(w, windows[-1], args.seqs)
-    summarise(windows)
+    for name in CLOCKS:
+        summarise(name, [w[name] for w in windows])
     if not args.no_profile:
         profile_window(llm, args.steps // 2, args.top)
 
