@@ -86,19 +86,26 @@ class KVStorage:
     def gather_blocks(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of whole blocks through padded block tables (S, max_blocks), as
         (S, KVH, max_blocks * B, D) views. Copies whole blocks (one index per block, not per
-        token) into a buffer reused across layers and steps, so a decode step allocates nothing.
-        K and V go in one index_select over the (2, NB, ...) layer: on CPU that is one pass, and
-        far faster than two dim-0 selects into halves of the buffer (bench/decode_profile.py)."""
+        token) into buffers reused across layers and steps, so a decode step allocates nothing.
+        Two dim-0 selects, not one over the (2, NB, ...) layer: on an idle CPU the dim-0 copy is
+        the parallel one (one dim-1 select measured 1.5x slower in bench/decode_profile.py)."""
         s, nb = tables.shape
         kv = self.data[layer]  # (2, NB, B, KVH, D)
+        shape = (s * nb, *kv.shape[2:])
         need = 2 * s * nb * kv[0, 0].numel()
         if self._workspace.numel() < need:
             self._workspace = torch.empty(int(need * 1.25), dtype=kv.dtype, device=kv.device)
-        buf = self._workspace[:need].view(2, s * nb, *kv.shape[2:])  # (2, S * nb, B, KVH, D)
-        torch.index_select(kv, 1, tables.reshape(-1), out=buf)
+        half = need // 2
+        k_buf = self._workspace[:half].view(shape)
+        v_buf = self._workspace[half:need].view(shape)
+        flat = tables.reshape(-1)
+        torch.index_select(kv[0], 0, flat, out=k_buf)
+        torch.index_select(kv[1], 0, flat, out=v_buf)
         ctx = nb * self.block_size
-        kv_ctx = buf.view(2, s, ctx, *kv.shape[3:]).transpose(2, 3)  # (2, S, KVH, ctx, D)
-        return kv_ctx[0], kv_ctx[1]
+        return (
+            k_buf.view(s, ctx, *kv.shape[3:]).transpose(1, 2),
+            v_buf.view(s, ctx, *kv.shape[3:]).transpose(1, 2),
+        )
 
     def copy_block(self, src: int, dst: int) -> None:
         self.data[:, :, dst].copy_(self.data[:, :, src])
@@ -137,19 +144,18 @@ class PagedAttention:
 
     def _decode(self, q_d, layer: int, scale: float) -> torch.Tensor:
         """q_d: (Sd, H, D), one query per decode sequence -> (Sd, H, D)."""
-        sd, h, d = q_d.shape
         k_d, v_d = self.storage.gather_blocks(layer, self.meta.decode_tables)  # (Sd, KVH, C, D)
-        kvh = k_d.shape[1]
-        # GQA without expanding K/V: head i reads KV head i // G, so the G heads of one KV head
-        # are G query rows against the same keys (heads are grouped consecutively, as in HF).
+        # enable_gqa, not G query rows per KV head: the grouped form measured slower (1.36 vs
+        # 0.93 ms a layer at batch 32 in bench/decode_profile.py, idle machine, 2 threads).
         out = torch.nn.functional.scaled_dot_product_attention(
-            q_d.reshape(sd, kvh, h // kvh, d),  # (Sd, KVH, G, D)
+            q_d.unsqueeze(2),  # (Sd, H, 1, D)
             k_d,
             v_d,
-            attn_mask=self.meta.decode_mask,  # (Sd, 1, 1, C) broadcast over KVH and G
+            attn_mask=self.meta.decode_mask,
             scale=scale,
-        )  # (Sd, KVH, G, D)
-        return out.reshape(sd, h, d)
+            enable_gqa=q_d.shape[1] != k_d.shape[1],
+        )  # (Sd, H, 1, D)
+        return out.squeeze(2)
 
     def _prefill(self, q, k, v, chunk: PrefillChunk, k_flat, v_flat, scale: float):
         if chunk.context_slots is None:  # nothing cached before it: no gather needed
