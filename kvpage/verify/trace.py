@@ -234,58 +234,45 @@ class EngineTracer:
         for row, (item, token) in enumerate(zip(batch.sample_seqs, tokens, strict=True)):
             seq = item.seq
             pend = self._pending.pop(seq.sample_id, _PendingInputs())
-            order = sorted(pend.by_index)
-            records = self._records.setdefault(seq.sample_id, [])
-            step_records.append(
-                StepRecord(
-                    request_id=seq.sample_id,
-                    step=len(records),
-                    input_ids=[pend.by_index[i][0] for i in order],
-                    position_ids=[pend.by_index[i][1] for i in order],
-                    logits_digest="",
-                    topk_ids=[],
-                    topk_values=[],
-                    chosen_token=int(token),
-                    view=self._views.get(seq.seq_id, EMPTY_VIEW),
-                    prefix_hit_tokens=pend.hit_tokens,
-                    prefix_digest=pend.hit_digest,
-                    after_resume=bool(pend.resume_mode),
-                    resume_mode=pend.resume_mode,
-                    restore_complete=pend.restore_complete,
-                    engine_step=self.engine.step_count,
-                    sampler=sampler_state(seq.generator, seq.num_draws),
-                    logits=logits[row],  # a view of this step's own logits tensor
-                )
-            )
-            records.append(step_records[-1])
-            self._pending[seq.sample_id] = _PendingInputs(context_start=seq.num_tokens - 1)
+            view = self._views.get(seq.seq_id, EMPTY_VIEW)
+            # logits[row] is a view of this step's own logits tensor
+            step_records.append(self._append(seq, pend, view, token, logits[row]))
         self._unsummarized.append((logits, step_records))
 
     def on_forked(self, parent, child, logits_row: torch.Tensor, token: int) -> None:
         """A parallel sample forked off `parent` drew its first token from the parent's logits:
         its first record has the parent's inputs and cache view (the blocks they share)."""
-        pend = self._pending_for(parent)
-        order = sorted(pend.by_index)
         logits = logits_row.detach().float().cpu()[None]  # (1, V)
+        view = self._views.get(parent.seq_id, EMPTY_VIEW)
+        record = self._append(child, self._pending_for(parent), view, token, logits[0])
+        self._unsummarized.append((logits, [record]))
+
+    def _append(self, seq, pend: _PendingInputs, view: CacheView, token: int, logits):
+        """Record `seq`'s next token from the inputs it accumulated; start its next inputs."""
+        order = sorted(pend.by_index)
+        records = self._records.setdefault(seq.sample_id, [])
         record = StepRecord(
-            request_id=child.sample_id,
-            step=0,
+            request_id=seq.sample_id,
+            step=len(records),
             input_ids=[pend.by_index[i][0] for i in order],
             position_ids=[pend.by_index[i][1] for i in order],
             logits_digest="",
             topk_ids=[],
             topk_values=[],
             chosen_token=int(token),
-            view=self._views.get(parent.seq_id, EMPTY_VIEW),
+            view=view,
             prefix_hit_tokens=pend.hit_tokens,
             prefix_digest=pend.hit_digest,
+            after_resume=bool(pend.resume_mode),
+            resume_mode=pend.resume_mode,
+            restore_complete=pend.restore_complete,
             engine_step=self.engine.step_count,
-            sampler=sampler_state(child.generator, child.num_draws),
-            logits=logits[0],
+            sampler=sampler_state(seq.generator, seq.num_draws),
+            logits=logits,
         )
-        self._records[child.sample_id] = [record]
-        self._unsummarized.append((logits, [record]))
-        self._pending[child.sample_id] = _PendingInputs(context_start=child.num_tokens - 1)
+        records.append(record)
+        self._pending[seq.sample_id] = _PendingInputs(context_start=seq.num_tokens - 1)
+        return record
 
     # --- helpers ---------------------------------------------------------------------------
     def _pending_for(self, seq) -> _PendingInputs:
