@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
 
+from kvpage.verify.sampling_oracle import filtered_support  # the oracle, not the sampler
 from kvpage.verify.trace import StepRecord
 
 DEFAULT_ATOL = 1e-4
@@ -272,8 +273,6 @@ def sampling_attribution(
     ref: StepRecord, cand: StepRecord, context: RequestContext | None
 ) -> Attribution:
     """Same inputs, same logits, another token: the sampler (or its generator) chose it."""
-    from kvpage.verify.sampling_oracle import filtered_support  # the oracle, not the sampler
-
     params = context.params if context else None
     sampler = cand.sampler or {}
     fields: dict[str, Any] = {

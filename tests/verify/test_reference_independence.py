@@ -31,8 +31,9 @@ def _kvpage_imports(path: Path) -> set[str]:
     return names
 
 
-def test_reference_imports_no_paging_prefix_or_scheduling_code():
-    seen, todo = set(), ["kvpage.verify.reference"]
+def reached_modules(start: str) -> set[str]:
+    """Every kvpage module `start` imports, directly or not."""
+    seen, todo = set(), [start]
     while todo:
         name = todo.pop()
         if name in seen or name == "kvpage":
@@ -41,6 +42,11 @@ def test_reference_imports_no_paging_prefix_or_scheduling_code():
         path = _module_file(name)
         if path is not None:
             todo += sorted(_kvpage_imports(path))
+    return seen
+
+
+def test_reference_imports_no_paging_prefix_or_scheduling_code():
+    seen = reached_modules("kvpage.verify.reference")
     reached = sorted(n for n in seen if n.startswith(FORBIDDEN))
     assert not reached, f"the reference reaches {reached}"
     assert "kvpage.model.attention" in seen and "kvpage.sampling" in seen  # the walk works

@@ -40,26 +40,13 @@ from kvpage.verify.sampling_oracle import (
 )
 from kvpage.verify.trace import EngineTracer
 
-from .test_reference_independence import _kvpage_imports, _module_file
+from .test_reference_independence import reached_modules
 
 MODEL = "builtin:tiny-llama"
 WIDE_MARGIN = 1e-2  # the correct sampler's p-values must clear this, not just the gate threshold
 
 
 # --- independence --------------------------------------------------------------------------------
-def _reached(start: str) -> set[str]:
-    seen, todo = set(), [start]
-    while todo:
-        name = todo.pop()
-        if name in seen or name == "kvpage":
-            continue
-        seen.add(name)
-        path = _module_file(name)
-        if path is not None:
-            todo += sorted(_kvpage_imports(path))
-    return seen
-
-
 def _forbidden(names: set[str]) -> list[str]:
     return sorted(
         n
@@ -69,8 +56,8 @@ def _forbidden(names: set[str]) -> list[str]:
 
 
 def test_oracle_imports_neither_the_shared_sampler_nor_the_engine():
-    assert _forbidden(_reached("kvpage.verify.sampling_oracle")) == []
-    assert "kvpage.sampling" in _forbidden(_reached("kvpage.verify.reference"))  # the walk works
+    assert _forbidden(reached_modules("kvpage.verify.sampling_oracle")) == []
+    assert "kvpage.sampling" in _forbidden(reached_modules("kvpage.verify.reference"))  # the walk works
 
 
 # --- exact probabilities, by hand ----------------------------------------------------------------
