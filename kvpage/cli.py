@@ -145,7 +145,15 @@ def _add_generate(sub) -> None:
 def _add_verify(sub) -> None:
     ver = sub.add_parser("verify", help="release gate: suites + mutation check + report (R24)")
     ver.add_argument("--model", default="builtin:tiny-llama", help="builtin:NAME or a HF dir")
-    ver.add_argument("--suite", default="all", help="comma-separated suite names, or all")
+    from kvpage.verify.cases import SUITES
+
+    ver.add_argument(
+        "--suite",
+        default="all",
+        help=f"comma-separated suite names, or all; one of {', '.join(SUITES)}. The mutation "
+        "check runs against the chosen suites only, so a subset misses mutants of other "
+        "classes: add --no-mutants for a quick partial run",
+    )
     ver.add_argument("--no-mutants", action="store_true", help="skip the mutation check")
     ver.add_argument("--report", default="reports/gate", help="directory for the reports")
     ver.add_argument("--quiet", action="store_true", help="no progress bar")
