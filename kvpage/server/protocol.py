@@ -88,7 +88,8 @@ def _untagged(loc: list[str | int], stop_at_tag: bool) -> list[str]:
 
 def _json_error(error: dict) -> ApiError:
     pos = _loc(error)
-    reason = (error.get("ctx") or {}).get("error", "")
+    # pydantic's reason may end in " at" already ("Unterminated string starting at")
+    reason = (error.get("ctx") or {}).get("error", "").removesuffix(" at")
     where = f" at character {pos[0]}" if pos and isinstance(pos[0], int) else ""
     detail = f" ({reason}{where})" if reason or where else ""
     return ApiError(f"the request body is not valid JSON{detail}", None)
