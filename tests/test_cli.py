@@ -163,6 +163,7 @@ def test_serve_prints_what_it_serves(capsys, served, tmp_path):
         "auth: on",
         "2 tenants: alice, bob",
         "admin API: on",
+        "audit log: kvpage-audit.jsonl",
     ):
         assert shown in out, (shown, out)
     assert not any(secret in out for secret in ("sk-alpha", "sk-beta", "sk-gamma", "tok-secret"))

@@ -64,6 +64,7 @@ class ServerState:
             f"prefix caching: {caching}; preemption: {engine.config.preemption_mode}",
             f"auth: {self._auth()}",
             f"admin API: {'on' if opts.admin_token else 'off (no admin token)'}",
+            f"audit log: {opts.audit_log or 'stderr (the kvpage.audit logger)'}",
             f"limits: request body {_mib(opts.max_body_bytes)}, "
             f"shutdown timeout {opts.shutdown_timeout:g} s",
         ]
