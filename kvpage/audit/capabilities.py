@@ -1,0 +1,232 @@
+"""What the server offers, found by asking it (about a dozen small requests) before any suite
+runs. Every later request is built from these findings, and every "no" is reported with the
+reason, so an audit of a server we know nothing about says what it could not test."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvpage.audit.client import AuditClient
+from kvpage.audit.completion import parse_body
+from kvpage.audit.config import AuditConfig
+from kvpage.audit.errors import AuthFailed, RequestRejected, ServerIncompatible
+
+# Token-id ranges tried for id prompts: most vocabularies are large; byte-level ones are not.
+ID_RANGES = ((1000, 30000), (3, 250))
+TOP_K = 5
+
+
+@dataclass(slots=True)
+class Capabilities:
+    endpoint: str = "completions"  # or "chat"
+    text_prompts: bool = False
+    id_range: tuple[int, int] | None = None  # token-id prompts accepted, drawn from this range
+    logprobs: bool = False  # top-k logprobs per output token
+    seed: bool = False
+    ignore_eos: bool = False
+    return_token_ids: bool = False  # output token ids in each choice
+    cache_salt: bool = False  # a per-request cache namespace (vLLM's `cache_salt`)
+    cached_tokens: bool = False  # usage.prompt_tokens_details.cached_tokens
+    streaming: bool = False
+    stream_usage: bool = False  # stream_options.include_usage
+    chars_per_token: float = 1.0  # text prompts: characters per prompt token (from usage)
+    models: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what is missing and why
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def build_body(
+    cfg: AuditConfig,
+    caps: Capabilities,
+    payload: list[int] | str,
+    max_tokens: int,
+    salt: str | None = None,
+    stream: bool = False,
+) -> dict[str, Any]:
+    """A greedy request using every option the server was found to accept."""
+    body: dict[str, Any] = {"model": cfg.model, "max_tokens": max_tokens, "temperature": 0}
+    if caps.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": payload}]
+        if caps.logprobs:
+            body.update(logprobs=True, top_logprobs=TOP_K)
+    else:
+        body["prompt"] = payload
+        if caps.logprobs:
+            body["logprobs"] = TOP_K
+    for name, on in (("seed", caps.seed), ("ignore_eos", caps.ignore_eos)):
+        if on:
+            body[name] = 0 if name == "seed" else True
+    if caps.return_token_ids:
+        body["return_token_ids"] = True
+    if salt is not None:
+        body["cache_salt"] = salt
+    if stream:
+        body["stream"] = True
+        if caps.stream_usage:
+            body["stream_options"] = {"include_usage": True}
+    return body
+
+
+class Prober:
+    """Finds the capabilities, one question per request."""
+
+    def __init__(self, cfg: AuditConfig, client: AuditClient) -> None:
+        self.cfg, self.client = cfg, client
+        self.caps = Capabilities()
+
+    def run(self) -> Capabilities:
+        self._models()
+        self._endpoint()
+        if self.caps.endpoint == "completions":
+            self._id_prompts()
+        if not (self.caps.text_prompts or self.caps.id_range):
+            raise ServerIncompatible("the server accepted neither text nor token-id prompts")
+        self._logprobs()
+        for name, value in (("seed", 0), ("ignore_eos", True), ("cache_salt", "kvpage-probe")):
+            setattr(self.caps, name, self._accepts({name: value}, name))
+        self._token_ids()
+        self._streaming()
+        if self.caps.text_prompts:
+            self._chars_per_token()
+        self._second_key()
+        return self.caps
+
+    # --- the questions ------------------------------------------------------------------------
+    def _models(self) -> None:
+        try:
+            body = self.client.get_json("/v1/models", self.cfg.api_key)
+        except RequestRejected as err:
+            self.caps.notes.append(f"/v1/models: {err} (model name not checked)")
+            return
+        self.caps.models = [str(m.get("id")) for m in body.get("data") or [] if isinstance(m, dict)]
+        if self.caps.models and self.cfg.model not in self.caps.models:
+            self.caps.notes.append(
+                f"/v1/models lists {self.caps.models}, not {self.cfg.model!r}: requests may fail"
+            )
+
+    def _endpoint(self) -> None:
+        try:
+            self._ask(" hello there", {})
+            self.caps.text_prompts = True
+            return
+        except RequestRejected as err:
+            if err.status not in (404, 405):  # the route exists; text prompts may not
+                self.caps.notes.append(f"text prompts refused on /v1/completions ({err})")
+                return
+            self.caps.notes.append(f"/v1/completions absent ({err}); using chat completions")
+        self.caps.endpoint = "chat"
+        try:
+            self._ask(" hello there", {})
+        except RequestRejected as err:
+            raise ServerIncompatible(
+                f"neither /v1/completions nor /v1/chat/completions answered a basic greedy "
+                f"request ({err})"
+            ) from err
+        self.caps.text_prompts = True
+        self.caps.notes.append("chat endpoint: prompts are text wrapped in the chat template")
+
+    def _id_prompts(self) -> None:
+        for lo, hi in ID_RANGES:
+            try:
+                self._ask([lo, (lo + hi) // 2, hi - 1], {})
+            except RequestRejected:
+                continue
+            self.caps.id_range = (lo, hi)
+            return
+        self.caps.notes.append("token-id prompts refused: prompts are random text")
+
+    def _logprobs(self) -> None:
+        extra = {"logprobs": True, "top_logprobs": TOP_K} if self.caps.endpoint == "chat" else {}
+        extra = extra or {"logprobs": TOP_K}
+        try:
+            out = self._ask(self._sample_prompt(), extra)
+        except RequestRejected as err:
+            self.caps.notes.append(f"logprobs refused ({err}): divergences cannot be classed")
+            return
+        if out.top and len(out.top[0]) >= 2:
+            self.caps.logprobs = True
+        else:
+            self.caps.notes.append(
+                "logprobs accepted but not returned: divergences cannot be classed by margin"
+            )
+
+    def _token_ids(self) -> None:
+        try:
+            out = self._ask(self._sample_prompt(), {"return_token_ids": True})
+        except RequestRejected:
+            out = None
+        self.caps.return_token_ids = out is not None and out.token_ids is not None
+        if not self.caps.return_token_ids:
+            self.caps.notes.append("no output token ids: outputs compared as token strings/text")
+
+    def _streaming(self) -> None:
+        body = self._body(self._sample_prompt(), {"stream": True})
+        for options in ({"stream_options": {"include_usage": True}}, {}):
+            try:
+                timing = self.client.post_stream(
+                    self.caps.path, {**body, **options}, self.cfg.api_key
+                )
+            except RequestRejected:
+                continue
+            self.caps.streaming = True
+            self.caps.stream_usage = bool(options)
+            self.caps.cached_tokens = self.caps.cached_tokens or timing.cached_tokens is not None
+            return
+        self.caps.notes.append("no streaming: TTFT is measured as the latency of 1-token requests")
+
+    def _chars_per_token(self) -> None:
+        """From usage: the prompt-token difference of two random texts, so overheads cancel."""
+        from kvpage.audit.probes import PromptFactory
+
+        factory = PromptFactory(self.cfg.seed + 7, None)
+        short, long = factory.random(120).text or "", factory.random(360).text or ""
+        counts = [self._ask(text, {}).prompt_tokens for text in (short, long)]
+        if None in counts or counts[1] <= counts[0]:
+            self.caps.notes.append("no usage.prompt_tokens: text lengths in tokens are guesses")
+            self.caps.chars_per_token = 4.0
+            return
+        self.caps.chars_per_token = (len(long) - len(short)) / (counts[1] - counts[0])
+
+    def _second_key(self) -> None:
+        if self.cfg.second_api_key is None:
+            return
+        try:
+            self.client.get_json("/v1/models", self.cfg.second_api_key)
+        except AuthFailed as err:
+            raise AuthFailed(f"--second-api-key: {err}") from err
+        except RequestRejected:
+            pass
+
+    # --- helpers ------------------------------------------------------------------------------
+    def _sample_prompt(self) -> list[int] | str:
+        if self.caps.id_range is not None:
+            lo, hi = self.caps.id_range
+            return [lo + 1, lo + 2, (lo + hi) // 2]
+        return " the quick brown fox"
+
+    def _accepts(self, extra: dict[str, Any], name: str) -> bool:
+        try:
+            self._ask(self._sample_prompt(), extra)
+            return True
+        except RequestRejected as err:
+            self.caps.notes.append(f"{name} refused ({err})")
+            return False
+
+    def _body(self, payload: list[int] | str, extra: dict[str, Any]) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.cfg.model, "max_tokens": 1, "temperature": 0}
+        key = "messages" if self.caps.endpoint == "chat" else "prompt"
+        body[key] = [{"role": "user", "content": payload}] if key == "messages" else payload
+        return {**body, **extra}
+
+    def _ask(self, payload: list[int] | str, extra: dict[str, Any]):
+        body, _ = self.client.post(self.caps.path, self._body(payload, extra), self.cfg.api_key)
+        out = parse_body(body, self.caps.endpoint == "chat")
+        self.caps.cached_tokens = self.caps.cached_tokens or out.cached_tokens is not None
+        return out

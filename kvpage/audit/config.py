@@ -1,0 +1,68 @@
+"""What one audit is asked to do: the server, the suites, the sizes and the tolerances."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from kvpage.audit.errors import AuditUsageError
+
+SUITES = ("baseline", "batch", "prefix", "canaries", "timing")
+
+
+@dataclass(frozen=True, slots=True)
+class Tolerances:
+    """When a difference is float noise and when it is a bug (see classify.py)."""
+
+    exact: float = 1e-4  # |Δ logprob| below this is bit-level float noise, not a divergence
+    logprob: float = 0.1  # logprobs before a flip must agree within this for "numeric drift"
+    gap: float = 0.1  # a flip is drift only where the solo run's top-2 gap is below this
+
+
+@dataclass(frozen=True, slots=True)
+class AuditConfig:
+    base_url: str
+    model: str
+    api_key: str | None = None
+    second_api_key: str | None = None  # a second tenant, for cross-tenant timing
+    block_sizes: tuple[int, ...] = (16, 32, 64)  # candidate caching granularities
+    budget_requests: int = 400  # hard cap on requests sent, probing included
+    suites: tuple[str, ...] = SUITES
+    max_tokens: int = 16  # per judged probe
+    probes: int = 6  # baseline/batch probes (also the concurrency of the batch suite)
+    canary_group: int = 6  # concurrent requests per canary group
+    timing_trials: int = 8  # victim prefixes in the timing suite
+    timing_prefix_tokens: int = 1024  # long enough for a cache hit to show in TTFT
+    alpha: float = 0.01  # significance level of the timing tests
+    tolerances: Tolerances = field(default_factory=Tolerances)
+    seed: int = 0  # the audit's own randomness (prompts, orders); fresh prefixes per audit anyway
+    timeout_s: float = 60.0  # per request
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise AuditUsageError(
+                f"--base-url {self.base_url!r} is not an http(s)://host[:port] URL"
+            )
+        if parts.query or parts.fragment:
+            raise AuditUsageError(f"--base-url {self.base_url!r} must not have a query")
+        if not self.model:
+            raise AuditUsageError("--model must name the served model")
+        if not self.block_sizes or any(b < 1 for b in self.block_sizes):
+            raise AuditUsageError(
+                f"--block-sizes must be positive integers, got {self.block_sizes}"
+            )
+        unknown = set(self.suites) - set(SUITES)
+        if unknown or not self.suites:
+            raise AuditUsageError(f"unknown suite(s) {sorted(unknown)}; choose from {SUITES}")
+        if self.budget_requests < 1:
+            raise AuditUsageError("--budget-requests must be >= 1")
+        if self.probes < 2 or self.canary_group < 2 or self.timing_trials < 3:
+            raise AuditUsageError("probes and canary groups need >= 2 requests, timing >= 3 trials")
+
+    @property
+    def root(self) -> str:
+        """The server root: a trailing `/v1` (as OpenAI clients spell it) is dropped."""
+        url = self.base_url.rstrip("/")
+        return url[: -len("/v1")] if url.endswith("/v1") else url

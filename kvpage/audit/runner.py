@@ -1,0 +1,153 @@
+"""One audit, end to end: probe capabilities, fit the plan to the budget, run the suites, and
+decide the exit status (0 isolated, 1 isolation failure or cross-tenant leak)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpage.audit.capabilities import Capabilities, Prober
+from kvpage.audit.classify import FAILED, suite_verdict
+from kvpage.audit.client import AuditClient, Budget
+from kvpage.audit.config import AuditConfig
+from kvpage.audit.errors import BudgetExhausted
+from kvpage.audit.plan import estimate, fit
+from kvpage.audit.probes import PromptFactory
+from kvpage.audit.session import AuditSession
+from kvpage.audit.stats import block_size_from_cached
+from kvpage.audit.suites import RUNNERS, SuiteContext, SuiteResult
+from kvpage.audit.suites.base import UNTESTABLE
+from kvpage.audit.suites.timing import SHARED
+
+ORDER = ("baseline", "batch", "prefix", "canaries", "timing")
+
+
+@dataclass(slots=True)
+class AuditResult:
+    cfg: AuditConfig
+    caps: Capabilities
+    suites: list[SuiteResult]
+    plan_notes: list[str] = field(default_factory=list)
+    requests: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return any(s.verdict in (FAILED, SHARED) for s in self.suites)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failed else 0
+
+    @property
+    def verdict(self) -> str:
+        if self.failed:
+            return "NOT ISOLATED"
+        if all(s.verdict == UNTESTABLE for s in self.suites):
+            return "NOTHING TESTABLE"
+        return "isolated (no isolation failure found)"
+
+    def block_size(self) -> int | None:
+        """The caching granularity implied by every cached-token count the audit saw."""
+        counts = [
+            c.cand.cached_tokens
+            for s in self.suites
+            if s.name == "prefix"
+            for c in s.checks
+            if c.cand.cached_tokens is not None
+        ]
+        counts += [
+            r["warm_cached_tokens"] or 0 for s in self.suites for r in s.data.get("shares", [])
+        ]
+        return block_size_from_cached(counts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "server": self.cfg.root,
+            "model": self.cfg.model,
+            "verdict": self.verdict,
+            "exit_code": self.exit_code,
+            "requests": self.requests,
+            "budget_requests": self.cfg.budget_requests,
+            "wall_s": round(self.wall_s, 3),
+            "inferred_block_size": self.block_size(),
+            "capabilities": self.caps.to_json(),
+            "plan_notes": self.plan_notes,
+            "suites": {s.name: s.to_json() for s in self.suites},
+        }
+
+
+class Progress:
+    """One line on stderr, redrawn per request: requests used of the budget, current suite."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.suite = enabled, "capabilities"
+
+    def __call__(self, used: int, limit: int) -> None:
+        if not self.enabled:
+            return
+        width = 30
+        done = min(width, width * used // max(limit, 1))
+        bar = "#" * done + "-" * (width - done)
+        print(
+            f"\raudit [{bar}] {used}/{limit} requests  {self.suite:<12}",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def close(self) -> None:
+        if self.enabled:
+            print(file=sys.stderr)
+
+
+def run_audit(cfg: AuditConfig) -> AuditResult:
+    start = time.perf_counter()
+    progress = Progress(cfg.progress)
+    budget = Budget(cfg.budget_requests, progress)
+    try:
+        with AuditClient(cfg, budget) as client:
+            caps = Prober(cfg, client).run()
+            planned, notes = fit(cfg, budget.remaining, caps.cache_salt)
+            factory = PromptFactory(cfg.seed, caps.id_range, caps.chars_per_token)
+            ctx = SuiteContext(planned, caps, AuditSession(planned, client, caps), factory)
+            results = _run_suites(ctx, progress)
+    finally:
+        progress.close()
+    result = AuditResult(cfg, caps, results, notes, budget.used, time.perf_counter() - start)
+    result.plan_notes.append(f"planned requests per suite: {estimate(planned, caps.cache_salt)}")
+    return result
+
+
+def _run_suites(ctx: SuiteContext, progress: Progress) -> list[SuiteResult]:
+    wanted = set(ctx.cfg.suites) | ({"baseline"} if "batch" in ctx.cfg.suites else set())
+    results: list[SuiteResult] = []
+    spent = False
+    for name in (n for n in ORDER if n in wanted):
+        progress.suite = name
+        if spent:
+            results.append(
+                SuiteResult(name, UNTESTABLE, untested=["not run: request budget spent"])
+            )
+            continue
+        try:
+            results.append(RUNNERS[name](ctx))
+        except BudgetExhausted as err:
+            spent = True
+            results.append(_partial(ctx, name, err))
+    return results
+
+
+def _partial(ctx: SuiteContext, name: str, err: BudgetExhausted) -> SuiteResult:
+    """What a suite judged before the budget ran out still counts; its verdict says partial."""
+    result = ctx.current if ctx.current is not None and ctx.current.name == name else None
+    result = result or SuiteResult(name, UNTESTABLE)
+    classes = [c.klass for c in result.checks if c.klass]
+    result.verdict = suite_verdict(classes) if name != "timing" and result.checks else UNTESTABLE
+    if result.verdict != FAILED and result.verdict != UNTESTABLE:
+        result.verdict = f"{result.verdict} (partial)"
+    result.untested.append(f"stopped part-way: {err}")
+    result.summary = result.summary or f"{len(result.checks)} checks before the budget ran out"
+    return result

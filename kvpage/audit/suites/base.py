@@ -1,0 +1,125 @@
+"""What every suite shares: the context it runs in, the judged comparison (`Check`) and the
+suite's result. A check is one candidate output against its reference — the same prompt, alone,
+and cold wherever the server lets us make it cold (a fresh cache salt)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpage.audit.capabilities import Capabilities
+from kvpage.audit.classify import Noise, classify
+from kvpage.audit.compare import Divergence, first_divergence
+from kvpage.audit.completion import Completion
+from kvpage.audit.config import AuditConfig
+from kvpage.audit.probes import Prompt, PromptFactory
+from kvpage.audit.session import AuditSession, Tenant
+
+UNTESTABLE = "untestable"
+
+
+@dataclass(slots=True)
+class Check:
+    suite: str
+    name: str
+    context: dict[str, Any]  # what was shared or concurrent, block size, lengths
+    ref: Completion
+    cand: Completion
+    divergence: Divergence | None = None
+    klass: str | None = None  # None: no divergence
+    reason: str = ""
+    pair: tuple[str, str] | None = None  # (whose canary, who showed it)
+
+    def evidence(self) -> dict[str, Any]:
+        """Where the divergence sits relative to each candidate block size."""
+        if self.divergence is None or self.cand.prompt_tokens is None:
+            return {}
+        position = self.cand.prompt_tokens + self.divergence.index
+        sizes = self.context.get("block_sizes") or []
+        return {
+            "absolute_position": position,
+            "offset_in_block": {str(b): position % b for b in sizes},
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "suite": self.suite,
+            "name": self.name,
+            "context": self.context,
+            "class": self.klass,
+            "reason": self.reason,
+            "pair": list(self.pair) if self.pair else None,
+            "divergence": self.divergence.to_json() if self.divergence else None,
+            "evidence": self.evidence(),
+            "reference": self.ref.summary(),
+            "candidate": self.cand.summary(),
+        }
+
+
+@dataclass(slots=True)
+class SuiteResult:
+    name: str
+    verdict: str
+    summary: str = ""
+    checks: list[Check] = field(default_factory=list)
+    untested: list[str] = field(default_factory=list)  # what could not be tested, and why
+    data: dict[str, Any] = field(default_factory=dict)  # suite-specific measurements
+
+    @property
+    def divergences(self) -> list[Check]:
+        return [c for c in self.checks if c.divergence is not None]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "verdict": self.verdict,
+            "summary": self.summary,
+            "untested": self.untested,
+            "data": self.data,
+            "checks": [c.to_json() for c in self.checks],
+        }
+
+
+@dataclass(slots=True)
+class SuiteContext:
+    cfg: AuditConfig
+    caps: Capabilities
+    session: AuditSession
+    factory: PromptFactory
+    noise: Noise = field(default_factory=Noise)
+    solo: dict[str, tuple[Prompt, Completion]] = field(default_factory=dict)  # baseline probes
+    current: SuiteResult | None = None  # the running suite's result, kept if it stops part-way
+
+    def start(self, name: str, verdict: str) -> SuiteResult:
+        self.current = SuiteResult(name, verdict)
+        return self.current
+
+    @property
+    def cold_refs(self) -> bool:
+        """Can a reference be made cold on demand (a fresh cache salt per request)?"""
+        return self.caps.cache_salt
+
+    def cold(self) -> Tenant:
+        """A tenant nobody else is: a fresh salt where the server takes salts."""
+        salt = self.factory.salt() if self.cold_refs else None
+        return Tenant("cold", self.cfg.api_key, salt)
+
+    def judge(
+        self,
+        suite: str,
+        name: str,
+        ref: Completion,
+        cand: Completion,
+        context: dict[str, Any],
+        foreign_canary: str | None = None,
+        pair: tuple[str, str] | None = None,
+    ) -> Check:
+        context = {"block_sizes": list(self.cfg.block_sizes), **context}
+        div = first_divergence(ref, cand, self.cfg.tolerances.exact)
+        check = Check(suite, name, context, ref, cand, div)
+        if div is None:  # identical outputs: a foreign canary would be in the reference too
+            return check
+        verdict = classify(div, self.noise, self.cfg.tolerances, foreign_canary)
+        check.klass, check.reason = verdict.klass, verdict.reason
+        check.pair = pair if foreign_canary is not None else None
+        return check

@@ -1,0 +1,42 @@
+"""Batch invariance: the baseline probes again, all at once (varied lengths sharing the server's
+batches), each compared with its solo run. A request's output must not depend on its neighbours."""
+
+from __future__ import annotations
+
+from kvpage.audit.classify import suite_verdict
+from kvpage.audit.suites.base import UNTESTABLE, SuiteContext, SuiteResult
+
+NAME = "batch"
+
+
+def run(ctx: SuiteContext) -> SuiteResult:
+    result = ctx.start(NAME, UNTESTABLE)
+    if len(ctx.solo) < 2:
+        result.untested.append("needs the baseline probes (baseline suite did not finish)")
+        return result
+    names = list(ctx.solo)
+    tenants = [ctx.cold() for _ in names]  # cold where possible: batching alone is under test
+    calls = [
+        (lambda p=ctx.solo[n][0], t=t: ctx.session.complete(p, tenant=t))
+        for n, t in zip(names, tenants, strict=True)
+    ]
+    outputs = ctx.session.concurrently(calls)
+    cache = "cold (fresh salts)" if ctx.cold_refs else "may hit the solo runs' cache"
+    for name, out in zip(names, outputs, strict=True):
+        context = {
+            "mode": f"{len(names)} concurrent requests",
+            "concurrent_with": [n for n in names if n != name],
+            "cache": cache,
+        }
+        result.checks.append(ctx.judge(NAME, name, ctx.solo[name][1], out, context))
+    if not ctx.cold_refs:
+        result.untested.append("no cache_salt: concurrency is tested together with cache hits")
+    classes = [c.klass for c in result.checks if c.klass]
+    result.verdict = suite_verdict(classes)
+    result.summary = _summary(result)
+    return result
+
+
+def _summary(result: SuiteResult) -> str:
+    n = len(result.divergences)
+    return f"{len(result.checks)} probes concurrent vs solo; {n} diverged"

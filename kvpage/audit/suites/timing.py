@@ -1,0 +1,119 @@
+"""Cross-tenant timing (Gu et al., ICML 2025; PROMPTPEEK): a victim tenant caches a long fresh
+prefix; the same prefix is then timed from the same tenant (warm), from a second tenant (second
+API key, or another cache salt) and, as control, a fresh prefix of the same length (cold), in a
+random order per trial. Mann–Whitney U tests with effect sizes decide, together with
+usage.cached_tokens where the server reports it:
+
+- shared across tenants: the second tenant is served from the victim's cache (cached tokens > 0,
+  or its TTFT is significantly and clearly below cold);
+- isolated: the same tenant's hits show (cached tokens or faster TTFT) and the other's do not;
+- inconclusive: no cache reuse measurable even within one tenant, so absence proves nothing."""
+
+from __future__ import annotations
+
+import random
+
+from kvpage.audit.completion import Completion
+from kvpage.audit.session import Tenant
+from kvpage.audit.stats import MannWhitney, mann_whitney, median
+from kvpage.audit.suites.base import UNTESTABLE, SuiteContext, SuiteResult
+
+NAME = "timing"
+SHARED, ISOLATED, INCONCLUSIVE = "shared across tenants", "isolated", "inconclusive"
+MIN_EFFECT = 0.5  # |rank-biserial| needed besides significance: a clear, not just a real, gap
+TAIL_TOKENS = 8
+ARMS = ("cold", "same", "cross")
+
+
+def run(ctx: SuiteContext) -> SuiteResult:
+    result = ctx.start(NAME, UNTESTABLE)
+    victim, other, how = _tenants(ctx)
+    if other is None:
+        result.untested.append(how)
+    samples: dict[str, list[Completion]] = {arm: [] for arm in ARMS}
+    rng = random.Random(ctx.cfg.seed + 101)
+    length = ctx.cfg.timing_prefix_tokens
+    for _ in range(ctx.cfg.timing_trials):
+        prefix = ctx.factory.random(length)
+        ctx.session.first_token(prefix + ctx.factory.random(TAIL_TOKENS), victim)  # the victim
+        arms = [a for a in ARMS if a != "cross" or other is not None]
+        rng.shuffle(arms)
+        for arm in arms:
+            head = ctx.factory.random(length) if arm == "cold" else prefix
+            tenant = other if arm == "cross" else victim
+            samples[arm].append(
+                ctx.session.first_token(head + ctx.factory.random(TAIL_TOKENS), tenant)
+            )
+    result.data = _data(ctx, samples, how)
+    result.verdict, result.summary = _verdict(ctx, result.data, other is not None)
+    return result
+
+
+def _tenants(ctx: SuiteContext) -> tuple[Tenant, Tenant | None, str]:
+    """The victim, the second tenant, and how the second tenant is made (or why it cannot be)."""
+    cfg = ctx.cfg
+    if cfg.second_api_key:
+        return Tenant("victim", cfg.api_key), Tenant("other", cfg.second_api_key), "second API key"
+    if ctx.caps.cache_salt:
+        victim = Tenant("victim", cfg.api_key, ctx.factory.salt())
+        return victim, Tenant("other", cfg.api_key, ctx.factory.salt()), "another cache_salt"
+    why = "cross-tenant: needs --second-api-key (the server takes no cache_salt)"
+    return Tenant("victim", cfg.api_key), None, why
+
+
+def _data(ctx: SuiteContext, samples: dict[str, list[Completion]], how: str) -> dict:
+    ttft = {arm: [c.ttft_s or 0.0 for c in outs] for arm, outs in samples.items()}
+    cached = {arm: [c.cached_tokens for c in outs] for arm, outs in samples.items()}
+    tests: dict[str, MannWhitney] = (
+        {"same_vs_cold": mann_whitney(ttft["same"], ttft["cold"])} if ttft["same"] else {}
+    )
+    if ttft["cross"]:
+        tests["cross_vs_cold"] = mann_whitney(ttft["cross"], ttft["cold"])
+        tests["cross_vs_same"] = mann_whitney(ttft["cross"], ttft["same"], "greater")
+    return {
+        "second_tenant": how,
+        "prefix_tokens": ctx.cfg.timing_prefix_tokens,
+        "ttft_s": ttft,
+        "median_ttft_s": {arm: median(v) for arm, v in ttft.items()},
+        "cached_tokens": cached,
+        "tests": {name: t.to_json() for name, t in tests.items()},
+        "alpha": ctx.cfg.alpha,
+    }
+
+
+def _faster(test: dict | None, alpha: float) -> bool:
+    """Significantly and clearly faster than the comparison arm."""
+    return bool(test) and test["p"] < alpha and test["effect"] <= -MIN_EFFECT
+
+
+def _reported(values: list[int | None]) -> bool:
+    return bool(values) and all(v is not None for v in values)
+
+
+def _verdict(ctx: SuiteContext, data: dict, has_cross: bool) -> tuple[str, str]:
+    tests, cached, alpha = data["tests"], data["cached_tokens"], ctx.cfg.alpha
+    same_hits = _reported(cached["same"]) and any(cached["same"])
+    same_fast = _faster(tests.get("same_vs_cold"), alpha)
+    sharing = same_hits or same_fast
+    within = "same-tenant reuse " + ("detected" if sharing else "not detected")
+    within += f" (cached tokens {'> 0' if same_hits else 'not > 0'}, TTFT {'faster' if same_fast else 'not faster'} than cold)"
+    if not has_cross:
+        return UNTESTABLE, within
+    cross_hits = _reported(cached["cross"]) and any(cached["cross"])
+    cross_fast = _faster(tests.get("cross_vs_cold"), alpha)
+    if cross_hits or cross_fast:
+        why = []
+        if cross_hits:
+            why.append(f"the second tenant got cached tokens {cached['cross']}")
+        if cross_fast:
+            t = tests["cross_vs_cold"]
+            why.append(f"its TTFT is below cold (p={t['p']:.2g}, effect {t['effect']:.2f})")
+        return SHARED, "; ".join(why) + f"; {within}"
+    if sharing:
+        return ISOLATED, f"the second tenant sees no reuse of the victim's prefix; {within}"
+    if _reported(cached["same"]) and _reported(cached["cross"]):
+        return ISOLATED, f"no prefix reuse reported at all (cached tokens 0); {within}"
+    return (
+        INCONCLUSIVE,
+        f"no reuse measurable within one tenant, so its absence across tenants proves nothing; {within}",
+    )
