@@ -19,12 +19,17 @@ from kvpage.audit.config import Tolerances
 
 NOISE, DRIFT, ISOLATION, UNCLASSIFIED = "noise", "numeric_drift", "isolation", "unclassified"
 
-CLEAN, DRIFT_ONLY, FAILED, INCONCLUSIVE = (
-    "clean",
-    "numeric drift",
-    "isolation failure",
-    "inconclusive",
-)
+# suite verdicts
+CLEAN, DRIFT_ONLY, FAILED = "clean", "numeric drift", "isolation failure"
+INCONCLUSIVE = "inconclusive"
+SERVER_ERRORS = "server errors"  # requests failed (5xx) under sharing or concurrency
+
+# Once the batch suite has measured how far the server's logprobs move under batching alone
+# (`drift_scale`), drift is bounded by that scale times DRIFT_FACTOR (never below DRIFT_FLOOR,
+# never above the configured tolerances): a float32 server whose batches move logprobs by 1e-6
+# does not get to call a 0.05 change "drift".
+DRIFT_FACTOR = 10.0
+DRIFT_FLOOR = 1e-3
 
 
 @dataclass(slots=True)
@@ -35,10 +40,19 @@ class Noise:
     token_flips: int = 0  # baseline pairs whose tokens differed
     logprob_spread: float = 0.0  # max |Δ logprob| between identical solo runs
     flip_gaps: list[float] = field(default_factory=list)  # solo top-2 gap where they flipped
+    drift_scale: float | None = None  # max |Δ logprob| under batching alone (batch suite)
 
     @property
     def flip_gap_bound(self) -> float:
         return max(self.flip_gaps, default=0.0)
+
+
+def effective(tol: Tolerances, noise: Noise) -> Tolerances:
+    """The tolerances, tightened to the server's measured batching drift where known."""
+    if noise.drift_scale is None:
+        return tol
+    bound = max(DRIFT_FACTOR * noise.drift_scale, DRIFT_FLOOR)
+    return Tolerances(tol.exact, min(tol.logprob, bound), min(tol.gap, bound))
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +66,7 @@ def classify(
 ) -> Classification:
     if foreign_canary is not None:
         return Classification(ISOLATION, f"foreign canary in the output: {foreign_canary}")
+    tol = effective(tol, noise)
     if div.logprob_only:
         return _logprob_only(div.prior_delta or 0.0, noise, tol)
     return _token_flip(div, noise, tol)
@@ -103,10 +118,12 @@ def _margin_reason(div: Divergence, prior: float, gap: float, tol: Tolerances) -
     return f"the new token is {where} of the solo run, not its runner-up"
 
 
-def suite_verdict(classes: list[str]) -> str:
-    """The worst class found decides: isolation > unclassified > drift > noise/none."""
+def suite_verdict(classes: list[str], server_errors: int = 0) -> str:
+    """The worst finding decides: isolation > failed requests > unclassified > drift > none."""
     if ISOLATION in classes:
         return FAILED
+    if server_errors:
+        return SERVER_ERRORS
     if UNCLASSIFIED in classes:
         return INCONCLUSIVE
     if DRIFT in classes:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpage.audit.capabilities import Capabilities, Prober
-from kvpage.audit.classify import FAILED, suite_verdict
+from kvpage.audit.classify import FAILED, SERVER_ERRORS
 from kvpage.audit.client import AuditClient, Budget
 from kvpage.audit.config import AuditConfig
 from kvpage.audit.errors import BudgetExhausted
@@ -35,7 +35,7 @@ class AuditResult:
 
     @property
     def failed(self) -> bool:
-        return any(s.verdict in (FAILED, SHARED) for s in self.suites)
+        return any(s.verdict in (FAILED, SHARED, SERVER_ERRORS) for s in self.suites)
 
     @property
     def exit_code(self) -> int:
@@ -144,8 +144,8 @@ def _partial(ctx: SuiteContext, name: str, err: BudgetExhausted) -> SuiteResult:
     """What a suite judged before the budget ran out still counts; its verdict says partial."""
     result = ctx.current if ctx.current is not None and ctx.current.name == name else None
     result = result or SuiteResult(name, UNTESTABLE)
-    classes = [c.klass for c in result.checks if c.klass]
-    result.verdict = suite_verdict(classes) if name != "timing" and result.checks else UNTESTABLE
+    judged = name != "timing" and (result.checks or result.errors)
+    result.verdict = result.judged_verdict() if judged else UNTESTABLE
     if result.verdict != FAILED and result.verdict != UNTESTABLE:
         result.verdict = f"{result.verdict} (partial)"
     result.untested.append(f"stopped part-way: {err}")

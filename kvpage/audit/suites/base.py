@@ -4,14 +4,16 @@ and cold wherever the server lets us make it cold (a fresh cache salt)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpage.audit.capabilities import Capabilities
-from kvpage.audit.classify import Noise, classify
+from kvpage.audit.classify import Noise, classify, suite_verdict
 from kvpage.audit.compare import Divergence, first_divergence
 from kvpage.audit.completion import Completion
 from kvpage.audit.config import AuditConfig
+from kvpage.audit.errors import RequestRejected
 from kvpage.audit.probes import Prompt, PromptFactory
 from kvpage.audit.session import AuditSession, Tenant
 
@@ -64,6 +66,14 @@ class SuiteResult:
     checks: list[Check] = field(default_factory=list)
     untested: list[str] = field(default_factory=list)  # what could not be tested, and why
     data: dict[str, Any] = field(default_factory=dict)  # suite-specific measurements
+    errors: list[dict[str, Any]] = field(default_factory=list)  # requests the server failed
+
+    @property
+    def server_errors(self) -> int:
+        return sum(1 for e in self.errors if e["status"] >= 500)
+
+    def judged_verdict(self) -> str:
+        return suite_verdict([c.klass for c in self.checks if c.klass], self.server_errors)
 
     @property
     def divergences(self) -> list[Check]:
@@ -76,6 +86,7 @@ class SuiteResult:
             "summary": self.summary,
             "untested": self.untested,
             "data": self.data,
+            "errors": self.errors,
             "checks": [c.to_json() for c in self.checks],
         }
 
@@ -103,6 +114,18 @@ class SuiteContext:
         """A tenant nobody else is: a fresh salt where the server takes salts."""
         salt = self.factory.salt() if self.cold_refs else None
         return Tenant("cold", self.cfg.api_key, salt)
+
+    def attempt(self, result: SuiteResult, scenario: str, fn: Callable[[], None]) -> None:
+        """Run one scenario; a request the server fails is recorded (and the suite goes on):
+        a 5xx under sharing or concurrency is a finding, a 4xx a scenario it cannot test."""
+        try:
+            fn()
+        except RequestRejected as err:
+            result.errors.append(
+                {"scenario": scenario, "status": err.status, "message": err.message}
+            )
+            if err.status < 500:
+                result.untested.append(f"{scenario}: refused by the server ({err})")
 
     def judge(
         self,

@@ -26,20 +26,26 @@ def run(ctx: SuiteContext) -> SuiteResult:
         )
     for i, length in enumerate(probe_lengths(ctx.cfg.probes, ctx.cfg.block_sizes)):
         name = f"probe{i}"
-        prompt = ctx.factory.random(length)
-        first = ctx.session.complete(prompt, tenant=ctx.cold())
-        again = ctx.session.complete(prompt, tenant=ctx.cold())
-        ctx.solo[name] = (prompt, first)
-        context = {"prompt": prompt.describe(), "mode": "solo twice"}
-        result.checks.append(ctx.judge(NAME, name, first, again, context))
+        ctx.attempt(result, name, lambda n=name, k=length: _twice(ctx, result, n, k))
     ctx.noise = measure_noise(result)
     result.verdict, result.summary = _verdict(ctx.noise, ctx.caps.logprobs)
+    if result.server_errors:
+        result.verdict = "server errors"
     result.data = {
         "token_flips": ctx.noise.token_flips,
         "logprob_spread": ctx.noise.logprob_spread,
         "flip_gaps": ctx.noise.flip_gaps,
     }
     return result
+
+
+def _twice(ctx: SuiteContext, result: SuiteResult, name: str, length: int) -> None:
+    prompt = ctx.factory.random(length)
+    first = ctx.session.complete(prompt, tenant=ctx.cold())
+    again = ctx.session.complete(prompt, tenant=ctx.cold())
+    ctx.solo[name] = (prompt, first)
+    context = {"prompt": prompt.describe(), "mode": "solo twice"}
+    result.checks.append(ctx.judge(NAME, name, first, again, context))
 
 
 def measure_noise(result: SuiteResult) -> Noise:

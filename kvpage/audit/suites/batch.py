@@ -3,7 +3,8 @@ batches), each compared with its solo run. A request's output must not depend on
 
 from __future__ import annotations
 
-from kvpage.audit.classify import suite_verdict
+from kvpage.audit.classify import ISOLATION
+from kvpage.audit.compare import max_logprob_delta
 from kvpage.audit.suites.base import UNTESTABLE, SuiteContext, SuiteResult
 
 NAME = "batch"
@@ -14,6 +15,17 @@ def run(ctx: SuiteContext) -> SuiteResult:
     if len(ctx.solo) < 2:
         result.untested.append("needs the baseline probes (baseline suite did not finish)")
         return result
+    ctx.attempt(result, "concurrent probes", lambda: _together(ctx, result))
+    if not ctx.cold_refs:
+        result.untested.append("no cache_salt: concurrency is tested together with cache hits")
+    result.verdict = result.judged_verdict()
+    result.summary = _summary(result)
+    ctx.noise.drift_scale = drift_scale(result)
+    result.data = {"drift_scale": ctx.noise.drift_scale}
+    return result
+
+
+def _together(ctx: SuiteContext, result: SuiteResult) -> None:
     names = list(ctx.solo)
     tenants = [ctx.cold() for _ in names]  # cold where possible: batching alone is under test
     calls = [
@@ -29,12 +41,21 @@ def run(ctx: SuiteContext) -> SuiteResult:
             "cache": cache,
         }
         result.checks.append(ctx.judge(NAME, name, ctx.solo[name][1], out, context))
-    if not ctx.cold_refs:
-        result.untested.append("no cache_salt: concurrency is tested together with cache hits")
-    classes = [c.klass for c in result.checks if c.klass]
-    result.verdict = suite_verdict(classes)
-    result.summary = _summary(result)
-    return result
+
+
+def drift_scale(result: SuiteResult) -> float | None:
+    """How far logprobs move under batching alone: the largest |Δ| before any flip, over the
+    probes not found to be isolation failures (None: nothing measured)."""
+    deltas = []
+    for check in result.checks:
+        if check.klass == ISOLATION:
+            continue
+        div = check.divergence
+        upto = None if div is None or div.logprob_only else div.index
+        delta = max_logprob_delta(check.ref, check.cand, upto)
+        if delta is not None:
+            deltas.append(delta)
+    return max(deltas) if deltas else None
 
 
 def _summary(result: SuiteResult) -> str:

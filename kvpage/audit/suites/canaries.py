@@ -5,7 +5,6 @@ shares nothing, one shares a prefix that ends inside a block for every candidate
 
 from __future__ import annotations
 
-from kvpage.audit.classify import suite_verdict
 from kvpage.audit.completion import Completion
 from kvpage.audit.probes import Canary, Prompt
 from kvpage.audit.suites.base import UNTESTABLE, SuiteContext, SuiteResult
@@ -25,8 +24,11 @@ def run(ctx: SuiteContext) -> SuiteResult:
         return result
     shared = max(ctx.cfg.block_sizes) + min(ctx.cfg.block_sizes) // 2
     for group, prefix_len in (("g0", 0), ("g1", shared)):
-        _group(ctx, result, group, ctx.factory.random(prefix_len), prefix_len)
-    result.verdict = suite_verdict([c.klass for c in result.checks if c.klass])
+        prefix = ctx.factory.random(prefix_len)
+        ctx.attempt(
+            result, group, lambda g=group, p=prefix, n=prefix_len: _group(ctx, result, g, p, n)
+        )
+    result.verdict = result.judged_verdict()
     leaks = [c for c in result.checks if c.pair]
     result.summary = (
         f"{len(result.checks)} requests in groups of {ctx.cfg.canary_group}; "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 
 from kvpage.audit.completion import Completion
+from kvpage.audit.errors import RequestRejected
 from kvpage.audit.session import Tenant
 from kvpage.audit.stats import MannWhitney, mann_whitney, median
 from kvpage.audit.suites.base import UNTESTABLE, SuiteContext, SuiteResult
@@ -32,21 +33,58 @@ def run(ctx: SuiteContext) -> SuiteResult:
         result.untested.append(how)
     samples: dict[str, list[Completion]] = {arm: [] for arm in ARMS}
     rng = random.Random(ctx.cfg.seed + 101)
-    length = ctx.cfg.timing_prefix_tokens
-    for _ in range(ctx.cfg.timing_trials):
-        prefix = ctx.factory.random(length)
-        ctx.session.first_token(prefix + ctx.factory.random(TAIL_TOKENS), victim)  # the victim
-        arms = [a for a in ARMS if a != "cross" or other is not None]
-        rng.shuffle(arms)
-        for arm in arms:
-            head = ctx.factory.random(length) if arm == "cold" else prefix
-            tenant = other if arm == "cross" else victim
-            samples[arm].append(
-                ctx.session.first_token(head + ctx.factory.random(TAIL_TOKENS), tenant)
-            )
-    result.data = _data(ctx, samples, how)
+    length = _fit_length(ctx, victim, result)
+    if length is None:
+        return result
+    for trial in range(ctx.cfg.timing_trials):
+        ctx.attempt(
+            result, f"trial{trial}", lambda: _trial(ctx, samples, victim, other, rng, length)
+        )
+    if len(samples["cold"]) < 3:
+        result.untested.append("fewer than 3 timing trials succeeded")
+        return result
+    result.data = _data(samples, how, length, ctx.cfg.alpha)
     result.verdict, result.summary = _verdict(ctx, result.data, other is not None)
     return result
+
+
+def _trial(
+    ctx: SuiteContext,
+    samples: dict[str, list[Completion]],
+    victim: Tenant,
+    other: Tenant | None,
+    rng: random.Random,
+    length: int,
+) -> None:
+    """The victim caches a fresh prefix; the arms are then timed in a random order. A trial
+    counts only if all of its requests succeeded."""
+    prefix = ctx.factory.random(length)
+    ctx.session.first_token(prefix + ctx.factory.random(TAIL_TOKENS), victim)
+    arms = [a for a in ARMS if a != "cross" or other is not None]
+    rng.shuffle(arms)
+    got = {}
+    for arm in arms:
+        head = ctx.factory.random(length) if arm == "cold" else prefix
+        tenant = other if arm == "cross" else victim
+        got[arm] = ctx.session.first_token(head + ctx.factory.random(TAIL_TOKENS), tenant)
+    for arm, out in got.items():
+        samples[arm].append(out)
+
+
+def _fit_length(ctx: SuiteContext, victim: Tenant, result: SuiteResult) -> int | None:
+    """The longest prefix (from --timing-prefix-tokens, halving) the server accepts: a small
+    context or KV pool refuses long prompts with a 4xx."""
+    length, floor = ctx.cfg.timing_prefix_tokens, 4 * max(ctx.cfg.block_sizes)
+    while True:
+        try:
+            ctx.session.first_token(ctx.factory.random(length + TAIL_TOKENS), victim)
+            return length
+        except RequestRejected as err:
+            if err.status >= 500 or length // 2 < floor:
+                result.untested.append(f"no prefix length the server accepts ({err})")
+                return None
+            result.untested.append(f"{length}-token prefixes refused ({err.message}); halving")
+            length //= 2
 
 
 def _tenants(ctx: SuiteContext) -> tuple[Tenant, Tenant | None, str]:
@@ -61,7 +99,7 @@ def _tenants(ctx: SuiteContext) -> tuple[Tenant, Tenant | None, str]:
     return Tenant("victim", cfg.api_key), None, why
 
 
-def _data(ctx: SuiteContext, samples: dict[str, list[Completion]], how: str) -> dict:
+def _data(samples: dict[str, list[Completion]], how: str, length: int, alpha: float) -> dict:
     ttft = {arm: [c.ttft_s or 0.0 for c in outs] for arm, outs in samples.items()}
     cached = {arm: [c.cached_tokens for c in outs] for arm, outs in samples.items()}
     tests: dict[str, MannWhitney] = (
@@ -72,12 +110,12 @@ def _data(ctx: SuiteContext, samples: dict[str, list[Completion]], how: str) -> 
         tests["cross_vs_same"] = mann_whitney(ttft["cross"], ttft["same"], "greater")
     return {
         "second_tenant": how,
-        "prefix_tokens": ctx.cfg.timing_prefix_tokens,
+        "prefix_tokens": length,
         "ttft_s": ttft,
         "median_ttft_s": {arm: median(v) for arm, v in ttft.items()},
         "cached_tokens": cached,
         "tests": {name: t.to_json() for name, t in tests.items()},
-        "alpha": ctx.cfg.alpha,
+        "alpha": alpha,
     }
 
 
