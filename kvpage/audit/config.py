@@ -37,6 +37,7 @@ class AuditConfig:
     tolerances: Tolerances = field(default_factory=Tolerances)
     seed: int = 0  # the audit's own randomness (prompts, orders); fresh prefixes per audit anyway
     timeout_s: float = 60.0  # per request
+    trust_usage: bool = True  # False: judge timing by TTFT alone (a server's usage may lie)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -56,6 +57,8 @@ class AuditConfig:
         unknown = set(self.suites) - set(SUITES)
         if unknown or not self.suites:
             raise AuditUsageError(f"unknown suite(s) {sorted(unknown)}; choose from {SUITES}")
+        if self.timeout_s <= 0:
+            raise AuditUsageError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
         if self.budget_requests < 1:
             raise AuditUsageError("--budget-requests must be >= 1")
         if self.probes < 2 or self.canary_group < 2 or self.timing_trials < 3:

@@ -43,7 +43,7 @@ def run(ctx: SuiteContext) -> SuiteResult:
     if len(samples["cold"]) < 3:
         result.untested.append("fewer than 3 timing trials succeeded")
         return result
-    result.data = _data(samples, how, length, ctx.cfg.alpha)
+    result.data = _data(samples, how, length, ctx.cfg.alpha, ctx.cfg.trust_usage)
     result.verdict, result.summary = _verdict(ctx, result.data, other is not None)
     return result
 
@@ -99,9 +99,14 @@ def _tenants(ctx: SuiteContext) -> tuple[Tenant, Tenant | None, str]:
     return Tenant("victim", cfg.api_key), None, why
 
 
-def _data(samples: dict[str, list[Completion]], how: str, length: int, alpha: float) -> dict:
+def _data(
+    samples: dict[str, list[Completion]], how: str, length: int, alpha: float, trust_usage: bool
+) -> dict:
     ttft = {arm: [c.ttft_s or 0.0 for c in outs] for arm, outs in samples.items()}
-    cached = {arm: [c.cached_tokens for c in outs] for arm, outs in samples.items()}
+    reported = {arm: [c.cached_tokens for c in outs] for arm, outs in samples.items()}
+    cached = reported  # what the verdict uses
+    if not trust_usage:  # judged by TTFT alone; the counts are still shown
+        cached = {arm: [None] * len(v) for arm, v in reported.items()}
     tests: dict[str, MannWhitney] = (
         {"same_vs_cold": mann_whitney(ttft["same"], ttft["cold"])} if ttft["same"] else {}
     )
@@ -114,6 +119,7 @@ def _data(samples: dict[str, list[Completion]], how: str, length: int, alpha: fl
         "ttft_s": ttft,
         "median_ttft_s": {arm: median(v) for arm, v in ttft.items()},
         "cached_tokens": cached,
+        "reported_cached_tokens": reported,
         "tests": {name: t.to_json() for name, t in tests.items()},
         "alpha": alpha,
     }

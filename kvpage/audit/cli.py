@@ -1,0 +1,200 @@
+"""`kvpage audit`: the subcommand's options and what it runs. Exit status: 0 isolated, 1 an
+isolation failure, a cross-tenant leak or failed requests under sharing (isolation not shown),
+2 a usage error or a server that cannot be audited (unreachable, 401, no usable endpoint)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvpage.audit.config import SUITES, AuditConfig, Tolerances
+from kvpage.audit.errors import AuditError
+
+
+def _positive_ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _suites(text: str) -> tuple[str, ...]:
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = sorted(set(names) - set(SUITES))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown suite(s) {unknown}; choose from {', '.join(SUITES)}"
+        )
+    return names
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "audit",
+        help="black-box audit of any OpenAI-compatible server for cache isolation (R35)",
+        description=__doc__,
+    )
+    p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", required=True, help="the model name the server serves")
+    p.add_argument("--api-key", help="API key (Bearer); visible in the process list")
+    p.add_argument("--second-api-key", help="a second tenant's key, for cross-tenant timing")
+    p.add_argument(
+        "--block-sizes",
+        type=_positive_ints,
+        default=(16, 32, 64),
+        help="candidate KV block sizes, comma-separated",
+    )
+    p.add_argument(
+        "--budget-requests",
+        type=_int_at_least(1),
+        default=400,
+        help="most requests sent, probing included",
+    )
+    p.add_argument("--report", default="reports/audit", help="directory for report.json/.md/.html")
+    p.add_argument(
+        "--suites",
+        type=_suites,
+        default=SUITES,
+        help=f"comma-separated subset of {','.join(SUITES)}",
+    )
+    p.add_argument(
+        "--max-tokens", type=_int_at_least(1), default=16, help="tokens per judged probe"
+    )
+    p.add_argument(
+        "--probes", type=_int_at_least(2), default=6, help="baseline probes (= batch concurrency)"
+    )
+    p.add_argument(
+        "--canary-group",
+        type=_int_at_least(2),
+        default=6,
+        help="concurrent requests per canary group",
+    )
+    p.add_argument(
+        "--timing-trials", type=_int_at_least(3), default=8, help="victim prefixes timed"
+    )
+    p.add_argument(
+        "--timing-prefix-tokens",
+        type=_int_at_least(1),
+        default=1024,
+        help="victim prefix length (halved if refused)",
+    )
+    p.add_argument(
+        "--alpha", type=_fraction, default=0.01, help="significance level of the timing tests"
+    )
+    p.add_argument(
+        "--logprob-tolerance",
+        type=_non_negative,
+        default=0.1,
+        help="largest logprob change still numeric drift",
+    )
+    p.add_argument(
+        "--gap-tolerance",
+        type=_non_negative,
+        default=0.1,
+        help="largest solo top-2 gap at which a flip may be drift",
+    )
+    p.add_argument("--seed", type=int, default=0, help="the audit's own randomness")
+    p.add_argument("--timeout", type=_non_negative, default=60.0, help="seconds per request")
+    p.add_argument(
+        "--ignore-usage",
+        action="store_true",
+        help="judge cross-tenant timing by TTFT alone, not by the server's usage.cached_tokens",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+    return p
+
+
+def config_from(args: argparse.Namespace) -> AuditConfig:
+    return AuditConfig(
+        base_url=args.base_url,
+        model=args.model,
+        api_key=args.api_key,
+        second_api_key=args.second_api_key,
+        block_sizes=args.block_sizes,
+        budget_requests=args.budget_requests,
+        suites=args.suites,
+        max_tokens=args.max_tokens,
+        probes=args.probes,
+        canary_group=args.canary_group,
+        timing_trials=args.timing_trials,
+        timing_prefix_tokens=args.timing_prefix_tokens,
+        alpha=args.alpha,
+        tolerances=Tolerances(logprob=args.logprob_tolerance, gap=args.gap_tolerance),
+        seed=args.seed,
+        timeout_s=args.timeout,
+        progress=not args.quiet,
+        trust_usage=not args.ignore_usage,
+    )
+
+
+def _check_report_dir(path: str) -> None:
+    """Before any request: an audit whose report cannot be written is wasted."""
+    from pathlib import Path
+
+    from kvpage.audit.errors import AuditUsageError
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        probe = Path(path) / ".kvpage-audit-write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise AuditUsageError(
+            f"--report {path}: cannot write there ({err.strerror or err})"
+        ) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpage.audit.report import summary_lines, write_reports
+    from kvpage.audit.runner import run_audit
+
+    try:
+        cfg = config_from(args)
+        _check_report_dir(args.report)
+        result = run_audit(cfg)
+    except AuditError as err:
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+    data = write_reports(result, args.report)
+    print("\n".join(summary_lines(data)))
+    print(f"reports: {args.report}/report.json, report.md, report.html")
+    return result.exit_code

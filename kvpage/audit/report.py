@@ -1,0 +1,186 @@
+"""The audit's reports, all built from report.json's data: `report.json` (every verdict, probe,
+divergence with class and evidence), `report.md` (readable, with the first-divergence tables) and
+`report.html` (self-contained: the same tables and an SVG plot of TTFT per timing arm)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvpage.audit.runner import AuditResult
+
+TOP_SHOWN = 3  # top-k entries shown per side in the divergence tables
+
+
+def write_reports(result: AuditResult, directory: str | Path) -> dict[str, Any]:
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    data = result.to_json()
+    (out / "report.json").write_text(json.dumps(data, indent=2, default=str))
+    (out / "report.md").write_text(markdown(data))
+    from kvpage.audit.html import html_page  # html.py builds on this module's tables
+
+    (out / "report.html").write_text(html_page(data))
+    return data
+
+
+def summary_lines(data: dict[str, Any]) -> list[str]:
+    """The console summary: one line per suite, then the overall verdict."""
+    lines = [f"{'suite':<10} {'verdict':<22} summary"]
+    for suite in data["suites"].values():
+        lines.append(f"{suite['name']:<10} {suite['verdict']:<22} {suite['summary']}")
+    block = data.get("inferred_block_size")
+    lines.append(f"inferred block size: {block if block else 'not inferred'}")
+    lines.append(
+        f"verdict: {data['verdict']} (exit {data['exit_code']}); {data['requests']} requests "
+        f"of {data['budget_requests']}; {data['wall_s']:.1f} s"
+    )
+    return lines
+
+
+# --- markdown ---------------------------------------------------------------------------------
+def markdown(data: dict[str, Any]) -> str:
+    lines = [
+        f"# kvpage audit of {data['server']} ({data['model']})",
+        "",
+        f"**Verdict: {data['verdict']}** (exit {data['exit_code']}) — {data['requests']} "
+        f"requests of a budget of {data['budget_requests']}, {data['wall_s']:.1f} s.",
+        "",
+        "| suite | verdict | summary |",
+        "|---|---|---|",
+    ]
+    for suite in data["suites"].values():
+        lines.append(f"| {suite['name']} | {suite['verdict']} | {_cell(suite['summary'])} |")
+    lines += ["", *_md_capabilities(data), *_md_untested(data)]
+    for suite in data["suites"].values():
+        lines += _md_suite(suite)
+    return "\n".join(lines) + "\n"
+
+
+def _md_capabilities(data: dict[str, Any]) -> list[str]:
+    caps = data["capabilities"]
+    shown = {k: v for k, v in caps.items() if k not in ("notes", "models")}
+    lines = ["## What the server offers", "", "| capability | found |", "|---|---|"]
+    lines += [f"| {k} | {_cell(v)} |" for k, v in shown.items()]
+    lines += ["", *[f"- {note}" for note in caps["notes"]], ""]
+    block = data.get("inferred_block_size")
+    lines.append(f"Inferred caching block size: {block if block else 'not inferred'}.")
+    return lines + [""]
+
+
+def _md_untested(data: dict[str, Any]) -> list[str]:
+    items = [f"- plan: {n}" for n in data["plan_notes"]]
+    for suite in data["suites"].values():
+        items += [f"- {suite['name']}: {u}" for u in suite["untested"]]
+    return ["## Not tested, reduced, or why", "", *items, ""] if items else []
+
+
+def _md_suite(suite: dict[str, Any]) -> list[str]:
+    lines = [f"## {suite['name']}: {suite['verdict']}", "", suite["summary"], ""]
+    if suite["name"] == "timing" and suite["data"].get("tests"):
+        lines += _md_timing(suite["data"])
+    if suite["errors"]:
+        lines += ["| scenario | status | message |", "|---|---|---|"]
+        lines += [
+            f"| {e['scenario']} | {e['status']} | {_cell(e['message'])} |" for e in suite["errors"]
+        ]
+        lines.append("")
+    rows = divergence_rows(suite)
+    if rows:
+        lines += [
+            "| " + " | ".join(DIVERGENCE_HEADER) + " |",
+            "|" + "---|" * len(DIVERGENCE_HEADER),
+        ]
+        lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+        lines.append("")
+    return lines
+
+
+def _md_timing(data: dict[str, Any]) -> list[str]:
+    lines = [
+        f"Prefix of {data['prefix_tokens']} tokens; second tenant via {data['second_tenant']}; "
+        f"alpha {data['alpha']}.",
+        "",
+        "| arm | median TTFT (ms) | cached tokens |",
+        "|---|---|---|",
+    ]
+    for arm, med in data["median_ttft_s"].items():
+        if med is not None:
+            lines.append(f"| {arm} | {med * 1000:.2f} | {data['cached_tokens'][arm]} |")
+    lines += ["", "| test | U | p | effect (rank-biserial) | method |", "|---|---|---|---|---|"]
+    for name, t in data["tests"].items():
+        lines.append(
+            f"| {name} ({t['alternative']}) | {t['u']:g} | {t['p']:.3g} | {t['effect']:.2f} | {t['method']} |"
+        )
+    return lines + [""]
+
+
+DIVERGENCE_HEADER = [
+    "probe",
+    "what was shared",
+    "class",
+    "position",
+    "abs pos / offset in block",
+    "solo token",
+    "other token",
+    "solo top",
+    "other top",
+    "solo top-2 gap",
+    "max |Δ lp| before",
+    "reason",
+]
+
+
+def divergence_rows(suite: dict[str, Any]) -> list[list[str]]:
+    """One row per divergence: the first-divergence table (markdown and HTML alike)."""
+    rows = []
+    for check in suite["checks"]:
+        div = check["divergence"]
+        if div is None:
+            continue
+        ev = check["evidence"]
+        offsets = ", ".join(f"B{b}:{o}" for b, o in ev.get("offset_in_block", {}).items())
+        position = f"{ev['absolute_position']} ({offsets})" if ev else "-"
+        rows.append(
+            [
+                check["name"],
+                _shared(check["context"], check["candidate"]),
+                check["class"] or "-",
+                f"{div['unit']} {div['index']}"
+                + (" (logprobs only)" if div["logprob_only"] else ""),
+                position,
+                repr(div["ref_token"]),
+                repr(div["cand_token"]),
+                _top(div["ref_top"]),
+                _top(div["cand_top"]),
+                _num(div["ref_gap"]),
+                _num(div["prior_delta"]),
+                check["reason"]
+                + (f" (pair {check['pair'][0]} -> {check['pair'][1]})" if check["pair"] else ""),
+            ]
+        )
+    return rows
+
+
+def _shared(context: dict[str, Any], cand: dict[str, Any]) -> str:
+    parts = [str(context.get("mode", ""))]
+    if "shared_tokens" in context:
+        parts.append(f"{context['shared_tokens']} tokens shared")
+    if context.get("block_size"):
+        parts.append(f"B={context['block_size']}")
+    if cand.get("cached_tokens") is not None:
+        parts.append(f"{cand['cached_tokens']} cached")
+    return "; ".join(p for p in parts if p)
+
+
+def _top(entries: list) -> str:
+    return " ".join(f"{tok!r}:{lp:.2f}" for tok, lp in entries[:TOP_SHOWN]) or "-"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def _cell(value: Any) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
