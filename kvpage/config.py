@@ -75,6 +75,8 @@ class ModelConfig:
 
 
 PREEMPTION_MODES = ("recompute", "swap")
+# How the paged pool stores K/V (kvpage.model.kv_format): "auto" = the model dtype, as computed.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8_e4m3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +94,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max positions
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     device: str = "cpu"
     seed: int = 0
     debug_checks: bool = False
@@ -111,5 +114,9 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise InvalidConfig("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidConfig(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.swap_space_blocks < 0:
             raise InvalidConfig(f"swap_space_blocks must be >= 0, got {self.swap_space_blocks}")

@@ -90,6 +90,9 @@ class BlockPool:
         self.counts = dict.fromkeys(BlockState, 0)
         self.counts[_S.FREE] = num_blocks
         self.on_cached: Callable[[int], None] | None = None  # set by the prefix index owner
+        # Told of every block that went FREE, after its generation bump (the KV store drops
+        # what the block held: a quantized block's scales).
+        self.on_free: Callable[[int], None] | None = None
         self._tick = 0
 
     # --- queries ---------------------------------------------------------------------------
@@ -237,6 +240,8 @@ class BlockPool:
         self.free_ids.append(b.block_id)
         self.stats.generation_bumps += 1
         self.stats.frees += 1
+        if self.on_free is not None:
+            self.on_free(b.block_id)
 
     def _transition_from(self, b: Block, frm: BlockState, to: BlockState) -> None:
         """A transition that is only meaningful from one state (FREE -> PRIVATE is legal for an

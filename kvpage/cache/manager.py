@@ -47,6 +47,7 @@ class KVCacheManager:
         audit_maxlen: int = 10_000,
         copy_block_fn: Callable[[int, int], None] = _no_copy,
         listener: Callable[[AuditEvent], None] | None = None,
+        free_block_fn: Callable[[int], None] | None = None,
     ):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -57,6 +58,7 @@ class KVCacheManager:
         self.listener = listener  # the engine: it tells its observers, naming the request
         self.copy_block_fn = copy_block_fn
         self.pool = BlockPool(num_blocks, block_size, self.stats)
+        self.pool.on_free = free_block_fn  # the KV store: what a block held dies with it
         self.index = PrefixIndex(self.pool, self.stats, self._emit_from_index, fast_key_bits)
         self._looking_up = -1  # seq id of the lookup in progress (names its corruption events)
         self.pool.on_cached = self.index.note_cached

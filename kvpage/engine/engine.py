@@ -37,6 +37,7 @@ from kvpage.engine.swap import KVSwapper, SwapSpace
 from kvpage.errors import InvalidRequest
 from kvpage.model import load_model
 from kvpage.model.base import CausalLM
+from kvpage.model.kv_format import kv_format
 from kvpage.model.paged_attention import KVStorage
 from kvpage.model.tokenizer import Tokenizer, encode_text
 from kvpage.sampling import chosen_logprobs, make_generator
@@ -60,6 +61,7 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
         )
+        self.kv_format = kv_format(config.kv_cache_dtype, model.dtype)
         num_blocks = self._num_blocks()
         self.storage = KVStorage(
             mcfg.num_layers,
@@ -67,7 +69,7 @@ class LLMEngine:
             config.block_size,
             mcfg.num_kv_heads,
             mcfg.head_dim,
-            model.dtype,
+            self.kv_format,
             model.device,
         )
         self.cache = KVCacheManager(
@@ -80,6 +82,8 @@ class LLMEngine:
             debug_checks=False,
             copy_block_fn=self._copy_block,
             listener=self._on_cache_event,
+            # A block's scales belong to its generation: invalidated when it is freed.
+            free_block_fn=self._block_freed if self.kv_format.quantized else None,
         )
         self._observers: list[EngineObserver] = []  # shared with the scheduler and the swapper
         self.swap_space = SwapSpace(config.swap_space_blocks)
@@ -87,7 +91,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.cache, self.swapper, self._observers)
         self.runner = ModelRunner(model, self.storage, self.cache)
         self.sampler = Sampler()
-        self.namespace = base_namespace(model, tokenizer, config.block_size, config.model)
+        self.namespace = base_namespace(
+            model, tokenizer, config.block_size, config.model, self.kv_format
+        )
         self.seqs: dict[str, Sequence] = {}  # request id -> its sample 0 (the only one if n == 1)
         self.samples: dict[str, list[Sequence]] = {}  # request id -> its samples, by index
         self._by_seq_id: dict[int, Sequence] = {}  # live sequences: cache events name seq ids
@@ -106,7 +112,7 @@ class LLMEngine:
         if cfg.num_blocks is not None:
             return cfg.num_blocks
         per_block = KVStorage.bytes_per_block(
-            mcfg.num_layers, cfg.block_size, mcfg.num_kv_heads, mcfg.head_dim, self.model.dtype
+            mcfg.num_layers, cfg.block_size, mcfg.num_kv_heads, mcfg.head_dim, self.kv_format
         )
         by_memory = (cfg.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // per_block
         by_workload = cfg.max_num_seqs * blocks_for(self.max_model_len, cfg.block_size)
@@ -518,6 +524,10 @@ class LLMEngine:
         self.storage.copy_block(src, dst)
         for observer in self._observers:
             observer.on_kv_copy(src, dst)
+
+    def _block_freed(self, block_id: int) -> None:
+        """A block went FREE: what its generation held (a quantized block's scales) goes."""
+        self.storage.invalidate(block_id)
 
     def _on_cache_event(self, event: AuditEvent) -> None:
         """The cache manager's listener: its events name sequence ids; observers get the

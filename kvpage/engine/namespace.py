@@ -5,20 +5,26 @@ from __future__ import annotations
 
 from kvpage.cache.namespace import CacheNamespace
 from kvpage.model.base import CausalLM
-
-KV_LAYOUT_VERSION = 1
+from kvpage.model.kv_format import KVFormat, kv_format
 
 
 def base_namespace(
-    model: CausalLM, tokenizer, block_size: int, model_name: str = ""
+    model: CausalLM,
+    tokenizer,
+    block_size: int,
+    model_name: str = "",
+    fmt: KVFormat | None = None,
 ) -> CacheNamespace:
+    """`fmt`: how the pool stores K/V (None: the model dtype as computed). Its stored dtype and
+    layout version are key fields, so a block of one KV format is never served to another."""
     cfg = model.config
+    fmt = fmt if fmt is not None else kv_format("auto", model.dtype)
     return CacheNamespace(
         model_revision=cfg.revision or model_name,
         tokenizer_revision=getattr(tokenizer, "revision", "none"),
         adapter=None,
         rope_config=cfg.position_signature(),
-        kv_dtype=str(model.dtype).removeprefix("torch."),
-        kv_layout_version=KV_LAYOUT_VERSION,
+        kv_dtype=fmt.name,
+        kv_layout_version=fmt.layout_version,
         block_size=block_size,
     )

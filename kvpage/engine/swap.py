@@ -6,27 +6,25 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from kvpage.cache.manager import KVCacheManager
 from kvpage.engine.events import EngineObserver, SwappedIn, SwappedOut, emit, held_blocks, who
 from kvpage.engine.sequence import Sequence
 from kvpage.errors import SwapError
-from kvpage.model.paged_attention import KVStorage
+from kvpage.model.paged_attention import KVStorage, SavedKV
 
 
 class SwapSpace:
     def __init__(self, capacity_blocks: int) -> None:
         self.capacity_blocks = capacity_blocks
         self.used_blocks = 0
-        self._stored: dict[int, torch.Tensor] = {}  # seq_id -> (L, 2, n, B, KVH, D) on CPU
+        self._stored: dict[int, SavedKV] = {}  # seq_id -> its blocks (and their scales), on CPU
         self.fail_next_writes = 0  # failure injection (R21): the next N writes raise
 
     def can_store(self, num_blocks: int) -> bool:
         return self.used_blocks + num_blocks <= self.capacity_blocks
 
-    def write(self, seq_id: int, blocks: torch.Tensor) -> None:
-        n = blocks.shape[2]
+    def write(self, seq_id: int, blocks: SavedKV) -> None:
+        n = blocks.num_blocks
         if self.fail_next_writes > 0:
             self.fail_next_writes -= 1
             raise SwapError(f"injected swap-write failure for seq {seq_id}")
@@ -37,9 +35,9 @@ class SwapSpace:
         self._stored[seq_id] = blocks
         self.used_blocks += n
 
-    def take(self, seq_id: int) -> torch.Tensor:
+    def take(self, seq_id: int) -> SavedKV:
         blocks = self._stored.pop(seq_id)
-        self.used_blocks -= blocks.shape[2]
+        self.used_blocks -= blocks.num_blocks
         return blocks
 
     def discard(self, seq_id: int) -> None:

@@ -15,8 +15,12 @@ import torch
 from kvpage.config import EngineConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.model import load_model
+from kvpage.verify.cases import quantized_suite_names
 from kvpage.verify.mutants import MUTANTS, Mutant
 from kvpage.verify.suites import SUITES, CaseResult, Runtime, build_suites, run_case
+
+# The KV formats the gate runs the prefix, batching and preemption suites in besides the model's.
+DEFAULT_GATE_KV_DTYPES = ("int8",)
 
 
 @dataclass(slots=True)
@@ -147,11 +151,21 @@ def run_gate(
     suites: tuple[str, ...] = SUITES,
     mutants: bool = True,
     progress: bool = True,
+    kv_cache_dtypes: tuple[str, ...] = DEFAULT_GATE_KV_DTYPES,
 ) -> GateResult:
+    """`kv_cache_dtypes`: quantized KV formats whose copies of the prefix, batching and
+    preemption suites (and a CoW fork case) run too; a mutant bound to a KV format runs only
+    when its format is among them."""
     start = time.perf_counter()
     model, tokenizer = load_model(model_name)
-    cases = build_suites(model.config.vocab_size, suites)
-    mutant_list = MUTANTS if mutants else ()
+    kv_cache_dtypes = tuple(d for d in kv_cache_dtypes if d != "auto")
+    cases = build_suites(model.config.vocab_size, suites, kv_cache_dtypes)
+    suites = (*suites, *quantized_suite_names(suites, kv_cache_dtypes))
+    mutant_list = (
+        tuple(m for m in MUTANTS if m.kv_cache_dtype in (None, *kv_cache_dtypes))
+        if mutants
+        else ()
+    )
     bar = Progress(len(cases) + len(mutant_list), progress)
     runtime = Runtime(model, tokenizer, model_name, debug_checks=True)
     case_results = []

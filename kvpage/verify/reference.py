@@ -9,11 +9,18 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpage.errors import InvalidRequest
-from kvpage.model.attention import ContiguousKVCache
 from kvpage.model.base import CausalLM
 from kvpage.sampling import DEFAULT_SEED, make_generator, sample_token, top_logprobs
 from kvpage.sampling_params import SamplingParams
-from kvpage.verify.trace import CacheView, StepRecord, ViewEntry, make_record, sampler_state
+from kvpage.verify.kv_oracle import RoundTrip, RoundTripKVCache
+from kvpage.verify.trace import (
+    CacheView,
+    StepRecord,
+    ViewEntry,
+    make_record,
+    sampler_state,
+    scale_digest,
+)
 
 
 @dataclass
@@ -34,11 +41,17 @@ def generate(
     fallback_seed: int = DEFAULT_SEED,
     trace_as: str | None = None,
     namespace: str = "",
+    kv_cache_dtype: str = "auto",
+    scale_span: int = 0,
 ) -> ReferenceOutput:
     """Generate for one request alone. With `trace_as` set, `records` holds one StepRecord per
-    token (request id `trace_as`, contiguous cache view, `namespace` as the expected one)."""
+    token (request id `trace_as`, contiguous cache view, `namespace` as the expected one).
+    `kv_cache_dtype`: every K/V vector goes through that format's round trip before it is
+    stored and read (kvpage.verify.kv_oracle); `scale_span` > 0 (a block size) makes a traced
+    view carry one digest of the scales per span of that many tokens, as a paged view has one
+    per block."""
     check_prompt(model, prompt_ids, params)
-    cache = ContiguousKVCache(model.config.num_layers)
+    cache = RoundTripKVCache(model.config.num_layers, RoundTrip(kv_cache_dtype))
     generator = make_generator(params, fallback_seed, model.device)
     stop_ids = stop_token_ids(model, params)
     out = ReferenceOutput([], [], [] if params.logprobs is not None else None)
@@ -47,7 +60,9 @@ def generate(
         logits = _step(model, cache, step_input, out)
         token = sample_token(logits, params, generator)
         if trace_as is not None:
-            record = _record(trace_as, out, step_input, logits, token, cache, namespace)
+            record = _record(
+                trace_as, out, step_input, logits, token, cache, namespace, model, scale_span
+            )
             record.sampler = sampler_state(generator, len(out.token_ids) + 1)
             out.records.append(record)
         out.token_ids.append(token)
@@ -62,7 +77,7 @@ def generate(
         step_input = [token]
 
 
-def _step(model: CausalLM, cache: ContiguousKVCache, ids: list[int], out: ReferenceOutput):
+def _step(model: CausalLM, cache: RoundTripKVCache, ids: list[int], out: ReferenceOutput):
     start = cache.length
     positions = list(range(start, start + len(ids)))
     out.positions.append(positions)
@@ -72,18 +87,32 @@ def _step(model: CausalLM, cache: ContiguousKVCache, ids: list[int], out: Refere
     return model.compute_logits(hidden[-1:])[0]  # (V,)
 
 
-def _record(request_id, out, step_input, logits, token, cache, namespace) -> StepRecord:
+def _record(
+    request_id, out, step_input, logits, token, cache, namespace, model, scale_span
+) -> StepRecord:
+    trip = cache.round_trip
     view = CacheView(
         entries=(ViewEntry(0, -1, 0, cache.length, False, 1, "CONTIGUOUS"),),
         epoch=len(out.token_ids),
         namespace=namespace,
         block_size=0,
         contiguous=True,
-        kv_dtype=str(logits.dtype).removeprefix("torch."),
+        kv_dtype=trip.kv_dtype(model.dtype),
+        kv_layout=trip.layout_version,
+        scale_digests=_span_digests(cache, scale_span),
     )
     return make_record(
         request_id, len(out.token_ids), step_input, out.positions[-1], logits, token, view
     )
+
+
+def _span_digests(cache: RoundTripKVCache, span: int) -> tuple[str, ...]:
+    """One digest of the scales per `span` tokens of the context (what block j of a paged
+    view with block size `span` holds)."""
+    if span <= 0 or not cache.round_trip.quantized:
+        return ()
+    scales = cache.scales_of(0, cache.length)  # (L, 2, T, KVH)
+    return tuple(scale_digest(scales[:, :, i : i + span]) for i in range(0, cache.length, span))
 
 
 def stop_token_ids(model: CausalLM, params: SamplingParams) -> frozenset[int]:

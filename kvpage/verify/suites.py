@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from kvpage.config import EngineConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.namespace import base_namespace
+from kvpage.model.kv_format import kv_format
 from kvpage.sampling_params import SamplingParams
 from kvpage.verify.canary import find_foreign_canaries
 from kvpage.verify.case import Case, RequestSpec
@@ -28,7 +29,13 @@ from kvpage.verify.checks import (
     check_sampling,
     finding,
 )
-from kvpage.verify.diff import Divergence, RequestContext, first_divergence
+from kvpage.verify.diff import (
+    Divergence,
+    RequestContext,
+    first_divergence,
+    kv_atol,
+    quantized_attribution,
+)
 from kvpage.verify.reference import ReferenceOutput, generate, stop_token_ids
 from kvpage.verify.trace import EngineTracer, StepRecord
 
@@ -76,16 +83,24 @@ class Runtime:
         return self.engine_factory(EngineConfig(**args))
 
     def reference(
-        self, spec: RequestSpec, block_size: int, sample: int = 0, max_tokens: int | None = None
+        self,
+        spec: RequestSpec,
+        block_size: int,
+        sample: int = 0,
+        max_tokens: int | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> ReferenceOutput:
-        """Sample `sample` of the request, run alone on the contiguous reference; `max_tokens`
-        cuts it short (the first k steps do not depend on how many follow)."""
-        ns = base_namespace(self.model, self.tokenizer, block_size, self.model_name)
+        """Sample `sample` of the request, run alone on the contiguous reference (with the K/V
+        round trip of `kv_cache_dtype`); `max_tokens` cuts it short (the first k steps do not
+        depend on how many follow)."""
+        fmt = kv_format(kv_cache_dtype, self.model.dtype)
+        ns = base_namespace(self.model, self.tokenizer, block_size, self.model_name, fmt)
         ns_hex = ns.with_salt(spec.cache_salt).digest().hex()
         params = spec.params.for_sample(sample)
         if max_tokens is not None and max_tokens < params.max_tokens:
             params = replace(params, max_tokens=max(1, max_tokens))
-        return self._generate(spec.prompt, params, ns_hex)
+        span = block_size if fmt.quantized else 0
+        return self._generate(spec.prompt, params, ns_hex, kv_cache_dtype, span)
 
     def resolve(self, spec: RequestSpec) -> RequestSpec:
         """Fix a stop-at-reference-step request's stop token from its reference run."""
@@ -96,10 +111,25 @@ class Runtime:
         stop = tokens[min(spec.stop_at_ref_step, len(tokens) - 1)]
         return replace(spec, params=replace(spec.params, stop_token_ids=(stop,)))
 
-    def _generate(self, prompt: list[int], params: SamplingParams, ns_hex: str):
-        key = (tuple(prompt), params, ns_hex)
+    def _generate(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        ns_hex: str,
+        kv_cache_dtype: str = "auto",
+        span: int = 0,
+    ):
+        key = (tuple(prompt), params, ns_hex, kv_cache_dtype, span)
         if key not in self._refs:
-            self._refs[key] = generate(self.model, prompt, params, trace_as="ref", namespace=ns_hex)
+            self._refs[key] = generate(
+                self.model,
+                prompt,
+                params,
+                trace_as="ref",
+                namespace=ns_hex,
+                kv_cache_dtype=kv_cache_dtype,
+                scale_span=span,
+            )
         return self._refs[key]
 
 
@@ -121,6 +151,8 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         failures += check_provenance(engine.tracer, refs)
         failures += check_expectations(case, engine, finished, refs)
         failures += check_baseline(engine)
+        if engine.kv_format.quantized or engine.kv_format.cast_only:
+            _attribute_rounded_kv(case, runtime, failures)
     except Exception as err:  # a crash is a failure of the case, not of the verifier
         # What the engine produced before it crashed is still diffed: the first divergence
         # usually says more than the exception that followed it.
@@ -137,6 +169,23 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         time.perf_counter() - start,
         stats,
     )
+
+
+def _attribute_rounded_kv(case: Case, runtime: Runtime, failures: list[Failure]) -> None:
+    """Seed 000 §8's fourth row: a divergence that appears only on the quantized path. When a
+    case with the pool in a rounded KV format diverges, it runs again with unquantized KV (the
+    same engine factory, so the same build); if that run shows no divergence, the divergences
+    found are re-attributed to quantized_kv with the scales and layout they read."""
+    diverged = [f for f in failures if f.divergence is not None and f.divergence.reference]
+    if not diverged:
+        return
+    plain = replace(case, engine={**case.engine, "kv_cache_dtype": "auto"})
+    if any(f.divergence is not None for f in run_case(plain, runtime).failures):
+        return  # not specific to the KV format: the matrix's class stands
+    for f in diverged:
+        div = f.divergence
+        if div.candidate is not None:
+            div.attribution = quantized_attribution(div.reference, div.candidate, div.attribution)
 
 
 _DEFAULT_BUDGET = EngineConfig().max_num_batched_tokens
@@ -245,7 +294,7 @@ def _check_requests(
 ) -> list[Failure]:
     """Diffs every sample against its reference; fills `refs` (sample id -> reference records)."""
     failures: list[Failure] = []
-    block_size = engine.config.block_size
+    block_size, kv_dtype = engine.config.block_size, engine.config.kv_cache_dtype
     records = engine.tracer.records
     for spec in case.requests:
         out = finished.get(spec.request_id)
@@ -256,9 +305,9 @@ def _check_requests(
             cand = records.get(sample_id, [])
             completion = _completion(out, sample)
             cut = completion is None or completion.finish_reason not in ("stop", "length")
-            ref = runtime.reference(spec, block_size, sample, len(cand) if cut else None)
+            ref = runtime.reference(spec, block_size, sample, len(cand) if cut else None, kv_dtype)
             refs[sample_id] = ref.records
-            div = _diff_sample(runtime, spec, sample, ref, cand, completion)
+            div = _diff_sample(runtime, spec, sample, ref, cand, completion, kv_atol(kv_dtype))
             if div is not None:
                 div.request_id = sample_id
                 message = f"{sample_id} diverged at step {div.step} ({div.kind}: {div.detail})"
@@ -280,8 +329,9 @@ def _partial_divergences(case: Case, runtime: Runtime, engine: LLMEngine) -> lis
             cand = records.get(sample_id, [])
             if not cand:
                 continue
-            ref = runtime.reference(spec, engine.config.block_size, sample, len(cand))
-            div = first_divergence(ref.records[: len(cand)], cand)
+            kv_dtype = engine.config.kv_cache_dtype
+            ref = runtime.reference(spec, engine.config.block_size, sample, len(cand), kv_dtype)
+            div = first_divergence(ref.records[: len(cand)], cand, kv_atol(kv_dtype))
             if div is not None:
                 div.request_id = sample_id
                 message = f"{sample_id} diverged at step {div.step} ({div.kind}: {div.detail})"
@@ -294,7 +344,9 @@ def _completion(out, sample: int):
     return by_index.get(sample)
 
 
-def _diff_sample(runtime: Runtime, spec, sample, ref: ReferenceOutput, cand, completion):
+def _diff_sample(
+    runtime: Runtime, spec, sample, ref: ReferenceOutput, cand, completion, atol: float
+):
     params = spec.params.for_sample(sample)
     finish_cand = None if completion is None else completion.finish_reason
     ref_records = ref.records
@@ -307,4 +359,4 @@ def _diff_sample(runtime: Runtime, spec, sample, ref: ReferenceOutput, cand, com
         finish_cand,
         tuple(sorted(stop_token_ids(runtime.model, params))),
     )
-    return first_divergence(ref_records, cand, context=context)
+    return first_divergence(ref_records, cand, atol, context=context)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -28,6 +28,7 @@ class ViewEntry(NamedTuple):  # a tuple: one is built per block per traced step
     shared: bool
     ref_count: int
     state: str
+    scale: str = ""  # digest of the block's scales over its valid tokens (quantized KV only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +41,11 @@ class CacheView:
     namespace: str  # hex digest of the namespace the request's blocks are keyed in
     block_size: int  # 0 for contiguous
     contiguous: bool = False
-    kv_dtype: str = "float32"
+    kv_dtype: str = "float32"  # the stored dtype (int8, float8_e4m3fn, bfloat16, float32 ...)
+    kv_layout: int = 1  # kvpage.model.kv_format layout version (2: codes + per-token scales)
+    # Quantized KV: one digest of the scales read per block (the reference: per block-sized
+    # span of its contiguous cache, so the two line up block by block).
+    scale_digests: tuple[str, ...] = ()
 
     @property
     def last_block_len(self) -> int:
@@ -95,6 +100,13 @@ def logits_digests(logits: torch.Tensor) -> list[str]:
 def _digest_weights(vocab: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0x6B7670616765)
     return torch.randint(-(2**62), 2**62, (vocab,), generator=gen, dtype=torch.int64)
+
+
+def scale_digest(scales: torch.Tensor) -> str:
+    """Digest of float16 scales laid out (L, 2, tokens, KVH), one part per layer joined by '.',
+    so two digests also say in which layer the scales first differ."""
+    data = scales.detach().to(torch.float16).contiguous().cpu().view(torch.int16).numpy()
+    return ".".join(hashlib.sha256(layer.tobytes()).hexdigest()[:8] for layer in data)
 
 
 def sampler_state(generator: torch.Generator | None, num_draws: int) -> dict | None:
@@ -156,7 +168,7 @@ class EngineTracer:
         self._pending: dict[str, _PendingInputs] = {}
         self._views: dict[int, CacheView] = {}
         self._block_size = engine.config.block_size
-        self._kv_dtype = str(engine.model.dtype).removeprefix("torch.")
+        self._kv_format = engine.kv_format
 
     # --- hooks the engine calls ------------------------------------------------------------
     def on_event(self, event) -> None:
@@ -234,7 +246,8 @@ class EngineTracer:
         for row, (item, token) in enumerate(zip(batch.sample_seqs, tokens, strict=True)):
             seq = item.seq
             pend = self._pending.pop(seq.sample_id, _PendingInputs())
-            view = self._views.get(seq.seq_id, EMPTY_VIEW)
+            view = self._with_scales(self._views.get(seq.seq_id, EMPTY_VIEW))
+            self._views[seq.seq_id] = view  # a fork reads the same view
             # logits[row] is a view of this step's own logits tensor
             step_records.append(self._append(seq, pend, view, token, logits[row]))
         self._unsummarized.append((logits, step_records))
@@ -300,5 +313,18 @@ class EngineTracer:
             snap.epoch,
             seq.chain.namespace_digest.hex(),
             self._block_size,
-            kv_dtype=self._kv_dtype,
+            kv_dtype=self._kv_format.name,
+            kv_layout=self._kv_format.layout_version,
         )
+
+    def _with_scales(self, view: CacheView) -> CacheView:
+        """The scales a quantized step read, per block: taken after the step ran, since the
+        step itself wrote its new tokens' scales."""
+        scales = self.engine.storage.scales
+        if scales is None or not view.entries:
+            return view
+        entries = tuple(
+            e._replace(scale=scale_digest(scales[:, :, e.physical, : e.valid_len]))
+            for e in view.entries
+        )
+        return replace(view, entries=entries, scale_digests=tuple(e.scale for e in entries))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpage.verify.diff import REQUIRED_FIELDS, first_divergence
+from kvpage.verify.diff import REQUIRED_FIELDS, first_divergence, quantized_attribution
 from kvpage.verify.trace import CacheView, ViewEntry, make_record
 
 NS = "ab" * 32
@@ -153,10 +153,56 @@ def test_namespace_and_input_and_length_divergences():
     assert (d.step, d.kind) == (3, "length")
 
 
-def test_quantized_class_needs_scale_and_layout():
+def test_one_quantized_trace_keeps_the_matrix_class():
+    """A single trace cannot say a divergence is specific to the quantized path (that takes the
+    same case unquantized, kvpage.verify.suites): the matrix alone keeps its cache class."""
     ref = _trace(TOKENS, False, PROMPT)
     cand = _trace([7, 8, 9, 4, 2], True, PROMPT)
-    cand[3].view = CacheView(cand[3].view.entries, 7, NS, 4, kv_dtype="int8")
-    a = first_divergence(ref, cand).attribution
-    assert a.cls == "quantized_kv" and not a.complete
-    assert set(a.missing) == {"kv_scale", "kv_layout"} <= set(REQUIRED_FIELDS["quantized_kv"])
+    cand[3].view = CacheView(cand[3].view.entries, 7, NS, 4, kv_dtype="int8", kv_layout=2)
+    assert first_divergence(ref, cand).attribution.cls == "block_table"
+
+
+def _scaled(view: CacheView, digests: tuple[str, ...], layout: int = 2) -> CacheView:
+    entries = tuple(e._replace(scale=d) for e, d in zip(view.entries, digests, strict=False))
+    return CacheView(
+        entries, view.epoch, NS, view.block_size, view.contiguous, "int8", layout, digests
+    )
+
+
+def test_quantized_attribution_names_the_first_block_and_layer_whose_scales_differ():
+    ref = _trace(TOKENS, False, PROMPT)
+    cand = _trace([7, 8, 9, 4, 2], True, PROMPT)
+    ref[3].view = _scaled(ref[3].view, ("a1.b1", "a2.b2", "a3.b3"))
+    cand[3].view = _scaled(cand[3].view, ("a1.b1", "a2.XX", "a3.b3"))
+    d = first_divergence(ref, cand)
+    a = quantized_attribution(d.reference, d.candidate, d.attribution)
+    assert a.cls == "quantized_kv" and a.complete, a.missing
+    assert a.fields["matrix_class"] == "block_table"
+    assert a.fields["kv_dtype"] == "int8"
+    assert a.fields["kv_layout"] == {"version": 2, "reference_version": 2, "block_size": 4}
+    scale = a.fields["kv_scale"]
+    assert (scale["first_mismatching_block"], scale["first_mismatching_layer"]) == (1, 1)
+    assert scale["block_ids"] == [10, 11, 12] and scale["candidate"][1] == "a2.XX"
+    assert "block 1 (layer 1)" in a.reason
+
+
+def test_quantized_attribution_with_equal_scales_points_at_codes():
+    ref = _trace(TOKENS, False, PROMPT)
+    cand = _trace([7, 8, 9, 4, 2], True, PROMPT)
+    ref[3].view = _scaled(ref[3].view, ("a1", "a2", "a3"))
+    cand[3].view = _scaled(cand[3].view, ("a1", "a2", "a3"))
+    d = first_divergence(ref, cand)
+    a = quantized_attribution(d.reference, d.candidate, d.attribution)
+    assert a.complete and a.fields["kv_scale"]["first_mismatching_block"] is None
+    assert "scales match" in a.reason
+
+
+def test_quantized_class_without_scales_is_incomplete():
+    """Layout 2 promises scales: a step that recorded none cannot be attributed completely."""
+    ref = _trace(TOKENS, False, PROMPT)
+    cand = _trace([7, 8, 9, 4, 2], True, PROMPT)
+    cand[3].view = CacheView(cand[3].view.entries, 7, NS, 4, kv_dtype="int8", kv_layout=2)
+    d = first_divergence(ref, cand)
+    a = quantized_attribution(d.reference, d.candidate, d.attribution)
+    assert a.cls == "quantized_kv" and a.missing == ["kv_scale"]
+    assert set(a.missing) <= set(REQUIRED_FIELDS["quantized_kv"])

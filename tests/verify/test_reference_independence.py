@@ -10,7 +10,13 @@ from pathlib import Path
 import kvpage
 
 ROOT = Path(kvpage.__file__).parent
-FORBIDDEN = ("kvpage.cache", "kvpage.engine", "kvpage.model.paged_attention")
+# kv_format is the engine's quantiser: the reference rounds K/V with its own (verify.kv_oracle).
+FORBIDDEN = (
+    "kvpage.cache",
+    "kvpage.engine",
+    "kvpage.model.paged_attention",
+    "kvpage.model.kv_format",
+)
 
 
 def _module_file(name: str) -> Path | None:

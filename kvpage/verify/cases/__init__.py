@@ -10,6 +10,7 @@ from kvpage.verify.cases.parallel import parallel_cases
 from kvpage.verify.cases.policy import policy_cases
 from kvpage.verify.cases.preemption import preemption_cases
 from kvpage.verify.cases.prefix import prefix_cases
+from kvpage.verify.cases.quantized import REQUANTIZED_SUITES, cow_case, quantized_copies
 from kvpage.verify.cases.resources import resource_cases
 from kvpage.verify.cases.sampling import sampling_cases
 from kvpage.verify.cases.stop import stop_cases
@@ -29,7 +30,11 @@ SUITES = (
 BLOCK_SIZES = (8, 16)
 
 
-def build_suites(vocab: int, suites: tuple[str, ...] = SUITES) -> list[Case]:
+def build_suites(
+    vocab: int, suites: tuple[str, ...] = SUITES, kv_cache_dtypes: tuple[str, ...] = ()
+) -> list[Case]:
+    """The cases of `suites`; then, for each quantized KV dtype, the prefix, batching and
+    preemption cases among them again in that format, and its copy-on-write fork case."""
     cases: list[Case] = []
     if "prefix" in suites:
         for block_size in BLOCK_SIZES:
@@ -51,4 +56,16 @@ def build_suites(vocab: int, suites: tuple[str, ...] = SUITES) -> list[Case]:
     for name, build in builders.items():
         if name in suites:
             cases += build(vocab)
+    base = list(cases)
+    for kv_cache_dtype in kv_cache_dtypes:
+        cases += quantized_copies(base, kv_cache_dtype) + [cow_case(vocab, kv_cache_dtype)]
     return cases
+
+
+def quantized_suite_names(suites: tuple[str, ...], kv_cache_dtypes: tuple[str, ...]):
+    """Names of the suites build_suites adds for the quantized dtypes."""
+    return tuple(
+        name
+        for d in kv_cache_dtypes
+        for name in (*(f"{s}:{d}" for s in suites if s in REQUANTIZED_SUITES), f"parallel:{d}")
+    )

@@ -20,6 +20,9 @@ class Mutant:
     # Suites run first against this mutant (the rest follow): only the order, and so the gate's
     # time, depends on it; any case of any suite may catch it.
     suites: tuple[str, ...] = ()
+    # The pool format the bug lives in (a quantized KV dtype), or None for any: the gate runs
+    # such a mutant only when it runs suites in that format.
+    kv_cache_dtype: str | None = None
 
 
 class MissingSeam(AttributeError):
