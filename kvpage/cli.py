@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from kvpage.config import PREEMPTION_MODES
+from kvpage.config import KV_CACHE_DTYPES, PREEMPTION_MODES
 from kvpage.errors import KVPageError
 from kvpage.model import DTYPES
 from kvpage.sampling_params import SamplingParams
@@ -139,6 +139,12 @@ def _add_generate(sub) -> None:
     gen.add_argument("--top-p", type=_number(float, 0.0, 1.0), default=1.0, help="nucleus mass")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens")
+    gen.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="K/V round trip of the reference (auto: as computed)",
+    )
     gen.set_defaults(func=_cmd_generate)
 
 
@@ -155,6 +161,14 @@ def _add_verify(sub) -> None:
         "classes: add --no-mutants for a quick partial run",
     )
     ver.add_argument("--no-mutants", action="store_true", help="skip the mutation check")
+    ver.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="int8",
+        help="KV format the prefix, batching and preemption suites run in once more (with a "
+        "copy-on-write fork case), against a reference with the same K/V round trip; auto: "
+        "run them once, and skip the quantized-KV mutants",
+    )
     ver.add_argument("--report", default="reports/gate", help="directory for the reports")
     ver.add_argument("--quiet", action="store_true", help="no progress bar")
     ver.set_defaults(func=_cmd_verify)
@@ -194,6 +208,12 @@ def _add_serve(sub) -> None:
     srv.add_argument("--max-num-seqs", type=_count, default=64, help="requests per step")
     srv.add_argument("--max-num-batched-tokens", type=_count, default=2048, help="per step")
     srv.add_argument("--no-prefix-caching", action="store_true", help="never share KV blocks")
+    srv.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="how the KV pool stores K/V (auto: the model dtype; int8/fp8_e4m3: quantized)",
+    )
     srv.add_argument(
         "--preemption-mode",
         choices=PREEMPTION_MODES,
@@ -256,7 +276,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = encode_text(tokenizer, args.prompt, args.model)
     else:
         prompt_ids = args.prompt_ids
-    out = generate(model, prompt_ids, params)
+    out = generate(model, prompt_ids, params, kv_cache_dtype=args.kv_cache_dtype)
     if tokenizer is not None:
         print(f"text: {tokenizer.decode(out.token_ids)!r}")
     print(f"prompt_ids: {prompt_ids}")
@@ -275,7 +295,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if unknown:
         print(f"error: unknown suite(s) {sorted(unknown)}; choose from {SUITES}", file=sys.stderr)
         return 2
-    result = run_gate(args.model, suites, mutants=not args.no_mutants, progress=not args.quiet)
+    result = run_gate(
+        args.model,
+        suites,
+        mutants=not args.no_mutants,
+        progress=not args.quiet,
+        kv_cache_dtypes=(args.kv_cache_dtype,),
+    )
     data = write_reports(result, args.report)
     print(summary_table(data))
     print(f"reports: {args.report}/report.json, report.md, report.html")
@@ -323,6 +349,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
             preemption_mode=args.preemption_mode,
+            kv_cache_dtype=args.kv_cache_dtype,
             dtype=args.dtype,
             device=args.device,
         )
