@@ -56,8 +56,14 @@ EXPECTED_CLASS = {
     "digest_confirmed_at_root_only": "prefix_key",
     "hits_recounted_on_readmission": "accounting",
     "same_step_join": "prefix_key",
+    # quantized KV (issue 14): only the quantized run diverges
+    "scale_from_previous_generation": "quantized_kv",
+    "cow_copies_data_not_scale": "quantized_kv",
+    "one_scale_for_all_heads": "quantized_kv",
+    "swap_in_without_scales": "quantized_kv",
+    "int8_round_toward_zero": "quantized_kv",
 }
-STEP_PAIR_CLASSES = {"block_table", "prefix_key", "restore", "sampling"}
+STEP_PAIR_CLASSES = {"block_table", "prefix_key", "restore", "sampling", "quantized_kv"}
 SUITES = {
     "prefix",
     "batching",
@@ -69,6 +75,11 @@ SUITES = {
     "namespaces",
     "policy",
     "parallel",
+    # the gate's default --kv-cache-dtype int8 copies
+    "prefix:int8",
+    "batching:int8",
+    "preemption:int8",
+    "parallel:int8",
 }
 
 
@@ -101,6 +112,11 @@ def test_each_mutant_caught_and_attributed(gate, name):
     if EXPECTED_CLASS[name] in STEP_PAIR_CLASSES:
         assert d["reference"] is not None and d["candidate"] is not None
         assert d["candidate"]["view"]["entries"], "the candidate's block table is in the report"
+    if EXPECTED_CLASS[name] == "quantized_kv":
+        fields = d["attribution"]["fields"]
+        assert fields["kv_dtype"] == "int8" and fields["kv_layout"]["version"] == 2
+        assert fields["kv_scale"]["candidate"] and fields["kv_scale"]["reference"]
+        assert d["candidate"]["view"]["kv_dtype"] == "int8"
 
 
 def test_reports_are_written(gate):
