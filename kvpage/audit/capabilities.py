@@ -93,6 +93,8 @@ class Prober:
             setattr(self.caps, name, self._accepts({name: value}, name))
         self._token_ids()
         self._streaming()
+        if self.caps.cache_salt:
+            self._salt_separates()
         if self.caps.text_prompts:
             self._chars_per_token()
         self._second_key()
@@ -180,6 +182,37 @@ class Prober:
             self.caps.cached_tokens = self.caps.cached_tokens or timing.cached_tokens is not None
             return
         self.caps.notes.append("no streaming: TTFT is measured as the latency of 1-token requests")
+
+    def _salt_separates(self) -> None:
+        """A salt the server accepts but ignores would make every "cold" reference warm and
+        every "other tenant" the same one: check with usage where it is reported."""
+        if not self.caps.cached_tokens:
+            self.caps.notes.append(
+                "cache_salt accepted; whether it separates caches is unverified (no cached "
+                "tokens reported): the timing suite's second tenant tests it"
+            )
+            return
+        payload = self._long_prompt()
+        counts = [
+            self._ask(payload, {"cache_salt": salt}).cached_tokens for salt in ("s1", "s1", "s2")
+        ]
+        if not counts[1]:
+            self.caps.notes.append("cache_salt: no caching observed, so its effect is unverified")
+        elif counts[2]:
+            self.caps.cache_salt = False
+            self.caps.notes.append(
+                f"cache_salt accepted but ignored: another salt was served {counts[2]} cached tokens"
+            )
+
+    def _long_prompt(self) -> list[int] | str:
+        """A fresh prompt of a few blocks (a random one: nothing cached it before)."""
+        import random
+
+        rng = random.Random(self.cfg.seed + 13)
+        n = 4 * max(self.cfg.block_sizes) + 3
+        if self.caps.id_range is not None:
+            return [rng.randrange(*self.caps.id_range) for _ in range(n)]
+        return "".join(rng.choice("abcdefghij ") for _ in range(4 * n))
 
     def _chars_per_token(self) -> None:
         """From usage: the prompt-token difference of two random texts, so overheads cancel."""

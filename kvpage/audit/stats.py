@@ -13,6 +13,7 @@ from typing import Any
 EXACT_LIMIT = 200_000  # enumerate every split up to this many; sample beyond it
 MONTE_CARLO_DRAWS = 20_000
 ALTERNATIVES = ("less", "greater", "two-sided")
+METHODS = ("exact", "monte-carlo", "normal")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,25 +52,41 @@ def midranks(values: list[float]) -> list[float]:
 
 
 def mann_whitney(
-    x: list[float], y: list[float], alternative: str = "less", seed: int = 0
+    x: list[float],
+    y: list[float],
+    alternative: str = "less",
+    seed: int = 0,
+    method: str = "auto",
 ) -> MannWhitney:
-    """Is x stochastically smaller ("less"), larger ("greater") or either ("two-sided") than y?"""
+    """Is x stochastically smaller ("less"), larger ("greater") or either ("two-sided") than y?
+    `method` "auto" picks exact enumeration when it is cheap, else Monte Carlo for small samples
+    and the normal approximation for large ones; or name one of them."""
     if alternative not in ALTERNATIVES:
         raise ValueError(f"alternative must be one of {ALTERNATIVES}, got {alternative!r}")
+    if method not in ("auto", *METHODS):
+        raise ValueError(f"method must be auto or one of {METHODS}, got {method!r}")
     n1, n2 = len(x), len(y)
     if n1 == 0 or n2 == 0:
         raise ValueError("both samples need at least one value")
     ranks = midranks(list(x) + list(y))
     u = sum(ranks[:n1]) - n1 * (n1 + 1) / 2
     effect = 2 * u / (n1 * n2) - 1
-    if math.comb(n1 + n2, n1) <= EXACT_LIMIT:
+    if method == "auto":
+        method = _auto_method(n1, n2)
+    if method == "exact":
         p = _permutation_p(ranks, n1, u, alternative, None)
         return MannWhitney(u, n1, n2, p, alternative, "exact", effect)
-    if n1 + n2 < 40:  # too many splits to list, too few values for the normal curve
+    if method == "monte-carlo":
         p = _permutation_p(ranks, n1, u, alternative, random.Random(seed))
         return MannWhitney(u, n1, n2, p, alternative, "monte-carlo", effect)
     z, p = _normal_p(ranks, n1, n2, u, alternative)
     return MannWhitney(u, n1, n2, p, alternative, "normal", effect, z)
+
+
+def _auto_method(n1: int, n2: int) -> str:
+    if math.comb(n1 + n2, n1) <= EXACT_LIMIT:
+        return "exact"
+    return "monte-carlo" if n1 + n2 < 40 else "normal"  # the normal curve needs some values
 
 
 def _u_of(ranks: list[float], members: tuple[int, ...], n1: int) -> float:

@@ -14,6 +14,7 @@ from kvpage.audit.stats import block_size_from_cached
 from kvpage.audit.suites.base import UNTESTABLE, SuiteContext, SuiteResult
 
 NAME = "prefix"
+C_TOKENS = 4  # the A/B/C pattern's C: in and out while B decodes
 
 
 def shares(block: int) -> list[int]:
@@ -142,11 +143,13 @@ def _abc(ctx: SuiteContext, result: SuiteResult, block: int) -> None:
     shared = block + block // 2
     prefix = ctx.factory.random(shared)
     a, b, c = (prefix + ctx.factory.random(n) for n in (3, 4, 5))
-    b_tokens = max(ctx.cfg.max_tokens, block + 8)
+    # B decodes across new blocks long after C (short) has finished and released its share:
+    # blocks freed too early are then reallocated under B.
+    b_tokens = max(ctx.cfg.max_tokens, 3 * block)
     ctx.session.complete(a)
     b_out, c_out = _b_then_c(ctx, b, c, b_tokens)
     ref_b = ctx.session.complete(b, b_tokens, tenant=ctx.cold())
-    ref_c = ctx.session.complete(c, tenant=ctx.cold())
+    ref_c = ctx.session.complete(c, C_TOKENS, tenant=ctx.cold())
     context = {"block_size": block, "shared_tokens": shared}
     for name, ref, out in (("B", ref_b, b_out), ("C", ref_c, c_out)):
         here = {**context, "mode": f"A/B/C: {name}"}
@@ -163,7 +166,7 @@ def _b_then_c(
 
     def send_c() -> None:
         try:
-            c_out.append(ctx.session.complete(c))
+            c_out.append(ctx.session.complete(c, C_TOKENS))
         except BaseException as err:  # handed to the caller's thread below
             errors.append(err)
 

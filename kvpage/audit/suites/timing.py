@@ -152,6 +152,9 @@ def _verdict(ctx: SuiteContext, data: dict, has_cross: bool) -> tuple[str, str]:
         if cross_fast:
             t = tests["cross_vs_cold"]
             why.append(f"its TTFT is below cold (p={t['p']:.2g}, effect {t['effect']:.2f})")
+        if data["second_tenant"] == "another cache_salt":
+            why.append("tenants were told apart by cache_salt only: the server takes the field")
+            why[-1] += " but the salts share one cache"
         return SHARED, "; ".join(why) + f"; {within}"
     if sharing:
         return ISOLATED, f"the second tenant sees no reuse of the victim's prefix; {within}"

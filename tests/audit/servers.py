@@ -1,0 +1,171 @@
+"""Servers the audit tests run against, all real HTTP on 127.0.0.1 free ports: kvpage itself
+(honest, with a verifier mutant bound through its named seams, or with a test-only seam), and a
+small proxy in front of kvpage that turns it into a different server: one that leaks tokens
+between concurrent requests, or one that offers only what `transformers serve` offers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from kvpage import EngineConfig, LLMEngine
+from kvpage.server import ServerOptions, create_app
+from kvpage.server.background import BackgroundServer, free_port
+from kvpage.verify.mutants import MUTANTS
+
+MODEL = "builtin:tiny-llama"
+KEYS = {"key-alice": "alice", "key-bob": "bob"}
+
+
+@contextmanager
+def kvpage_server(
+    api_keys: dict[str, str] | None = None,
+    num_blocks: int = 256,
+    mutant: str | None = None,
+    seam: Callable[[LLMEngine], None] | None = None,
+) -> Iterator[str]:
+    """A kvpage server; `mutant` names a verifier mutant (kvpage.verify.mutants) to apply."""
+    found = {m.name: m for m in MUTANTS}[mutant] if mutant else None
+    overrides = found.config if found else {}
+    config = EngineConfig(model=MODEL, num_blocks=num_blocks, max_num_seqs=32, **overrides)
+    engine = LLMEngine(config)
+    if found is not None:
+        found.apply(engine)
+    if seam is not None:
+        seam(engine)
+    options = ServerOptions(model_name=MODEL, api_keys=api_keys or {}, shadow_rate=0.0)
+    with BackgroundServer(create_app(engine, options)) as bg:
+        yield bg.url
+
+
+@contextmanager
+def serve_app(app: FastAPI) -> Iterator[str]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+class _Overlap:
+    """Which requests were in flight at the same time as which (the leak's victims)."""
+
+    def __init__(self) -> None:
+        self.active: dict[int, list[int]] = {}
+        self.met: dict[int, list[list[int]]] = {}
+
+    def enter(self, rid: int, prompt: list[int]) -> None:
+        for other, seen in self.met.items():
+            if other in self.active:
+                seen.append(prompt)
+        self.met[rid] = list(self.active.values())
+        self.active[rid] = prompt
+
+    def leave(self, rid: int) -> list[list[int]]:
+        self.active.pop(rid, None)
+        return self.met.pop(rid, [])
+
+
+def proxy_app(upstream: str, leak: bool = False, text_only: bool = False) -> FastAPI:
+    """`leak`: a completion that overlapped another request gets that request's last 4 prompt
+    ids (its canary) written over output tokens 2..5. `text_only`: like `transformers serve`,
+    token-id prompts are refused, logprobs and token ids silently dropped, no cached-token
+    usage, no cache_salt effect (the field is dropped)."""
+    app = FastAPI()
+    overlap, counter = _Overlap(), iter(range(10**9))
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def forward(path: str, request: Request) -> Response:
+        raw = await request.body()
+        data = json.loads(raw) if raw else None
+        if text_only and isinstance(data, dict):
+            if isinstance(data.get("prompt"), list):
+                return JSONResponse({"error": {"message": "prompt must be a string"}}, 400)
+            for field in (
+                "logprobs",
+                "top_logprobs",
+                "return_token_ids",
+                "cache_salt",
+                "stream_options",
+            ):
+                data.pop(field, None)
+        client = httpx.AsyncClient(base_url=upstream, timeout=60)
+        headers = {"authorization": request.headers.get("authorization", "")}
+        if isinstance(data, dict) and data.get("stream"):
+            upstream_req = client.build_request("POST", f"/{path}", json=data, headers=headers)
+            resp = await client.send(upstream_req, stream=True)
+            return StreamingResponse(
+                resp.aiter_raw(),
+                resp.status_code,
+                media_type="text/event-stream",
+                background=BackgroundTask(_close, resp, client),
+            )
+        rid = next(counter)
+        prompt = data.get("prompt") if isinstance(data, dict) else None
+        if leak and isinstance(prompt, list):
+            overlap.enter(rid, prompt)
+            await asyncio.sleep(0.02)  # widen the window in which requests meet
+        try:
+            resp = await client.request(request.method, f"/{path}", json=data, headers=headers)
+        finally:
+            await client.aclose()
+            met = overlap.leave(rid)
+        body = resp.json()
+        if leak and met and resp.status_code == 200:
+            _write_canary(body, met[0][-4:])
+        if text_only and isinstance(body.get("usage"), dict):
+            body["usage"].pop("prompt_tokens_details", None)
+        return JSONResponse(body, resp.status_code)
+
+    return app
+
+
+async def _close(resp: httpx.Response, client: httpx.AsyncClient) -> None:
+    await resp.aclose()
+    await client.aclose()
+
+
+def _write_canary(body: dict, canary: list[int]) -> None:
+    choice = body["choices"][0]
+    ids = choice.get("token_ids")
+    if not ids or len(ids) < 2 + len(canary):
+        return
+    ids[2 : 2 + len(canary)] = canary
+    tokens = (choice.get("logprobs") or {}).get("tokens")
+    if tokens:
+        tokens[2 : 2 + len(canary)] = [f"token_id:{t}" for t in canary]
+
+
+def batched_logits_in_bfloat16(engine: LLMEngine) -> None:
+    """A test-only seam: logits of a step with several sequences are rounded to bfloat16, as a
+    lower-precision batched kernel would leave them. Solo steps are untouched, nothing else
+    changes: the outputs differ from solo ones by float rounding only."""
+    from kvpage.verify.mutants.base import _bind
+
+    original = engine.runner.run
+
+    def run(self, batch):
+        logits = original(batch)
+        if len(batch.scheduled) > 1:
+            logits = logits.to("cpu").bfloat16().float().to(logits.device)
+        return logits
+
+    _bind(engine.runner, "run", run)
