@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from kvpage.audit import cli as audit_cli
 from kvpage.config import KV_CACHE_DTYPES, PREEMPTION_MODES
 from kvpage.errors import KVPageError
 from kvpage.model import DTYPES
@@ -118,6 +119,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_verify(sub)
     _add_experiment(sub)
     _add_serve(sub)
+    audit_cli.add_parser(sub)
     return parser
 
 
