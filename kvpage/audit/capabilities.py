@@ -26,7 +26,8 @@ class Capabilities:
     seed: bool = False
     ignore_eos: bool = False
     return_token_ids: bool = False  # output token ids in each choice
-    cache_salt: bool = False  # a per-request cache namespace (vLLM's `cache_salt`)
+    cache_salt: bool = False  # a per-request cache namespace (vLLM's `cache_salt`) accepted
+    salt_ignored: bool = False  # ... but a second salt was served the first one's cache
     cached_tokens: bool = False  # usage.prompt_tokens_details.cached_tokens
     streaming: bool = False
     stream_usage: bool = False  # stream_options.include_usage
@@ -186,7 +187,7 @@ class Prober:
     def _salt_separates(self) -> None:
         """A salt the server accepts but ignores would make every "cold" reference warm and
         every "other tenant" the same one: check with usage where it is reported."""
-        if not self.caps.cached_tokens:
+        if not (self.caps.cached_tokens and self.cfg.trust_usage):
             self.caps.notes.append(
                 "cache_salt accepted; whether it separates caches is unverified (no cached "
                 "tokens reported): the timing suite's second tenant tests it"
@@ -199,9 +200,10 @@ class Prober:
         if not counts[1]:
             self.caps.notes.append("cache_salt: no caching observed, so its effect is unverified")
         elif counts[2]:
-            self.caps.cache_salt = False
+            self.caps.salt_ignored = True
             self.caps.notes.append(
-                f"cache_salt accepted but ignored: another salt was served {counts[2]} cached tokens"
+                f"cache_salt accepted but not separating caches: another salt was served "
+                f"{counts[2]} cached tokens (references cannot be made cold)"
             )
 
     def _long_prompt(self) -> list[int] | str:

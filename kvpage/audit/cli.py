@@ -79,7 +79,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--block-sizes",
         type=_positive_ints,
-        default=(16, 32, 64),
+        default="16,32,64",
         help="candidate KV block sizes, comma-separated",
     )
     p.add_argument(
@@ -92,7 +92,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--suites",
         type=_suites,
-        default=SUITES,
+        default=",".join(SUITES),
         help=f"comma-separated subset of {','.join(SUITES)}",
     )
     p.add_argument(

@@ -28,6 +28,7 @@ class Budget:
 
     def __init__(self, limit: int, on_take: Callable[[int, int], None] | None = None) -> None:
         self.limit, self.used = limit, 0
+        self.stop_at: int | None = None  # the running suite's share of the budget ends here
         self._lock = threading.Lock()
         self._on_take = on_take
 
@@ -39,6 +40,8 @@ class Budget:
         with self._lock:
             if self.used >= self.limit:
                 raise BudgetExhausted(f"the request budget ({self.limit}) is spent")
+            if self.stop_at is not None and self.used >= self.stop_at:
+                raise BudgetExhausted("this suite's share of the request budget is spent")
             self.used += 1
             used = self.used
         if self._on_take is not None:

@@ -47,6 +47,11 @@ class AuditResult:
             return "NOT ISOLATED"
         if all(s.verdict == UNTESTABLE for s in self.suites):
             return "NOTHING TESTABLE"
+        incomplete = [
+            s.name for s in self.suites if s.verdict == UNTESTABLE or "partial" in s.verdict
+        ]
+        if incomplete:
+            return f"no isolation failure found (incomplete: {', '.join(incomplete)})"
         return "isolated (no isolation failure found)"
 
     def block_size(self) -> int | None:
@@ -80,13 +85,20 @@ class AuditResult:
 
 
 class Progress:
-    """One line on stderr, redrawn per request: requests used of the budget, current suite."""
+    """On a terminal, one line on stderr redrawn per request (requests used of the budget,
+    current suite); elsewhere (a log, a pipe) one line per suite."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled, self.suite = enabled, "capabilities"
+        self.tty = enabled and sys.stderr.isatty()
+
+    def start(self, suite: str, budget: Budget) -> None:
+        self.suite = suite
+        if self.enabled and not self.tty:
+            print(f"audit: {suite} ({budget.used}/{budget.limit} requests so far)", file=sys.stderr)
 
     def __call__(self, used: int, limit: int) -> None:
-        if not self.enabled:
+        if not self.tty:
             return
         width = 30
         done = min(width, width * used // max(limit, 1))
@@ -99,7 +111,7 @@ class Progress:
         )
 
     def close(self) -> None:
-        if self.enabled:
+        if self.tty:
             print(file=sys.stderr)
 
 
@@ -110,33 +122,47 @@ def run_audit(cfg: AuditConfig) -> AuditResult:
     try:
         with AuditClient(cfg, budget) as client:
             caps = Prober(cfg, client).run()
-            planned, notes = fit(cfg, budget.remaining, caps.cache_salt)
+            cold_refs = caps.cache_salt and not caps.salt_ignored
+            planned, notes = fit(cfg, budget.remaining, cold_refs)
             factory = PromptFactory(cfg.seed, caps.id_range, caps.chars_per_token)
             ctx = SuiteContext(planned, caps, AuditSession(planned, client, caps), factory)
-            results = _run_suites(ctx, progress)
+            shares = _shares(estimate(planned, cold_refs), budget.remaining)
+            results = _run_suites(ctx, progress, budget, shares)
     finally:
         progress.close()
     result = AuditResult(cfg, caps, results, notes, budget.used, time.perf_counter() - start)
-    result.plan_notes.append(f"planned requests per suite: {estimate(planned, caps.cache_salt)}")
+    cold_refs = caps.cache_salt and not caps.salt_ignored
+    result.plan_notes.append(f"planned requests per suite: {estimate(planned, cold_refs)}")
     return result
 
 
-def _run_suites(ctx: SuiteContext, progress: Progress) -> list[SuiteResult]:
+def _shares(costs: dict[str, int], remaining: int) -> dict[str, int] | None:
+    """Per-suite request caps when the plan does not fit (None: it fits, no caps). The baseline
+    and batch suites are cheap and the others are judged against them: they get what they
+    need; the rest is split in proportion, so a tight budget shortens every later suite
+    instead of starving the last ones."""
+    if sum(costs.values()) <= remaining:
+        return None
+    first = {n: min(costs[n], remaining) for n in ("baseline", "batch") if n in costs}
+    left = max(0, remaining - sum(first.values()))
+    rest = {n: c for n, c in costs.items() if n not in first}
+    total = sum(rest.values()) or 1
+    return {**first, **{n: left * c // total for n, c in rest.items()}}
+
+
+def _run_suites(
+    ctx: SuiteContext, progress: Progress, budget: Budget, shares: dict[str, int] | None
+) -> list[SuiteResult]:
     wanted = set(ctx.cfg.suites) | ({"baseline"} if "batch" in ctx.cfg.suites else set())
     results: list[SuiteResult] = []
-    spent = False
     for name in (n for n in ORDER if n in wanted):
-        progress.suite = name
-        if spent:
-            results.append(
-                SuiteResult(name, UNTESTABLE, untested=["not run: request budget spent"])
-            )
-            continue
+        progress.start(name, budget)
+        budget.stop_at = None if shares is None else budget.used + shares[name]
         try:
             results.append(RUNNERS[name](ctx))
         except BudgetExhausted as err:
-            spent = True
             results.append(_partial(ctx, name, err))
+    budget.stop_at = None
     return results
 
 

@@ -108,7 +108,7 @@ class SuiteContext:
     @property
     def cold_refs(self) -> bool:
         """Can a reference be made cold on demand (a fresh cache salt per request)?"""
-        return self.caps.cache_salt
+        return self.caps.cache_salt and not self.caps.salt_ignored
 
     def cold(self) -> Tenant:
         """A tenant nobody else is: a fresh salt where the server takes salts."""
