@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from kvpage.audit import cli as audit_cli
+from kvpage.audit import faults as audit_faults
 from kvpage.config import KV_CACHE_DTYPES, PREEMPTION_MODES
 from kvpage.errors import KVPageError
 from kvpage.model import DTYPES
@@ -257,6 +258,7 @@ def _add_serve(sub) -> None:
         default=10.0,
         help="seconds in-flight requests get on shutdown; then streams end with an error event",
     )
+    audit_faults.add_serve_args(srv)
     srv.set_defaults(func=_cmd_serve)
 
 
@@ -341,6 +343,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from kvpage.server.background import serve
 
     options = _server_options(args)  # every file and the address, before the model loads
+    fault = audit_faults.chosen(args)
     _check_listen(args.host, args.port)
     engine = LLMEngine(
         EngineConfig(
@@ -354,9 +357,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             kv_cache_dtype=args.kv_cache_dtype,
             dtype=args.dtype,
             device=args.device,
+            **audit_faults.config_overrides(fault),
         )
     )
     app = create_app(engine, options)
+    audit_faults.inject(app, engine, fault)
     print("kvpage serve", *(f"  {line}" for line in app.state.server.describe()), sep="\n")
     print(f"  listening on http://{args.host}:{args.port}", flush=True)
     serve(app, args.host, args.port)
