@@ -1,0 +1,57 @@
+"""`kvpage serve --inject-fault`: refused without --allow-unsafe-faults, and when allowed, a real
+`kvpage serve` process that marks every reply and that `kvpage audit` fails through the API."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+
+from kvpage.audit.faults import FAULT_HEADER
+from kvpage.cli import main
+from kvpage.server.background import free_port
+from tests.audit.servers import MODEL
+
+
+def test_faults_are_refused_unless_allowed(capsys):
+    assert main(["serve", "--inject-fault", "no_refcount"]) == 2
+    assert "--allow-unsafe-faults" in capsys.readouterr().err
+    assert main(["serve", "--inject-fault", "nope", "--allow-unsafe-faults"]) == 2
+    assert "no fault named 'nope'" in capsys.readouterr().err
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen) -> httpx.Response:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else "server exited"
+        try:
+            return httpx.get(f"{url}/health", timeout=1)
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise AssertionError("kvpage serve did not come up")
+
+
+def test_a_served_fault_is_marked_and_caught_by_the_audit(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "kvpage.cli", "serve", "--port", str(port), "--shadow-rate", "0"]
+    cmd += ["--audit-log", str(tmp_path / "audit.jsonl")]
+    cmd += ["--inject-fault", "off_by_one_block_boundary", "--allow-unsafe-faults"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        health = _wait_healthy(url, proc)
+        assert health.headers[FAULT_HEADER] == "off_by_one_block_boundary"
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            assert r.headers[FAULT_HEADER] == "off_by_one_block_boundary"
+        report = tmp_path / "report"
+        args = ["audit", "--base-url", url, "--model", MODEL, "--quiet", "--report", str(report)]
+        args += ["--block-sizes", "16", "--probes", "3", "--suites", "baseline,batch,prefix"]
+        assert main(args) == 1
+        assert "prefix: isolation failure" in (report / "report.md").read_text()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "WARNING: fault 'off_by_one_block_boundary' injected" in err
