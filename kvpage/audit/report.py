@@ -145,7 +145,7 @@ def divergence_rows(suite: dict[str, Any]) -> list[list[str]]:
         rows.append(
             [
                 check["name"],
-                _shared(check["context"], check["candidate"]),
+                _shared(check["context"], check["reference"], check["candidate"]),
                 check["class"] or "-",
                 f"{div['unit']} {div['index']}"
                 + (" (logprobs only)" if div["logprob_only"] else ""),
@@ -163,14 +163,14 @@ def divergence_rows(suite: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def _shared(context: dict[str, Any], cand: dict[str, Any]) -> str:
+def _shared(context: dict[str, Any], ref: dict[str, Any], cand: dict[str, Any]) -> str:
     parts = [str(context.get("mode", ""))]
     if "shared_tokens" in context:
         parts.append(f"{context['shared_tokens']} tokens shared")
     if context.get("block_size"):
         parts.append(f"B={context['block_size']}")
     if cand.get("cached_tokens") is not None:
-        parts.append(f"{cand['cached_tokens']} cached")
+        parts.append(f"cached tokens solo/other {ref.get('cached_tokens')}/{cand['cached_tokens']}")
     return "; ".join(p for p in parts if p)
 
 

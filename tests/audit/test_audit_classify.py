@@ -204,3 +204,20 @@ def test_parsing_completion_and_chat_bodies_and_streams():
     merged = merge_chunks(chunks, chat=False)
     assert (merged.text, merged.token_ids, merged.logprobs) == ("hi", [5, 6], [-0.1, -0.2])
     assert (merged.finish_reason, merged.cached_tokens) == ("length", 0)
+
+
+def test_a_cache_hit_under_fresh_salts_is_isolation_even_at_a_near_tie():
+    from kvpage.audit.capabilities import Capabilities
+    from kvpage.audit.config import AuditConfig
+    from kvpage.audit.probes import PromptFactory
+    from kvpage.audit.suites.base import SuiteContext
+
+    cfg = AuditConfig(base_url="http://127.0.0.1:1", model="m", progress=False)
+    ctx = SuiteContext(cfg, Capabilities(cache_salt=True), None, PromptFactory(0, (3, 250)))
+    ref = answer(["a", "b"], [{"a": -0.5}, {"b": -0.70, "x": -0.72}])
+    cand = answer(["a", "x"], [{"a": -0.5}, {"x": -0.71, "b": -0.71}])
+    ref.cached_tokens, cand.cached_tokens = 0, 16
+    assert ctx.judge("s", "p", ref, cand, {}).klass == DRIFT
+    check = ctx.judge("s", "p", ref, cand, {}, both_cold=True)
+    assert check.klass == ISOLATION and "fresh cache salt" in check.reason
+    assert check.evidence() == {}  # no prompt length reported: no absolute position

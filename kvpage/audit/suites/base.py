@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpage.audit.capabilities import Capabilities
-from kvpage.audit.classify import Noise, classify, suite_verdict
+from kvpage.audit.classify import ISOLATION, Noise, classify, suite_verdict
 from kvpage.audit.compare import Divergence, first_divergence
 from kvpage.audit.completion import Completion
 from kvpage.audit.config import AuditConfig
@@ -136,11 +136,22 @@ class SuiteContext:
         context: dict[str, Any],
         foreign_canary: str | None = None,
         pair: tuple[str, str] | None = None,
+        both_cold: bool = False,
     ) -> Check:
+        """Compare and classify. `both_cold`: both answers were sent under fresh cache salts,
+        so neither may have been served a cached token; a divergence where one was is a hit
+        across namespaces, whatever its margin."""
         context = {"block_sizes": list(self.cfg.block_sizes), **context}
         div = first_divergence(ref, cand, self.cfg.tolerances.exact)
         check = Check(suite, name, context, ref, cand, div)
         if div is None:  # identical outputs: a foreign canary would be in the reference too
+            return check
+        hit = max(ref.cached_tokens or 0, cand.cached_tokens or 0) if both_cold else 0
+        if hit and foreign_canary is None:
+            check.klass = ISOLATION
+            check.reason = (
+                f"served {hit} cached tokens under a fresh cache salt, and the answer changed"
+            )
             return check
         verdict = classify(div, self.noise, self.cfg.tolerances, foreign_canary)
         check.klass, check.reason = verdict.klass, verdict.reason

@@ -4,7 +4,7 @@ it, so a bug is never excused as "noise" larger than what the server shows alone
 
 from __future__ import annotations
 
-from kvpage.audit.classify import Noise
+from kvpage.audit.classify import ISOLATION, Noise
 from kvpage.audit.compare import max_logprob_delta
 from kvpage.audit.suites.base import SuiteContext, SuiteResult
 
@@ -29,8 +29,13 @@ def run(ctx: SuiteContext) -> SuiteResult:
         ctx.attempt(result, name, lambda n=name, k=length: _twice(ctx, result, n, k))
     ctx.noise = measure_noise(result)
     result.verdict, result.summary = _verdict(ctx.noise, ctx.caps.logprobs)
-    if result.server_errors:
-        result.verdict = "server errors"
+    hits = sum(1 for c in result.checks if c.klass == ISOLATION)
+    if hits:
+        result.summary = f"{hits} probe(s) changed after cached tokens under fresh salts; " + (
+            result.summary
+        )
+    if result.server_errors or hits:
+        result.verdict = result.judged_verdict()
     result.data = {
         "token_flips": ctx.noise.token_flips,
         "logprob_spread": ctx.noise.logprob_spread,
@@ -45,12 +50,14 @@ def _twice(ctx: SuiteContext, result: SuiteResult, name: str, length: int) -> No
     again = ctx.session.complete(prompt, tenant=ctx.cold())
     ctx.solo[name] = (prompt, first)
     context = {"prompt": prompt.describe(), "mode": "solo twice"}
-    result.checks.append(ctx.judge(NAME, name, first, again, context))
+    result.checks.append(ctx.judge(NAME, name, first, again, context, both_cold=ctx.cold_refs))
 
 
 def measure_noise(result: SuiteResult) -> Noise:
+    """The noise of the server alone. A pair already found to be an isolation failure (a cache
+    hit under fresh salts) is not noise and does not widen it."""
     noise = Noise(measured=True)
-    for check in result.checks:
+    for check in (c for c in result.checks if c.klass != ISOLATION):
         div = check.divergence
         upto = None if div is None or div.logprob_only else div.index
         spread = max_logprob_delta(check.ref, check.cand, upto) or 0.0
@@ -60,7 +67,7 @@ def measure_noise(result: SuiteResult) -> Noise:
             if div.ref_gap is not None:
                 noise.flip_gaps.append(div.ref_gap)
     for check in result.checks:  # the baseline's own differences are its noise, by definition
-        if check.divergence is not None:
+        if check.divergence is not None and check.klass != ISOLATION:
             check.klass, check.reason = "noise", "run-to-run difference of the server alone"
     return noise
 

@@ -40,7 +40,8 @@ def _together(ctx: SuiteContext, result: SuiteResult) -> None:
             "concurrent_with": [n for n in names if n != name],
             "cache": cache,
         }
-        result.checks.append(ctx.judge(NAME, name, ctx.solo[name][1], out, context))
+        ref = ctx.solo[name][1]
+        result.checks.append(ctx.judge(NAME, name, ref, out, context, both_cold=ctx.cold_refs))
 
 
 def drift_scale(result: SuiteResult) -> float | None:
