@@ -303,8 +303,10 @@ class LLMEngine:
                 observer.on_batch(batch)
             try:
                 if self.config.debug_checks:
-                    for snap in batch.snapshots:
+                    for item, snap in zip(batch.scheduled, batch.snapshots, strict=True):
                         self.cache.validate_snapshot(snap)
+                        who = f"seq {snap.seq_id}"
+                        self.storage.check_written(snap.block_ids, item.seq.num_computed, who)
                 logits = self.runner.run(batch)
             finally:
                 self.runner.release(batch)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpage.errors import InvariantViolation
 from kvpage.model.attention import causal_attention, causal_mask, masked_attention
 from kvpage.model.kv_format import SCALE_DTYPE, KVFormat, dequantize, quantize
 
@@ -134,6 +135,21 @@ class KVStorage:
         wrote since can never dequantise the previous owner's K/V."""
         if self.scales is not None:
             self.scales[:, :, block_id].zero_()
+
+    def check_written(self, block_ids: tuple[int, ...], num_tokens: int, who: str = "") -> None:
+        """Debug check: the first `num_tokens` slots of the table hold scales of the current
+        generation (a written scale is >= 2^-14; an invalidated one is 0)."""
+        if self.scales is None:
+            return
+        for j, bid in enumerate(block_ids):
+            n = min(self.block_size, num_tokens - j * self.block_size)
+            if n <= 0:
+                return
+            if not bool(self.scales[:, :, bid, :n].ne(0).all()):
+                raise InvariantViolation(
+                    f"{who} block[{j}]={bid}: a read of {n} tokens finds scales nobody wrote "
+                    "in this generation"
+                )
 
     # --- reads -------------------------------------------------------------------------------
     def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

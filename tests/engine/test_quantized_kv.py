@@ -166,3 +166,20 @@ def test_a_block_of_one_kv_format_is_never_served_to_another(model, writer, read
     assert admit(2, reader) == 0  # same tokens, other KV format: a miss
     assert admit(3, writer) == 32  # the same format does hit (the test can fail)
     assert admit(4, reader) == 32  # the reader's own blocks, published at its first admission
+
+
+def test_debug_checks_refuse_a_read_of_invalidated_scales(model):
+    """With debug checks on, a step that would read slots whose scales were never written in
+    the block's current generation (here: a swap-in that forgot them) raises at once."""
+    from kvpage.errors import InvariantViolation
+    from kvpage.verify.mutants.quantized import swap_in_without_scales
+
+    cfg = EngineConfig(MODEL, block_size=8, num_blocks=32, kv_cache_dtype="int8",
+                       preemption_mode="swap", swap_space_blocks=32, debug_checks=True)
+    engine = LLMEngine(cfg, model, ByteTokenizer())
+    swap_in_without_scales(engine)
+    engine.add_request("r", list(range(30, 50)), SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.force_preempt("r", after_tokens=3, resume_after_steps=1, mode="swap")
+    with pytest.raises(InvariantViolation, match="scales nobody wrote"):
+        for _ in range(40):
+            engine.step()
