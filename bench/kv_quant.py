@@ -10,8 +10,9 @@ the ratio to float32 (`auto` on a float32 model). (2) A workload memory-bound at
 once, and `kv_cache_memory` is set so that the float32 pool holds `--budget-fraction` of what they
 need together (so float32 must preempt, by recompute). Every dtype runs once per round, one after
 the other, for `--rounds` rounds (at least 3), so machine-load drift hits each alike; per dtype:
-wall s (min / median), useful output tokens/s (from the min / median wall), preemptions, prompt
-tokens computed (recompute shows here) and how many requests produced exactly float32's tokens.
+wall s (min / median), useful output tokens/s (from the min / median wall), preemptions, engine
+steps (waiting behind preempted work shows here) and how many requests produced exactly the first
+dtype's tokens.
 CPU contention skews everything: run it on an otherwise idle machine."""
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ BLOCK_SIZE = 16
 class Runs:
     walls: list[float] = field(default_factory=list)
     preemptions: list[int] = field(default_factory=list)
-    prefill_tokens: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
     tokens: list[list[int]] | None = None  # output of the first round
 
 
@@ -70,7 +71,8 @@ def run_once(args, dtype: str, memory: int, prompts) -> tuple[float, dict, list[
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    return wall, llm.stats(), [o.outputs[0].token_ids for o in outs]
+    stats = dict(llm.stats(), steps=llm.engine.step_count)
+    return wall, stats, [o.outputs[0].token_ids for o in outs]
 
 
 def memory_bound_table(args, dtypes: list[str]) -> None:
@@ -94,12 +96,12 @@ def memory_bound_table(args, dtypes: list[str]) -> None:
             r = runs[dtype]
             r.walls.append(wall)
             r.preemptions.append(stats["preemptions"])
-            r.prefill_tokens.append(stats["prefill_tokens"])
+            r.steps.append(stats["steps"])
             r.tokens = r.tokens or tokens
     useful = args.requests * args.output
     print(
         f"{'kv dtype':<11}{'blocks':>7}{'wall min':>9}{'median':>8}{'tok/s best':>11}"
-        f"{'median':>8}{'preempt':>8}{'prompt tok':>11}{'= auto':>8}"
+        f"{'median':>8}{'preempt':>8}{'steps':>7}{'same':>8}"
     )
     reference = runs[dtypes[0]].tokens
     for dtype in dtypes:
@@ -110,7 +112,7 @@ def memory_bound_table(args, dtypes: list[str]) -> None:
         print(
             f"{dtype:<11}{blocks:>7}{best:>9.2f}{median:>8.2f}{useful / best:>11.0f}"
             f"{useful / median:>8.0f}{statistics.median(r.preemptions):>8.0f}"
-            f"{statistics.median(r.prefill_tokens):>11.0f}{same:>5}/{len(reference)}"
+            f"{statistics.median(r.steps):>7.0f}{same:>5}/{len(reference)}"
         )
     base = runs[dtypes[0]]
     for dtype in dtypes[1:]:
