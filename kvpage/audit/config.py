@@ -57,6 +57,8 @@ class AuditConfig:
         unknown = set(self.suites) - set(SUITES)
         if unknown or not self.suites:
             raise AuditUsageError(f"unknown suite(s) {sorted(unknown)}; choose from {SUITES}")
+        if self.second_api_key is not None and self.second_api_key == self.api_key:
+            raise AuditUsageError("--second-api-key must differ from --api-key (a second tenant)")
         if self.timeout_s <= 0:
             raise AuditUsageError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
         if self.budget_requests < 1:

@@ -12,7 +12,7 @@ from kvpage.audit.capabilities import Capabilities, Prober
 from kvpage.audit.classify import FAILED, SERVER_ERRORS
 from kvpage.audit.client import AuditClient, Budget
 from kvpage.audit.config import AuditConfig
-from kvpage.audit.errors import BudgetExhausted
+from kvpage.audit.errors import AuditUsageError, BudgetExhausted
 from kvpage.audit.plan import estimate, fit
 from kvpage.audit.probes import PromptFactory
 from kvpage.audit.session import AuditSession
@@ -121,7 +121,7 @@ def run_audit(cfg: AuditConfig) -> AuditResult:
     budget = Budget(cfg.budget_requests, progress)
     try:
         with AuditClient(cfg, budget) as client:
-            caps = Prober(cfg, client).run()
+            caps = _probe(cfg, client)
             cold_refs = caps.cache_salt and not caps.salt_ignored
             planned, notes = fit(cfg, budget.remaining, cold_refs)
             factory = PromptFactory(cfg.seed, caps.id_range, caps.chars_per_token)
@@ -134,6 +134,16 @@ def run_audit(cfg: AuditConfig) -> AuditResult:
     cold_refs = caps.cache_salt and not caps.salt_ignored
     result.plan_notes.append(f"planned requests per suite: {estimate(planned, cold_refs)}")
     return result
+
+
+def _probe(cfg: AuditConfig, client: AuditClient) -> Capabilities:
+    try:
+        return Prober(cfg, client).run()
+    except BudgetExhausted as err:
+        raise AuditUsageError(
+            f"--budget-requests {cfg.budget_requests} is spent before the server's capabilities "
+            "are known (about 15 requests): nothing could be audited"
+        ) from err
 
 
 def _shares(costs: dict[str, int], remaining: int) -> dict[str, int] | None:

@@ -71,6 +71,18 @@ def test_unreachable_server_and_bad_options_exit_2(tmp_path, capsys):
     assert "unknown suite" in capsys.readouterr().err
 
 
+def test_unauditable_setups_exit_2(tenant_url, tmp_path, capsys):
+    keys = ["--api-key", "key-alice"]
+    assert audit(tenant_url, tmp_path, *keys, "--second-api-key", "key-alice") == 2
+    assert "must differ from --api-key" in capsys.readouterr().err
+    assert audit(tenant_url, tmp_path, *keys, "--budget-requests", "5") == 2
+    assert "before the server's capabilities are known" in capsys.readouterr().err
+    wrong = ["audit", "--base-url", tenant_url, "--model", "no-such-model", "--quiet", *keys]
+    assert main([*wrong, "--report", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "ServerIncompatible" in err and "no-such-model" in err
+
+
 def test_the_budget_is_a_hard_cap(tenant_url, tmp_path):
     keys = ["--api-key", "key-alice", "--second-api-key", "key-bob"]
     code = audit(tenant_url, tmp_path, *keys, "--budget-requests", "40")
