@@ -103,7 +103,9 @@ class ModelRunner:
                 fresh = item.seq.num_computed == 0
                 slots_ctx = None if fresh else self._context_slots(snap, context_len)
                 prefills.append(PrefillChunk(start, end, slots_ctx))
-        decode_tables_t, decode_mask = self._decode_tables(decode_tables, decode_lens)
+        decode_tables_t, decode_mask, decode_lens_t = self._decode_tables(
+            decode_tables, decode_lens
+        )
         decode_only = not prefills and len(decode_rows) == len(batch.input_ids)
         return PagedAttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
@@ -113,6 +115,7 @@ class ModelRunner:
             else torch.tensor(decode_rows, dtype=torch.long, device=self.device),
             decode_tables=decode_tables_t,
             decode_mask=decode_mask,
+            decode_lens=decode_lens_t,
             prefills=prefills,
             decode_only=decode_only,
         )
@@ -128,14 +131,15 @@ class ModelRunner:
         return (blocks[:, None] * self.block_size + self._block_offsets).flatten()[:context_len]
 
     def _decode_tables(self, tables: list[tuple[int, ...]], lens: list[int]):
-        """(Sd, max_blocks) block tables padded with block 0, and the (Sd, 1, 1, max_blocks * B)
-        mask of real context positions."""
+        """(Sd, max_blocks) block tables padded with block 0, the (Sd, 1, 1, max_blocks * B) mask
+        of real context positions, and the (Sd,) context lengths."""
         if not tables:
             empty = torch.zeros(0, 0, dtype=torch.long, device=self.device)
-            return empty, torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=self.device)
+            no_mask = torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=self.device)
+            return empty, no_mask, torch.zeros(0, dtype=torch.long, device=self.device)
         width = max(map(len, tables))
         flat = [b for t in tables for b in (*t, *(0,) * (width - len(t)))]
         padded = torch.tensor(flat, dtype=torch.long, device=self.device).view(len(tables), width)
         lens_t = torch.tensor(lens, dtype=torch.long, device=self.device)
         mask = self._rows(width * self.block_size)[None, :] < lens_t[:, None]
-        return padded, mask[:, None, None, :]  # (Sd, max_blocks), (Sd, 1, 1, max_blocks * B)
+        return padded, mask[:, None, None, :], lens_t

@@ -10,6 +10,7 @@ from kvpage.config import ModelConfig
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.base import CausalLM
 from kvpage.model.layers import GPT2MLP
+from kvpage.model.projection import Projection
 
 # Parameters stored as Conv1D in HF checkpoints: their checkpoint tensor is our weight transposed.
 CONV1D_SUFFIXES = (
@@ -30,14 +31,16 @@ class GPT2Attention(nn.Module):
             self.scale /= layer + 1
         self.c_attn = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.c_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.qkv = Projection(self.c_attn)
+        self.out = Projection(self.c_proj)
 
     def forward(self, x: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = (
-            self.c_attn(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+            self.qkv(x)[0].view(n, 3, self.num_heads, self.head_dim).unbind(1)
         )  # 3 x (N, H, D)
         out = attn.attend(self.layer, q, k, v, self.scale)  # (N, H, D)
-        return self.c_proj(out.reshape(n, -1))
+        return self.out(out.reshape(n, -1))[0]
 
 
 class GPT2Block(nn.Module):
@@ -67,6 +70,7 @@ class GPT2LMHeadModel(CausalLM):
         super().__init__()
         self.config = cfg
         self.transformer = GPT2Transformer(cfg)
+        self.logits = Projection(self.transformer.wte)
 
     def forward(self, input_ids, positions, attn) -> torch.Tensor:
         x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)  # (N, C)
@@ -75,4 +79,4 @@ class GPT2LMHeadModel(CausalLM):
         return self.transformer.ln_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.transformer.wte.weight.T  # tied head: (M, V)
+        return self.logits(hidden)[0]  # tied head: (M, V)

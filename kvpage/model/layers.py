@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kvpage.config import RopeConfig
+from kvpage.model.projection import Projection
 
 
 class RMSNorm(nn.Module):
@@ -83,9 +84,12 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up = Projection(self.gate_proj, self.up_proj)
+        self.down = Projection(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down(nn.functional.silu(gate) * up)[0]
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
@@ -98,6 +102,8 @@ class GPT2MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(hidden, intermediate)
         self.c_proj = nn.Linear(intermediate, hidden)
+        self.fc = Projection(self.c_fc)
+        self.proj = Projection(self.c_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(gelu_new(self.c_fc(x)))
+        return self.proj(gelu_new(self.fc(x)[0]))[0]

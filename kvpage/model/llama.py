@@ -10,6 +10,7 @@ from kvpage.config import ModelConfig
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.base import CausalLM
 from kvpage.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from kvpage.model.projection import Projection
 
 
 class LlamaAttention(nn.Module):
@@ -27,17 +28,20 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv = Projection(self.q_proj, self.k_proj, self.v_proj)
+        self.out = Projection(self.o_proj)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # (N, H, D)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # (N, KVH, D)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)  # (N, KVH, D)
+        q, k, v = self.qkv(x)
+        q = q.view(n, self.num_heads, self.head_dim)  # (N, H, D)
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # (N, KVH, D)
+        v = v.view(n, self.num_kv_heads, self.head_dim)  # (N, KVH, D)
         q, k = apply_rotary(q, k, *rope)
         out = attn.attend(self.layer, q, k, v, self.scale)  # (N, H, D)
-        return self.o_proj(out.reshape(n, -1))  # (N, C)
+        return self.out(out.reshape(n, -1))[0]  # (N, C)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -70,6 +74,7 @@ class LlamaForCausalLM(CausalLM):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.logits = Projection(self.lm_head)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -84,4 +89,4 @@ class LlamaForCausalLM(CausalLM):
         return self.model.norm(x)  # (N, C)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # (M, V)
+        return self.logits(hidden)[0]  # (M, V)

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from kvpage.errors import InvariantViolation
+from kvpage.model import native_attention
 from kvpage.model.attention import causal_attention, causal_mask, masked_attention
+from kvpage.model.decode_attention import decode_attention
 from kvpage.model.kv_format import SCALE_DTYPE, KVFormat, dequantize, quantize
 
 
@@ -37,6 +39,7 @@ class PagedAttentionMetadata:
     # Every row is a decode token, in row order (decode_rows == arange(N)): attention runs on q
     # as it is, with no row gather or scatter.
     decode_only: bool = False
+    decode_lens: torch.Tensor | None = None  # (Sd,) long context lengths: the native kernel's
 
 
 def validate_cu_seqlens(cu_seqlens: list[int], num_tokens: int) -> None:
@@ -89,6 +92,9 @@ class KVStorage:
             torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device) if fmt.quantized else None
         )
         self.rounding = torch.round  # int8 codes: round half to even (a seam for the mutants)
+        # Decode reads blocks in place with the native kernel when the pool holds the compute
+        # dtype as is; off: the gather + torch attention path (tests run both).
+        self.use_native = not (fmt.quantized or fmt.cast_only)
         self._workspace = torch.empty(0, dtype=fmt.compute_dtype, device=device)
         self._buffers: dict[str, torch.Tensor] = {}  # quantized gathers: codes, scales, values
 
@@ -152,6 +158,10 @@ class KVStorage:
                 )
 
     # --- reads -------------------------------------------------------------------------------
+    def layer_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V pools as they lie, (num_blocks, B, KVH, D) each: no copy."""
+        return self.data[layer, 0], self.data[layer, 1]
+
     def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V (ctx, KVH, D) of the given slots, in the compute dtype."""
         kv = self.data[layer].flatten(1, 2).index_select(1, slots)  # (2, ctx, KVH, D)
@@ -213,7 +223,9 @@ class KVStorage:
 
     def _codes(self, raw: torch.Tensor) -> torch.Tensor:
         """Pool elements as codes: float8 is kept as its bytes (CPU index_copy has no float8)."""
-        return raw.view(self.format.storage_dtype) if raw.dtype != self.format.storage_dtype else raw
+        return (
+            raw.view(self.format.storage_dtype) if raw.dtype != self.format.storage_dtype else raw
+        )
 
     def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         need = 1
@@ -247,7 +259,9 @@ class KVStorage:
 
 def _element_dtype(fmt: KVFormat) -> torch.dtype:
     """float8 codes live in a uint8 pool (their bytes): CPU index_copy has no float8 kernel."""
-    return torch.uint8 if fmt.storage_dtype.is_floating_point and fmt.quantized else fmt.storage_dtype
+    return (
+        torch.uint8 if fmt.storage_dtype.is_floating_point and fmt.quantized else fmt.storage_dtype
+    )
 
 
 class PagedAttention:
@@ -256,6 +270,7 @@ class PagedAttention:
     def __init__(self, storage: KVStorage, meta: PagedAttentionMetadata) -> None:
         self.storage = storage
         self.meta = meta
+        self._native: native_attention.PagedDecode | None = None  # built at the first decode
 
     def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
         # q: (N, H, D); k, v: (N, KVH, D). From here on k and v are what the pool holds for
@@ -273,18 +288,26 @@ class PagedAttention:
 
     def _decode(self, q_d, layer: int, scale: float) -> torch.Tensor:
         """q_d: (Sd, H, D), one query per decode sequence -> (Sd, H, D)."""
+        native = self._native_decode(q_d)
+        if native is not None:  # reads the blocks in the pool, no gather
+            k_pool, v_pool = self.storage.layer_pools(layer)
+            return native(q_d.contiguous(), k_pool, v_pool, scale)
         k_d, v_d = self.storage.gather_blocks(layer, self.meta.decode_tables)  # (Sd, KVH, C, D)
-        # enable_gqa, not G query rows per KV head: the grouped form measured slower (1.36 vs
-        # 0.93 ms a layer at batch 32 in bench/decode_profile.py, idle machine, 2 threads).
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q_d.unsqueeze(2),  # (Sd, H, 1, D)
-            k_d,
-            v_d,
-            attn_mask=self.meta.decode_mask,
-            scale=scale,
-            enable_gqa=q_d.shape[1] != k_d.shape[1],
-        )  # (Sd, H, 1, D)
-        return out.squeeze(2)
+        return decode_attention(q_d, k_d, v_d, self.meta.decode_mask, scale)
+
+    def _native_decode(self, q_d: torch.Tensor) -> native_attention.PagedDecode | None:
+        if self._native is None:
+            if not self.storage.use_native or self.meta.decode_lens is None:
+                return None
+            if not native_attention.supports(q_d.dtype, q_d.device, q_d.shape[-1]):
+                return None
+            self._native = native_attention.PagedDecode(
+                self.meta.decode_tables,
+                self.meta.decode_lens,
+                self.storage.num_blocks,
+                self.storage.block_size,
+            )
+        return self._native
 
     def _prefill(self, q, k, v, chunk: PrefillChunk, layer: int, scale: float):
         if chunk.context_slots is None:  # nothing cached before it: no gather needed
