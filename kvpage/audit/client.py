@@ -98,6 +98,8 @@ class AuditClient:
                     chunk = _sse_data(line)
                     if chunk is None:
                         continue
+                    if isinstance(chunk.get("error"), dict):  # failed after the 200 was sent
+                        raise RequestRejected(500, str(chunk["error"].get("message", chunk)))
                     if ttft is None and chunk_has_output(chunk):
                         ttft = time.perf_counter() - start
                         if on_first is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvpage.audit.config import AuditConfig
+from kvpage.audit.suites.batch import requests as batch_requests
 from kvpage.audit.suites.prefix import requests_per_block
 
 
@@ -14,7 +15,7 @@ def estimate(cfg: AuditConfig, cold_refs: bool) -> dict[str, int]:
     wanted = set(cfg.suites) | ({"baseline"} if "batch" in cfg.suites else set())
     costs = {
         "baseline": 2 * cfg.probes,
-        "batch": cfg.probes,
+        "batch": batch_requests(cfg.probes),
         "prefix": len(cfg.block_sizes) * requests_per_block(cold_refs),
         "canaries": 2 * 2 * cfg.canary_group,
         "timing": 4 * cfg.timing_trials,

@@ -33,11 +33,18 @@ def kvpage_server(
     num_blocks: int = 256,
     mutant: str | None = None,
     seam: Callable[[LLMEngine], None] | None = None,
+    preemption_mode: str = "recompute",
 ) -> Iterator[str]:
     """A kvpage server; `mutant` names a verifier mutant (kvpage.verify.mutants) to apply."""
     found = {m.name: m for m in MUTANTS}[mutant] if mutant else None
     overrides = found.config if found else {}
-    config = EngineConfig(model=MODEL, num_blocks=num_blocks, max_num_seqs=32, **overrides)
+    config = EngineConfig(
+        model=MODEL,
+        num_blocks=num_blocks,
+        max_num_seqs=32,
+        preemption_mode=preemption_mode,
+        **overrides,
+    )
     engine = LLMEngine(config)
     if found is not None:
         found.apply(engine)

@@ -116,18 +116,21 @@ def test_leaked_tokens_are_a_canary_failure_attributed_to_the_pair(honest_url):
 
 
 @pytest.mark.parametrize(
-    ("mutant", "suite", "num_blocks"),
+    ("mutant", "suite", "num_blocks", "preemption"),
     [
-        ("off_by_one_block_boundary", "prefix", 256),  # wrong only after a hit at a boundary
-        ("block_key_own_tokens", "prefix", 256),
-        ("fast_key_trusted", "prefix", 256),
-        ("zero_length_cu_seqlens", "batch", 256),
-        ("share_partial_no_cow", "prefix", 256),
-        ("no_refcount", "prefix", 64),
+        ("off_by_one_block_boundary", "prefix", 256, "recompute"),  # wrong after a boundary hit
+        ("block_key_own_tokens", "prefix", 256, "recompute"),
+        ("fast_key_trusted", "prefix", 256, "recompute"),
+        ("zero_length_cu_seqlens", "batch", 256, "recompute"),
+        ("share_partial_no_cow", "prefix", 256, "recompute"),
+        ("no_refcount", "prefix", 64, "recompute"),
+        # a small pool, so that the batch suite's pressure round swaps and evicts
+        ("restore_visible_before_copy", "batch", 24, "swap"),
+        ("stale_index_after_evict", "batch", 24, "recompute"),
     ],
 )
-def test_injected_faults_are_isolation_failures(mutant, suite, num_blocks):
-    with kvpage_server(mutant=mutant, num_blocks=num_blocks) as url:
+def test_injected_faults_are_isolation_failures(mutant, suite, num_blocks, preemption):
+    with kvpage_server(mutant=mutant, num_blocks=num_blocks, preemption_mode=preemption) as url:
         result = run_audit(small(url, suites=("baseline", "batch", "prefix")))
     got = suites(result)
     assert got["baseline"].verdict == "exact"  # alone, twice: the fault does not show
@@ -135,6 +138,17 @@ def test_injected_faults_are_isolation_failures(mutant, suite, num_blocks):
     classes = {c.klass for c in got[suite].divergences}
     assert ISOLATION in classes and "noise" not in classes
     assert result.exit_code == 1
+
+
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_an_honest_small_pool_under_pressure_is_clean(preemption):
+    """The pressure round preempts and evicts on a 24-block pool: still no divergence."""
+    with kvpage_server(num_blocks=24, preemption_mode=preemption) as url:
+        result = run_audit(small(url, suites=("baseline", "batch", "prefix")))
+    got = suites(result)
+    assert [got[n].verdict for n in ("batch", "prefix")] == ["clean", "clean"]
+    assert any(c.name.startswith("marker") for c in got["batch"].checks)
+    assert result.exit_code == 0
 
 
 def test_batch_rounding_is_numeric_drift_not_isolation():
@@ -152,7 +166,10 @@ def test_a_text_only_server_is_audited_from_text(honest_url):
     the proxy drops `cache_salt` after accepting it, so "another salt" is the same cache."""
     with serve_app(proxy_app(honest_url, text_only=True)) as url:
         # the proxy's own latency hides small TTFT gaps: longer prefixes, more trials
-        result = run_audit(small(url, timing_prefix_tokens=2048, timing_trials=8))
+        timing = {"timing_prefix_tokens": 2048, "timing_trials": 8}
+        result = run_audit(
+            small(url, suites=("baseline", "prefix", "canaries", "timing"), **timing)
+        )
     caps, got = result.caps, suites(result)
     assert caps.id_range is None and caps.text_prompts and not caps.logprobs
     assert not caps.cached_tokens and not caps.return_token_ids

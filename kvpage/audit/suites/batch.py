@@ -1,5 +1,10 @@
 """Batch invariance: the baseline probes again, all at once (varied lengths sharing the server's
-batches), each compared with its solo run. A request's output must not depend on its neighbours."""
+batches), each compared with its solo run. A request's output must not depend on its neighbours.
+
+Then pressure: twice as many long requests at once, more KV than a small pool holds (so a small
+server preempts, swaps or recomputes, evicts and reuses blocks), each judged against its solo
+answer; and prompts cached before that flood are sent again — their blocks were evicted and
+reused meanwhile — and judged against their first answers."""
 
 from __future__ import annotations
 
@@ -16,11 +21,13 @@ def run(ctx: SuiteContext) -> SuiteResult:
         result.untested.append("needs the baseline probes (baseline suite did not finish)")
         return result
     ctx.attempt(result, "concurrent probes", lambda: _together(ctx, result))
+    # batching alone sets the drift scale the pressure round (and later suites) are held to
+    ctx.noise.drift_scale = drift_scale(result)
+    ctx.attempt(result, "pressure", lambda: _pressure(ctx, result))
     if not ctx.cold_refs:
         result.untested.append("no cache_salt: concurrency is tested together with cache hits")
     result.verdict = result.judged_verdict()
     result.summary = _summary(result)
-    ctx.noise.drift_scale = drift_scale(result)
     result.data = {"drift_scale": ctx.noise.drift_scale}
     return result
 
@@ -44,6 +51,32 @@ def _together(ctx: SuiteContext, result: SuiteResult) -> None:
         result.checks.append(ctx.judge(NAME, name, ref, out, context, both_cold=ctx.cold_refs))
 
 
+MARKERS = 3  # prompts cached before the flood and sent again after it
+
+
+def requests(probes: int) -> int:
+    """What the suite sends (the budget planner's estimate)."""
+    return probes + 2 * (2 * probes) + 2 * MARKERS
+
+
+def _pressure(ctx: SuiteContext, result: SuiteResult) -> None:
+    longest = max(ctx.cfg.block_sizes)
+    markers = [ctx.factory.random(longest + 5 + 7 * i) for i in range(MARKERS)]
+    first = [ctx.session.complete(m) for m in markers]  # fresh prompts: cold
+    prompts = [ctx.factory.random(2 * longest + 3 * i) for i in range(2 * ctx.cfg.probes)]
+    tokens = longest // 2 + 8
+    calls = [lambda p=p: ctx.session.complete(p, tokens) for p in prompts]
+    outs = ctx.session.concurrently(calls)
+    refs = [ctx.session.complete(p, tokens, tenant=ctx.cold()) for p in prompts]
+    mode = {"mode": f"pressure: {len(prompts)} long requests at once"}
+    for i, (ref, out) in enumerate(zip(refs, outs, strict=True)):
+        result.checks.append(ctx.judge(NAME, f"pressure{i}", ref, out, mode))
+    after = {"mode": "cached before the pressure, sent again after it"}
+    for i, (ref, marker) in enumerate(zip(first, markers, strict=True)):
+        again = ctx.session.complete(marker)
+        result.checks.append(ctx.judge(NAME, f"marker{i}", ref, again, after))
+
+
 def drift_scale(result: SuiteResult) -> float | None:
     """How far logprobs move under batching alone: the largest |Δ| before any flip, over the
     probes not found to be isolation failures (None: nothing measured)."""
@@ -61,4 +94,4 @@ def drift_scale(result: SuiteResult) -> float | None:
 
 def _summary(result: SuiteResult) -> str:
     n = len(result.divergences)
-    return f"{len(result.checks)} probes concurrent vs solo; {n} diverged"
+    return f"{len(result.checks)} answers under concurrency or pressure vs solo; {n} diverged"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 
+from kvpage.audit.classify import SERVER_ERRORS
 from kvpage.audit.completion import Completion
 from kvpage.audit.errors import RequestRejected
 from kvpage.audit.session import Tenant
@@ -42,9 +43,13 @@ def run(ctx: SuiteContext) -> SuiteResult:
         )
     if len(samples["cold"]) < 3:
         result.untested.append("fewer than 3 timing trials succeeded")
+        result.verdict = SERVER_ERRORS if result.server_errors else UNTESTABLE
         return result
     result.data = _data(samples, how, length, ctx.cfg.alpha, ctx.cfg.trust_usage)
     result.verdict, result.summary = _verdict(ctx, result.data, other is not None)
+    if result.server_errors and result.verdict != SHARED:
+        result.verdict = SERVER_ERRORS
+        result.summary = f"{result.server_errors} request(s) failed; {result.summary}"
     return result
 
 
@@ -80,7 +85,13 @@ def _fit_length(ctx: SuiteContext, victim: Tenant, result: SuiteResult) -> int |
             ctx.session.first_token(ctx.factory.random(length + TAIL_TOKENS), victim)
             return length
         except RequestRejected as err:
-            if err.status >= 500 or length // 2 < floor:
+            if err.status >= 500:
+                result.errors.append(
+                    {"scenario": "prefix length", "status": err.status, "message": err.message}
+                )
+                result.verdict = SERVER_ERRORS
+                return None
+            if length // 2 < floor:
                 result.untested.append(f"no prefix length the server accepts ({err})")
                 return None
             result.untested.append(f"{length}-token prefixes refused ({err.message}); halving")
