@@ -4,6 +4,7 @@ pins, sampling, observers, outputs).
 
     python bench/decode_profile.py [--seqs 32] [--prompt 128] [--gen 64] [--steps 12]
                                    [--windows 3] [--threads 2] [--kv-heads 4] [--top 15]
+                                   [--dtype float32|bfloat16]
 
 Builds the 125M Llama of bench/throughput.py (`build_model`, same seed and init) with `--kv-heads`
 KV heads, adds `--seqs` requests of `--prompt` random tokens (`--gen` outputs, EOS ignored) to one
@@ -43,9 +44,19 @@ class ModelClock:
     def __init__(self, model: torch.nn.Module) -> None:
         self.total = dict.fromkeys(CLOCKS, 0.0)
         self._start = dict.fromkeys(CLOCKS, 0.0)
-        for module in (model, model.lm_head):
-            module.register_forward_pre_hook(self._enter)
-            module.register_forward_hook(self._leave)
+        model.register_forward_pre_hook(self._enter)
+        model.register_forward_hook(self._leave)
+        # The LM head is not a module call (a fused, prepacked Projection): time compute_logits.
+        compute_logits = model.compute_logits
+
+        def timed_logits(hidden: torch.Tensor) -> torch.Tensor:
+            self._enter()
+            try:
+                return compute_logits(hidden)
+            finally:
+                self._leave()
+
+        model.compute_logits = timed_logits
 
     def _enter(self, *_) -> None:
         self._start = {name: clock() for name, clock in CLOCKS.items()}
@@ -63,7 +74,7 @@ def make_engine(model_dir: str, args) -> LLM:
         num_blocks=blocks,
         max_num_seqs=args.seqs,
         max_num_batched_tokens=2048,
-        dtype="float32",
+        dtype=args.dtype,
         device="cpu",
         seed=0,
     )
@@ -164,6 +175,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--no-profile", action="store_true", help="skip cProfile / torch.profiler")
     args = ap.parse_args()
     needed = 2 + args.steps * (args.windows + (0 if args.no_profile else 1))

@@ -5,6 +5,7 @@ one process:
     python bench/throughput.py [--models small,120m] [--scenarios a,b,c,bb] [--requests 64]
                                [--repeats N] [--seed 0] [--threads 2] [--hf-batch 32] [--profile]
                                [--peers hf,llama.cpp] [--llama-cpp-types f32,bf16]
+                               [--dtypes float32,bfloat16]
 
 (a) prompts uniform in 16-256 tokens, 64 output tokens each; (b) the same prompts, outputs uniform
 in 16-256 tokens (HF `generate` runs each static batch to its longest output; only the tokens each
@@ -17,13 +18,16 @@ repeats). `--peers` picks the peers: `hf` (HF generate and generate_batch, the d
 built once into ~/.cache/kvpage-bench on first use). Every table row
 gives useful output tokens/s, the ratio against both HF peers, achieved GFLOP/s (useful FLOPs only,
 see `useful_flops`) and its share of a plain `torch.mm` measured in the same run. `--profile` adds
-a cProfile and a torch.profiler summary of kvpage on each scenario.
+a cProfile and a torch.profiler summary of kvpage on each scenario. `--dtypes float32,bfloat16`
+adds a `kvpage bf16` row (and `hf generate bf16` with the hf peer) to every scenario; token
+agreement is always against fp32 HF `generate`, so bf16 rows show how far bf16 drifts.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import cProfile
 import io
 import logging
@@ -49,6 +53,7 @@ MAX_BATCHED_TOKENS = 2048
 INIT_STD = 0.15  # wide init so greedy tokens are not near-ties (see tests/model/hf_models.py)
 FIRST_TOKEN_ID = 3  # prompts avoid pad (0), bos (1) and eos (2)
 PAD_ID = 0
+BF16_MODELS: dict[int, transformers.PreTrainedModel] = {}  # the bf16 copy of each HF model
 
 MODELS = {
     # 4 layers, d=256: ~3.2M layer parameters + 2 x 2.1M embedding / head.
@@ -231,7 +236,9 @@ def measure(engine: Engine, res: RunResult) -> None:
 
 
 # --- kvpage -------------------------------------------------------------------------------------
-def kvpage_llm(model_dir: str, num_blocks: int, prefix_caching: bool, seed: int) -> LLM:
+def kvpage_llm(
+    model_dir: str, num_blocks: int, prefix_caching: bool, seed: int, dtype: str = "float32"
+) -> LLM:
     llm = LLM(
         model_dir,
         block_size=BLOCK_SIZE,
@@ -239,7 +246,7 @@ def kvpage_llm(model_dir: str, num_blocks: int, prefix_caching: bool, seed: int)
         enable_prefix_caching=prefix_caching,
         max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=MAX_BATCHED_TOKENS,
-        dtype="float32",
+        dtype=dtype,
         device="cpu",
         seed=seed,
     )
@@ -250,7 +257,13 @@ def kvpage_llm(model_dir: str, num_blocks: int, prefix_caching: bool, seed: int)
 
 
 def kvpage_engine(
-    name: str, model_dir: str, wl: Workload, prefix_caching: bool, seed: int, prime: bool = False
+    name: str,
+    model_dir: str,
+    wl: Workload,
+    prefix_caching: bool,
+    seed: int,
+    prime: bool = False,
+    dtype: str = "float32",
 ) -> Engine:
     """A fresh engine per repeat (built and warmed before the clock starts), so one repeat's cache
     cannot serve the next. All requests are added at once: TTFT includes queueing. With `prime`, one
@@ -259,7 +272,7 @@ def kvpage_engine(
     holder: dict[str, LLM] = {}
 
     def setup() -> None:
-        llm = kvpage_llm(model_dir, blocks_needed(wl), prefix_caching, seed)
+        llm = kvpage_llm(model_dir, blocks_needed(wl), prefix_caching, seed, dtype)
         if prime:
             rng = random.Random(seed + 2)
             vocab = llm.engine.model.config.vocab_size
@@ -611,6 +624,13 @@ def run_scenario(
         ]
     else:
         engines.append(kvpage_engine("kvpage", model_dir, wl, True, args.seed))
+    if "bfloat16" in args.dtypes:  # beside llama.cpp's bf16 GGUF and HF generate in bf16
+        bf16 = BF16_MODELS.setdefault(id(model), copy.deepcopy(model).to(torch.bfloat16))
+        engines.append(
+            kvpage_engine("kvpage bf16", model_dir, wl, True, args.seed, dtype="bfloat16")
+        )
+        if "hf" in args.peers:
+            engines.append(Engine("hf generate bf16", run_hf_generate(bf16, wl, args.hf_batch)))
     failed: list[str] = []
     if llama is not None and wl.key != "bb":
         failed.append("llama.cpp: skipped, it runs scenario bb only (equal prompts)")
@@ -658,8 +678,14 @@ def main() -> None:
     ap.add_argument(
         "--llama-cpp-types", default="f32,bf16", help="GGUF types llama.cpp runs (f32, bf16, ...)"
     )
+    ap.add_argument(
+        "--dtypes", default="float32", help="kvpage (and HF generate) dtypes: float32,bfloat16"
+    )
     args = ap.parse_args()
     args.peers = set(args.peers.split(",")) - {""}
+    args.dtypes = set(args.dtypes.split(",")) - {""}
+    if args.dtypes - {"float32", "bfloat16"}:
+        raise SystemExit(f"unknown dtype(s) {sorted(args.dtypes - {'float32', 'bfloat16'})}")
     if args.peers - {"hf", "llama.cpp"}:
         raise SystemExit(f"unknown peer(s) {sorted(args.peers - {'hf', 'llama.cpp'})}")
     torch.set_num_threads(args.threads)
