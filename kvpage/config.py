@@ -100,6 +100,9 @@ class EngineConfig:
     debug_checks: bool = False
     request_timeout_s: float | None = None
     fast_key_bits: int = 64
+    # Ranks (processes) one model is split across; 1 = this process alone, nothing started.
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 20.0  # a collective slower than this = a hung worker
 
     def __post_init__(self) -> None:
         from kvpage.errors import InvalidConfig
@@ -120,3 +123,10 @@ class EngineConfig:
             )
         if self.swap_space_blocks < 0:
             raise InvalidConfig(f"swap_space_blocks must be >= 0, got {self.swap_space_blocks}")
+        if self.tensor_parallel_size < 1 or self.tensor_parallel_timeout_s <= 0:
+            raise InvalidConfig(
+                "tensor_parallel_size must be >= 1 and tensor_parallel_timeout_s > 0, got "
+                f"{self.tensor_parallel_size} and {self.tensor_parallel_timeout_s}"
+            )
+        if self.tensor_parallel_size > 1 and self.device != "cpu":
+            raise InvalidConfig("tensor parallelism runs on CPU (gloo) only for now")

@@ -59,3 +59,13 @@ class OutOfBlocks(KVPageError):
 
 class CacheCorruption(KVPageError):
     """A prefix-index entry's fast key matched but its full digest did not."""
+
+
+# --- tensor parallel -------------------------------------------------------------------------
+class TensorParallelError(KVPageError):
+    """Tensor parallelism cannot run this model or setting (e.g. heads that do not divide)."""
+
+
+class WorkerFailure(TensorParallelError):
+    """A tensor-parallel worker died or stopped answering; the group is shut down and the
+    engine fails every request it held."""

@@ -34,7 +34,7 @@ from kvpage.engine.sampler import Sampler
 from kvpage.engine.scheduler import Scheduler
 from kvpage.engine.sequence import ForcedPreemption, SeqStatus, Sequence
 from kvpage.engine.swap import KVSwapper, SwapSpace
-from kvpage.errors import InvalidRequest
+from kvpage.errors import InvalidRequest, WorkerFailure
 from kvpage.model import load_model
 from kvpage.model.base import CausalLM
 from kvpage.model.kv_format import kv_format
@@ -63,7 +63,8 @@ class LLMEngine:
         )
         self.kv_format = kv_format(config.kv_cache_dtype, model.dtype)
         num_blocks = self._num_blocks()
-        self.storage = KVStorage(
+        self.tp = _tensor_parallel(config, model, num_blocks, self.kv_format)
+        self.storage = self.tp.storage if self.tp else KVStorage(
             mcfg.num_layers,
             num_blocks,
             config.block_size,
@@ -89,7 +90,10 @@ class LLMEngine:
         self.swap_space = SwapSpace(config.swap_space_blocks)
         self.swapper = KVSwapper(self.cache, self.storage, self.swap_space, self._observers)
         self.scheduler = Scheduler(config, self.cache, self.swapper, self._observers)
-        self.runner = ModelRunner(model, self.storage, self.cache)
+        self.runner = self.tp.runner(self.cache) if self.tp else ModelRunner(
+            model, self.storage, self.cache
+        )
+        self.failure: WorkerFailure | None = None  # set when a tensor-parallel worker is lost
         self.sampler = Sampler()
         self.namespace = base_namespace(
             model, tokenizer, config.block_size, config.model, self.kv_format
@@ -128,6 +132,8 @@ class LLMEngine:
         timeout_s: float | None = None,
     ) -> None:
         """Validate and queue a request. A bad request raises InvalidRequest and changes nothing."""
+        if self.failure is not None:
+            raise WorkerFailure(f"the engine lost its tensor-parallel group: {self.failure}")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"sampling_params must be SamplingParams, got {type(params)}")
@@ -292,6 +298,27 @@ class LLMEngine:
 
     # --- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        except WorkerFailure as err:  # only a tensor-parallel engine raises it
+            return self._lose_group(err)
+
+    def _lose_group(self, err: WorkerFailure) -> list[RequestOutput]:
+        """A worker died or hung: the model cannot run any more. Every request fails with the
+        reason, the group is shut down, and later requests are refused."""
+        self.failure = err
+        self.tp.shutdown()
+        for seq in [s for samples in self.samples.values() for s in samples if not s.finished]:
+            self._fail(seq, f"tensor-parallel group lost: {err}")
+        out, self._pending = self._pending, []
+        return out
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (a no-op for a one-process engine)."""
+        if self.tp is not None:
+            self.tp.shutdown()
+
+    def _step(self) -> list[RequestOutput]:
         self.step_count += 1
         self._expire_timeouts()
         plan = self.scheduler.schedule(self.step_count)
@@ -609,3 +636,14 @@ class LLMEngine:
             **self.swapper.counts,
             **self.counters,
         }
+
+
+def _tensor_parallel(config: EngineConfig, model: CausalLM, num_blocks: int, fmt):
+    """Rank 0 of a tensor-parallel group (workers started), or None for one process. Imported
+    here, not at the top: kvpage.distributed builds on the engine, and a one-process engine
+    never loads it."""
+    if config.tensor_parallel_size == 1:
+        return None
+    from kvpage.distributed.executor import TensorParallelExecutor
+
+    return TensorParallelExecutor(config, model, num_blocks, fmt)

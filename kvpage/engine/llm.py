@@ -68,6 +68,16 @@ class LLM:
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
 
+    def close(self) -> None:
+        """Stop tensor-parallel workers, if any; the LLM cannot generate afterwards."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def _as_prompt_list(prompts) -> list[str | list[int]]:
     if isinstance(prompts, str):

@@ -70,11 +70,15 @@ class ModelRunner:
         ids_pos = torch.tensor(
             (batch.input_ids, batch.positions), dtype=torch.long, device=self.device
         )  # (2, N): one host-to-tensor copy for both
-        hidden = self.model(ids_pos[0], ids_pos[1], PagedAttention(self.storage, meta))  # (N, C)
+        hidden = self.forward(ids_pos, meta)  # (N, C)
         if batch.sample_rows != list(range(hidden.shape[0])):  # a decode step samples every row
             rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
             hidden = hidden[rows]
         return self.model.compute_logits(hidden).float()  # (M, V)
+
+    def forward(self, ids_pos: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
+        """Hidden states (N, C); a tensor-parallel runner sends the same inputs to its workers."""
+        return self.model(ids_pos[0], ids_pos[1], PagedAttention(self.storage, meta))
 
     def release(self, batch: StepBatch) -> None:
         for snap in batch.snapshots:

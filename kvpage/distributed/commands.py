@@ -1,0 +1,47 @@
+"""What rank 0 tells the workers, one pickled object per command, in order. Every rank executes
+the same command on its own shard: a step's forward pass, or a block operation (CoW copy, swap
+read/write, invalidation) on the same block ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpage.model.paged_attention import PagedAttentionMetadata, SavedKV
+
+
+@dataclass(slots=True)
+class Step:
+    ids_pos: torch.Tensor  # (2, N) long: token ids and positions
+    meta: PagedAttentionMetadata  # the same view of the pool for every rank
+
+
+@dataclass(slots=True)
+class CopyBlock:
+    src: int
+    dst: int
+
+
+@dataclass(slots=True)
+class Invalidate:
+    block_id: int
+
+
+@dataclass(slots=True)
+class ReadBlocks:
+    block_ids: list[int]  # every rank sends its shard of these blocks to rank 0 (a gather)
+
+
+@dataclass(slots=True)
+class WriteBlocks:
+    block_ids: list[int]
+    blocks: SavedKV  # all ranks' shards, concatenated along KV heads in rank order
+
+
+@dataclass(slots=True)
+class Stop:
+    pass
+
+
+Command = Step | CopyBlock | Invalidate | ReadBlocks | WriteBlocks | Stop

@@ -1,0 +1,99 @@
+"""The tensor-parallel process group: gloo over a TCP store, held as an object (not torch's
+global default group), so several engines can live in one process and a test can tear one down.
+
+Every collective here turns a gloo error or timeout into `WorkerFailure`: a dead peer closes its
+sockets (gloo fails at once), a hung one trips the timeout."""
+
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from kvpage.errors import WorkerFailure
+
+# How long an idle worker waits for rank 0's next command: an engine may sit idle for hours.
+IDLE_TIMEOUT = timedelta(days=7)
+
+
+def master_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a port the OS picks; workers learn it from `store.port`."""
+    return dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def worker_store(port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(
+        "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s)
+    )
+
+
+class TPGroup:
+    def __init__(self, store: dist.TCPStore, rank: int, world_size: int, timeout_s: float) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.timeout = timedelta(seconds=timeout_s)
+        self.store = store
+        self.failed: WorkerFailure | None = None
+        try:  # the rendezvous: returns once every rank has joined
+            self.pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+        except RuntimeError as err:
+            raise WorkerFailure(f"tensor-parallel rank {rank} could not join the group: {err}") from err
+
+    # --- collectives ---------------------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place (the row-parallel layers' one collective)."""
+        opts = dist.AllreduceOptions()
+        opts.timeout = self.timeout
+        self._wait(lambda: self.pg.allreduce([t], opts), "all_reduce")
+        return t
+
+    def broadcast(self, t: torch.Tensor, timeout: timedelta | None = None) -> torch.Tensor:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        opts.timeout = timeout or self.timeout
+        self._wait(lambda: self.pg.broadcast([t], opts), "broadcast")
+        return t
+
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `t` (same shape everywhere) on rank 0; None on the others."""
+        opts = dist.GatherOptions()
+        opts.rootRank, opts.timeout = 0, self.timeout
+        out = [[torch.empty_like(t) for _ in range(self.world_size)]] if self.rank == 0 else []
+        self._wait(lambda: self.pg.gather(out, [t.contiguous()], opts), "gather")
+        return out[0] if self.rank == 0 else None
+
+    def send_object(self, obj: object) -> None:
+        """Rank 0: one command to every worker (length, then the pickled bytes)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        self.broadcast(torch.tensor([data.numel()], dtype=torch.long))
+        self.broadcast(data)
+
+    def recv_object(self) -> object:
+        """Workers: the next command from rank 0; waits as long as the engine stays idle."""
+        size = self.broadcast(torch.zeros(1, dtype=torch.long), timeout=IDLE_TIMEOUT)
+        data = self.broadcast(torch.empty(int(size.item()), dtype=torch.uint8))
+        return pickle.loads(data.numpy().tobytes())
+
+    def _wait(self, start, what: str) -> None:
+        if self.failed is not None:
+            raise self.failed
+        try:
+            start().wait()
+        except RuntimeError as err:  # gloo: peer closed, timeout, ...
+            self.failed = WorkerFailure(
+                f"tensor-parallel {what} failed on rank {self.rank} of {self.world_size} "
+                f"(a worker died or hung): {err}"
+            )
+            raise self.failed from err
+
+    def close(self) -> None:
+        self.pg = None  # the sockets close with the gloo context
+        self.store = None

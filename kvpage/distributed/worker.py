@@ -1,0 +1,92 @@
+"""Ranks 1..N-1: a process started by rank 0 that holds its weight shard and KV pool shard and
+executes rank 0's commands until told to stop, or until rank 0 goes away."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvpage.config import ModelConfig
+from kvpage.distributed.commands import (
+    CopyBlock,
+    Invalidate,
+    ReadBlocks,
+    Step,
+    Stop,
+    WriteBlocks,
+)
+from kvpage.distributed.group import TPGroup, worker_store
+from kvpage.distributed.shard_model import build_shard
+from kvpage.distributed.storage import ShardOps
+from kvpage.errors import WorkerFailure
+from kvpage.model.kv_format import kv_format
+from kvpage.model.paged_attention import KVStorage, PagedAttention
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    rank: int
+    world_size: int
+    port: int
+    timeout_s: float
+    parent_pid: int
+    model_config: ModelConfig
+    state: dict[str, torch.Tensor]  # the full model's weights (shared memory under spawn)
+    num_blocks: int
+    block_size: int
+    kv_cache_dtype: str
+    num_threads: int
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    _exit_with_parent(spec.parent_pid)
+    torch.set_num_threads(spec.num_threads)
+    store = worker_store(spec.port, spec.world_size, spec.timeout_s)
+    store.set(f"kvpage-ready-{spec.rank}", "1")
+    group = TPGroup(store, spec.rank, spec.world_size, spec.timeout_s)
+    model, plan = build_shard(spec.model_config, spec.state, group)
+    del spec.state
+    cfg = spec.model_config
+    fmt = kv_format(spec.kv_cache_dtype, model.dtype)
+    storage = KVStorage(
+        cfg.num_layers, spec.num_blocks, spec.block_size, plan.num_kv_heads, cfg.head_dim, fmt, "cpu"
+    )
+    try:
+        _serve(group, model, storage, ShardOps(storage, group, plan.num_kv_heads))
+    except WorkerFailure:
+        os._exit(1)  # rank 0 is gone or broke the group: nothing left to serve
+
+
+@torch.inference_mode()
+def _serve(group: TPGroup, model, storage: KVStorage, ops: ShardOps) -> None:
+    while True:
+        cmd = group.recv_object()
+        if isinstance(cmd, Stop):
+            return
+        if isinstance(cmd, Step):
+            model(cmd.ids_pos[0], cmd.ids_pos[1], PagedAttention(storage, cmd.meta))
+        elif isinstance(cmd, CopyBlock):
+            storage.copy_block(cmd.src, cmd.dst)
+        elif isinstance(cmd, Invalidate):
+            storage.invalidate(cmd.block_id)
+        elif isinstance(cmd, ReadBlocks):
+            ops.read(storage.read_blocks(cmd.block_ids))
+        elif isinstance(cmd, WriteBlocks):
+            storage.write_blocks(cmd.block_ids, ops.own(cmd.blocks))
+            ops.ack()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """No orphans: if rank 0 dies without a word (SIGKILL), its sockets close and the next
+    collective fails; this watchdog also covers a worker that is waiting in no collective."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="kvpage-tp-parent-watch").start()
