@@ -13,6 +13,7 @@ after which the group is shut down and every worker is killed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import weakref
@@ -88,7 +89,9 @@ class TensorParallelExecutor:
                 config.kv_cache_dtype,
                 threads,
             )
-            proc = ctx.Process(target=worker_main, args=(spec,), daemon=True, name=f"kvpage-tp{rank}")
+            proc = ctx.Process(
+                target=worker_main, args=(spec,), daemon=True, name=f"kvpage-tp{rank}"
+            )
             proc.start()
             procs.append(proc)
         return procs
@@ -104,7 +107,7 @@ class TensorParallelExecutor:
                 what = f"exited with code {dead[0].exitcode}" if dead else "did not start in time"
                 raise WorkerFailure(
                     f"tensor-parallel worker {what} during start-up (under spawn, a script "
-                    "that starts an engine needs `if __name__ == \"__main__\":`)"
+                    'that starts an engine needs `if __name__ == "__main__":`)'
                 )
             time.sleep(0.02)
 
@@ -120,8 +123,11 @@ class TensorParallelExecutor:
         instead of surfacing as a broken socket somewhere in the step."""
         if self.group.failed is not None:
             raise self.group.failed
-        dead = [f"rank {i + 1} (pid {p.pid}, exit code {p.exitcode})" for i, p in
-                enumerate(self.procs) if not p.is_alive()]
+        dead = [
+            f"rank {i + 1} (pid {p.pid}, exit code {p.exitcode})"
+            for i, p in enumerate(self.procs)
+            if not p.is_alive()
+        ]
         if dead:
             self.group.failed = WorkerFailure(
                 f"tensor-parallel worker died: {', '.join(dead)}; the group is shut down"
@@ -133,10 +139,8 @@ class TensorParallelExecutor:
         """Stop the workers (politely if the group is healthy), then make sure they are gone."""
         group = getattr(self, "group", None)
         if group is not None and group.failed is None and not getattr(self, "closed", True):
-            try:
+            with contextlib.suppress(WorkerFailure):  # a worker lost now is killed below
                 self.send(Stop())
-            except WorkerFailure:
-                pass
         for proc in self.procs:
             proc.join(JOIN_TIMEOUT_S if group is not None and group.failed is None else 0.1)
         _kill(self.procs)

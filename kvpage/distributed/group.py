@@ -45,7 +45,9 @@ class TPGroup:
         try:  # the rendezvous: returns once every rank has joined
             self.pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
         except RuntimeError as err:
-            raise WorkerFailure(f"tensor-parallel rank {rank} could not join the group: {err}") from err
+            raise WorkerFailure(
+                f"tensor-parallel rank {rank} could not join the group: {err}"
+            ) from err
 
     # --- collectives ---------------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:

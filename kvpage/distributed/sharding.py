@@ -49,7 +49,9 @@ def shard_plan(cfg: ModelConfig, rank: int, world_size: int) -> ShardPlan:
     if cfg.num_kv_heads >= world_size:
         kv_heads = cfg.num_kv_heads // world_size
         return ShardPlan(rank, world_size, heads, kv_heads, rank * kv_heads, cfg.head_dim)
-    return ShardPlan(rank, world_size, heads, 1, rank // (world_size // cfg.num_kv_heads), cfg.head_dim)
+    return ShardPlan(
+        rank, world_size, heads, 1, rank // (world_size // cfg.num_kv_heads), cfg.head_dim
+    )
 
 
 def check_divisible(cfg: ModelConfig, world_size: int) -> None:

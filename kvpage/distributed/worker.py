@@ -53,7 +53,13 @@ def worker_main(spec: WorkerSpec) -> None:
     cfg = spec.model_config
     fmt = kv_format(spec.kv_cache_dtype, model.dtype)
     storage = KVStorage(
-        cfg.num_layers, spec.num_blocks, spec.block_size, plan.num_kv_heads, cfg.head_dim, fmt, "cpu"
+        cfg.num_layers,
+        spec.num_blocks,
+        spec.block_size,
+        plan.num_kv_heads,
+        cfg.head_dim,
+        fmt,
+        "cpu",
     )
     try:
         _serve(group, model, storage, ShardOps(storage, group, plan.num_kv_heads))

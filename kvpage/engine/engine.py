@@ -64,14 +64,18 @@ class LLMEngine:
         self.kv_format = kv_format(config.kv_cache_dtype, model.dtype)
         num_blocks = self._num_blocks()
         self.tp = _tensor_parallel(config, model, num_blocks, self.kv_format)
-        self.storage = self.tp.storage if self.tp else KVStorage(
-            mcfg.num_layers,
-            num_blocks,
-            config.block_size,
-            mcfg.num_kv_heads,
-            mcfg.head_dim,
-            self.kv_format,
-            model.device,
+        self.storage = (
+            self.tp.storage
+            if self.tp
+            else KVStorage(
+                mcfg.num_layers,
+                num_blocks,
+                config.block_size,
+                mcfg.num_kv_heads,
+                mcfg.head_dim,
+                self.kv_format,
+                model.device,
+            )
         )
         self.cache = KVCacheManager(
             num_blocks,
@@ -90,8 +94,8 @@ class LLMEngine:
         self.swap_space = SwapSpace(config.swap_space_blocks)
         self.swapper = KVSwapper(self.cache, self.storage, self.swap_space, self._observers)
         self.scheduler = Scheduler(config, self.cache, self.swapper, self._observers)
-        self.runner = self.tp.runner(self.cache) if self.tp else ModelRunner(
-            model, self.storage, self.cache
+        self.runner = (
+            self.tp.runner(self.cache) if self.tp else ModelRunner(model, self.storage, self.cache)
         )
         self.failure: WorkerFailure | None = None  # set when a tensor-parallel worker is lost
         self.sampler = Sampler()
