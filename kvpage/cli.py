@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NoReturn
 from kvpage.audit import cli as audit_cli
 from kvpage.audit import faults as audit_faults
 from kvpage.config import KV_CACHE_DTYPES, PREEMPTION_MODES
-from kvpage.errors import KVPageError
+from kvpage.errors import KVPageError, WorkerFailure
 from kvpage.model import DTYPES
 from kvpage.sampling_params import SamplingParams
 
@@ -130,6 +130,15 @@ def _add_model_args(p: argparse.ArgumentParser, model: str = "builtin:tiny-llama
     p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N")
 
 
+def _add_tensor_parallel(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=_count,
+        default=1,
+        help="processes the model is split across (gloo; 1: this process only)",
+    )
+
+
 def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     _add_model_args(gen)
@@ -148,6 +157,7 @@ def _add_generate(sub) -> None:
         default="auto",
         help="K/V round trip of the reference (auto: as computed)",
     )
+    _add_tensor_parallel(gen)
     gen.set_defaults(func=_cmd_generate)
 
 
@@ -174,6 +184,7 @@ def _add_verify(sub) -> None:
     )
     ver.add_argument("--report", default="reports/gate", help="directory for the reports")
     ver.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_tensor_parallel(ver)
     ver.set_defaults(func=_cmd_verify)
 
 
@@ -259,6 +270,7 @@ def _add_serve(sub) -> None:
         help="seconds in-flight requests get on shutdown; then streams end with an error event",
     )
     audit_faults.add_serve_args(srv)
+    _add_tensor_parallel(srv)
     srv.set_defaults(func=_cmd_serve)
 
 
@@ -280,13 +292,41 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = encode_text(tokenizer, args.prompt, args.model)
     else:
         prompt_ids = args.prompt_ids
-    out = generate(model, prompt_ids, params, kv_cache_dtype=args.kv_cache_dtype)
+    if args.tensor_parallel_size > 1:
+        out = _generate_tensor_parallel(args, model, tokenizer, prompt_ids, params)
+    else:
+        out = generate(model, prompt_ids, params, kv_cache_dtype=args.kv_cache_dtype)
     if tokenizer is not None:
         print(f"text: {tokenizer.decode(out.token_ids)!r}")
     print(f"prompt_ids: {prompt_ids}")
     print(f"token_ids: {out.token_ids}")
     print(f"finish_reason: {out.finish_reason}")
     return 0
+
+
+def _generate_tensor_parallel(args, model, tokenizer, prompt_ids, params):
+    """One request through a tensor-parallel engine (the one-process path above runs the
+    contiguous reference, which has no paged pool to shard)."""
+    from kvpage.config import EngineConfig
+    from kvpage.engine.engine import LLMEngine
+
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+    engine = LLMEngine(config, model, tokenizer)
+    try:
+        engine.add_request("0", prompt_ids, params)
+        while engine.has_unfinished_requests():
+            finished = [o for o in engine.step() if o.finished]
+        out = finished[0]
+    finally:
+        engine.shutdown()
+    if out.outputs[0].finish_reason == "error":
+        raise WorkerFailure(out.error)
+    return out.outputs[0]
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -305,6 +345,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         mutants=not args.no_mutants,
         progress=not args.quiet,
         kv_cache_dtypes=(args.kv_cache_dtype,),
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     data = write_reports(result, args.report)
     print(summary_table(data))
@@ -357,6 +398,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             kv_cache_dtype=args.kv_cache_dtype,
             dtype=args.dtype,
             device=args.device,
+            tensor_parallel_size=args.tensor_parallel_size,
             **audit_faults.config_overrides(fault),
         )
     )

@@ -12,6 +12,15 @@ from kvpage.model.paged_attention import PagedAttentionMetadata, SavedKV
 
 
 @dataclass(slots=True)
+class Configure:
+    """A new engine takes the workers: a fresh, zeroed KV pool shard of this shape."""
+
+    num_blocks: int
+    block_size: int
+    kv_cache_dtype: str
+
+
+@dataclass(slots=True)
 class Step:
     ids_pos: torch.Tensor  # (2, N) long: token ids and positions
     meta: PagedAttentionMetadata  # the same view of the pool for every rank
@@ -44,4 +53,4 @@ class Stop:
     pass
 
 
-Command = Step | CopyBlock | Invalidate | ReadBlocks | WriteBlocks | Stop
+Command = Configure | Step | CopyBlock | Invalidate | ReadBlocks | WriteBlocks | Stop

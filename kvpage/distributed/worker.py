@@ -12,6 +12,7 @@ import torch
 
 from kvpage.config import ModelConfig
 from kvpage.distributed.commands import (
+    Configure,
     CopyBlock,
     Invalidate,
     ReadBlocks,
@@ -21,6 +22,7 @@ from kvpage.distributed.commands import (
 )
 from kvpage.distributed.group import TPGroup, worker_store
 from kvpage.distributed.shard_model import build_shard
+from kvpage.distributed.sharding import ShardPlan
 from kvpage.distributed.storage import ShardOps
 from kvpage.errors import WorkerFailure
 from kvpage.model.kv_format import kv_format
@@ -36,9 +38,6 @@ class WorkerSpec:
     parent_pid: int
     model_config: ModelConfig
     state: dict[str, torch.Tensor]  # the full model's weights (shared memory under spawn)
-    num_blocks: int
-    block_size: int
-    kv_cache_dtype: str
     num_threads: int
 
 
@@ -47,34 +46,44 @@ def worker_main(spec: WorkerSpec) -> None:
     torch.set_num_threads(spec.num_threads)
     store = worker_store(spec.port, spec.world_size, spec.timeout_s)
     store.set(f"kvpage-ready-{spec.rank}", "1")
-    group = TPGroup(store, spec.rank, spec.world_size, spec.timeout_s)
-    model, plan = build_shard(spec.model_config, spec.state, group)
-    del spec.state
-    cfg = spec.model_config
-    fmt = kv_format(spec.kv_cache_dtype, model.dtype)
-    storage = KVStorage(
-        cfg.num_layers,
-        spec.num_blocks,
-        spec.block_size,
-        plan.num_kv_heads,
-        cfg.head_dim,
-        fmt,
-        "cpu",
-    )
     try:
-        _serve(group, model, storage, ShardOps(storage, group, plan.num_kv_heads))
+        group = TPGroup(store, spec.rank, spec.world_size, spec.timeout_s)
+        model, plan = build_shard(spec.model_config, spec.state, group)
+        del spec.state
+        _serve(Shard(group, model, plan))
     except WorkerFailure:
         os._exit(1)  # rank 0 is gone or broke the group: nothing left to serve
 
 
-@torch.inference_mode()
-def _serve(group: TPGroup, model, storage: KVStorage, ops: ShardOps) -> None:
-    while True:
-        cmd = group.recv_object()
-        if isinstance(cmd, Stop):
-            return
-        if isinstance(cmd, Step):
-            model(cmd.ids_pos[0], cmd.ids_pos[1], PagedAttention(storage, cmd.meta))
+class Shard:
+    """This rank's weights and, once an engine has configured it, its KV pool shard."""
+
+    def __init__(self, group: TPGroup, model, plan: ShardPlan) -> None:
+        self.group, self.model, self.plan = group, model, plan
+        self.storage: KVStorage | None = None
+        self.ops: ShardOps | None = None
+
+    def configure(self, cmd: Configure) -> None:
+        cfg = self.model.config
+        fmt = kv_format(cmd.kv_cache_dtype, self.model.dtype)
+        self.storage = None  # the previous engine's pool goes before the new one is allocated
+        self.storage = KVStorage(
+            cfg.num_layers,
+            cmd.num_blocks,
+            cmd.block_size,
+            self.plan.num_kv_heads,
+            cfg.head_dim,
+            fmt,
+            "cpu",
+        )
+        self.ops = ShardOps(self.storage, self.group, self.plan.num_kv_heads)
+
+    def execute(self, cmd) -> None:
+        storage, ops = self.storage, self.ops
+        if isinstance(cmd, Configure):
+            self.configure(cmd)
+        elif isinstance(cmd, Step):
+            self.model(cmd.ids_pos[0], cmd.ids_pos[1], PagedAttention(storage, cmd.meta))
         elif isinstance(cmd, CopyBlock):
             storage.copy_block(cmd.src, cmd.dst)
         elif isinstance(cmd, Invalidate):
@@ -84,6 +93,12 @@ def _serve(group: TPGroup, model, storage: KVStorage, ops: ShardOps) -> None:
         elif isinstance(cmd, WriteBlocks):
             storage.write_blocks(cmd.block_ids, ops.own(cmd.blocks))
             ops.ack()
+
+
+@torch.inference_mode()
+def _serve(shard: Shard) -> None:
+    while not isinstance(cmd := shard.group.recv_object(), Stop):
+        shard.execute(cmd)
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -5,6 +5,7 @@ divergence report carries the fields its class needs."""
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import sys
 import time
@@ -152,22 +153,37 @@ def run_gate(
     mutants: bool = True,
     progress: bool = True,
     kv_cache_dtypes: tuple[str, ...] = DEFAULT_GATE_KV_DTYPES,
+    tensor_parallel_size: int = 1,
 ) -> GateResult:
     """`kv_cache_dtypes`: quantized KV formats whose copies of the prefix, batching and
     preemption suites (and a CoW fork case) run too; a mutant bound to a KV format runs only
-    when its format is among them."""
+    when its format is among them. `tensor_parallel_size` > 1: every engine (case, mutant)
+    runs split over that many processes, one set of workers reused by all of them."""
+    with _tensor_parallel_workers(tensor_parallel_size):
+        return _run_gate(
+            model_name, suites, mutants, progress, kv_cache_dtypes, tensor_parallel_size
+        )
+
+
+def _tensor_parallel_workers(tensor_parallel_size: int):
+    if tensor_parallel_size == 1:
+        return contextlib.nullcontext()
+    from kvpage.distributed.executor import shared_workers  # only a TP gate loads it
+
+    return shared_workers()
+
+
+def _run_gate(model_name, suites, mutants, progress, kv_cache_dtypes, tp: int) -> GateResult:
     start = time.perf_counter()
     model, tokenizer = load_model(model_name)
     kv_cache_dtypes = tuple(d for d in kv_cache_dtypes if d != "auto")
     cases = build_suites(model.config.vocab_size, suites, kv_cache_dtypes)
     suites = (*suites, *quantized_suite_names(suites, kv_cache_dtypes))
     mutant_list = (
-        tuple(m for m in MUTANTS if m.kv_cache_dtype in (None, *kv_cache_dtypes))
-        if mutants
-        else ()
+        tuple(m for m in MUTANTS if m.kv_cache_dtype in (None, *kv_cache_dtypes)) if mutants else ()
     )
     bar = Progress(len(cases) + len(mutant_list), progress)
-    runtime = Runtime(model, tokenizer, model_name, debug_checks=True)
+    runtime = Runtime(model, tokenizer, model_name, debug_checks=True, tensor_parallel_size=tp)
     case_results = []
     for case in cases:
         case_results.append(run_case(case, runtime))
@@ -197,7 +213,14 @@ def run_mutant(mutant: Mutant, model, tokenizer, model_name: str, cases, base: R
         mutant.apply(engine)
         return engine
 
-    runtime = Runtime(model, tokenizer, model_name, debug_checks=False, engine_factory=factory)
+    runtime = Runtime(
+        model,
+        tokenizer,
+        model_name,
+        debug_checks=False,
+        engine_factory=factory,
+        tensor_parallel_size=base.tensor_parallel_size,
+    )
     runtime._refs = base._refs  # the references do not depend on the engine
     start = time.perf_counter()
     caught_by, first_failure, divergence = [], None, None

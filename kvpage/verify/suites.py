@@ -71,14 +71,20 @@ class Runtime:
         model_name: str,
         debug_checks: bool = True,
         engine_factory: Callable[[EngineConfig], LLMEngine] | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
         self.debug_checks = debug_checks
+        self.tensor_parallel_size = tensor_parallel_size
         self.engine_factory = engine_factory or (lambda cfg: LLMEngine(cfg, model, tokenizer))
         self._refs: dict[tuple, ReferenceOutput] = {}
 
     def make_engine(self, overrides: dict) -> LLMEngine:
-        args = dict(model=self.model_name, debug_checks=self.debug_checks)
+        args = dict(
+            model=self.model_name,
+            debug_checks=self.debug_checks,
+            tensor_parallel_size=self.tensor_parallel_size,
+        )
         args.update(overrides)
         return self.engine_factory(EngineConfig(**args))
 
