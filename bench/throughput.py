@@ -5,7 +5,7 @@ one process:
     python bench/throughput.py [--models small,120m] [--scenarios a,b,c,bb] [--requests 64]
                                [--repeats N] [--seed 0] [--threads 2] [--hf-batch 32] [--profile]
                                [--peers hf,llama.cpp] [--llama-cpp-types f32,bf16]
-                               [--dtypes float32,bfloat16]
+                               [--dtypes float32,bfloat16] [--tensor-parallel-size 2]
 
 (a) prompts uniform in 16-256 tokens, 64 output tokens each; (b) the same prompts, outputs uniform
 in 16-256 tokens (HF `generate` runs each static batch to its longest output; only the tokens each
@@ -217,6 +217,7 @@ class Engine:
     name: str
     run: Callable[[], RunOut]
     setup: Callable[[], None] = lambda: None
+    teardown: Callable[[], None] = lambda: None  # after the last repeat
 
 
 def measure(engine: Engine, res: RunResult) -> None:
@@ -237,7 +238,12 @@ def measure(engine: Engine, res: RunResult) -> None:
 
 # --- kvpage -------------------------------------------------------------------------------------
 def kvpage_llm(
-    model_dir: str, num_blocks: int, prefix_caching: bool, seed: int, dtype: str = "float32"
+    model_dir: str,
+    num_blocks: int,
+    prefix_caching: bool,
+    seed: int,
+    dtype: str = "float32",
+    tp: int = 1,
 ) -> LLM:
     llm = LLM(
         model_dir,
@@ -249,6 +255,7 @@ def kvpage_llm(
         dtype=dtype,
         device="cpu",
         seed=seed,
+        tensor_parallel_size=tp,
     )
     rng = random.Random(seed + 1)
     warm = [random_tokens(rng, 48, llm.engine.model.config.vocab_size) for _ in range(4)]
@@ -264,6 +271,7 @@ def kvpage_engine(
     seed: int,
     prime: bool = False,
     dtype: str = "float32",
+    tp: int = 1,
 ) -> Engine:
     """A fresh engine per repeat (built and warmed before the clock starts), so one repeat's cache
     cannot serve the next. All requests are added at once: TTFT includes queueing. With `prime`, one
@@ -272,7 +280,9 @@ def kvpage_engine(
     holder: dict[str, LLM] = {}
 
     def setup() -> None:
-        llm = kvpage_llm(model_dir, blocks_needed(wl), prefix_caching, seed, dtype)
+        if "llm" in holder:  # the previous repeat's tensor-parallel workers, if any
+            holder.pop("llm").close()
+        llm = kvpage_llm(model_dir, blocks_needed(wl), prefix_caching, seed, dtype, tp)
         if prime:
             rng = random.Random(seed + 2)
             vocab = llm.engine.model.config.vocab_size
@@ -281,9 +291,13 @@ def kvpage_engine(
         holder["llm"] = llm
 
     def run() -> RunOut:
+        tp_group = holder["llm"].engine.tp and holder["llm"].engine.tp.workers.group
+        busy = tp_group.collective_s if tp_group else 0.0
         t0 = time.monotonic()  # the clock of RequestMetrics.first_token_time
         outs = holder["llm"].generate(wl.prompts, params, use_tqdm=False)
         t1 = time.monotonic()
+        if tp_group:
+            COLLECTIVE_SHARE[name] = (tp_group.collective_s - busy) / (t1 - t0)
         cached = sum(o.metrics.num_cached_tokens for o in outs)
         prefill = sum(len(p) for p in wl.prompts) - cached
         ttfts = [o.metrics.ttft for o in outs]
@@ -295,7 +309,11 @@ def kvpage_engine(
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         return RunOut(tokens, ttfts, prefill, phases=phases)
 
-    return Engine(name, run, setup)
+    def teardown() -> None:
+        if "llm" in holder:
+            holder.pop("llm").close()
+
+    return Engine(name, run, setup, teardown)
 
 
 # --- Hugging Face generate (static, left-padded batches) ----------------------------------------
@@ -606,6 +624,9 @@ def profile_kvpage(model_dir: str, wl: Workload, seed: int, top: int = 18) -> No
 
 
 # --- main ---------------------------------------------------------------------------------------
+COLLECTIVE_SHARE: dict[str, float] = {}  # engine name -> collective time / wall, last repeat
+
+
 def run_scenario(
     model, model_dir: str, wl: Workload, args, fm: FlopModel, peak: float, llama: str | None
 ) -> None:
@@ -624,6 +645,10 @@ def run_scenario(
         ]
     else:
         engines.append(kvpage_engine("kvpage", model_dir, wl, True, args.seed))
+    if args.tensor_parallel_size > 1:  # beside TP=1 on the same workload
+        tp = args.tensor_parallel_size
+        name = f"kvpage tp={tp}"
+        engines.append(kvpage_engine(name, model_dir, wl, True, args.seed, tp=tp))
     if "bfloat16" in args.dtypes:  # beside llama.cpp's bf16 GGUF and HF generate in bf16
         bf16 = BF16_MODELS.setdefault(id(model), copy.deepcopy(model).to(torch.bfloat16))
         engines.append(
@@ -650,11 +675,19 @@ def run_scenario(
         for engine in engines:
             if not results[engine.name].error:
                 measure(engine, results[engine.name])
+    for engine in engines:
+        engine.teardown()
     print(
         f"\n{wl.name}: {len(wl.prompts)} requests, {sum(map(len, wl.prompts))} prompt tokens, "
         f"{sum(wl.max_tokens)} useful output tokens, {fm.workload(wl) / 1e9:.1f} useful GFLOP"
     )
     print_table(wl, list(results.values()), fm.workload(wl), peak)
+    for name, share in COLLECTIVE_SHARE.items():
+        print(
+            f"{name}: {share:.0%} of the wall in collectives on rank 0 (step broadcast + "
+            "all-reduces, waiting for the workers included); the last repeat"
+        )
+    COLLECTIVE_SHARE.clear()
     for line in failed:
         print(line)
     print_cb_span(list(results.values()))
@@ -680,6 +713,12 @@ def main() -> None:
     )
     ap.add_argument(
         "--dtypes", default="float32", help="kvpage (and HF generate) dtypes: float32,bfloat16"
+    )
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="also run kvpage split over N processes (gloo) on the same workload",
     )
     args = ap.parse_args()
     args.peers = set(args.peers.split(",")) - {""}

@@ -7,6 +7,7 @@ sockets (gloo fails at once), a hung one trips the timeout."""
 from __future__ import annotations
 
 import pickle
+import time
 from datetime import timedelta
 
 import torch
@@ -42,6 +43,7 @@ class TPGroup:
         self.timeout = timedelta(seconds=timeout_s)
         self.store = store
         self.failed: WorkerFailure | None = None
+        self.collective_s = 0.0  # wall time spent in collectives (the bench's overhead share)
         try:  # the rendezvous: returns once every rank has joined
             self.pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
         except RuntimeError as err:
@@ -87,8 +89,10 @@ class TPGroup:
     def _wait(self, start, what: str) -> None:
         if self.failed is not None:
             raise self.failed
+        t0 = time.perf_counter()
         try:
             start().wait()
+            self.collective_s += time.perf_counter() - t0
         except RuntimeError as err:  # gloo: peer closed, timeout, ...
             self.failed = WorkerFailure(
                 f"tensor-parallel {what} failed on rank {self.rank} of {self.world_size} "
