@@ -183,3 +183,15 @@ def test_debug_checks_refuse_a_read_of_invalidated_scales(model):
     with pytest.raises(InvariantViolation, match="scales nobody wrote"):
         for _ in range(40):
             engine.step()
+
+
+def test_llm_takes_kv_cache_dtype(model, quantized_refs):
+    from kvpage import LLM
+
+    llm = LLM(MODEL, kv_cache_dtype="fp8_e4m3", num_blocks=64, block_size=8)
+    assert llm.engine.storage.data.dtype == torch.uint8  # float8 codes kept as their bytes
+    assert llm.engine.namespace.kv_dtype == "float8_e4m3fn"
+    prompts = [list(range(10, 31)), list(range(10, 25))]  # a shared first block
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == quantized_refs(prompt, "fp8_e4m3")
