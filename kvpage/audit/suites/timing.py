@@ -103,10 +103,10 @@ def _tenants(ctx: SuiteContext) -> tuple[Tenant, Tenant | None, str]:
     cfg = ctx.cfg
     if cfg.second_api_key:
         return Tenant("victim", cfg.api_key), Tenant("other", cfg.second_api_key), "second API key"
-    if ctx.caps.cache_salt:
+    if ctx.caps.cache_salt:  # also when salts were seen to share a cache: that is the finding
         victim = Tenant("victim", cfg.api_key, ctx.factory.salt())
         return victim, Tenant("other", cfg.api_key, ctx.factory.salt()), "another cache_salt"
-    why = "cross-tenant: needs --second-api-key (the server takes no cache_salt)"
+    why = "none: cross-tenant needs --second-api-key (the server takes no cache_salt)"
     return Tenant("victim", cfg.api_key), None, why
 
 
