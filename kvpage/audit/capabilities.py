@@ -4,6 +4,7 @@ reason, so an audit of a server we know nothing about says what it could not tes
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -194,8 +195,10 @@ class Prober:
             )
             return
         payload = self._long_prompt()
+        first, second = (f"kvpage-audit-probe-{secrets.token_hex(8)}" for _ in range(2))
         counts = [
-            self._ask(payload, {"cache_salt": salt}).cached_tokens for salt in ("s1", "s1", "s2")
+            self._ask(payload, {"cache_salt": salt}).cached_tokens
+            for salt in (first, first, second)
         ]
         if not counts[1]:
             self.caps.notes.append("cache_salt: no caching observed, so its effect is unverified")
@@ -210,7 +213,7 @@ class Prober:
         """A fresh prompt of a few blocks (a random one: nothing cached it before)."""
         import random
 
-        rng = random.Random(self.cfg.seed + 13)
+        rng = random.Random((self.cfg.seed or 0) + 13)
         n = 4 * max(self.cfg.block_sizes) + 3
         if self.caps.id_range is not None:
             return [rng.randrange(*self.caps.id_range) for _ in range(n)]
@@ -220,7 +223,7 @@ class Prober:
         """From usage: the prompt-token difference of two random texts, so overheads cancel."""
         from kvpage.audit.probes import PromptFactory
 
-        factory = PromptFactory(self.cfg.seed + 7, None)
+        factory = PromptFactory((self.cfg.seed or 0) + 7, None)
         short, long = factory.random(120).text or "", factory.random(360).text or ""
         counts = [self._ask(text, {}).prompt_tokens for text in (short, long)]
         if None in counts or counts[1] <= counts[0]:

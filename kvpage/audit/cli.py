@@ -131,7 +131,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default=0.1,
         help="largest solo top-2 gap at which a flip may be drift",
     )
-    p.add_argument("--seed", type=int, default=0, help="the audit's own randomness")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="the audit's prompts and salts (default: fresh per run; a repeated seed repeats "
+        "prompts the server may have cached)",
+    )
     p.add_argument("--timeout", type=_non_negative, default=60.0, help="seconds per request")
     p.add_argument(
         "--ignore-usage",

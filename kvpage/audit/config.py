@@ -35,7 +35,10 @@ class AuditConfig:
     timing_prefix_tokens: int = 1024  # long enough for a cache hit to show in TTFT
     alpha: float = 0.01  # significance level of the timing tests
     tolerances: Tolerances = field(default_factory=Tolerances)
-    seed: int = 0  # the audit's own randomness (prompts, orders); fresh prefixes per audit anyway
+    # The audit's own randomness (prompts, salts, orders). None: a fresh seed per run, so that
+    # "fresh" prompts are really new to the server; a fixed seed repeats the prompts, and a
+    # second run against the same server then finds them cached (reproduction only).
+    seed: int | None = None
     timeout_s: float = 60.0  # per request
     trust_usage: bool = True  # False: judge timing by TTFT alone (a server's usage may lie)
     progress: bool = True

@@ -99,7 +99,7 @@ def _md_suite(suite: dict[str, Any]) -> list[str]:
 
 def _md_timing(data: dict[str, Any]) -> list[str]:
     lines = [
-        f"Prefix of {data['prefix_tokens']} tokens; second tenant via {data['second_tenant']}; "
+        f"Prefix of {data['prefix_tokens']} tokens; second tenant: {data['second_tenant']}; "
         f"alpha {data['alpha']}.",
         "",
         "| arm | median TTFT (ms) | cached tokens |",

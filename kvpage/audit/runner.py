@@ -3,9 +3,10 @@ decide the exit status (0 isolated, 1 isolation failure or cross-tenant leak).""
 
 from __future__ import annotations
 
+import secrets
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvpage.audit.capabilities import Capabilities, Prober
@@ -77,6 +78,7 @@ class AuditResult:
             "requests": self.requests,
             "budget_requests": self.cfg.budget_requests,
             "wall_s": round(self.wall_s, 3),
+            "seed": self.cfg.seed,
             "inferred_block_size": self.block_size(),
             "capabilities": self.caps.to_json(),
             "plan_notes": self.plan_notes,
@@ -117,6 +119,8 @@ class Progress:
 
 def run_audit(cfg: AuditConfig) -> AuditResult:
     start = time.perf_counter()
+    if cfg.seed is None:  # fresh prompts and salts for every run (reported, to reproduce it)
+        cfg = replace(cfg, seed=secrets.randbits(32))
     progress = Progress(cfg.progress)
     budget = Budget(cfg.budget_requests, progress)
     try:
@@ -124,7 +128,7 @@ def run_audit(cfg: AuditConfig) -> AuditResult:
             caps = _probe(cfg, client)
             cold_refs = caps.cache_salt and not caps.salt_ignored
             planned, notes = fit(cfg, budget.remaining, cold_refs)
-            factory = PromptFactory(cfg.seed, caps.id_range, caps.chars_per_token)
+            factory = PromptFactory(cfg.seed or 0, caps.id_range, caps.chars_per_token)
             ctx = SuiteContext(planned, caps, AuditSession(planned, client, caps), factory)
             shares = _shares(estimate(planned, cold_refs), budget.remaining)
             results = _run_suites(ctx, progress, budget, shares)

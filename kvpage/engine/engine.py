@@ -339,6 +339,8 @@ class LLMEngine:
                         who = f"seq {snap.seq_id}"
                         self.storage.check_written(snap.block_ids, item.seq.num_computed, who)
                 logits = self.runner.run(batch)
+                for observer in self._observers:
+                    observer.on_step_ran(batch)
             finally:
                 self.runner.release(batch)
             self._commit(batch, logits)

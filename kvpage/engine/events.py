@@ -147,6 +147,10 @@ class EngineObserver:
     def on_batch(self, batch: StepBatch) -> None:
         """Before the model runs over one step's batch."""
 
+    def on_step_ran(self, batch: StepBatch) -> None:
+        """After the model ran over the batch, while its snapshots still pin the blocks it read
+        (before anything is committed or freed): the pool holds the KV the step wrote."""
+
     def on_sampled(self, batch: StepBatch, logits: torch.Tensor, tokens: list[int]) -> None:
         """After the step's tokens were drawn and appended; logits (M, V), one row per sample."""
 

@@ -54,7 +54,13 @@ log = logging.getLogger("kvpage.server")
 def create_app(engine: LLMEngine, options: ServerOptions | None = None) -> FastAPI:
     options = options or ServerOptions(model_name=engine.config.model)
     audit = AuditLog(options.audit_log, options.audit_sample_rate, options.seed)
-    shadow = ShadowChecker(engine.model, audit, options.shadow_rate, options.seed)
+    shadow = ShadowChecker(
+        engine.model,
+        audit,
+        options.shadow_rate,
+        options.seed,
+        kv_cache_dtype=engine.config.kv_cache_dtype,
+    )
     state = ServerState(
         options=options,
         loop=EngineLoop(engine),

@@ -35,11 +35,18 @@ class ShadowJob:
 
 class ShadowChecker:
     def __init__(
-        self, model: CausalLM, audit: AuditLog, rate: float, seed: int = 0, backlog: int = 64
+        self,
+        model: CausalLM,
+        audit: AuditLog,
+        rate: float,
+        seed: int = 0,
+        backlog: int = 64,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"shadow rate must be in [0, 1], got {rate}")
         self.model, self.audit, self.rate = model, audit, rate
+        self.kv_cache_dtype = kv_cache_dtype  # the reference rounds K/V as the served pool does
         self.checked = self.mismatched = self.dropped = 0
         self._random = random.Random(seed)
         self._jobs: queue.Queue[ShadowJob | None] = queue.Queue(maxsize=backlog)
@@ -79,7 +86,9 @@ class ShadowChecker:
         # The served tokens may end early (stop string, client gone): compare that many.
         params = replace(job.params, max_tokens=len(job.served_ids), logprobs=None)
         with torch.inference_mode():
-            reference = generate(self.model, job.prompt_ids, params).token_ids
+            reference = generate(
+                self.model, job.prompt_ids, params, kv_cache_dtype=self.kv_cache_dtype
+            ).token_ids
         step = first_difference(reference, job.served_ids)
         self.checked += 1
         if step is not None:

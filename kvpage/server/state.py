@@ -60,7 +60,7 @@ class ServerState:
         return [
             f"model: {opts.model_name} ({engine.config.dtype} on {engine.config.device})",
             f"KV pool: {pool_blocks} blocks x {block_size} tokens = {pool_blocks * block_size} "
-            f"tokens, {_mib(engine.storage.data.nbytes)}",
+            f"tokens, {_mib(engine.storage.nbytes)}, KV {engine.storage.format.describe()}",
             f"prefix caching: {caching}; preemption: {engine.config.preemption_mode}",
             f"auth: {self._auth()}",
             f"admin API: {'on' if opts.admin_token else 'off (no admin token)'}",

@@ -226,6 +226,13 @@ class EngineTracer:
             if seq.seq_id in sampling:
                 self._views[seq.seq_id] = self._view(seq, snap)
 
+    def on_step_ran(self, batch) -> None:
+        """The model ran and the blocks are still pinned: a quantized view takes the scales its
+        step read now (the step wrote its new tokens' scales; a commit may free a block next,
+        which invalidates them)."""
+        if self.engine.storage.scales is not None:
+            self._views = {sid: self._with_scales(view) for sid, view in self._views.items()}
+
     @property
     def records(self) -> dict[str, list[StepRecord]]:
         """Per request, its records in order. Top-k and digests are summarised here, when the
@@ -246,8 +253,7 @@ class EngineTracer:
         for row, (item, token) in enumerate(zip(batch.sample_seqs, tokens, strict=True)):
             seq = item.seq
             pend = self._pending.pop(seq.sample_id, _PendingInputs())
-            view = self._with_scales(self._views.get(seq.seq_id, EMPTY_VIEW))
-            self._views[seq.seq_id] = view  # a fork reads the same view
+            view = self._views.get(seq.seq_id, EMPTY_VIEW)
             # logits[row] is a view of this step's own logits tensor
             step_records.append(self._append(seq, pend, view, token, logits[row]))
         self._unsummarized.append((logits, step_records))
@@ -318,10 +324,9 @@ class EngineTracer:
         )
 
     def _with_scales(self, view: CacheView) -> CacheView:
-        """The scales a quantized step read, per block: taken after the step ran, since the
-        step itself wrote its new tokens' scales."""
+        """The scales a quantized step read, per block and layer."""
         scales = self.engine.storage.scales
-        if scales is None or not view.entries:
+        if not view.entries:
             return view
         entries = tuple(
             e._replace(scale=scale_digest(scales[:, :, e.physical, : e.valid_len]))

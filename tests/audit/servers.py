@@ -98,6 +98,7 @@ def proxy_app(upstream: str, leak: bool = False, text_only: bool = False) -> Fas
     usage, no cache_salt effect (the field is dropped)."""
     app = FastAPI()
     overlap, counter = _Overlap(), iter(range(10**9))
+    clients: dict[str, httpx.AsyncClient] = {}  # one upstream pool (made on the server's loop)
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(path: str, request: Request) -> Response:
@@ -114,7 +115,7 @@ def proxy_app(upstream: str, leak: bool = False, text_only: bool = False) -> Fas
                 "stream_options",
             ):
                 data.pop(field, None)
-        client = httpx.AsyncClient(base_url=upstream, timeout=60)
+        client = clients.setdefault("upstream", httpx.AsyncClient(base_url=upstream, timeout=60))
         headers = {"authorization": request.headers.get("authorization", "")}
         if isinstance(data, dict) and data.get("stream"):
             upstream_req = client.build_request("POST", f"/{path}", json=data, headers=headers)
@@ -123,7 +124,7 @@ def proxy_app(upstream: str, leak: bool = False, text_only: bool = False) -> Fas
                 resp.aiter_raw(),
                 resp.status_code,
                 media_type="text/event-stream",
-                background=BackgroundTask(_close, resp, client),
+                background=BackgroundTask(resp.aclose),
             )
         rid = next(counter)
         prompt = data.get("prompt") if isinstance(data, dict) else None
@@ -133,7 +134,6 @@ def proxy_app(upstream: str, leak: bool = False, text_only: bool = False) -> Fas
         try:
             resp = await client.request(request.method, f"/{path}", json=data, headers=headers)
         finally:
-            await client.aclose()
             met = overlap.leave(rid)
         body = resp.json()
         if leak and met and resp.status_code == 200:
@@ -143,11 +143,6 @@ def proxy_app(upstream: str, leak: bool = False, text_only: bool = False) -> Fas
         return JSONResponse(body, resp.status_code)
 
     return app
-
-
-async def _close(resp: httpx.Response, client: httpx.AsyncClient) -> None:
-    await resp.aclose()
-    await client.aclose()
 
 
 def _write_canary(body: dict, canary: list[int]) -> None:

@@ -93,3 +93,15 @@ def test_the_budget_is_a_hard_cap(tenant_url, tmp_path):
     untested = [u for s in data["suites"].values() for u in s["untested"]]
     assert any("budget" in u for u in untested)  # what did not run says why
     assert code == 0
+
+
+def test_every_run_has_fresh_prompts_unless_a_seed_is_given(tenant_url, tmp_path):
+    keys = ["--api-key", "key-alice", "--suites", "baseline", "--probes", "2"]
+    seeds = []
+    for run in range(2):
+        audit(tenant_url, tmp_path / str(run), *keys)
+        data = json.loads((tmp_path / str(run) / "report" / "report.json").read_text())
+        seeds.append(data["seed"])
+    assert seeds[0] != seeds[1]
+    audit(tenant_url, tmp_path / "fixed", *keys, "--seed", "42")
+    assert json.loads((tmp_path / "fixed" / "report" / "report.json").read_text())["seed"] == 42

@@ -183,3 +183,34 @@ def test_debug_checks_refuse_a_read_of_invalidated_scales(model):
     with pytest.raises(InvariantViolation, match="scales nobody wrote"):
         for _ in range(40):
             engine.step()
+
+
+def test_llm_takes_kv_cache_dtype(model, quantized_refs):
+    from kvpage import LLM
+
+    llm = LLM(MODEL, kv_cache_dtype="fp8_e4m3", num_blocks=64, block_size=8)
+    assert llm.engine.storage.data.dtype == torch.uint8  # float8 codes kept as their bytes
+    assert llm.engine.namespace.kv_dtype == "float8_e4m3fn"
+    prompts = [list(range(10, 31)), list(range(10, 25))]  # a shared first block
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == quantized_refs(prompt, "fp8_e4m3")
+
+
+def test_cached_blocks_keep_their_scales_until_evicted(model):
+    """A published block outlives its request with its scales (a later hit reads them); evicting
+    it frees it, and its scales go with that generation."""
+    cfg = EngineConfig(MODEL, block_size=8, num_blocks=8, kv_cache_dtype="int8", debug_checks=True)
+    engine = LLMEngine(cfg, model, ByteTokenizer())
+    pool, scales = engine.cache.pool, engine.storage.scales
+    engine.add_request("a", list(range(60, 80)), SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    cached = [b.block_id for b in pool.blocks if b.state is BlockState.CACHED]
+    assert len(cached) == 2  # the two full prompt blocks; the partial tail was freed
+    assert all(bool(scales[:, :, bid].ne(0).all()) for bid in cached)
+    assert all(scales[:, :, b.block_id].abs().sum() == 0
+               for b in pool.blocks if b.state is BlockState.FREE)
+    evicted = engine.cache.evict(2)
+    assert sorted(evicted) == sorted(cached)
+    assert all(scales[:, :, bid].abs().sum() == 0 for bid in evicted)

@@ -110,3 +110,18 @@ def test_a_quantized_block_takes_at_most_a_3_5th_of_a_float32_one(head_dim, rati
         assert f32 / q == pytest.approx(ratio) and f32 / q >= 3.5
         st = KVStorage(2, 3, 16, 2, head_dim, kv_format(name, torch.float32), "cpu")
         assert st.nbytes == 3 * q
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_appending_to_a_partial_block_never_requantises_its_tokens(name):
+    """The partial-block rule: per-token scales, so a block written in one go and the same block
+    written as 3 + 1 + 4 tokens (chunked prefill, then decode steps) hold the same bytes."""
+    whole, pieces = _storage(name), _storage(name)
+    k, v = _kv(2 * B, 7)
+    whole.write(0, torch.arange(B, 3 * B), k, v)
+    for lo, hi in ((0, 3), (3, 4), (4, 2 * B)):
+        pieces.write(0, torch.arange(B + lo, B + hi), k[lo:hi], v[lo:hi])
+        if hi < 2 * B:  # what is already there does not move when more arrives
+            assert torch.equal(pieces.data[0, :, 1:3].flatten(1, 2)[:, :hi],
+                               whole.data[0, :, 1:3].flatten(1, 2)[:, :hi])
+    assert torch.equal(pieces.data, whole.data) and torch.equal(pieces.scales, whole.scales)

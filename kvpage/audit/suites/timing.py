@@ -33,7 +33,7 @@ def run(ctx: SuiteContext) -> SuiteResult:
     if other is None:
         result.untested.append(how)
     samples: dict[str, list[Completion]] = {arm: [] for arm in ARMS}
-    rng = random.Random(ctx.cfg.seed + 101)
+    rng = random.Random((ctx.cfg.seed or 0) + 101)
     length = _fit_length(ctx, victim, result)
     if length is None:
         return result
@@ -103,10 +103,10 @@ def _tenants(ctx: SuiteContext) -> tuple[Tenant, Tenant | None, str]:
     cfg = ctx.cfg
     if cfg.second_api_key:
         return Tenant("victim", cfg.api_key), Tenant("other", cfg.second_api_key), "second API key"
-    if ctx.caps.cache_salt:
+    if ctx.caps.cache_salt:  # also when salts were seen to share a cache: that is the finding
         victim = Tenant("victim", cfg.api_key, ctx.factory.salt())
         return victim, Tenant("other", cfg.api_key, ctx.factory.salt()), "another cache_salt"
-    why = "cross-tenant: needs --second-api-key (the server takes no cache_salt)"
+    why = "none: cross-tenant needs --second-api-key (the server takes no cache_salt)"
     return Tenant("victim", cfg.api_key), None, why
 
 
@@ -149,29 +149,54 @@ def _verdict(ctx: SuiteContext, data: dict, has_cross: bool) -> tuple[str, str]:
     tests, cached, alpha = data["tests"], data["cached_tokens"], ctx.cfg.alpha
     same_hits = _reported(cached["same"]) and any(cached["same"])
     same_fast = _faster(tests.get("same_vs_cold"), alpha)
-    sharing = same_hits or same_fast
-    within = "same-tenant reuse " + ("detected" if sharing else "not detected")
-    within += f" (cached tokens {'> 0' if same_hits else 'not > 0'}, TTFT {'faster' if same_fast else 'not faster'} than cold)"
+    within = _within(same_hits, same_fast)
     if not has_cross:
         return UNTESTABLE, within
     cross_hits = _reported(cached["cross"]) and any(cached["cross"])
-    cross_fast = _faster(tests.get("cross_vs_cold"), alpha)
-    if cross_hits or cross_fast:
-        why = []
-        if cross_hits:
-            why.append(f"the second tenant got cached tokens {cached['cross']}")
-        if cross_fast:
-            t = tests["cross_vs_cold"]
-            why.append(f"its TTFT is below cold (p={t['p']:.2g}, effect {t['effect']:.2f})")
-        if data["second_tenant"] == "another cache_salt":
-            why.append("tenants were told apart by cache_salt only: the server takes the field")
-            why[-1] += " but the salts share one cache"
-        return SHARED, "; ".join(why) + f"; {within}"
-    if sharing:
+    cross_timed = _cross_hits_by_time(tests, alpha, same_fast)
+    if cross_hits or cross_timed:
+        return SHARED, _shared_reason(data, cross_hits, cross_timed) + f"; {within}"
+    cross_slower = bool(tests.get("cross_vs_same")) and tests["cross_vs_same"]["p"] < alpha
+    if same_hits or (same_fast and cross_slower):
         return ISOLATED, f"the second tenant sees no reuse of the victim's prefix; {within}"
     if _reported(cached["same"]) and _reported(cached["cross"]):
         return ISOLATED, f"no prefix reuse reported at all (cached tokens 0); {within}"
     return (
         INCONCLUSIVE,
-        f"no reuse measurable within one tenant, so its absence across tenants proves nothing; {within}",
+        f"reuse within one tenant is not measurable, or the second tenant is neither like it nor "
+        f"like cold, so nothing is proven; {within}",
     )
+
+
+def _cross_hits_by_time(tests: dict, alpha: float, same_fast: bool) -> bool:
+    """The second tenant is timed like a cache hit: clearly faster than cold, and not slower
+    than the victim's own tenant (whose hits must show, or there is nothing to be like). Both
+    conditions guard against a chance low p among the three tests."""
+    if not (same_fast and _faster(tests.get("cross_vs_cold"), alpha)):
+        return False
+    return tests["cross_vs_same"]["p"] >= alpha
+
+
+def _within(same_hits: bool, same_fast: bool) -> str:
+    seen = "detected" if same_hits or same_fast else "not detected"
+    cached = "> 0" if same_hits else "not > 0"
+    timed = "faster" if same_fast else "not faster"
+    return f"same-tenant reuse {seen} (cached tokens {cached}, TTFT {timed} than cold)"
+
+
+def _shared_reason(data: dict, cross_hits: bool, cross_timed: bool) -> str:
+    why = []
+    if cross_hits:
+        why.append(f"the second tenant got cached tokens {data['cached_tokens']['cross']}")
+    if cross_timed:
+        t = data["tests"]["cross_vs_cold"]
+        why.append(
+            f"its TTFT is below cold (p={t['p']:.2g}, effect {t['effect']:.2f}) and like the "
+            "victim tenant's own"
+        )
+    if data["second_tenant"] == "another cache_salt":
+        why.append(
+            "tenants were told apart by cache_salt only: the server takes the field but the "
+            "salts share one cache"
+        )
+    return "; ".join(why)
