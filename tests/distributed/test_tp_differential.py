@@ -66,21 +66,19 @@ def _hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt) :]
 
 
-@pytest.mark.parametrize("name", TP_MODELS)
-def test_tp2_equals_tp1_and_hf(name, hf_dirs):
-    hf_model, directory = hf_dirs[name]
-    prompts = prefix_prompts(BLOCK, hf_model.config.vocab_size, n=10, seed=3)
-    config = dict(
+def _config(directory, **kw) -> dict:
+    return dict(
         model=str(directory),
         block_size=BLOCK,
         num_blocks=16,  # well under what all requests need at once: preemption must happen
         max_num_batched_tokens=24,  # prompts up to 37 tokens: chunked prefill
         preemption_mode="swap",
         debug_checks=True,
+        **kw,
     )
-    ref_out, ref_logits, _ = _run(EngineConfig(**config), prompts)
-    tp_out, tp_logits, stats = _run(EngineConfig(**config, tensor_parallel_size=2), prompts)
 
+
+def _assert_same_tokens(name: str, tp_out, ref_out, stats) -> None:
     assert stats["prefix_hits"] > 0 and stats["swap_outs"] > 0 and stats["cow_copies"] > 0, stats
     assert stats["preemptions_recompute"] > 0 and stats["preemptions_swap"] > 0, stats
     assert set(tp_out) == set(ref_out)
@@ -88,9 +86,31 @@ def test_tp2_equals_tp1_and_hf(name, hf_dirs):
         got = [c.token_ids for c in out.outputs]
         assert got == [c.token_ids for c in ref_out[rid].outputs], f"{name}: request {rid}"
         assert all(c.finish_reason == "length" for c in out.outputs)
+
+
+@pytest.mark.parametrize("name", TP_MODELS)
+def test_tp2_equals_tp1_and_hf(name, hf_dirs):
+    hf_model, directory = hf_dirs[name]
+    prompts = prefix_prompts(BLOCK, hf_model.config.vocab_size, n=10, seed=3)
+    config = _config(directory)
+    ref_out, ref_logits, _ = _run(EngineConfig(**config), prompts)
+    tp_out, tp_logits, stats = _run(EngineConfig(**config, tensor_parallel_size=2), prompts)
+
+    _assert_same_tokens(name, tp_out, ref_out, stats)
     for i, prompt in enumerate(prompts):
         expected = _hf_greedy(hf_model, prompt, MAX_TOKENS)
         assert tp_out[str(i)].outputs[0].token_ids == expected, f"{name}: request {i} vs HF"
     assert tp_logits.keys() == ref_logits.keys()
     diff = max((tp_logits[k] - ref_logits[k]).abs().max().item() for k in ref_logits)
     assert diff <= 1e-4, f"{name}: logits differ by {diff}"
+
+
+def test_tp2_int8_kv_equals_tp1_int8(hf_dirs):
+    """Quantized KV: each rank keeps the scales of its own KV heads; they are copied on CoW,
+    travel through swap and are invalidated on free on every rank."""
+    hf_model, directory = hf_dirs["llama-gqa-8q-2kv"]
+    prompts = prefix_prompts(BLOCK, hf_model.config.vocab_size, n=10, seed=3)
+    config = _config(directory, kv_cache_dtype="int8")
+    ref_out, _, _ = _run(EngineConfig(**config), prompts)
+    tp_out, _, stats = _run(EngineConfig(**config, tensor_parallel_size=2), prompts)
+    _assert_same_tokens("int8", tp_out, ref_out, stats)
