@@ -63,7 +63,11 @@ class TensorParallelExecutor:
         )
         self.lease = object()  # the group serves the engine that configured it last
         self.workers.lease = self.lease
-        self.send(Configure(num_blocks, config.block_size, config.kv_cache_dtype))
+        try:
+            self.send(Configure(num_blocks, config.block_size, config.kv_cache_dtype))
+        except WorkerFailure:
+            self.workers.shutdown()  # failed: not worth keeping, shared or not
+            raise
         mcfg = model.config
         self.storage = ShardedKVStorage(
             mcfg.num_layers,
