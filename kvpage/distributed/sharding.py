@@ -2,9 +2,11 @@
 
 Column-parallel (each rank keeps a slice of the output features): q/k/v, gate/up, GPT-2's c_attn
 and c_fc. Row-parallel (a slice of the input features, then one all-reduce): o_proj, down_proj,
-GPT-2's c_proj (attention and MLP). Embeddings and the LM head stay replicated: on CPU the
-full-vocab head on rank 0 alone beat a vocab-parallel head plus a gather (see the report in
-tests/distributed/README or bench), and workers never compute logits.
+GPT-2's c_proj (attention and MLP). Embeddings and the LM head stay replicated and only rank 0
+computes logits: no collective at all. bench/tp_lm_head.py measured the alternative on this
+2-core CPU: at the byte-level vocab (259) the full head costs ~50 us where a vocab-parallel
+head's gather alone costs milliseconds; at a 32k vocab and 32 rows vocab-parallel was faster
+(~37 vs ~80 ms, a loaded machine), so a large-vocab model would want it (not built yet).
 
 KV heads are divided across ranks; with fewer KV heads than ranks each is replicated (as vLLM
 does), so rank r keeps KV head r // (world / KVH)."""
