@@ -180,7 +180,9 @@ def _run_gate(model_name, suites, mutants, progress, kv_cache_dtypes, tp: int) -
     cases = build_suites(model.config.vocab_size, suites, kv_cache_dtypes)
     suites = (*suites, *quantized_suite_names(suites, kv_cache_dtypes))
     mutant_list = (
-        tuple(m for m in MUTANTS if m.kv_cache_dtype in (None, *kv_cache_dtypes)) if mutants else ()
+        tuple(m for m in MUTANTS if m.kv_cache_dtype in (None, *kv_cache_dtypes))
+        if mutants
+        else ()
     )
     bar = Progress(len(cases) + len(mutant_list), progress)
     runtime = Runtime(model, tokenizer, model_name, debug_checks=True, tensor_parallel_size=tp)
