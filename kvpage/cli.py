@@ -317,13 +317,14 @@ def _generate_tensor_parallel(args, model, tokenizer, prompt_ids, params):
         tensor_parallel_size=args.tensor_parallel_size,
     )
     engine = LLMEngine(config, model, tokenizer)
+    finished = []
     try:
         engine.add_request("0", prompt_ids, params)
         while engine.has_unfinished_requests():
-            finished = [o for o in engine.step() if o.finished]
-        out = finished[0]
+            finished += [o for o in engine.step() if o.finished]
     finally:
         engine.shutdown()
+    out = finished[0]
     if out.outputs[0].finish_reason == "error":
         raise WorkerFailure(out.error)
     return out.outputs[0]
