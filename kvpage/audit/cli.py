@@ -7,9 +7,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from kvpage.audit.config import SUITES, AuditConfig, Tolerances
-from kvpage.audit.errors import AuditError
+from kvpage.audit.errors import AuditError, AuditUsageError
 
 DESCRIPTION = (
     "Audit a running OpenAI-compatible server through its API only: baseline determinism, batch "
@@ -187,10 +188,6 @@ def config_from(args: argparse.Namespace) -> AuditConfig:
 
 def _check_report_dir(path: str) -> None:
     """Before any request: an audit whose report cannot be written is wasted."""
-    from pathlib import Path
-
-    from kvpage.audit.errors import AuditUsageError
-
     try:
         Path(path).mkdir(parents=True, exist_ok=True)
         probe = Path(path) / ".kvpage-audit-write-check"
