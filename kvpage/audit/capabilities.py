@@ -4,6 +4,7 @@ reason, so an audit of a server we know nothing about says what it could not tes
 
 from __future__ import annotations
 
+import random
 import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -12,6 +13,7 @@ from kvpage.audit.client import AuditClient
 from kvpage.audit.completion import parse_body
 from kvpage.audit.config import AuditConfig
 from kvpage.audit.errors import AuthFailed, RequestRejected, ServerIncompatible
+from kvpage.audit.probes import PromptFactory
 
 # Token-id ranges tried for id prompts: most vocabularies are large; byte-level ones are not.
 ID_RANGES = ((1000, 30000), (3, 250))
@@ -211,8 +213,6 @@ class Prober:
 
     def _long_prompt(self) -> list[int] | str:
         """A fresh prompt of a few blocks (a random one: nothing cached it before)."""
-        import random
-
         rng = random.Random((self.cfg.seed or 0) + 13)
         n = 4 * max(self.cfg.block_sizes) + 3
         if self.caps.id_range is not None:
@@ -221,8 +221,6 @@ class Prober:
 
     def _chars_per_token(self) -> None:
         """From usage: the prompt-token difference of two random texts, so overheads cancel."""
-        from kvpage.audit.probes import PromptFactory
-
         factory = PromptFactory((self.cfg.seed or 0) + 7, None)
         short, long = factory.random(120).text or "", factory.random(360).text or ""
         counts = [self._ask(text, {}).prompt_tokens for text in (short, long)]

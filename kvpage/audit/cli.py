@@ -5,10 +5,21 @@ isolation failure, a cross-tenant leak or failed requests under sharing (isolati
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from kvpage.audit.config import SUITES, AuditConfig, Tolerances
-from kvpage.audit.errors import AuditError
+from kvpage.audit.errors import AuditError, AuditUsageError
+
+DESCRIPTION = (
+    "Audit a running OpenAI-compatible server through its API only: baseline determinism, batch "
+    "invariance under concurrency and pressure, prefix reuse at block boundaries, canaries and "
+    "cross-tenant timing; every divergence classed as noise, numeric drift or isolation failure. "
+    "Exit 0: no isolation failure found; 1: isolation failure, cross-tenant leak or requests "
+    "failing under sharing; 2: usage error or a server that cannot be audited."
+)
+KEY_ENV, SECOND_KEY_ENV = "KVPAGE_AUDIT_API_KEY", "KVPAGE_AUDIT_SECOND_API_KEY"
 
 
 def _positive_ints(text: str) -> tuple[int, ...]:
@@ -70,12 +81,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "audit",
         help="black-box audit of any OpenAI-compatible server for cache isolation (R35)",
-        description=__doc__,
+        description=DESCRIPTION,
     )
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="the model name the server serves")
-    p.add_argument("--api-key", help="API key (Bearer); visible in the process list")
-    p.add_argument("--second-api-key", help="a second tenant's key, for cross-tenant timing")
+    p.add_argument("--api-key", help=f"API key (Bearer); else ${KEY_ENV} (not in the process list)")
+    p.add_argument(
+        "--second-api-key",
+        help=f"a second tenant's key, for cross-tenant timing; else ${SECOND_KEY_ENV}",
+    )
     p.add_argument(
         "--block-sizes",
         type=_positive_ints,
@@ -153,8 +167,8 @@ def config_from(args: argparse.Namespace) -> AuditConfig:
     return AuditConfig(
         base_url=args.base_url,
         model=args.model,
-        api_key=args.api_key,
-        second_api_key=args.second_api_key,
+        api_key=args.api_key or os.environ.get(KEY_ENV) or None,
+        second_api_key=args.second_api_key or os.environ.get(SECOND_KEY_ENV) or None,
         block_sizes=args.block_sizes,
         budget_requests=args.budget_requests,
         suites=args.suites,
@@ -174,10 +188,6 @@ def config_from(args: argparse.Namespace) -> AuditConfig:
 
 def _check_report_dir(path: str) -> None:
     """Before any request: an audit whose report cannot be written is wasted."""
-    from pathlib import Path
-
-    from kvpage.audit.errors import AuditUsageError
-
     try:
         Path(path).mkdir(parents=True, exist_ok=True)
         probe = Path(path) / ".kvpage-audit-write-check"

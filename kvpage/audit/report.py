@@ -80,6 +80,8 @@ def _md_suite(suite: dict[str, Any]) -> list[str]:
     lines = [f"## {suite['name']}: {suite['verdict']}", "", suite["summary"], ""]
     if suite["name"] == "timing" and suite["data"].get("tests"):
         lines += _md_timing(suite["data"])
+    if suite["name"] == "prefix" and suite["data"].get("shares"):
+        lines += _md_shares(suite["data"]["shares"])
     if suite["errors"]:
         lines += ["| scenario | status | message |", "|---|---|---|"]
         lines += [
@@ -112,6 +114,20 @@ def _md_timing(data: dict[str, Any]) -> list[str]:
     for name, t in data["tests"].items():
         lines.append(
             f"| {name} ({t['alternative']}) | {t['u']:g} | {t['p']:.3g} | {t['effect']:.2f} | {t['method']} |"
+        )
+    return lines + [""]
+
+
+def _md_shares(rows: list[dict[str, Any]]) -> list[str]:
+    """Where reuse starts: cached tokens (and latency) of the warm answer per shared length."""
+    lines = [
+        "| block size | tokens shared | cold latency (ms) | warm latency (ms) | warm cached tokens |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['block_size']} | {r['shared_tokens']} | {r['cold_latency_s'] * 1000:.1f} | "
+            f"{r['warm_latency_s'] * 1000:.1f} | {r['warm_cached_tokens']} |"
         )
     return lines + [""]
 

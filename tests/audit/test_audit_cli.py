@@ -105,3 +105,12 @@ def test_every_run_has_fresh_prompts_unless_a_seed_is_given(tenant_url, tmp_path
     assert seeds[0] != seeds[1]
     audit(tenant_url, tmp_path / "fixed", *keys, "--seed", "42")
     assert json.loads((tmp_path / "fixed" / "report" / "report.json").read_text())["seed"] == 42
+
+
+def test_keys_can_come_from_the_environment(tenant_url, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPAGE_AUDIT_API_KEY", "key-alice")
+    monkeypatch.setenv("KVPAGE_AUDIT_SECOND_API_KEY", "key-bob")
+    assert audit(tenant_url, tmp_path, *FAST, "--suites", "timing") == 0
+    data = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert data["suites"]["timing"]["data"]["second_tenant"] == "second API key"
+    assert "key-alice" not in (tmp_path / "report" / "report.json").read_text()

@@ -48,7 +48,7 @@ def test_a_served_fault_is_marked_and_caught_by_the_audit(tmp_path):
             assert r.headers[FAULT_HEADER] == "off_by_one_block_boundary"
         report = tmp_path / "report"
         args = ["audit", "--base-url", url, "--model", MODEL, "--quiet", "--report", str(report)]
-        args += ["--block-sizes", "16", "--probes", "3", "--suites", "baseline,batch,prefix"]
+        args += ["--block-sizes", "16", "--probes", "2", "--suites", "baseline,batch,prefix"]
         assert main(args) == 1
         assert "prefix: isolation failure" in (report / "report.md").read_text()
     finally:

@@ -127,7 +127,7 @@ def test_leaked_tokens_are_a_canary_failure_attributed_to_the_pair(honest_url):
     [
         ("off_by_one_block_boundary", "prefix", 256, "recompute"),  # wrong after a boundary hit
         ("block_key_own_tokens", "prefix", 256, "recompute"),
-        ("fast_key_trusted", "prefix", 256, "recompute"),
+        ("fast_key_trusted", None, 256, "recompute"),  # collisions land in any suite
         ("zero_length_cu_seqlens", "batch", 256, "recompute"),
         ("share_partial_no_cow", "prefix", 256, "recompute"),
         ("no_refcount", "prefix", 64, "recompute"),
@@ -137,14 +137,20 @@ def test_leaked_tokens_are_a_canary_failure_attributed_to_the_pair(honest_url):
     ],
 )
 def test_injected_faults_are_isolation_failures(mutant, suite, num_blocks, preemption):
+    """Each planted bug makes the suite where it lives (any, for random key collisions) an
+    isolation failure, and no divergence it causes is excused as noise."""
     with kvpage_server(mutant=mutant, num_blocks=num_blocks, preemption_mode=preemption) as url:
         result = run_audit(small(url, suites=("baseline", "batch", "prefix")))
     got = suites(result)
     # alone, twice (fresh salts), the fault shows only if a fresh salt was served cached tokens
     assert got["baseline"].verdict in ("exact", FAILED)
-    assert got[suite].verdict == FAILED, {n: s.verdict for n, s in got.items()}
-    classes = {c.klass for c in got[suite].divergences}
-    assert ISOLATION in classes and "noise" not in classes
+    caught = [s for s in result.suites if s.verdict == FAILED]
+    assert caught and (suite is None or got[suite] in caught), {
+        n: s.verdict for n, s in got.items()
+    }
+    for found in caught:
+        classes = {c.klass for c in found.divergences}
+        assert ISOLATION in classes and "noise" not in classes
     assert result.exit_code == 1
 
 

@@ -5,8 +5,9 @@ random order per trial. Mann–Whitney U tests with effect sizes decide, togethe
 usage.cached_tokens where the server reports it:
 
 - shared across tenants: the second tenant is served from the victim's cache (cached tokens > 0,
-  or its TTFT is significantly and clearly below cold);
-- isolated: the same tenant's hits show (cached tokens or faster TTFT) and the other's do not;
+  or its TTFT is significantly and clearly below cold and not slower than the victim's own hits);
+- isolated: the same tenant's hits show (cached tokens, or TTFT below cold) and the second
+  tenant's do not (no cached tokens, or TTFT significantly slower than the victim's hits);
 - inconclusive: no cache reuse measurable even within one tenant, so absence proves nothing."""
 
 from __future__ import annotations
