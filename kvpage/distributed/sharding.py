@@ -3,10 +3,11 @@
 Column-parallel (each rank keeps a slice of the output features): q/k/v, gate/up, GPT-2's c_attn
 and c_fc. Row-parallel (a slice of the input features, then one all-reduce): o_proj, down_proj,
 GPT-2's c_proj (attention and MLP). Embeddings and the LM head stay replicated and only rank 0
-computes logits: no collective at all. bench/tp_lm_head.py measured the alternative on this
-2-core CPU: at the byte-level vocab (259) the full head costs ~50 us where a vocab-parallel
-head's gather alone costs milliseconds; at a 32k vocab and 32 rows vocab-parallel was faster
-(~37 vs ~80 ms, a loaded machine), so a large-vocab model would want it (not built yet).
+computes logits: no collective at all. bench/tp_lm_head.py measures the alternative; on a
+loaded 2-core CPU the runs were noisy: at the byte-level vocab (259) the head is a microsecond
+matmul and the gather costs milliseconds, at 32k-128k vocab the two were within noise of each
+other in one run and vocab-parallel 2x faster at 32 rows in another. So: replicated for the
+small-vocab models this project runs; a large-vocab model may want vocab-parallel (not built).
 
 KV heads are divided across ranks; with fewer KV heads than ranks each is replicated (as vLLM
 does), so rank r keeps KV head r // (world / KVH)."""
