@@ -172,6 +172,13 @@ def _add_verify(sub) -> None:
         "copy-on-write fork case), against a reference with the same K/V round trip; auto: "
         "run them once, and skip the quantized-KV mutants",
     )
+    ver.add_argument(
+        "--dtype",
+        default="float32",
+        choices=tuple(DTYPES),
+        help="model (and reference) compute dtype; 16-bit: logits agree within 0.25 and a greedy "
+        "near-tie decided by rounding ends a comparison instead of failing it",
+    )
     ver.add_argument("--report", default="reports/gate", help="directory for the reports")
     ver.add_argument("--quiet", action="store_true", help="no progress bar")
     ver.set_defaults(func=_cmd_verify)
@@ -305,6 +312,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         mutants=not args.no_mutants,
         progress=not args.quiet,
         kv_cache_dtypes=(args.kv_cache_dtype,),
+        dtype=args.dtype,
     )
     data = write_reports(result, args.report)
     print(summary_table(data))
