@@ -182,6 +182,13 @@ def _add_verify(sub) -> None:
         "copy-on-write fork case), against a reference with the same K/V round trip; auto: "
         "run them once, and skip the quantized-KV mutants",
     )
+    ver.add_argument(
+        "--dtype",
+        default="float32",
+        choices=tuple(DTYPES),
+        help="model (and reference) compute dtype; 16-bit: logits agree within 0.25 and a greedy "
+        "near-tie decided by rounding ends a comparison instead of failing it",
+    )
     ver.add_argument("--report", default="reports/gate", help="directory for the reports")
     ver.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_tensor_parallel(ver)
@@ -346,6 +353,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         mutants=not args.no_mutants,
         progress=not args.quiet,
         kv_cache_dtypes=(args.kv_cache_dtype,),
+        dtype=args.dtype,
         tensor_parallel_size=args.tensor_parallel_size,
     )
     data = write_reports(result, args.report)

@@ -40,7 +40,10 @@ def find_foreign_canaries(
     canaries: dict[str, tuple[int, ...]],
     candidate: dict[str, list[StepRecord]],
     reference: dict[str, list[StepRecord]],
+    margin: float = TOPK_MARGIN,
 ) -> list[IsolationFailure]:
+    """`margin`: how far above the reference a foreign canary's logit must be to count (at
+    least the run's logit tolerance: 16-bit models drift more than float32 kernels)."""
     failures: list[IsolationFailure] = []
     for victim, records in candidate.items():
         ref_records = reference.get(victim, [])
@@ -49,7 +52,7 @@ def find_foreign_canaries(
             if source == victim or canary == own:
                 continue
             failures += _in_output(victim, source, canary, records, ref_records)
-            failures += _in_topk(victim, source, canary[0], records, ref_records)
+            failures += _in_topk(victim, source, canary[0], records, ref_records, margin)
     return failures
 
 
@@ -61,13 +64,13 @@ def _in_output(victim, source, canary, records, ref_records) -> list[IsolationFa
     return []
 
 
-def _in_topk(victim, source, lead, records, ref_records) -> list[IsolationFailure]:
+def _in_topk(victim, source, lead, records, ref_records, margin) -> list[IsolationFailure]:
     for step, rec in enumerate(records):
         ref = ref_records[step] if step < len(ref_records) else None
         if lead not in rec.topk_ids or (ref is not None and lead in ref.topk_ids):
             continue
         # A rank-5 near-tie can swap on kernel rounding; a leak moves the logit for real.
-        if ref is None or _logit(rec, lead) - _logit(ref, lead) > TOPK_MARGIN:
+        if ref is None or _logit(rec, lead) - _logit(ref, lead) > margin:
             return [IsolationFailure(victim, source, f"topk@{step}")]
     return []
 

@@ -153,15 +153,17 @@ def run_gate(
     mutants: bool = True,
     progress: bool = True,
     kv_cache_dtypes: tuple[str, ...] = DEFAULT_GATE_KV_DTYPES,
+    dtype: str = "float32",
     tensor_parallel_size: int = 1,
 ) -> GateResult:
     """`kv_cache_dtypes`: quantized KV formats whose copies of the prefix, batching and
     preemption suites (and a CoW fork case) run too; a mutant bound to a KV format runs only
-    when its format is among them. `tensor_parallel_size` > 1: every engine (case, mutant)
-    runs split over that many processes, one set of workers reused by all of them."""
+    when its format is among them. `dtype`: the model's (and so the reference's) compute dtype.
+    `tensor_parallel_size` > 1: every engine (case, mutant) runs split over that many
+    processes, one set of workers reused by all of them."""
     with _tensor_parallel_workers(tensor_parallel_size):
         return _run_gate(
-            model_name, suites, mutants, progress, kv_cache_dtypes, tensor_parallel_size
+            model_name, suites, mutants, progress, kv_cache_dtypes, dtype, tensor_parallel_size
         )
 
 
@@ -173,16 +175,16 @@ def _tensor_parallel_workers(tensor_parallel_size: int):
     return shared_workers()
 
 
-def _run_gate(model_name, suites, mutants, progress, kv_cache_dtypes, tp: int) -> GateResult:
+def _run_gate(
+    model_name, suites, mutants, progress, kv_cache_dtypes, dtype: str, tp: int
+) -> GateResult:
     start = time.perf_counter()
-    model, tokenizer = load_model(model_name)
+    model, tokenizer = load_model(model_name, dtype)
     kv_cache_dtypes = tuple(d for d in kv_cache_dtypes if d != "auto")
     cases = build_suites(model.config.vocab_size, suites, kv_cache_dtypes)
     suites = (*suites, *quantized_suite_names(suites, kv_cache_dtypes))
     mutant_list = (
-        tuple(m for m in MUTANTS if m.kv_cache_dtype in (None, *kv_cache_dtypes))
-        if mutants
-        else ()
+        tuple(m for m in MUTANTS if m.kv_cache_dtype in (None, *kv_cache_dtypes)) if mutants else ()
     )
     bar = Progress(len(cases) + len(mutant_list), progress)
     runtime = Runtime(model, tokenizer, model_name, debug_checks=True, tensor_parallel_size=tp)

@@ -17,7 +17,7 @@ from kvpage.engine.engine import LLMEngine
 from kvpage.engine.namespace import base_namespace
 from kvpage.model.kv_format import kv_format
 from kvpage.sampling_params import SamplingParams
-from kvpage.verify.canary import find_foreign_canaries
+from kvpage.verify.canary import TOPK_MARGIN, find_foreign_canaries
 from kvpage.verify.case import Case, RequestSpec
 from kvpage.verify.cases import SUITES, build_suites
 from kvpage.verify.checks import (
@@ -30,10 +30,12 @@ from kvpage.verify.checks import (
     finding,
 )
 from kvpage.verify.diff import (
+    HALF_DTYPES,
     Divergence,
     RequestContext,
     first_divergence,
-    kv_atol,
+    logit_atol,
+    numeric_tie_step,
     quantized_attribution,
 )
 from kvpage.verify.reference import ReferenceOutput, generate, stop_token_ids
@@ -301,7 +303,7 @@ def _check_requests(
     """Diffs every sample against its reference; fills `refs` (sample id -> reference records)."""
     failures: list[Failure] = []
     block_size, kv_dtype = engine.config.block_size, engine.config.kv_cache_dtype
-    records = engine.tracer.records
+    records = dict(engine.tracer.records)  # cut at a numeric tie (16-bit) for the canary check
     for spec in case.requests:
         out = finished.get(spec.request_id)
         if out is None:
@@ -312,15 +314,22 @@ def _check_requests(
             completion = _completion(out, sample)
             cut = completion is None or completion.finish_reason not in ("stop", "length")
             ref = runtime.reference(spec, block_size, sample, len(cand) if cut else None, kv_dtype)
-            refs[sample_id] = ref.records
-            div = _diff_sample(runtime, spec, sample, ref, cand, completion, kv_atol(kv_dtype))
+            tie = _tie_step(runtime, spec, sample, ref.records, cand, kv_dtype)
+            if tie is not None:  # both sides follow other tokens after it: compare up to it
+                records[sample_id] = cand = cand[:tie]
+            refs[sample_id] = ref.records if tie is None else ref.records[:tie]
+            # Up to a tie every step matched (numeric_tie_step stops at the first difference).
+            div = None
+            if tie is None:
+                div = _diff_sample(runtime, spec, sample, ref, cand, completion, kv_dtype)
             if div is not None:
                 div.request_id = sample_id
                 message = f"{sample_id} diverged at step {div.step} ({div.kind}: {div.detail})"
                 failures.append(Failure("divergence", message, sample_id, div))
             failures += check_sampling(spec, sample, ref.records, cand, completion)
     canaries = {sid: s.canary for s in case.requests if s.canary for sid in s.sample_ids()}
-    for leak in find_foreign_canaries(canaries, records, refs):
+    margin = max(TOPK_MARGIN, logit_atol(kv_dtype, runtime.model.dtype))
+    for leak in find_foreign_canaries(canaries, records, refs, margin):
         failures.append(Failure("canary", str(leak), leak.victim))
     if case.check_sampling:
         failures += check_draw_distribution(case, records)
@@ -337,7 +346,8 @@ def _partial_divergences(case: Case, runtime: Runtime, engine: LLMEngine) -> lis
                 continue
             kv_dtype = engine.config.kv_cache_dtype
             ref = runtime.reference(spec, engine.config.block_size, sample, len(cand), kv_dtype)
-            div = first_divergence(ref.records[: len(cand)], cand, kv_atol(kv_dtype))
+            atol, ties = logit_atol(kv_dtype, runtime.model.dtype), _ties(runtime)
+            div = first_divergence(ref.records[: len(cand)], cand, atol, ties_allowed=ties)
             if div is not None:
                 div.request_id = sample_id
                 message = f"{sample_id} diverged at step {div.step} ({div.kind}: {div.detail})"
@@ -350,8 +360,20 @@ def _completion(out, sample: int):
     return by_index.get(sample)
 
 
+def _tie_step(runtime: Runtime, spec, sample: int, ref, cand, kv_dtype: str) -> int | None:
+    if not _ties(runtime):
+        return None
+    greedy = spec.params.for_sample(sample).temperature == 0.0
+    return numeric_tie_step(ref, cand, logit_atol(kv_dtype, runtime.model.dtype), greedy)
+
+
+def _ties(runtime: Runtime) -> bool:
+    """16-bit models: a greedy near-tie decided by rounding ends a comparison (diff.is_numeric_tie)."""
+    return runtime.model.dtype in HALF_DTYPES
+
+
 def _diff_sample(
-    runtime: Runtime, spec, sample, ref: ReferenceOutput, cand, completion, atol: float
+    runtime: Runtime, spec, sample, ref: ReferenceOutput, cand, completion, kv_dtype: str
 ):
     params = spec.params.for_sample(sample)
     finish_cand = None if completion is None else completion.finish_reason
@@ -365,4 +387,5 @@ def _diff_sample(
         finish_cand,
         tuple(sorted(stop_token_ids(runtime.model, params))),
     )
-    return first_divergence(ref_records, cand, atol, context=context)
+    atol = logit_atol(kv_dtype, runtime.model.dtype)
+    return first_divergence(ref_records, cand, atol, context=context, ties_allowed=_ties(runtime))
