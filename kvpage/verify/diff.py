@@ -56,8 +56,9 @@ def logit_atol(kv_cache_dtype: str, model_dtype: torch.dtype = torch.float32) ->
 def is_numeric_tie(ref: StepRecord, cand: StepRecord, atol: float, greedy: bool) -> bool:
     """16-bit compute only. Same inputs, every logit within `atol`, yet another token: for a
     greedy step, one the reference scored within `atol` of its own choice (rounding decided
-    between near-equal tokens); for a sampled step, a seeded draw that fell on the boundary the
-    drift moved (the draw itself is still checked against the oracle on the engine's logits).
+    between near-equal tokens); for a sampled step, a draw from the same generator state as the
+    reference's that fell on the boundary the drift moved (the draw itself is still checked
+    against the oracle on the engine's logits; a generator in another state is a sampling bug).
     A cache bug reads other K/V: its logits move by far more than the tolerance."""
     if ref.chosen_token == cand.chosen_token or ref.logits is None or cand.logits is None:
         return False
@@ -66,7 +67,9 @@ def is_numeric_tie(ref: StepRecord, cand: StepRecord, atol: float, greedy: bool)
     drift = _max_abs(ref, cand)
     if drift is None or drift > atol:
         return False
-    return not greedy or float(ref.logits[ref.chosen_token] - ref.logits[cand.chosen_token]) <= atol
+    if not greedy:  # the same uniform (same generator state) landed on a moved boundary
+        return ref.sampler is not None and ref.sampler == cand.sampler
+    return float(ref.logits[ref.chosen_token] - ref.logits[cand.chosen_token]) <= atol
 
 
 def numeric_tie_step(

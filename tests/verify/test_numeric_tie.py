@@ -56,12 +56,26 @@ def test_other_inputs_are_never_a_tie():
     assert not is_numeric_tie(ref, cand, ATOL, greedy=True)
 
 
-def test_a_sampled_step_within_tolerance_is_a_tie_at_any_gap():
+def test_a_sampled_step_within_tolerance_from_the_same_generator_state_is_a_tie():
     ref = _rec(0, [1.0, 3.0, 2.0])
     cand = _rec(0, [1.0, 3.1, 2.0])
     cand.chosen_token = 2  # a draw on the boundary the drift moved
+    ref.sampler = {"seed": 7, "generator_offset": 1, "generator_state": "ab"}
+    cand.sampler = dict(ref.sampler)
     assert is_numeric_tie(ref, cand, ATOL, greedy=False)
     assert not is_numeric_tie(ref, cand, ATOL, greedy=True)
+
+
+def test_a_sampled_step_from_another_generator_state_is_never_a_tie():
+    """A shared or re-seeded generator draws another uniform: a sampling bug, whatever the drift."""
+    ref = _rec(0, [1.0, 3.0, 2.0])
+    cand = _rec(0, [1.0, 3.0, 2.0])
+    cand.chosen_token = 2
+    ref.sampler = {"seed": 7, "generator_offset": 1, "generator_state": "ab"}
+    cand.sampler = {"seed": 7, "generator_offset": 1, "generator_state": "cd"}
+    assert not is_numeric_tie(ref, cand, ATOL, greedy=False)
+    cand.sampler = None
+    assert not is_numeric_tie(ref, cand, ATOL, greedy=False)
 
 
 def test_first_divergence_forgives_a_tie_only_when_allowed():
