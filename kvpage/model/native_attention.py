@@ -26,6 +26,8 @@ import torch
 SOURCE = Path(__file__).parent / "native" / "paged_decode.cpp"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# The kernel is instantiated for head_dim = 16 * C, C = 1..8 (a row in registers): 16..128.
+HEAD_DIMS = tuple(range(16, 129, 16))
 
 
 class NativeBuildError(RuntimeError):
@@ -37,7 +39,7 @@ def available() -> bool:
 
 
 def supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
-    return device.type == "cpu" and dtype in DTYPE_CODES and head_dim % 16 == 0 and available()
+    return device.type == "cpu" and dtype in DTYPE_CODES and head_dim in HEAD_DIMS and available()
 
 
 @functools.cache
@@ -133,9 +135,9 @@ class PagedDecode:
     ) -> torch.Tensor:
         """q: (S, H, D) contiguous; k_pool, v_pool: (num_blocks, B, KVH, D), the same strides,
         D contiguous -> (S, H, D)."""
-        s, h, d = q.shape
-        nb, b, kvh, _ = k_pool.shape
         self._check(q, k_pool, v_pool)
+        s, h, d = q.shape
+        _, b, kvh, _ = k_pool.shape
         out = torch.empty_like(q)
         threads = torch.get_num_threads()
         per_thread = _library().kvpage_scratch_floats(h, kvh, d, self.tables.shape[1] * b)
@@ -161,7 +163,7 @@ class PagedDecode:
             raise ValueError("K and V pools must have the same shape and strides")
         if k_pool.stride(3) != 1 or not (q.dtype == k_pool.dtype == v_pool.dtype):
             raise ValueError("head_dim must be contiguous and q, K, V of one dtype")
-        if d % 16:
-            raise ValueError(f"the kernel needs head_dim a multiple of 16, not {d}")
+        if d not in HEAD_DIMS:
+            raise ValueError(f"the kernel needs head_dim a multiple of 16 up to 128, not {d}")
         if q.dtype not in DTYPE_CODES or q.device.type != "cpu":
             raise ValueError(f"the kernel runs float32/bfloat16 on CPU, not {q.dtype} {q.device}")

@@ -43,7 +43,8 @@ def _reference(q, pool, tables, lens, scale):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "heads,kv_heads,head_dim,block", [(4, 2, 16, 8), (4, 4, 32, 16), (8, 1, 64, 4)]
+    "heads,kv_heads,head_dim,block",
+    [(4, 2, 16, 8), (4, 4, 32, 16), (8, 1, 64, 4), (6, 2, 96, 16), (2, 1, 128, 32), (3, 3, 48, 5)],
 )
 def test_kernel_matches_float64_sdpa(dtype, heads, kv_heads, head_dim, block):
     """Within torch's default tolerance for the dtype (bfloat16: rtol 1.6e-2, atol 1e-5)."""
@@ -55,6 +56,20 @@ def test_kernel_matches_float64_sdpa(dtype, heads, kv_heads, head_dim, block):
         assert out.dtype == dtype and out.shape == q.shape
         ref = _reference(q, pool, tables, lens, head_dim**-0.5)
         torch.testing.assert_close(out, ref.to(dtype))
+
+
+def test_scores_far_below_the_maximum_weigh_as_in_float64():
+    """Scores 0 to 150 below the maximum (exact integers, so only exp and the sums can err),
+    across 16-token tiles and ragged tails: the kernel's exp in the underflow range too."""
+    q, pool, tables, lens = _case(7, torch.float32, heads=2, kv_heads=1, head_dim=32, block=16)
+    lens[:] = torch.tensor([1, 17, 31, 33, 47])
+    q = torch.zeros_like(q)
+    q[..., 0] = 1.0
+    offsets = torch.randint(-150, 1, pool.shape[1:3], generator=torch.Generator().manual_seed(3))
+    pool[0, ..., 0] = offsets.float().view(*pool.shape[1:3], 1)
+    kernel = PagedDecode(tables, lens, pool.shape[1], pool.shape[2])
+    out = kernel(q, pool[0], pool[1], 1.0)
+    torch.testing.assert_close(out, _reference(q, pool, tables, lens, 1.0).float())
 
 
 def test_kernel_reads_the_pool_in_place_with_its_strides():
@@ -112,10 +127,12 @@ def test_bad_operands_are_refused():
         )
     with pytest.raises(ValueError, match="does not fit"):
         kernel(q, pool[0][:-1], pool[1][:-1], 1.0)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        q7 = torch.randn(q.shape[0], 4, 8)
-        p7 = torch.randn(2, pool.shape[1], pool.shape[2], 2, 8)
-        kernel(q7, p7[0], p7[1], 1.0)
+    for head_dim in (8, 144):
+        with pytest.raises(ValueError, match="multiple of 16 up to 128"):
+            q7 = torch.randn(q.shape[0], 4, head_dim)
+            p7 = torch.randn(2, pool.shape[1], pool.shape[2], 2, head_dim)
+            kernel(q7, p7[0], p7[1], 1.0)
+    assert not native_attention.supports(torch.float32, torch.device("cpu"), 144)
 
 
 def test_a_broken_source_is_a_build_error_with_the_compiler_output(tmp_path, monkeypatch):

@@ -60,15 +60,71 @@ inline void store(BF16* p, float x) {  // round to nearest even, as torch does; 
     p->bits = static_cast<uint16_t>(bits >> 16);
 }
 
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
 
-inline float sum_lanes(f32x16 x) {  // a tree of halving adds: 4 adds, not 15
-    const f32x8 s8 = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-                     __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    const f32x4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) +
-                     __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+inline void store(float* p, f32x16 x) { std::memcpy(p, &x, sizeof x); }
+
+// Sixteen dot products' partial lanes -> one vector of their sums, lane j = sum of v[j]: 15 adds
+// of whole vectors instead of 16 horizontal reductions (each a chain of 4 dependent shuffles).
+inline f32x16 sum_each(const f32x16* v) {
+    f32x16 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++)  // lanes 0-7: token 2i's 8 partials, 8-15: token 2i+1's
+        w[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                       18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                       25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)  // 4 partials of tokens 4i..4i+3
+        x[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                       18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20,
+                                       21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)  // 2 partials of tokens 8i..8i+7
+        y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                       20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18,
+                                       19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                   26, 28, 30) +
+           __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                   29, 31);
+}
+
+// e^x for x <= 0 (scores minus their maximum), Cephes' single-precision polynomial: within
+// 2 ulp of expf, 0 below -87.3 where expf is subnormal or 0 (a softmax weight of < 1e-38).
+inline f32x16 exp_nonpositive(f32x16 x) {
+    const f32x16 lowest = f32x16{} - 87.3f;
+    const i32x16 underflow = x < lowest;
+    x = x < lowest ? lowest : x;
+    const f32x16 round = f32x16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+    const f32x16 n = (x * 1.44269504088896341f + round) - round;
+    const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    f32x16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const i32x16 two_n = (__builtin_convertvector(n, i32x16) + 127) << 23;
+    f32x16 scale;
+    std::memcpy(&scale, &two_n, sizeof scale);
+    f32x16 e = p * scale;
+    i32x16 bits;
+    std::memcpy(&bits, &e, sizeof bits);
+    bits &= ~underflow;
+    std::memcpy(&e, &bits, sizeof e);
+    return e;
+}
+
+inline float max_lanes(f32x16 x) {
+    float top = x[0];
+    for (int i = 1; i < kLanes; i++) top = x[i] > top ? x[i] : top;
+    return top;
+}
+
+inline float sum_lanes(f32x16 x) {
+    float sum = 0.0f;
+    for (int i = 0; i < kLanes; i++) sum += x[i];
+    return sum;
 }
 
 struct Pool {  // one layer's K or V: element (block, token, head, d)
@@ -79,53 +135,100 @@ struct Shape {
     int64_t seqs, heads, kv_heads, head_dim, block_size, max_blocks;
 };
 
-// Scratch of one thread, in floats: G * D query, G * D accumulators, G * max_len scores.
+inline int64_t padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+// Scratch of one thread, in floats: G * D query, 16 dot vectors, G rows of padded scores, the
+// rows' int64 offsets.
 inline int64_t scratch_floats(int64_t G, int64_t D, int64_t max_len) {
-    return 2 * G * D + G * max_len;
+    return G * D + kLanes * kLanes + (G + 2) * padded(max_len);
 }
 
-template <typename T>
+// Softmax of one row of scores in place; lanes past len are left as they are.
+inline void softmax_row(float* row, int64_t len) {
+    const int64_t full = len / kLanes * kLanes;
+    const int64_t lane_of_tail = len - full;
+    f32x16 tail = f32x16{} - INFINITY;
+    for (int64_t i = 0; i < lane_of_tail; i++) tail[i] = row[full + i];
+    f32x16 top = tail;
+    for (int64_t t = 0; t < full; t += kLanes) {
+        const f32x16 x = load(row + t);
+        top = x > top ? x : top;
+    }
+    const float m = max_lanes(top);
+    f32x16 sum = exp_nonpositive(tail - m);  // -inf lanes -> 0
+    for (int64_t i = 0; i < lane_of_tail; i++) row[full + i] = sum[i];
+    for (int64_t t = 0; t < full; t += kLanes) {
+        const f32x16 e = exp_nonpositive(load(row + t) - m);
+        store(row + t, e);
+        sum += e;
+    }
+    const float inv = 1.0f / sum_lanes(sum);
+    for (int64_t t = 0; t < len; t++) row[t] *= inv;
+}
+
+// One (sequence, KV head): its G query heads over the sequence's blocks. Tiles of up to 16 tokens
+// of one block are read G times each while they sit in L1; C = head_dim / 16 is a compile-time
+// constant so that a row and a head's accumulators stay in registers.
+// Where each of a sequence's rows of one KV head starts in the pool, walking its block table.
+inline void row_offsets(const Pool& pool, const int64_t* table, int64_t len, int64_t B,
+                        int64_t kv_head, int64_t* offsets) {
+    for (int64_t t0 = 0, blk = 0; t0 < len; t0 += B, blk++) {
+        const int64_t base = table[blk] * pool.block_stride + kv_head * pool.head_stride;
+        const int64_t n = len - t0 < B ? len - t0 : B;
+        for (int64_t j = 0; j < n; j++) offsets[t0 + j] = base + j * pool.token_stride;
+    }
+}
+
+// One (sequence, KV head): its G query heads over the sequence's rows. Tiles of 16 rows are read
+// G times each while they sit in L1; C = head_dim / 16 is a compile-time constant so that a row
+// and a head's accumulators stay in registers.
+template <int C, typename T>
 void attend_one(const T* q, const T* k, const T* v, const Pool& pool, const int64_t* table,
                 int64_t len, int64_t seq, int64_t kv_head, const Shape& sh, float scale, T* out,
                 float* scratch) {
-    const int64_t G = sh.heads / sh.kv_heads, D = sh.head_dim, B = sh.block_size;
-    const int64_t chunks = D / kLanes, max_len = sh.max_blocks * B;
-    f32x16* qv = reinterpret_cast<f32x16*>(scratch);  // (G, chunks), scale applied
-    f32x16* acc = qv + G * chunks;                    // (G, chunks)
-    float* scores = scratch + 2 * G * D;              // (G, max_len)
+    const int64_t G = sh.heads / sh.kv_heads, D = C * kLanes;
+    const int64_t row_len = padded(sh.max_blocks * sh.block_size);
+    f32x16* qv = reinterpret_cast<f32x16*>(scratch);  // (G, C), scale applied
+    f32x16* dots = qv + G * C;                        // (16,) partial lanes of a tile's dots
+    float* scores = scratch + G * D + kLanes * kLanes;  // (G, row_len)
+    int64_t* offsets = reinterpret_cast<int64_t*>(scores + G * row_len);  // (row_len,)
+    row_offsets(pool, table, len, sh.block_size, kv_head, offsets);
     const int64_t first_row = (seq * sh.heads + kv_head * G) * D;
-    for (int64_t i = 0; i < G * chunks; i++) qv[i] = load(q + first_row + i * kLanes) * scale;
-    for (int64_t t = 0; t < len; t++) {
-        const T* kr = k + table[t / B] * pool.block_stride + (t % B) * pool.token_stride +
-                      kv_head * pool.head_stride;
+    for (int64_t i = 0; i < G * C; i++) qv[i] = load(q + first_row + i * kLanes) * scale;
+    for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
+        const int64_t n = len - t0 < kLanes ? len - t0 : kLanes;
         for (int64_t g = 0; g < G; g++) {
-            f32x16 dot = qv[g * chunks] * load(kr);
-            for (int64_t c = 1; c < chunks; c++) dot += qv[g * chunks + c] * load(kr + c * kLanes);
-            scores[g * max_len + t] = sum_lanes(dot);
+            for (int64_t j = 0; j < n; j++) {
+                const T* kr = k + offsets[t0 + j];
+                f32x16 dot = qv[g * C] * load(kr);
+                for (int c = 1; c < C; c++) dot += qv[g * C + c] * load(kr + c * kLanes);
+                dots[j] = dot;
+            }
+            for (int64_t j = n; j < kLanes; j++) dots[j] = f32x16{};
+            store(scores + g * row_len + t0, sum_each(dots));
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float* row = scores + g * max_len;
-        float top = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < len; t++) top = row[t] > top ? row[t] : top;
-        for (int64_t t = 0; t < len; t++) sum += (row[t] = std::exp(row[t] - top));
-        const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < len; t++) row[t] *= inv;
-    }
-    for (int64_t i = 0; i < G * chunks; i++) acc[i] = f32x16{};
-    for (int64_t t = 0; t < len; t++) {
-        const T* vr = v + table[t / B] * pool.block_stride + (t % B) * pool.token_stride +
-                      kv_head * pool.head_stride;
-        for (int64_t c = 0; c < chunks; c++) {
-            const f32x16 row = load(vr + c * kLanes);
-            for (int64_t g = 0; g < G; g++) acc[g * chunks + c] += scores[g * max_len + t] * row;
+    for (int64_t g = 0; g < G; g++) softmax_row(scores + g * row_len, len);
+    f32x16* acc = qv;  // the query is spent: (G, C) accumulators
+    for (int64_t i = 0; i < G * C; i++) acc[i] = f32x16{};
+    for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
+        const int64_t n = len - t0 < kLanes ? len - t0 : kLanes;
+        for (int64_t g = 0; g < G; g++) {
+            f32x16 a[C];
+            for (int c = 0; c < C; c++) a[c] = acc[g * C + c];
+            const float* p = scores + g * row_len + t0;
+            for (int64_t j = 0; j < n; j++) {
+                const T* vr = v + offsets[t0 + j];
+                for (int c = 0; c < C; c++) a[c] += p[j] * load(vr + c * kLanes);
+            }
+            for (int c = 0; c < C; c++) acc[g * C + c] = a[c];
         }
     }
     const float* result = reinterpret_cast<const float*>(acc);
     for (int64_t i = 0; i < G * D; i++) store(out + first_row + i, result[i]);
 }
 
-template <typename T>
+template <int C, typename T>
 void attend(const T* q, const T* k, const T* v, const Pool& pool, const int64_t* tables,
             const int64_t* lens, const Shape& sh, float scale, T* out, float* scratch,
             int64_t scratch_per_thread, int num_threads) {
@@ -134,9 +237,23 @@ void attend(const T* q, const T* k, const T* v, const Pool& pool, const int64_t*
     for (int64_t item = 0; item < items; item++) {
         const int64_t seq = item / sh.kv_heads, kv_head = item % sh.kv_heads;
         float* mine = scratch + omp_get_thread_num() * scratch_per_thread;
-        attend_one(q, k, v, pool, tables + seq * sh.max_blocks, lens[seq], seq, kv_head, sh,
-                   scale, out, mine);
+        attend_one<C>(q, k, v, pool, tables + seq * sh.max_blocks, lens[seq], seq, kv_head, sh,
+                      scale, out, mine);
     }
+}
+
+template <typename T>
+void attend_any(const T* q, const T* k, const T* v, const Pool& pool, const int64_t* tables,
+                const int64_t* lens, const Shape& sh, float scale, T* out, float* scratch,
+                int64_t scratch_per_thread, int num_threads) {
+#define KV_CASE(c)                                                                       \
+    case c:                                                                              \
+        return attend<c>(q, k, v, pool, tables, lens, sh, scale, out, scratch,          \
+                         scratch_per_thread, num_threads);
+    switch (sh.head_dim / kLanes) {
+        KV_CASE(1) KV_CASE(2) KV_CASE(3) KV_CASE(4) KV_CASE(5) KV_CASE(6) KV_CASE(7) KV_CASE(8)
+    }
+#undef KV_CASE
 }
 
 }  // namespace
@@ -160,11 +277,11 @@ extern "C" void kvpage_paged_decode(int dtype, const void* q, const void* k, con
     const Shape sh{seqs, heads, kv_heads, head_dim, block_size, max_blocks};
     const int64_t per_thread = scratch_per_thread / kLanes * kLanes;
     if (dtype == 0)
-        attend(static_cast<const float*>(q), static_cast<const float*>(k),
+        attend_any(static_cast<const float*>(q), static_cast<const float*>(k),
                static_cast<const float*>(v), pool, tables, lens, sh, scale,
                static_cast<float*>(out), scratch, per_thread, num_threads);
     else
-        attend(static_cast<const BF16*>(q), static_cast<const BF16*>(k),
+        attend_any(static_cast<const BF16*>(q), static_cast<const BF16*>(k),
                static_cast<const BF16*>(v), pool, tables, lens, sh, scale,
                static_cast<BF16*>(out), scratch, per_thread, num_threads);
 }
