@@ -2,7 +2,7 @@
 Face continuous batching (`generate_batch`), on the same random-weight Llama and the same prompts, in
 one process:
 
-    python bench/throughput.py [--models small,120m] [--scenarios a,b,c,bb] [--requests 64]
+    python bench/throughput.py [--models small,120m,125m] [--scenarios a,b,c,bb] [--requests 64]
                                [--repeats N] [--seed 0] [--threads 2] [--hf-batch 32] [--profile]
                                [--peers hf,llama.cpp] [--llama-cpp-types f32,bf16]
                                [--dtypes float32,bfloat16] [--tensor-parallel-size 2]
@@ -73,6 +73,15 @@ MODELS = {
         num_hidden_layers=12,
         num_attention_heads=12,
         num_key_value_heads=12,
+    ),
+    # The model of issue 12's llama.cpp comparison: the 120m with GQA, 12 heads / 4 KV heads.
+    "125m": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
     ),
 }
 
