@@ -44,37 +44,28 @@ def _suites(text: str) -> tuple[str, ...]:
     return names
 
 
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
+def _number(cast, accepts, requirement: str):
+    """An argparse type: `cast` the text, then refuse a value `accepts` rejects."""
+
+    def parse(text: str):
         try:
-            value = int(text)
+            value = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+            kind = "an integer" if cast is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+        if not accepts(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {value}")
         return value
 
     return parse
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
-    return value
+def _int_at_least(low: int):
+    return _number(int, lambda v: v >= low, f">= {low}")
 
 
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+_fraction = _number(float, lambda v: 0 < v < 1, "in (0, 1)")
+_non_negative = _number(float, lambda v: v >= 0, ">= 0")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
