@@ -5,7 +5,7 @@ request, for the replicas to try. Load is counted here (requests routed and not 
 so the policy sees every request this ingress has in flight without probing replicas. A call
 pinned to a replica (the ingress's fan-out for /metrics) goes only there.
 
-The instance registers itself in `ROUTERS` by deployment name, so the ingress, in the same
+The instance registers itself in `ROUTERS` by (application, deployment), so the ingress, in the same
 process, can list the live replicas and read the routing counters."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ray.serve.request_router import (
 from kvpage.distributed.asgi_call import HttpCall
 from kvpage.distributed.prefix_router import Router, RouterConfig
 
-ROUTERS: dict[str, KVPageRequestRouter] = {}
+ROUTERS: dict[tuple[str, str], KVPageRequestRouter] = {}  # (app, deployment) -> router
 
 
 class KVPageRequestRouter(RequestRouter):
@@ -37,7 +37,7 @@ class KVPageRequestRouter(RequestRouter):
         # registry through the import system, where the ingress will look for it.
         from kvpage.distributed import ray_router
 
-        ray_router.ROUTERS[self._deployment_id.name] = self
+        ray_router.ROUTERS[self.app_name, self._deployment_id.name] = self
 
     def replica_ids(self) -> list[str]:
         return sorted(r.unique_id for r in self.curr_replicas)

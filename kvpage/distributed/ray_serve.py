@@ -12,6 +12,7 @@ a replica Ray starts to replace a dead one gets it too.
 Importing this module imports Ray; nothing else in kvpage does."""
 
 import asyncio
+import hashlib
 import json
 import os
 from collections.abc import AsyncIterator
@@ -66,6 +67,7 @@ class ReplicaReport:
     leaked_blocks: int  # private or shared blocks held while no request runs (must be 0)
     invariants: str  # "ok" or the violation
     stats: dict[str, int]
+    salt_digests: dict[str, str]  # tenant -> SHA-256 of its cache salt (equal on every replica)
 
 
 class EngineReplica:
@@ -104,7 +106,9 @@ class EngineReplica:
         except Exception as err:  # reported, not raised: the caller asked for a diagnosis
             invariants = f"{type(err).__name__}: {err}"
         leaked = held if requests == 0 else 0
-        return ReplicaReport(self.name, self.actor_name, requests, leaked, invariants, stats)
+        tenants = self.state.tenants
+        salts = {t: _digest(tenants.salt_for(t)) for t in sorted(set(tenants.keys.values()))}
+        return ReplicaReport(self.name, self.actor_name, requests, leaked, invariants, stats, salts)
 
     def __del__(self) -> None:  # Ray Serve calls it when the replica is shut down
         state = getattr(self, "state", None)
@@ -112,6 +116,10 @@ class EngineReplica:
             state.loop.stop()
             state.shadow.stop()
             state.audit.close()
+
+
+def _digest(salt: str) -> str:
+    return hashlib.sha256(salt.encode()).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +144,7 @@ class IngressCore:
 
         self.engines = engines
         self.spec = spec
+        self.app_name = serve.get_replica_context().app_name
         tokenizer = load_tokenizer(spec.model)
         self.keys = RoutingKeys(
             Tenants(dict(spec.api_keys)), tokenizer, load_chat_template(spec.model)
@@ -160,11 +169,10 @@ class IngressCore:
         body = await request.body()
         if len(body) > self.spec.max_body_bytes:  # the replica would say 413; spare the trip
             return _error(413, f"request body larger than {self.spec.max_body_bytes} bytes")
-        key = self.keys.key(request.url.path, request.headers.get("authorization"), body)
-        call = HttpCall(
-            request.method, request.url.path, request.url.query.encode(),
-            list(request.headers.raw), body, key,
-        )  # fmt: skip
+        path = "/" + path  # relative to this application's route prefix
+        key = self.keys.key(path, request.headers.get("authorization"), body)
+        query, headers = request.url.query.encode(), list(request.headers.raw)
+        call = HttpCall(request.method, path, query, headers, body, key)
         return await self._send(call)
 
     async def _send(self, call: HttpCall) -> Response:
@@ -191,7 +199,9 @@ class IngressCore:
 
     async def _router(self) -> KVPageRequestRouter:
         """The router of this process's handle; the first call makes Ray create it."""
-        while (router := ROUTERS.get(ENGINE_DEPLOYMENT)) is None or not router.curr_replicas:
+        while (
+            router := ROUTERS.get((self.app_name, ENGINE_DEPLOYMENT))
+        ) is None or not router.curr_replicas:
             call = HttpCall("GET", "/health", b"", [], b"", UNROUTED)
             async for _ in self.engines.options(stream=True).http.remote(call):
                 pass
@@ -262,15 +272,23 @@ def build_app(config: ServiceConfig) -> serve.Application:
     return ingress.bind(engines.bind(config.replica), spec)
 
 
-def start(config: ServiceConfig, host: str, port: int, address: str | None = None) -> None:
-    """Attach to (address) or start a local Ray, then deploy; returns once replicas are up."""
+def start(
+    config: ServiceConfig,
+    host: str,
+    port: int,
+    address: str | None = None,
+    app_name: str = APP_NAME,
+    route_prefix: str = "/",
+) -> None:
+    """Attach to (address) or start a local Ray, then deploy; returns once replicas are up.
+    Several applications may share one Ray Serve instance under different names and prefixes."""
     for name, value in QUIET_RAY_ENV.items():
         os.environ.setdefault(name, value)
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    serve.run(build_app(config), name=app_name, route_prefix=route_prefix)
 
 
-def stop() -> None:
-    serve.delete(APP_NAME)
+def stop(app_name: str = APP_NAME) -> None:
+    serve.delete(app_name)
