@@ -129,4 +129,3 @@ def test_bad_config_is_refused(kw):
 def test_no_replicas_is_an_error():
     with pytest.raises(ValueError, match="no replica"):
         _router().choose(RoutingKey("t", ()), {})
-

@@ -69,8 +69,12 @@ def test_chat_matches_a_single_engine(apps, offline):
         {"role": "user", "content": "What is a block table?"},
     ]
     ids, text = _expected(offline, simple_template(messages))
-    r = apps["prefix"].client().chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=24, temperature=0.0, extra_body=TOKEN_IDS
+    r = (
+        apps["prefix"]
+        .client()
+        .chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=24, temperature=0.0, extra_body=TOKEN_IDS
+        )
     )
     assert r.choices[0].model_extra["token_ids"] == ids
     assert r.choices[0].message.content == text
@@ -88,7 +92,9 @@ def test_bad_input_is_the_single_servers_400(apps):
 def _conversation(app, index: int, turns: int) -> list[tuple[int, int]]:
     """One chat that grows turn by turn: (prompt tokens, cached tokens) per turn."""
     key = "key-alice" if index % 2 == 0 else "key-bob"
-    messages = [{"role": "system", "content": f"Conversation {index}: answer as briefly as you can."}]
+    messages = [
+        {"role": "system", "content": f"Conversation {index}: answer as briefly as you can."}
+    ]
     usage = []
     for turn in range(turns):
         messages.append({"role": "user", "content": f"Question {turn} of conversation {index}?"})
@@ -142,7 +148,9 @@ def test_metrics_and_audit_name_the_replica(apps):
     replicas = set(app.replica_ids())
     text = httpx.get(f"{app.url}/metrics", timeout=60).text
     samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
-    hits = {s.labels["replica"] for s in samples if s.name == "kvpage_prefix_cache_hits_tokens_total"}
+    hits = {
+        s.labels["replica"] for s in samples if s.name == "kvpage_prefix_cache_hits_tokens_total"
+    }
     assert hits == replicas
     routed = [s for s in samples if s.name == "kvpage_router_requests_total"]
     assert {s.labels["replica"] for s in routed} <= replicas and sum(s.value for s in routed) > 0
