@@ -37,7 +37,7 @@ from kvpage.server.state import ServerOptions
 APP_NAME = "kvpage"
 ENGINE_DEPLOYMENT = "EngineReplica"
 REPLICA_HEADER = "x-kvpage-replica"
-_FAN_OUT_TIMEOUT_S = 30.0  # a replica that does not answer a /metrics fan-out is left out
+_FAN_OUT_TIMEOUT_S = 30.0  # a replica that does not answer a /metrics broadcast is left out
 # Ray's own telemetry would try to reach the network; the dashboard is not needed to serve.
 QUIET_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
 
@@ -91,7 +91,13 @@ class EngineReplica:
         async for piece in call_asgi(self.app, call, self.name):
             yield piece
 
-    async def report(self, call: HttpCall) -> ReplicaReport:
+    async def metrics_text(self) -> tuple[str, str]:
+        """(replica, its /metrics exposition), for the ingress's merged /metrics."""
+        call = HttpCall("GET", "/metrics", b"", [], b"", UNROUTED)
+        chunks = [p async for p in call_asgi(self.app, call, self.name) if isinstance(p, bytes)]
+        return self.name, b"".join(chunks).decode()
+
+    async def report(self, call: HttpCall | None = None) -> ReplicaReport:
         """Pool accounting for tests and operators: leaks show once the replica is idle."""
         return await self.state.loop.call(self._report)
 
@@ -152,7 +158,8 @@ class IngressCore:
 
     @api.get("/health")
     async def health(self) -> Response:
-        replicas = (await self._router()).replica_ids()
+        router = await self._router()
+        replicas = router.replica_ids() if router is not None else []
         ok = bool(replicas)
         body = {"status": "ok" if ok else "no replicas", "draining": False, "replicas": replicas}
         return JSONResponse(body, status_code=200 if ok else 503)
@@ -160,8 +167,17 @@ class IngressCore:
     @api.get("/metrics")
     async def metrics(self) -> Response:
         router = await self._router()
-        texts = await asyncio.gather(*(self._metrics_of(r) for r in router.replica_ids()))
-        merged = merge({rid: text for rid, text in texts if text is not None})
+        if router is None:
+            return _error(503, "no engine replica is running")
+        # Ray's broadcast reaches every live replica without the router; one that fails or
+        # does not answer in time is left out, the others still report.
+        try:
+            replies = await self.engines.broadcast("metrics_text").results_async(
+                timeout_s=_FAN_OUT_TIMEOUT_S, return_exceptions=True
+            )
+        except TimeoutError:
+            return _error(503, f"replicas did not report within {_FAN_OUT_TIMEOUT_S:g} s")
+        merged = merge(dict(r for r in replies if isinstance(r, tuple)))
         return Response(merged + _router_metrics(router), media_type="text/plain; version=0.0.4")
 
     @api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
@@ -187,25 +203,21 @@ class IngressCore:
         response.raw_headers.append((REPLICA_HEADER.encode(), start.replica.encode()))
         return response
 
-    async def _metrics_of(self, replica: str) -> tuple[str, str | None]:
-        call = HttpCall("GET", "/metrics", b"", [], b"", UNROUTED, pin=replica)
+    async def _router(self) -> KVPageRequestRouter | None:
+        """The router of this process's handle (the first call makes Ray create it); None if
+        no replica answers within the fan-out timeout."""
         try:
             async with asyncio.timeout(_FAN_OUT_TIMEOUT_S):
-                pieces = self.engines.options(stream=True).http.remote(call)
-                chunks = [p async for p in pieces if isinstance(p, bytes)]
+                while (router := self._registered()) is None or not router.curr_replicas:
+                    call = HttpCall("GET", "/health", b"", [], b"", UNROUTED)
+                    async for _ in self.engines.options(stream=True).http.remote(call):
+                        pass
         except (RayActorError, TimeoutError):
-            return replica, None  # died or stuck: it shows as absent, the others still report
-        return replica, b"".join(chunks).decode()
-
-    async def _router(self) -> KVPageRequestRouter:
-        """The router of this process's handle; the first call makes Ray create it."""
-        while (
-            router := ROUTERS.get((self.app_name, ENGINE_DEPLOYMENT))
-        ) is None or not router.curr_replicas:
-            call = HttpCall("GET", "/health", b"", [], b"", UNROUTED)
-            async for _ in self.engines.options(stream=True).http.remote(call):
-                pass
+            return None
         return router
+
+    def _registered(self) -> KVPageRequestRouter | None:
+        return ROUTERS.get((self.app_name, ENGINE_DEPLOYMENT))
 
 
 Ingress = serve.ingress(api)(IngressCore)

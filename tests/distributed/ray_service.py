@@ -9,6 +9,7 @@ import os
 import secrets
 import socket
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -21,7 +22,6 @@ from kvpage.config import EngineConfig
 from kvpage.distributed import ray_serve
 from kvpage.distributed.asgi_call import HttpCall, ResponseStart
 from kvpage.distributed.prefix_router import RouterConfig
-from kvpage.distributed.ray_router import ROUTERS
 from kvpage.distributed.routing_key import UNROUTED
 from kvpage.server import ServerOptions
 
@@ -46,14 +46,13 @@ class App:
     def handle(self):
         return serve.get_deployment_handle(ray_serve.ENGINE_DEPLOYMENT, self.name)
 
-    def replica_ids(self) -> list[str]:
-        """The replicas this process's router sees (the first call makes Ray create it)."""
-        if (self.name, ray_serve.ENGINE_DEPLOYMENT) not in ROUTERS:
-            self.handle().report.remote(_call("GET", "/health")).result()
-        return ROUTERS[self.name, ray_serve.ENGINE_DEPLOYMENT].replica_ids()
+    def reports(self) -> dict[str, ray_serve.ReplicaReport]:
+        """Every live replica's report (Ray's broadcast; a dead replica's error is left out)."""
+        replies = self.handle().broadcast("report").results(timeout_s=60, return_exceptions=True)
+        return {r.replica: r for r in replies if isinstance(r, ray_serve.ReplicaReport)}
 
-    def report(self, replica: str) -> ray_serve.ReplicaReport:
-        return self.handle().report.remote(_call("GET", "/health", pin=replica)).result()
+    def replica_ids(self) -> list[str]:
+        return sorted(self.reports())
 
     def post_to(self, replica: str, path: str, body: dict, key: str) -> tuple[int, dict]:
         """Straight to one replica (past the router): status and JSON body."""
@@ -62,7 +61,9 @@ class App:
             (b"content-type", b"application/json"),
         ]
         call = _call("POST", path, json.dumps(body).encode(), headers, pin=replica)
-        pieces = list(self.handle().options(stream=True).http.remote(call))
+        stream = self.handle().options(stream=True).http.remote(call)
+        with ThreadPoolExecutor(1) as pool:  # bounded: a call that is never routed fails
+            pieces = pool.submit(list, stream).result(timeout=60)
         start = pieces[0]
         assert isinstance(start, ResponseStart) and start.replica == replica
         return start.status, json.loads(b"".join(pieces[1:]))

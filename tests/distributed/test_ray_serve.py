@@ -125,7 +125,7 @@ def test_prefix_routing_hits_more_than_round_robin(apps):
 # --- isolation -----------------------------------------------------------------------------
 def test_tenant_salt_is_the_same_on_every_replica(apps):
     app = apps["prefix"]
-    digests = [app.report(r).salt_digests for r in app.replica_ids()]
+    digests = [report.salt_digests for report in app.reports().values()]
     assert len(digests) == 2 and digests[0] == digests[1]
     assert set(digests[0]) == {"alice", "bob"} and digests[0]["alice"] != digests[0]["bob"]
 
@@ -151,11 +151,12 @@ def test_metrics_and_audit_name_the_replica(apps):
     hits = {
         s.labels["replica"] for s in samples if s.name == "kvpage_prefix_cache_hits_tokens_total"
     }
-    assert hits == replicas
+    assert hits == replicas, f"replicas in /metrics: {hits}, live: {replicas}"
     routed = [s for s in samples if s.name == "kvpage_router_requests_total"]
     assert {s.labels["replica"] for s in routed} <= replicas and sum(s.value for s in routed) > 0
     lines = [json.loads(line) for line in app.audit_path.read_text().splitlines()]
-    assert lines and {line["replica"] for line in lines} == replicas
+    audited = {line["replica"] for line in lines}
+    assert audited == replicas, f"replicas in the audit log: {audited}, live: {replicas}"
 
 
 # --- faults --------------------------------------------------------------------------------
@@ -185,7 +186,7 @@ def _wait_for_replicas(app_name: str, count: int, timeout: float = 90.0) -> None
 
 def test_killed_replica_fails_its_requests_and_the_service_survives(apps):
     app = apps["rr"]
-    names = {r: app.report(r).actor_name for r in app.replica_ids()}
+    names = {r.replica: r.actor_name for r in app.reports().values()}
     dead, rest = _stream_until_killed(app, names.__getitem__)
     assert "replica serving this request died" in rest  # a clear error event, not a hang
     assert '"finish_reason":"length"' not in rest.replace(" ", "")
@@ -194,6 +195,6 @@ def test_killed_replica_fails_its_requests_and_the_service_survives(apps):
     served = [app.post("/v1/completions", body) for _ in range(6)]
     assert [r.status_code for r in served] == [200] * 6
     assert dead not in {r.headers[REPLICA_HEADER] for r in served}
-    report = app.report(survivor)
+    report = app.reports()[survivor]
     assert (report.requests, report.leaked_blocks, report.invariants) == (0, 0, "ok")
     _wait_for_replicas(app.name, 2)  # Ray starts a replacement
