@@ -27,6 +27,7 @@ pytestmark = pytest.mark.ray
 
 PROMPT = "The paged KV cache keeps every block "
 TOKEN_IDS = {"return_token_ids": True}
+BLOCK = 16  # the engine's default block size, which the router's chunks follow
 
 
 @pytest.fixture(scope="module")
@@ -108,18 +109,26 @@ def _conversation(app, index: int, turns: int) -> list[tuple[int, int]]:
     return usage
 
 
-def _hit_rate(app, conversations: int = 6, turns: int = 4, clients: int = 3) -> float:
+def _multi_turn(app, conversations: int = 6, turns: int = 4, clients: int = 3):
+    """Per conversation, (prompt tokens, cached tokens) per turn."""
     with ThreadPoolExecutor(clients) as pool:
-        runs = list(pool.map(lambda i: _conversation(app, i, turns), range(conversations)))
-    prompt = sum(p for run in runs for p, _ in run)
-    cached = sum(c for run in runs for _, c in run)
-    return cached / prompt
+        return list(pool.map(lambda i: _conversation(app, i, turns), range(conversations)))
+
+
+def _hit_rate(runs) -> float:
+    return sum(c for run in runs for _, c in run) / sum(p for run in runs for p, _ in run)
 
 
 def test_prefix_routing_hits_more_than_round_robin(apps):
-    prefix, rr = _hit_rate(apps["prefix"]), _hit_rate(apps["rr"])
+    prefix_runs, rr_runs = _multi_turn(apps["prefix"]), _multi_turn(apps["rr"])
+    prefix, rr = _hit_rate(prefix_runs), _hit_rate(rr_runs)
     print(f"\nmulti-turn prefix hit rate: prefix router {prefix:.3f}, round-robin {rr:.3f}")
     assert prefix > rr
+    # Affinity, turn by turn: with 3 clients the load gap never exceeds the bound (4), so each
+    # turn goes where the previous one went and finds at least its full blocks there.
+    for run in prefix_runs:
+        for (before, _), (_, cached) in zip(run, run[1:], strict=False):
+            assert cached >= before - before % BLOCK, run
 
 
 # --- isolation -----------------------------------------------------------------------------
