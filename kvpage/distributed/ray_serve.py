@@ -197,10 +197,9 @@ class IngressCore:
             start = await pieces.__anext__()
         except RayActorError:
             return _error(503, "the replica serving this request died; retry (others remain)")
-        headers = [(k.decode(), v.decode()) for k, v in start.headers]
         response = StreamingResponse(_rest(pieces), status_code=start.status)
-        response.raw_headers = [(k.encode(), v.encode()) for k, v in headers]
-        response.raw_headers.append((REPLICA_HEADER.encode(), start.replica.encode()))
+        # the replica's own headers (content type and length included), as it sent them
+        response.raw_headers = [*start.headers, (REPLICA_HEADER.encode(), start.replica.encode())]
         return response
 
     async def _router(self) -> KVPageRequestRouter | None:
@@ -247,6 +246,12 @@ def _router_metrics(router: KVPageRequestRouter) -> str:
         *(
             f'kvpage_router_requests_total{{reason="{reason}",replica="{rid}"}} {n}'
             for (rid, reason), n in sorted(router.decisions.items())
+        ),
+        "# HELP kvpage_router_in_flight Requests routed to the replica and not yet completed",
+        "# TYPE kvpage_router_in_flight gauge",
+        *(
+            f'kvpage_router_in_flight{{replica="{rid}"}} {router.loads[rid]}'
+            for rid in router.replica_ids()
         ),
         "# HELP kvpage_router_matched_tokens_total Prompt tokens the chosen replica was sent before",
         "# TYPE kvpage_router_matched_tokens_total counter",

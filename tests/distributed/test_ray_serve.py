@@ -163,6 +163,10 @@ def test_metrics_and_audit_name_the_replica(apps):
     assert hits == replicas, f"replicas in /metrics: {hits}, live: {replicas}"
     routed = [s for s in samples if s.name == "kvpage_router_requests_total"]
     assert {s.labels["replica"] for s in routed} <= replicas and sum(s.value for s in routed) > 0
+    in_flight = {
+        s.labels["replica"]: s.value for s in samples if s.name == "kvpage_router_in_flight"
+    }
+    assert in_flight == dict.fromkeys(replicas, 0.0)  # every routed request was seen completing
     lines = [json.loads(line) for line in app.audit_path.read_text().splitlines()]
     audited = {line["replica"] for line in lines}
     assert audited == replicas, f"replicas in the audit log: {audited}, live: {replicas}"
