@@ -97,7 +97,7 @@ class EngineReplica:
         chunks = [p async for p in call_asgi(self.app, call, self.name) if isinstance(p, bytes)]
         return self.name, b"".join(chunks).decode()
 
-    async def report(self, call: HttpCall | None = None) -> ReplicaReport:
+    async def report(self) -> ReplicaReport:
         """Pool accounting for tests and operators: leaks show once the replica is idle."""
         return await self.state.loop.call(self._report)
 
@@ -231,6 +231,8 @@ async def _rest(pieces) -> AsyncIterator[bytes]:
         message = "the replica serving this request died mid-response; retry (others remain)"
         event = {"error": {"message": message, "type": "server_error", "param": None}}
         yield f"data: {json.dumps(event)}\n\n".encode()
+    finally:  # the client left mid-stream: the replica sees a disconnect and aborts the request
+        pieces.cancel()
 
 
 def _error(status: int, message: str) -> JSONResponse:

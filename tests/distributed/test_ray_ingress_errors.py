@@ -21,6 +21,10 @@ class _Pieces:
 
     def __init__(self, pieces: list) -> None:
         self._pieces = list(pieces)
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
     def __aiter__(self):
         return self
@@ -72,12 +76,14 @@ def test_death_mid_stream_ends_it_with_an_error_event():
     assert "died mid-response" in event["error"]["message"]
 
 
-def test_rest_passes_every_piece_through_when_nothing_dies():
-    async def pieces():
-        for chunk in (b"a", b"b"):
-            yield chunk
+def test_a_client_that_leaves_mid_stream_cancels_the_replica_call():
+    pieces = _Pieces([b"a", b"b", b"c"])
 
-    async def run() -> list[bytes]:
-        return [chunk async for chunk in _rest(pieces())]
+    async def leave_after_one() -> bytes:
+        body = _rest(pieces)
+        first = await body.__anext__()
+        await body.aclose()
+        return first
 
-    assert asyncio.run(run()) == [b"a", b"b"]
+    assert asyncio.run(leave_after_one()) == b"a"
+    assert pieces.cancelled

@@ -173,6 +173,28 @@ def test_metrics_and_audit_name_the_replica(apps):
 
 
 # --- faults --------------------------------------------------------------------------------
+def _idle(app, replica: str, timeout: float = 30.0):
+    """The replica's report once it runs nothing (bounded)."""
+    deadline = time.monotonic() + timeout
+    while (report := app.reports()[replica]).requests and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return report
+
+
+def test_client_gone_mid_stream_aborts_on_the_replica(apps):
+    app = apps["rr"]
+    aborts = {r.replica: r.stats["aborts"] for r in app.reports().values()}
+    body = {"model": MODEL, "prompt": "Long story: ", "max_tokens": 3000, "stream": True}
+    headers = {"Authorization": "Bearer key-alice"}
+    with httpx.stream("POST", f"{app.url}/v1/completions", json=body, headers=headers,
+                      timeout=120) as r:  # fmt: skip
+        replica = r.headers[REPLICA_HEADER]
+        assert next(line for line in r.iter_lines() if line.startswith("data: "))
+    report = _idle(app, replica)  # left after one event: 3000 tokens are not generated
+    assert (report.requests, report.leaked_blocks, report.invariants) == (0, 0, "ok")
+    assert report.stats["aborts"] == aborts[replica] + 1
+
+
 def _stream_until_killed(app, victim_of) -> tuple[str, str]:
     """Start a long stream, kill its replica after the first event; (replica, rest of body)."""
     body = {"model": MODEL, "prompt": "Long story: ", "max_tokens": 3000, "stream": True}
