@@ -17,11 +17,13 @@ from typing import TYPE_CHECKING, NoReturn
 from kvpage.audit import cli as audit_cli
 from kvpage.audit import faults as audit_faults
 from kvpage.config import KV_CACHE_DTYPES, PREEMPTION_MODES
+from kvpage.distributed.prefix_router import ROUTERS
 from kvpage.errors import KVPageError, WorkerFailure
 from kvpage.model import DTYPES
 from kvpage.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kvpage.config import EngineConfig
     from kvpage.server import ServerOptions
 
 ADMIN_TOKEN_ENV = "KVPAGE_ADMIN_TOKEN"
@@ -278,7 +280,39 @@ def _add_serve(sub) -> None:
     )
     audit_faults.add_serve_args(srv)
     _add_tensor_parallel(srv)
+    _add_replicas(srv)
     srv.set_defaults(func=_cmd_serve)
+
+
+def _add_replicas(srv: argparse.ArgumentParser) -> None:
+    """Scale-out on Ray Serve (R36); with --replicas 1 none of it applies and Ray is not imported."""
+    srv.add_argument(
+        "--replicas",
+        type=_count,
+        default=1,
+        help="engine replicas on Ray Serve behind one ingress (1: this process only, no Ray)",
+    )
+    srv.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default=None,
+        help="how requests are spread over replicas (default: prefix, the prefix-affinity router)",
+    )
+    srv.add_argument(
+        "--router-max-imbalance",
+        type=_number(int, 0),
+        default=4,
+        help="prefix router: requests in flight a prefix match may cost over the least-loaded replica",
+    )
+    srv.add_argument(
+        "--replica-cpus", type=_number(float, 0.0), default=1.0, help="Ray CPUs per replica"
+    )
+    srv.add_argument(
+        "--ray-address",
+        default=None,
+        help="attach to this Ray cluster (e.g. ray://head:10001 or auto) instead of starting "
+        "a local one; needs --replicas > 1",
+    )
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -387,35 +421,93 @@ def _cmd_passphrase(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from kvpage.config import EngineConfig
     from kvpage.engine.engine import LLMEngine
     from kvpage.server import create_app
     from kvpage.server.background import serve
 
+    _check_replica_args(args)
+    if args.replicas > 1:
+        return _cmd_serve_replicas(args)
     options = _server_options(args)  # every file and the address, before the model loads
     fault = audit_faults.chosen(args)
     _check_listen(args.host, args.port)
-    engine = LLMEngine(
-        EngineConfig(
-            model=args.model,
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_caching=not args.no_prefix_caching,
-            preemption_mode=args.preemption_mode,
-            kv_cache_dtype=args.kv_cache_dtype,
-            dtype=args.dtype,
-            device=args.device,
-            tensor_parallel_size=args.tensor_parallel_size,
-            **audit_faults.config_overrides(fault),
-        )
-    )
+    engine = LLMEngine(_engine_config(args, **audit_faults.config_overrides(fault)))
     app = create_app(engine, options)
     audit_faults.inject(app, engine, fault)
     print("kvpage serve", *(f"  {line}" for line in app.state.server.describe()), sep="\n")
     print(f"  listening on http://{args.host}:{args.port}", flush=True)
     serve(app, args.host, args.port)
+    return 0
+
+
+def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    from kvpage.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        kv_cache_dtype=args.kv_cache_dtype,
+        dtype=args.dtype,
+        device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
+        **overrides,
+    )
+
+
+def _check_replica_args(args: argparse.Namespace) -> None:
+    """Options that only mean something with replicas, and what replicas cannot combine with."""
+    if args.replicas == 1:
+        for flag, value in (("--router", args.router), ("--ray-address", args.ray_address)):
+            if value is not None:
+                raise CliError(f"{flag} needs --replicas > 1 (one replica is this process)")
+        return
+    if args.tensor_parallel_size > 1:
+        raise CliError("--replicas > 1 with --tensor-parallel-size > 1 is not supported")
+    if audit_faults.chosen(args) is not None:
+        raise CliError("planted faults (audit targets) run on a single server: drop --replicas")
+
+
+def _cmd_serve_replicas(args: argparse.Namespace) -> int:
+    """N engine replicas on Ray Serve; blocks until Ctrl-C, then deletes the application."""
+    import secrets
+    import time
+    from dataclasses import replace
+
+    from kvpage.distributed.prefix_router import RouterConfig
+
+    options = _server_options(args)
+    if options.audit_log is not None:  # the replicas' working directory is Ray's, not ours
+        options = replace(options, audit_log=str(Path(options.audit_log).resolve()))
+    # One secret for all replicas (and their replacements): a tenant's salt is the same on each.
+    options = replace(options, tenant_secret=secrets.token_bytes(32))
+    if args.ray_address is None:
+        _check_listen(args.host, args.port)
+    try:
+        from kvpage.distributed import ray_serve
+    except ImportError as err:
+        raise CliError(f"--replicas needs Ray Serve: pip install 'kvpage[ray]' ({err})") from None
+    router = RouterConfig(
+        policy=args.router or "prefix",
+        chunk_tokens=args.block_size,
+        min_match_tokens=args.block_size,
+        max_imbalance=args.router_max_imbalance,
+    )
+    spec = ray_serve.ReplicaSpec(_engine_config(args), options, cpus=args.replica_cpus)
+    ray_serve.start(
+        ray_serve.ServiceConfig(spec, args.replicas, router), args.host, args.port, args.ray_address
+    )
+    print(f"kvpage serve: {args.replicas} replicas on Ray Serve, router {router.policy}")
+    print(f"  listening on http://{args.host}:{args.port}", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        ray_serve.stop()
     return 0
 
 

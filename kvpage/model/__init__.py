@@ -13,12 +13,12 @@ from kvpage.model.builtin import (
     builtin_names,
     init_seeded_,
 )
-from kvpage.model.loader import build_model, load_hf_directory
+from kvpage.model.loader import build_model, load_hf_directory, load_hf_tokenizer
 from kvpage.model.tokenizer import ByteTokenizer, Tokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-__all__ = ["CausalLM", "Tokenizer", "load_model", "resolve_dtype"]
+__all__ = ["CausalLM", "Tokenizer", "load_model", "load_tokenizer", "resolve_dtype"]
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -49,3 +49,10 @@ def _load_builtin(name: str, dtype: torch.dtype, device: str) -> tuple[CausalLM,
     model = build_model(BUILTIN_CONFIGS[name])
     init_seeded_(model)
     return model.to(device=device, dtype=dtype).eval(), ByteTokenizer()
+
+
+def load_tokenizer(name_or_path: str) -> Tokenizer | None:
+    """The tokenizer alone, for a process that routes prompts but runs no model."""
+    if name_or_path.startswith(BUILTIN_PREFIX):
+        return ByteTokenizer()  # every builtin model is byte-level
+    return load_hf_tokenizer(name_or_path)

@@ -125,6 +125,14 @@ def _restore_non_persistent_buffers(model: CausalLM) -> None:
             )
 
 
+def load_hf_tokenizer(directory: str | Path) -> HFTokenizer | None:
+    """The directory's tokenizer without its weights (None without tokenizer.json)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UnknownModel(f"{directory} is not a directory (nor a builtin:NAME model)")
+    return _load_tokenizer(directory, read_config(directory))
+
+
 def _load_tokenizer(directory: Path, cfg: ModelConfig) -> HFTokenizer | None:
     path = directory / "tokenizer.json"
     if not path.is_file():

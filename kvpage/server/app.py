@@ -53,7 +53,7 @@ log = logging.getLogger("kvpage.server")
 
 def create_app(engine: LLMEngine, options: ServerOptions | None = None) -> FastAPI:
     options = options or ServerOptions(model_name=engine.config.model)
-    audit = AuditLog(options.audit_log, options.audit_sample_rate, options.seed)
+    audit = AuditLog(options.audit_log, options.audit_sample_rate, options.seed, options.replica)
     shadow = ShadowChecker(
         engine.model,
         audit,
@@ -66,7 +66,7 @@ def create_app(engine: LLMEngine, options: ServerOptions | None = None) -> FastA
         loop=EngineLoop(engine),
         metrics=ServerMetrics(shadow.counts),
         audit=audit,
-        tenants=Tenants(dict(options.api_keys)),
+        tenants=_tenants(options),
         shadow=shadow,
         chat_template=load_chat_template(engine.config.model),
     )
@@ -82,6 +82,12 @@ def create_app(engine: LLMEngine, options: ServerOptions | None = None) -> FastA
     app.add_exception_handler(Exception, _api_error)
     app.add_middleware(RequestGuard, state=state)  # auth and body size before any parsing
     return app
+
+
+def _tenants(options: ServerOptions) -> Tenants:
+    if options.tenant_secret is None:
+        return Tenants(dict(options.api_keys))
+    return Tenants(dict(options.api_keys), options.tenant_secret)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -29,11 +29,16 @@ log = logging.getLogger("kvpage.audit")
 
 class AuditLog:
     def __init__(
-        self, path: str | Path | None = None, sample_rate: float = 1.0, seed: int = 0
+        self,
+        path: str | Path | None = None,
+        sample_rate: float = 1.0,
+        seed: int = 0,
+        replica: str | None = None,
     ) -> None:
         if not 0.0 <= sample_rate <= 1.0:
             raise ValueError(f"audit sample rate must be in [0, 1], got {sample_rate}")
         self.sample_rate = sample_rate
+        self.replica = replica  # None: a single server, and its lines carry no replica field
         self.recent: deque[dict[str, Any]] = deque(maxlen=512)
         self._file = None if path is None else open(path, "a", encoding="utf-8")  # noqa: SIM115
         self._random = random.Random(seed)
@@ -46,6 +51,8 @@ class AuditLog:
             if not always and self._random.random() >= self.sample_rate:
                 return
             line = {"ts": round(time.time(), 6), "event": event}
+            if self.replica is not None:
+                line["replica"] = self.replica
             line.update((k, _plain(v)) for k, v in fields.items())
             self.recent.append(line)
             text = json.dumps(line)

@@ -27,6 +27,10 @@ class ServerOptions:
     seed: int = 0  # sampling of audit lines and shadow checks
     max_body_bytes: int = 4 * 1024 * 1024  # a larger request body is a 413, never parsed
     shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish on shutdown
+    # Replicas (kvpage serve --replicas N) share one tenant secret, so a tenant's cache salt is
+    # the same on each; None: a secret made at start-up (one process, nothing to agree with).
+    tenant_secret: bytes | None = None
+    replica: str | None = None  # named in every audit line when the app is one of N replicas
 
 
 @dataclass(slots=True)

@@ -3,7 +3,8 @@
 With keys configured the salt comes from the tenant, never from the client: a client that could pick
 a salt could pick another tenant's and time its cache hits (the lesson of vLLM's CVE-2025-46570).
 The salt is a keyed hash of the tenant, with a secret made at start-up, so it cannot be guessed from
-the tenant's name either."""
+the tenant's name either. Replicas of one service are given the same secret (made once by the
+process that deploys them), so a tenant's salt is the same on every replica."""
 
 from __future__ import annotations
 

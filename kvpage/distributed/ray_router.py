@@ -1,0 +1,90 @@
+"""The Ray Serve request router of the engine deployment: `prefix_router.Router` on live replicas.
+
+Ray creates it in the process that holds the deployment handle (the ingress) and asks it, per
+request, for the replicas to try. Load is counted here (requests routed and not yet completed),
+so the policy sees every request this ingress has in flight without probing replicas. A call
+pinned to a replica (the ingress's fan-out for /metrics) goes only there.
+
+The instance registers itself in `ROUTERS` by (application, deployment), so the ingress, in the same
+process, can list the live replicas and read the routing counters."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
+
+from kvpage.distributed.asgi_call import HttpCall
+from kvpage.distributed.prefix_router import Router, RouterConfig
+
+ROUTERS: dict[tuple[str, str], KVPageRequestRouter] = {}  # (app, deployment) -> router
+
+
+class KVPageRequestRouter(RequestRouter):
+    def initialize_state(self, **config) -> None:
+        self.router = Router(RouterConfig(**config))
+        self.loads: Counter[str] = Counter()  # replica id -> requests in flight
+        self._in_flight: dict[str, str] = {}  # internal request id -> replica id
+        self.decisions: Counter[tuple[str, str]] = Counter()  # (replica, reason) -> requests
+        self.matched_tokens: Counter[str] = Counter()  # replica -> prompt tokens it had seen
+        # Ray may ship this class by value, with copies of its module's globals: reach the real
+        # registry through the import system, where the ingress will look for it.
+        from kvpage.distributed import ray_router
+
+        ray_router.ROUTERS[self.app_name, self._deployment_id.name] = self
+
+    def replica_ids(self) -> list[str]:
+        return sorted(r.unique_id for r in self.curr_replicas)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        call = _http_call(pending_request)
+        if call is not None and call.pin is not None:
+            return [[by_id[call.pin]]] if call.pin in by_id else []
+        if call is None or not by_id:  # not an HTTP call (none are sent today): any replica
+            return [list(by_id.values())]
+        decision = self.router.choose(call.key, {rid: self.loads[rid] for rid in by_id})
+        self.decisions[decision.replica, decision.reason] += 1
+        self.matched_tokens[decision.replica] += decision.matched_tokens
+        return [[by_id[decision.replica]]]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
+    ) -> None:
+        self._in_flight[pending_request.metadata.internal_request_id] = replica_id.unique_id
+        self.loads[replica_id.unique_id] += 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        replica = self._in_flight.pop(internal_request_id, None)
+        if replica is not None:
+            self.loads[replica] -= 1
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_id.unique_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id.unique_id for r in replicas}
+        for gone in set(self.router.trees) - live:  # replaced or scaled down: its cache is gone
+            self._forget(gone)
+
+    def _forget(self, replica: str) -> None:
+        self.router.forget(replica)
+        self.loads.pop(replica, None)
+
+
+def _http_call(pending: PendingRequest | None) -> HttpCall | None:
+    if pending is None or not pending.args or not isinstance(pending.args[0], HttpCall):
+        return None
+    return pending.args[0]

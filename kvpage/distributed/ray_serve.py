@@ -1,0 +1,313 @@
+"""`kvpage serve --replicas N` (R36): N engine replicas on Ray Serve behind one ingress.
+
+    HTTP -> Ray Serve proxy -> Ingress (1 replica: routing key, /metrics, /health)
+         -> KVPageRequestRouter (in the ingress process: prefix | round-robin | least-loaded)
+         -> EngineReplica x N (each a whole single-process kvpage app: engine, audit, metrics)
+
+A replica runs the single server's own app on each request (`asgi_call`), so the API, its errors
+and its streaming are those of `kvpage serve` by construction. Every replica is built from the
+same ReplicaSpec, tenant secret included: a tenant's cache salt is the same on all of them, and
+a replica Ray starts to replace a dead one gets it too.
+
+Importing this module imports Ray; nothing else in kvpage does."""
+
+import asyncio
+import hashlib
+import json
+import os
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field, replace
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
+
+from kvpage.config import EngineConfig
+from kvpage.distributed.asgi_call import HttpCall, ResponseStart, call_asgi
+from kvpage.distributed.metrics_merge import merge
+from kvpage.distributed.prefix_router import RouterConfig
+from kvpage.distributed.ray_router import ROUTERS, KVPageRequestRouter
+from kvpage.distributed.routing_key import UNROUTED, RoutingKeys
+from kvpage.server.state import ServerOptions
+
+APP_NAME = "kvpage"
+ENGINE_DEPLOYMENT = "EngineReplica"
+REPLICA_HEADER = "x-kvpage-replica"
+_FAN_OUT_TIMEOUT_S = 30.0  # a replica that does not answer a /metrics broadcast is left out
+# Ray's own telemetry would try to reach the network; the dashboard is not needed to serve.
+QUIET_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    """What every replica is built from; the same object for all, so the same tenant salts."""
+
+    engine: EngineConfig
+    options: ServerOptions
+    cpus: float = 1.0  # Ray CPUs per replica; also its torch threads
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    replica: ReplicaSpec
+    replicas: int = 2
+    router: RouterConfig = field(default_factory=RouterConfig)
+    max_ongoing_requests: int = 256  # per replica; the engine's scheduler queues beyond its batch
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaReport:
+    replica: str
+    actor_name: str  # for ray.get_actor(..., namespace="serve")
+    requests: int  # running + waiting + swapped
+    leaked_blocks: int  # private or shared blocks held while no request runs (must be 0)
+    invariants: str  # "ok" or the violation
+    stats: dict[str, int]
+    salt_digests: dict[str, str]  # tenant -> SHA-256 of its cache salt (equal on every replica)
+
+
+class EngineReplica:
+    def __init__(self, spec: ReplicaSpec) -> None:
+        import torch
+
+        from kvpage.engine.engine import LLMEngine
+        from kvpage.server import create_app
+
+        torch.set_num_threads(max(1, int(spec.cpus)))  # replicas share the machine's cores
+        context = serve.get_replica_context()
+        self.name = context.replica_id.unique_id
+        self.actor_name = context.replica_id.to_full_id_str()
+        options = replace(spec.options, replica=self.name)
+        self.app = create_app(LLMEngine(spec.engine), options)
+        self.state = self.app.state.server
+        self.state.loop.start()
+        self.state.shadow.start()
+
+    async def http(self, call: HttpCall) -> AsyncIterator[ResponseStart | bytes]:
+        async for piece in call_asgi(self.app, call, self.name):
+            yield piece
+
+    async def metrics_text(self) -> tuple[str, str]:
+        """(replica, its /metrics exposition), for the ingress's merged /metrics."""
+        call = HttpCall("GET", "/metrics", b"", [], b"", UNROUTED)
+        chunks = [p async for p in call_asgi(self.app, call, self.name) if isinstance(p, bytes)]
+        return self.name, b"".join(chunks).decode()
+
+    async def report(self) -> ReplicaReport:
+        """Pool accounting for tests and operators: leaks show once the replica is idle."""
+        return await self.state.loop.call(self._report)
+
+    def _report(self) -> ReplicaReport:  # on the engine thread, between steps
+        engine = self.state.loop.engine
+        stats = engine.stats()
+        requests = stats["running"] + stats["waiting"] + stats["swapped"]
+        held = stats["private_blocks"] + stats["shared_blocks"]
+        try:
+            engine.cache.check_invariants()
+            invariants = "ok"
+        except Exception as err:  # reported, not raised: the caller asked for a diagnosis
+            invariants = f"{type(err).__name__}: {err}"
+        leaked = held if requests == 0 else 0
+        tenants = self.state.tenants
+        salts = {t: _digest(tenants.salt_for(t)) for t in sorted(set(tenants.keys.values()))}
+        return ReplicaReport(self.name, self.actor_name, requests, leaked, invariants, stats, salts)
+
+    def __del__(self) -> None:  # Ray Serve calls it when the replica is shut down
+        state = getattr(self, "state", None)
+        if state is not None:
+            state.loop.stop()
+            state.shadow.stop()
+            state.audit.close()
+
+
+def _digest(salt: str) -> str:
+    return hashlib.sha256(salt.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class IngressSpec:
+    model: str
+    api_keys: dict[str, str]
+    max_body_bytes: int
+
+
+api = FastAPI(title="kvpage (Ray Serve)")
+
+
+class IngressCore:
+    """The ingress's logic. `Ingress` below is Ray's ASGI wrapper of it: Ray ships that wrapper
+    by value, so the logic stays here, importable, and module state (the router registry) is
+    this process's, not a pickled copy."""
+
+    def __init__(self, engines: DeploymentHandle, spec: IngressSpec) -> None:
+        from kvpage.model import load_tokenizer
+        from kvpage.server.chat import load_chat_template
+        from kvpage.server.tenants import Tenants
+
+        self.engines = engines
+        self.spec = spec
+        self.app_name = serve.get_replica_context().app_name
+        tokenizer = load_tokenizer(spec.model)
+        self.keys = RoutingKeys(
+            Tenants(dict(spec.api_keys)), tokenizer, load_chat_template(spec.model)
+        )
+
+    @api.get("/health")
+    async def health(self) -> Response:
+        router = await self._router()
+        replicas = router.replica_ids() if router is not None else []
+        ok = bool(replicas)
+        body = {"status": "ok" if ok else "no replicas", "draining": False, "replicas": replicas}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        router = await self._router()
+        if router is None:
+            return _error(503, "no engine replica is running")
+        # Ray's broadcast reaches every live replica without the router; one that fails or
+        # does not answer in time is left out, the others still report.
+        try:
+            replies = await self.engines.broadcast("metrics_text").results_async(
+                timeout_s=_FAN_OUT_TIMEOUT_S, return_exceptions=True
+            )
+        except TimeoutError:
+            return _error(503, f"replicas did not report within {_FAN_OUT_TIMEOUT_S:g} s")
+        merged = merge(dict(r for r in replies if isinstance(r, tuple)))
+        return Response(merged + _router_metrics(router), media_type="text/plain; version=0.0.4")
+
+    @api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def forward(self, path: str, request: Request) -> Response:
+        body = await request.body()
+        if len(body) > self.spec.max_body_bytes:  # the replica would say 413; spare the trip
+            return _error(413, f"request body larger than {self.spec.max_body_bytes} bytes")
+        path = "/" + path  # relative to this application's route prefix
+        key = self.keys.key(path, request.headers.get("authorization"), body)
+        query, headers = request.url.query.encode(), list(request.headers.raw)
+        call = HttpCall(request.method, path, query, headers, body, key)
+        return await self._send(call)
+
+    async def _send(self, call: HttpCall) -> Response:
+        pieces = self.engines.options(stream=True).http.remote(call)
+        try:
+            start = await pieces.__anext__()
+        except RayActorError:
+            return _error(503, "the replica serving this request died; retry (others remain)")
+        response = StreamingResponse(_rest(pieces), status_code=start.status)
+        # the replica's own headers (content type and length included), as it sent them
+        response.raw_headers = [*start.headers, (REPLICA_HEADER.encode(), start.replica.encode())]
+        return response
+
+    async def _router(self) -> KVPageRequestRouter | None:
+        """The router of this process's handle (the first call makes Ray create it); None if
+        no replica answers within the fan-out timeout."""
+        try:
+            async with asyncio.timeout(_FAN_OUT_TIMEOUT_S):
+                while (router := self._registered()) is None or not router.curr_replicas:
+                    call = HttpCall("GET", "/health", b"", [], b"", UNROUTED)
+                    async for _ in self.engines.options(stream=True).http.remote(call):
+                        pass
+        except (RayActorError, TimeoutError):
+            return None
+        return router
+
+    def _registered(self) -> KVPageRequestRouter | None:
+        return ROUTERS.get((self.app_name, ENGINE_DEPLOYMENT))
+
+
+Ingress = serve.ingress(api)(IngressCore)
+
+
+async def _rest(pieces) -> AsyncIterator[bytes]:
+    """The body after the start; a replica dying mid-stream ends it with an error event."""
+    try:
+        async for piece in pieces:
+            yield piece
+    except RayActorError:
+        message = "the replica serving this request died mid-response; retry (others remain)"
+        event = {"error": {"message": message, "type": "server_error", "param": None}}
+        yield f"data: {json.dumps(event)}\n\n".encode()
+    finally:  # the client left mid-stream: the replica sees a disconnect and aborts the request
+        pieces.cancel()
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "service_unavailable"
+    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+def _router_metrics(router: KVPageRequestRouter) -> str:
+    lines = [
+        "# HELP kvpage_router_requests_total Requests routed, by replica and reason",
+        "# TYPE kvpage_router_requests_total counter",
+        *(
+            f'kvpage_router_requests_total{{reason="{reason}",replica="{rid}"}} {n}'
+            for (rid, reason), n in sorted(router.decisions.items())
+        ),
+        "# HELP kvpage_router_in_flight Requests routed to the replica and not yet completed",
+        "# TYPE kvpage_router_in_flight gauge",
+        *(
+            f'kvpage_router_in_flight{{replica="{rid}"}} {router.loads[rid]}'
+            for rid in router.replica_ids()
+        ),
+        "# HELP kvpage_router_matched_tokens_total Prompt tokens the chosen replica was sent before",
+        "# TYPE kvpage_router_matched_tokens_total counter",
+        *(
+            f'kvpage_router_matched_tokens_total{{replica="{rid}"}} {n}'
+            for rid, n in sorted(router.matched_tokens.items())
+        ),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# --- building and running the application ---------------------------------------------------
+def build_app(config: ServiceConfig) -> serve.Application:
+    routing = RequestRouterConfig(
+        request_router_class="kvpage.distributed.ray_router.KVPageRequestRouter",
+        request_router_kwargs=asdict(config.router),
+    )
+    engines = serve.deployment(
+        EngineReplica,
+        name=ENGINE_DEPLOYMENT,
+        num_replicas=config.replicas,
+        max_ongoing_requests=config.max_ongoing_requests,
+        ray_actor_options={"num_cpus": config.replica.cpus},
+        request_router_config=routing,
+    )
+    ingress = serve.deployment(
+        Ingress,
+        name="Ingress",
+        num_replicas=1,
+        max_ongoing_requests=100_000,  # it only forwards; the replicas bound the work
+        ray_actor_options={"num_cpus": 0},
+    )
+    options = config.replica.options
+    spec = IngressSpec(config.replica.engine.model, dict(options.api_keys), options.max_body_bytes)
+    return ingress.bind(engines.bind(config.replica), spec)
+
+
+def start(
+    config: ServiceConfig,
+    host: str,
+    port: int,
+    address: str | None = None,
+    app_name: str = APP_NAME,
+    route_prefix: str = "/",
+) -> None:
+    """Attach to (address) or start a local Ray, then deploy; returns once replicas are up.
+    Several applications may share one Ray Serve instance under different names and prefixes."""
+    for name, value in QUIET_RAY_ENV.items():
+        os.environ.setdefault(name, value)
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(config), name=app_name, route_prefix=route_prefix)
+
+
+def stop(app_name: str = APP_NAME) -> None:
+    serve.delete(app_name)

@@ -1,0 +1,59 @@
+"""The routing key of an HTTP request (R36): (namespace, prompt tokens), computed at the ingress.
+
+The key is a best guess made before the replica sees the request: a body the replica will reject
+(bad JSON, unknown fields, a wrong API key) still gets a key — an empty prompt, so it goes to the
+least-loaded replica — and the replica answers it exactly as the single server would. The
+namespace is the tenant of the API key, or on an open server the client's cache_salt: the same
+partition the replicas' prefix caches use, so a routing entry never crosses tenants."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from kvpage.distributed.prefix_router import RoutingKey
+from kvpage.model.tokenizer import Tokenizer
+from kvpage.server.chat import Messages
+from kvpage.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from kvpage.server.tenants import Tenants
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+UNROUTED = RoutingKey("", ())  # no prefix to follow: least-loaded
+
+
+@dataclass(slots=True)
+class RoutingKeys:
+    tenants: Tenants  # API keys only: the salts are the replicas' business
+    tokenizer: Tokenizer | None
+    chat_template: Callable[[Messages], str]
+
+    def key(self, path: str, authorization: str | None, body: bytes) -> RoutingKey:
+        if path not in (COMPLETIONS, CHAT):
+            return UNROUTED
+        try:
+            raw = json.loads(body)
+            namespace = self._namespace(authorization, raw)
+            return RoutingKey(namespace, tuple(self._tokens(path, raw)))
+        except (ValueError, TypeError, ApiError, ValidationError):
+            return UNROUTED  # the replica will say what is wrong with it
+
+    def _namespace(self, authorization: str | None, raw: dict) -> str:
+        tenant = self.tenants.authenticate(authorization)  # 401 there, UNROUTED here
+        if tenant is not None:
+            return f"tenant:{tenant}"
+        salt = raw.get("cache_salt")
+        return f"salt:{salt}" if isinstance(salt, str) else "open"
+
+    def _tokens(self, path: str, raw: dict) -> list[int]:
+        if path == COMPLETIONS:
+            prompt = CompletionRequest.model_validate(raw).single_prompt()
+            return self._encode(prompt) if isinstance(prompt, str) else list(prompt)
+        chat = ChatCompletionRequest.model_validate(raw)
+        messages = [{"role": m.role, "content": m.text} for m in chat.messages]
+        return self._encode(self.chat_template(messages))
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text) if self.tokenizer is not None else []

@@ -1,0 +1,47 @@
+"""`kvpage serve --replicas 2` as a user runs it: a process that starts its own local Ray, says
+where it listens once the replicas are up, serves the OpenAI API, and stops cleanly on Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from kvpage.distributed.ray_serve import QUIET_RAY_ENV, REPLICA_HEADER
+
+from .ray_service import MODEL, free_port
+
+pytestmark = pytest.mark.ray
+
+
+def test_serve_replicas_end_to_end(tmp_path):
+    port, audit = free_port(), tmp_path / "audit.jsonl"
+    argv = [sys.executable, "-m", "kvpage.cli", "serve", "--replicas", "2", "--router",
+            "round-robin", "--replica-cpus", "0.5", "--port", str(port), "--audit-log", str(audit),
+            "--num-blocks", "128"]  # fmt: skip
+    env = {**os.environ, **QUIET_RAY_ENV}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=env, cwd=tmp_path)  # fmt: skip
+    try:
+        banner = [proc.stdout.readline() for _ in range(2)]  # printed once replicas are up
+        assert "2 replicas on Ray Serve, router round-robin" in banner[0], banner
+        assert f"listening on http://127.0.0.1:{port}" in banner[1], banner
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "temperature": 0.0}
+        replies = [httpx.post(url, json=body, timeout=120) for _ in range(2)]
+        assert [r.status_code for r in replies] == [200, 200]
+        assert len({r.headers[REPLICA_HEADER] for r in replies}) == 2  # round-robin: both
+        assert len({r.json()["choices"][0]["text"] for r in replies}) == 1
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert {line["replica"] for line in lines} == {r.headers[REPLICA_HEADER] for r in replies}
