@@ -4,7 +4,7 @@ one process:
 
     python bench/throughput.py [--models small,120m,125m] [--scenarios a,b,c,bb] [--requests 64]
                                [--repeats N] [--seed 0] [--threads 2] [--hf-batch 32] [--profile]
-                               [--peers hf,llama.cpp] [--llama-cpp-types f32,bf16]
+                               [--peers hf,hf-generate,llama.cpp] [--llama-cpp-types f32,bf16]
                                [--dtypes float32,bfloat16] [--tensor-parallel-size 2]
 
 (a) prompts uniform in 16-256 tokens, 64 output tokens each; (b) the same prompts, outputs uniform
@@ -13,8 +13,8 @@ request asked for count); (c) a common 512-token prefix + 32 unique tokens per r
 tokens: prefill tokens computed and median TTFT, kvpage prefix caching on vs off; (bb) the shape of
 llama.cpp's `llama-batched-bench -npp 128 -ntg 64 -npl 32`: 32 prompts of 128 tokens, 64 output
 tokens each, with a second table of prefill / decode / overall rates (min and median over the
-repeats). `--peers` picks the peers: `hf` (HF generate and generate_batch, the default) and
-`llama.cpp` (llama-batched-bench as a subprocess, scenario bb only; see bench/peers/llama_cpp.py,
+repeats). `--peers` picks the peers: `hf` (HF generate and generate_batch, the default),
+`hf-generate` (HF generate alone) and `llama.cpp` (llama-batched-bench as a subprocess, scenario bb only; see bench/peers/llama_cpp.py,
 built once into ~/.cache/kvpage-bench on first use). Every table row
 gives useful output tokens/s, the ratio against both HF peers, achieved GFLOP/s (useful FLOPs only,
 see `useful_flops`) and its share of a plain `torch.mm` measured in the same run. `--profile` adds
@@ -633,6 +633,7 @@ def profile_kvpage(model_dir: str, wl: Workload, seed: int, top: int = 18) -> No
 
 
 # --- main ---------------------------------------------------------------------------------------
+PEERS = {"hf", "hf-generate", "llama.cpp"}
 COLLECTIVE_SHARE: dict[str, float] = {}  # engine name -> collective time / wall, last repeat
 
 
@@ -641,11 +642,10 @@ def run_scenario(
 ) -> None:
     """`llama`: None to leave llama.cpp out, "" to run it, else why it cannot run."""
     engines = []
+    if args.peers & {"hf", "hf-generate"}:
+        engines.append(Engine("hf generate", run_hf_generate(model, wl, args.hf_batch)))
     if "hf" in args.peers:
-        engines += [
-            Engine("hf generate", run_hf_generate(model, wl, args.hf_batch)),
-            Engine("hf generate_batch", run_hf_cb(model, wl)),
-        ]
+        engines.append(Engine("hf generate_batch", run_hf_cb(model, wl)))
     if wl.prefix_len:
         engines += [
             kvpage_engine("kvpage cache off", model_dir, wl, False, args.seed),
@@ -663,7 +663,7 @@ def run_scenario(
         engines.append(
             kvpage_engine("kvpage bf16", model_dir, wl, True, args.seed, dtype="bfloat16")
         )
-        if "hf" in args.peers:
+        if args.peers & {"hf", "hf-generate"}:
             engines.append(Engine("hf generate bf16", run_hf_generate(bf16, wl, args.hf_batch)))
     failed: list[str] = []
     if llama is not None and wl.key != "bb":
@@ -716,7 +716,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hf-batch", type=int, default=32, help="static batch size of HF generate")
     ap.add_argument("--profile", action="store_true", help="profile kvpage on each scenario")
-    ap.add_argument("--peers", default="hf", help="comma-separated: hf, llama.cpp")
+    ap.add_argument(
+        "--peers",
+        default="hf",
+        help="comma-separated: hf (generate and generate_batch), hf-generate (generate only), "
+        "llama.cpp",
+    )
     ap.add_argument(
         "--llama-cpp-types", default="f32,bf16", help="GGUF types llama.cpp runs (f32, bf16, ...)"
     )
@@ -734,8 +739,8 @@ def main() -> None:
     args.dtypes = set(args.dtypes.split(",")) - {""}
     if args.dtypes - {"float32", "bfloat16"}:
         raise SystemExit(f"unknown dtype(s) {sorted(args.dtypes - {'float32', 'bfloat16'})}")
-    if args.peers - {"hf", "llama.cpp"}:
-        raise SystemExit(f"unknown peer(s) {sorted(args.peers - {'hf', 'llama.cpp'})}")
+    if args.peers - PEERS:
+        raise SystemExit(f"unknown peer(s) {sorted(args.peers - PEERS)}; choose from {PEERS}")
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -767,7 +772,7 @@ def main() -> None:
                 f"\n=== model {name}: {total / 1e6:.1f}M parameters "
                 f"({fm.layer_weights / 1e6:.1f}M in layer matmuls, head {fm.head_weights / 1e6:.1f}M)"
             )
-            if "hf" in args.peers:
+            if args.peers & {"hf", "hf-generate"}:
                 warm_hf(model, model.config.vocab_size, args.seed)
             for wl in make_workloads(
                 args.scenarios, args.requests, model.config.vocab_size, args.seed
