@@ -515,6 +515,37 @@ def agreement(a: RunResult, b: RunResult) -> str:
     return f"{same}/{len(a.tokens)}"
 
 
+def print_mismatches(model, wl: Workload, results: list[RunResult]) -> None:
+    """Where an fp32 row's greedy tokens leave HF generate's, and HF's own top-2 logit gap at that
+    position (teacher-forced on HF's tokens): a gap at the scale HF's logits move by between batch
+    sizes is a numeric tie that any other fp32 summation order may flip, not a cache bug."""
+    by = {r.engine: r for r in results}
+    gen = by.get("hf generate")
+    if gen is None or gen.error or not gen.tokens:
+        return
+    gaps: dict[tuple[int, int], float] = {}
+    for r in results:
+        if r is gen or r.error or not r.tokens or "bf16" in r.engine:
+            continue
+        for i, (mine, ref) in enumerate(zip(r.tokens, gen.tokens, strict=True)):
+            if mine == ref:
+                continue
+            t = next(j for j, (x, y) in enumerate(zip(mine, ref, strict=False)) if x != y)
+            if (i, t) not in gaps:
+                gaps[i, t] = _hf_top2_gap(model, wl.prompts[i] + ref[:t])
+            print(
+                f"  {r.engine}: request {i} leaves HF generate at output {t}, where HF's own "
+                f"top-2 logit gap is {gaps[i, t]:.2e}"
+            )
+
+
+def _hf_top2_gap(model, tokens: list[int]) -> float:
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
 def print_table(wl: Workload, results: list[RunResult], flops: float, peak: float) -> None:
     useful = sum(wl.max_tokens)
     by = {r.engine: r for r in results}
@@ -691,6 +722,7 @@ def run_scenario(
         f"{sum(wl.max_tokens)} useful output tokens, {fm.workload(wl) / 1e9:.1f} useful GFLOP"
     )
     print_table(wl, list(results.values()), fm.workload(wl), peak)
+    print_mismatches(model, wl, list(results.values()))
     for name, share in COLLECTIVE_SHARE.items():
         print(
             f"{name}: {share:.0%} of the wall in collectives on rank 0 (step broadcast + "
