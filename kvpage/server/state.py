@@ -62,7 +62,8 @@ class ServerState:
         pool_blocks, block_size = engine.cache.pool.num_blocks, engine.config.block_size
         caching = "on" if engine.cache.enable_prefix_caching else "off"
         return [
-            f"model: {opts.model_name} ({engine.config.dtype} on {engine.config.device})",
+            f"model: {opts.model_name} ({engine.config.dtype} on {engine.config.device}"
+            f"{_split(engine.config.tensor_parallel_size)})",
             f"KV pool: {pool_blocks} blocks x {block_size} tokens = {pool_blocks * block_size} "
             f"tokens, {_mib(engine.storage.nbytes)}, KV {engine.storage.format.describe()}",
             f"prefix caching: {caching}; preemption: {engine.config.preemption_mode}",
@@ -87,3 +88,9 @@ _TENANTS_SHOWN = 10
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+def _split(tensor_parallel_size: int) -> str:
+    if tensor_parallel_size == 1:
+        return ""
+    return f", tensor parallel over {tensor_parallel_size} processes (gloo)"
