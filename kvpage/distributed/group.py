@@ -52,10 +52,10 @@ class TPGroup:
             ) from err
 
     # --- collectives ---------------------------------------------------------------------------
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place (the row-parallel layers' one collective)."""
+    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        """Sum (or `op`) over ranks, in place (the row-parallel layers' one collective)."""
         opts = dist.AllreduceOptions()
-        opts.timeout = self.timeout
+        opts.reduceOp, opts.timeout = op, self.timeout
         self._wait(lambda: self.pg.allreduce([t], opts), "all_reduce")
         return t
 

@@ -111,6 +111,13 @@ class WorkerGroup:
             raise self.group.failed
         self.group.send_object(cmd)
 
+    def abandon(self, reason: str) -> None:
+        """The group is out of step (rank 0 failed in the middle of a command): fail it with
+        `reason` and stop the workers now."""
+        if self.group is not None and self.group.failed is None:
+            self.group.failed = WorkerFailure(f"tensor-parallel group abandoned: {reason}")
+        self.shutdown()
+
     def shutdown(self) -> None:
         """Stop the workers (politely if the group is healthy), then make sure they are gone."""
         if self.healthy:

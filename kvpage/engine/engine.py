@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -38,7 +39,7 @@ from kvpage.errors import InvalidRequest, WorkerFailure
 from kvpage.model import load_model
 from kvpage.model.base import CausalLM
 from kvpage.model.kv_format import kv_format
-from kvpage.model.paged_attention import KVStorage
+from kvpage.model.paged_attention import KVShard, KVStorage
 from kvpage.model.tokenizer import Tokenizer, encode_text
 from kvpage.sampling import chosen_logprobs, make_generator
 from kvpage.sampling_params import SamplingParams
@@ -559,6 +560,16 @@ class LLMEngine:
         self.storage.copy_block(src, dst)
         for observer in self._observers:
             observer.on_kv_copy(src, dst)
+
+    def patch_kv_shards(self, patch: Callable[[KVShard], None]) -> None:
+        """Run `patch` on every rank's KV pool shard, for this engine's life: this process's
+        and, under tensor parallelism, each worker's (sent by reference, so a module-level
+        function). The verifier's KV mutants plant their bug here: code that runs on a KV
+        shard runs on every rank, and a bug in it is on every rank's KV heads."""
+        if self.tp:
+            self.tp.patch_kv_shards(f"{patch.__module__}.{patch.__qualname__}", patch)
+        else:
+            patch(KVShard(self.storage))
 
     def _block_freed(self, block_id: int) -> None:
         """A block went FREE: what its generation held (a quantized block's scales) goes."""
