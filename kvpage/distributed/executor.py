@@ -17,7 +17,7 @@ import torch
 from kvpage.config import EngineConfig
 from kvpage.distributed.commands import Command, Configure, PatchKV, Step
 from kvpage.distributed.storage import ShardedKVStorage, shard_view
-from kvpage.distributed.workers import WorkerGroup
+from kvpage.distributed.workers import WorkerGroup, core_share
 from kvpage.engine.runner import ModelRunner
 from kvpage.errors import WorkerFailure
 from kvpage.model.base import CausalLM
@@ -58,6 +58,20 @@ def _group_for(model: CausalLM, world_size: int, timeout_s: float) -> tuple[Work
     return group, True
 
 
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """At most `n` intra-op threads inside the block."""
+    before = torch.get_num_threads()
+    if before <= n:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class TensorParallelExecutor:
     def __init__(
         self, config: EngineConfig, model: CausalLM, num_blocks: int, fmt: KVFormat
@@ -66,6 +80,9 @@ class TensorParallelExecutor:
             model, config.tensor_parallel_size, config.tensor_parallel_timeout_s
         )
         self.lease = object()  # the group serves the engine that configured it last
+        # Rank 0's share of the cores while the workers run beside it (a command); between
+        # commands (sampling, the verifier's reference) it keeps the process's own setting.
+        self.threads = core_share(config.tensor_parallel_size)
         self.workers.lease = self.lease
         try:
             self.send(Configure(num_blocks, config.block_size, config.kv_cache_dtype))
@@ -101,7 +118,8 @@ class TensorParallelExecutor:
         later command waiting out the collective timeout first."""
         self.send(cmd)
         try:
-            return local()
+            with _threads(self.threads):
+                return local()
         except WorkerFailure:
             raise
         except BaseException as err:

@@ -31,6 +31,13 @@ JOIN_TIMEOUT_S = 5.0
 STARTUP_GRACE_S = 30.0  # a worker's interpreter and torch import, on top of the timeout
 
 
+def core_share(world_size: int) -> int:
+    """Intra-op threads per rank: the cores divided among the ranks, which compute at the same
+    time. More threads than cores make OpenMP's barriers spin against the other ranks: on 2
+    cores, rank 0 at 2 threads beside a 1-thread worker ran the gate's steps 3x slower."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 class WorkerGroup:
     def __init__(self, model: CausalLM, world_size: int, timeout_s: float) -> None:
         check_divisible(model.config, world_size)  # before any process is started
@@ -53,7 +60,7 @@ class WorkerGroup:
     def _spawn(self, model: CausalLM, port: int) -> list:
         ctx = mp.get_context("spawn")
         state = {k: v.detach() for k, v in model.state_dict().items()}
-        threads = max(1, (os.cpu_count() or 1) // self.world_size)
+        threads = core_share(self.world_size)
         procs = []
         for rank in range(1, self.world_size):
             spec = WorkerSpec(
