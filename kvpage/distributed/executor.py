@@ -17,7 +17,7 @@ import torch
 from kvpage.config import EngineConfig
 from kvpage.distributed.commands import Command, Configure, PatchKV, Step
 from kvpage.distributed.storage import ShardedKVStorage, shard_view
-from kvpage.distributed.workers import WorkerGroup, core_share
+from kvpage.distributed.workers import WorkerGroup
 from kvpage.engine.runner import ModelRunner
 from kvpage.errors import WorkerFailure
 from kvpage.model.base import CausalLM
@@ -58,20 +58,6 @@ def _group_for(model: CausalLM, world_size: int, timeout_s: float) -> tuple[Work
     return group, True
 
 
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
-    """At most `n` intra-op threads inside the block."""
-    before = torch.get_num_threads()
-    if before <= n:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 class TensorParallelExecutor:
     def __init__(
         self, config: EngineConfig, model: CausalLM, num_blocks: int, fmt: KVFormat
@@ -80,9 +66,7 @@ class TensorParallelExecutor:
             model, config.tensor_parallel_size, config.tensor_parallel_timeout_s
         )
         self.lease = object()  # the group serves the engine that configured it last
-        # Rank 0's share of the cores while the workers run beside it (a command); between
-        # commands (sampling, the verifier's reference) it keeps the process's own setting.
-        self.threads = core_share(config.tensor_parallel_size)
+        self.deferred: list[Command] = []
         self.workers.lease = self.lease
         try:
             self.send(Configure(num_blocks, config.block_size, config.kv_cache_dtype))
@@ -99,7 +83,9 @@ class TensorParallelExecutor:
             fmt,
             "cpu",
         )
-        self.storage = ShardedKVStorage(shard, command=self.command, group=self.workers.group)
+        self.storage = ShardedKVStorage(
+            shard, command=self.command, defer=self.defer, group=self.workers.group
+        )
 
     @property
     def worker_pids(self) -> list[int]:
@@ -108,7 +94,14 @@ class TensorParallelExecutor:
     def send(self, cmd: Command) -> None:
         if self.workers.lease is not self.lease:
             raise WorkerFailure("this engine's tensor-parallel workers now serve a newer engine")
-        self.workers.send(cmd)
+        deferred, self.deferred = self.deferred, []
+        self.workers.send(cmd, deferred)
+
+    def defer(self, cmd: Command) -> None:
+        """`cmd` goes to the workers with the next command, in the same message: for one that
+        only has to be done before the workers' next use of the pool (an invalidation), so a
+        burst of frees costs no collective of its own."""
+        self.deferred.append(cmd)
 
     def command(self, cmd: Command, local: Callable[[], T]) -> T:
         """`cmd` to every worker, then rank 0's own part of it. Should rank 0's part raise, the
@@ -118,8 +111,7 @@ class TensorParallelExecutor:
         later command waiting out the collective timeout first."""
         self.send(cmd)
         try:
-            with _threads(self.threads):
-                return local()
+            return local()
         except WorkerFailure:
             raise
         except BaseException as err:

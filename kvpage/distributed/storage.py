@@ -65,10 +65,10 @@ class ShardedKVStorage:
     Whole-block operations run on every rank; writes of new tokens are not commands: each rank
     writes its own K/V inside the step's forward pass (rank 0's runner uses `shard`).
     `command(cmd, local)` is rank 0's channel (TensorParallelExecutor.command): `cmd` to every
-    worker, then `local`, rank 0's part."""
+    worker, then `local`, rank 0's part; `defer(cmd)` sends `cmd` with the next command."""
 
-    def __init__(self, shard: KVStorage, *, command, group: TPGroup) -> None:
-        self.shard, self.command = shard, command
+    def __init__(self, shard: KVStorage, *, command, defer, group: TPGroup) -> None:
+        self.shard, self.command, self.defer = shard, command, defer
         self.ops = ShardOps(shard, group, shard.data.shape[4])
 
     @property
@@ -101,11 +101,11 @@ class ShardedKVStorage:
 
     def invalidate(self, block_id: int) -> None:
         # Only a scaled layout keeps anything to invalidate; after a lost group, rank 0 still
-        # frees the failed requests' blocks but no worker is left to tell.
+        # frees the failed requests' blocks but no worker is left to tell. The workers' part
+        # rides with the next command: no worker touches the pool before that.
         if self.shard.scales is not None and self.ops.group.failed is None:
-            self.command(Invalidate(block_id), lambda: self.shard.invalidate(block_id))
-        else:
-            self.shard.invalidate(block_id)
+            self.defer(Invalidate(block_id))
+        self.shard.invalidate(block_id)
 
     def read_blocks(self, block_ids: list[int]) -> SavedKV:
         def local() -> SavedKV:

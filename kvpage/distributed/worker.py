@@ -103,8 +103,11 @@ class Shard:
 
 @torch.inference_mode()
 def _serve(shard: Shard) -> None:
-    while not isinstance(cmd := shard.group.recv_object(), Stop):
-        shard.execute(cmd)
+    while True:
+        for cmd in shard.group.recv_object():  # a message: deferred commands, then one more
+            if isinstance(cmd, Stop):
+                return
+            shard.execute(cmd)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
