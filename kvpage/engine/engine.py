@@ -283,6 +283,16 @@ class LLMEngine:
         """R21: the next `count` swap-out writes fail; the engine must fall back to recompute."""
         self.swap_space.fail_next_writes += count
 
+    def patch_kv_shards(self, patch: Callable[[KVShard], None]) -> None:
+        """Run `patch` on every rank's KV pool shard, for this engine's life: this process's
+        and, under tensor parallelism, each worker's (sent by reference, so a module-level
+        function). The verifier's KV mutants plant their bug here: code that runs on a KV
+        shard runs on every rank, and a bug in it is on every rank's KV heads."""
+        if self.tp:
+            self.tp.patch_kv_shards(f"{patch.__module__}.{patch.__qualname__}", patch)
+        else:
+            patch(KVShard(self.storage))
+
     # --- observers ---------------------------------------------------------------------------
     def add_observer(self, observer: EngineObserver) -> None:
         """Attach an observer: it sees every event and tracing hook from now on."""
@@ -560,16 +570,6 @@ class LLMEngine:
         self.storage.copy_block(src, dst)
         for observer in self._observers:
             observer.on_kv_copy(src, dst)
-
-    def patch_kv_shards(self, patch: Callable[[KVShard], None]) -> None:
-        """Run `patch` on every rank's KV pool shard, for this engine's life: this process's
-        and, under tensor parallelism, each worker's (sent by reference, so a module-level
-        function). The verifier's KV mutants plant their bug here: code that runs on a KV
-        shard runs on every rank, and a bug in it is on every rank's KV heads."""
-        if self.tp:
-            self.tp.patch_kv_shards(f"{patch.__module__}.{patch.__qualname__}", patch)
-        else:
-            patch(KVShard(self.storage))
 
     def _block_freed(self, block_id: int) -> None:
         """A block went FREE: what its generation held (a quantized block's scales) goes."""

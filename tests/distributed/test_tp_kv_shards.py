@@ -1,6 +1,7 @@
 """Every rank's KV shard under tensor parallelism (issue 15), on Llama GQA with 2 KV heads split
 over 2 ranks (one KV head each): a KV patch (how the verifier plants its quantized-KV mutants)
-acts on the workers' shards too, and the scales rank 0 reads for the tracer are every rank's.
+acts on the workers' shards too, the scales rank 0 reads for the tracer are every rank's, and a
+command larger than one broadcast frame reaches every rank whole.
 
 The oracles are properties of the patched code, not the code itself: truncation never moves a
 code away from zero and moves some toward it; one scale for all heads is one value across the
@@ -15,7 +16,8 @@ import torch
 
 from kvpage import SamplingParams
 from kvpage.config import EngineConfig
-from kvpage.model.paged_attention import KVShard
+from kvpage.distributed.group import FRAME_BYTES
+from kvpage.model.paged_attention import KVShard, SavedKV
 from kvpage.verify.mutants.quantized import int8_round_toward_zero, one_scale_for_all_heads
 from kvpage.verify.trace import scale_digest
 
@@ -98,3 +100,15 @@ def test_block_scales_are_every_ranks_and_see_rank1s(config):
     assert torch.equal(after[..., 0], before[..., 0])
     assert torch.equal(after[..., 1], before[..., 1] * 2)
     assert scale_digest(after[:, :, 0]) != scale_digest(before[:, :, 0])
+
+
+def test_a_command_larger_than_one_frame_arrives_whole(config):
+    """Random K/V for the whole pool written through a swap-in (float32: 64 KiB, four times one
+    broadcast frame) and read back from every rank: every rank got every byte of its heads."""
+    with engine_for(_tp2({**config, "kv_cache_dtype": "auto"})) as engine:
+        ids = list(range(16))
+        shape = engine.storage.read_blocks(ids).data.shape  # (L, 2, 16, B, KVH, D)
+        data = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        assert data.numel() * data.element_size() > 2 * FRAME_BYTES
+        engine.storage.write_blocks(ids, SavedKV(data, None))
+        assert torch.equal(engine.storage.read_blocks(ids).data, data)
