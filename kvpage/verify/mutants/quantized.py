@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvpage.config import ModelConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.model.kv_format import SCALE_DTYPE, SCALE_MAX, SCALE_MIN
 from kvpage.model.paged_attention import KVShard
@@ -68,6 +69,12 @@ def one_scale_for_all_heads(shard: KVShard) -> None:
     _bind(shard.storage, "quantize", quantize)
 
 
+def _one_kv_head(cfg: ModelConfig) -> str | None:
+    if cfg.num_kv_heads == 1:
+        return "the model has one KV head: one scale for all heads is that head's own scale"
+    return None
+
+
 def _on_every_rank(patch: Callable[[KVShard], None]) -> Callable[[LLMEngine], None]:
     """A mutant's `apply` that plants `patch` in every rank's KV shard."""
     return lambda engine: engine.patch_kv_shards(patch)
@@ -114,6 +121,7 @@ QUANTIZED_MUTANTS: tuple[Mutant, ...] = (
         _on_every_rank(one_scale_for_all_heads),
         suites=QUANTIZED_SUITES,
         kv_cache_dtype="int8",
+        not_applicable_on=_one_kv_head,
     ),
     Mutant(
         "swap_in_without_scales",
