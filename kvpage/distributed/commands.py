@@ -4,11 +4,12 @@ read/write, invalidation) on the same block ids."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from kvpage.model.paged_attention import PagedAttentionMetadata, SavedKV
+from kvpage.model.paged_attention import KVShard, PagedAttentionMetadata, SavedKV
 
 
 @dataclass(slots=True)
@@ -49,8 +50,24 @@ class WriteBlocks:
 
 
 @dataclass(slots=True)
+class ReadScales:
+    block_ids: list[int]  # every rank sends its shard of these blocks' scales to rank 0
+
+
+@dataclass(slots=True)
+class PatchKV:
+    """Apply `patch` to the rank's current KV pool shard (until the next Configure). Pickled by
+    reference: a module-level function, so the name travels and each rank imports the code."""
+
+    name: str
+    patch: Callable[[KVShard], None]
+
+
+@dataclass(slots=True)
 class Stop:
     pass
 
 
-Command = Configure | Step | CopyBlock | Invalidate | ReadBlocks | WriteBlocks | Stop
+Command = (
+    Configure | Step | CopyBlock | Invalidate | ReadBlocks | WriteBlocks | ReadScales | PatchKV | Stop
+)

@@ -8,19 +8,23 @@ all-reduce, and rank 0 alone computes logits (the head is replicated)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 
 from kvpage.config import EngineConfig
-from kvpage.distributed.commands import Command, Configure, Step
-from kvpage.distributed.storage import ShardedKVStorage
+from kvpage.distributed.commands import Command, Configure, PatchKV, Step
+from kvpage.distributed.storage import ShardedKVStorage, shard_view
 from kvpage.distributed.workers import WorkerGroup
 from kvpage.engine.runner import ModelRunner
 from kvpage.errors import WorkerFailure
 from kvpage.model.base import CausalLM
 from kvpage.model.kv_format import KVFormat
-from kvpage.model.paged_attention import PagedAttentionMetadata
+from kvpage.model.paged_attention import KVShard, KVStorage, PagedAttentionMetadata
+
+T = TypeVar("T")
 
 # Worker groups kept across engines inside `shared_workers()`: (id(model), N, timeout) -> group.
 _shared: dict[tuple, WorkerGroup] | None = None
@@ -62,6 +66,7 @@ class TensorParallelExecutor:
             model, config.tensor_parallel_size, config.tensor_parallel_timeout_s
         )
         self.lease = object()  # the group serves the engine that configured it last
+        self.deferred: list[Command] = []
         self.workers.lease = self.lease
         try:
             self.send(Configure(num_blocks, config.block_size, config.kv_cache_dtype))
@@ -69,7 +74,7 @@ class TensorParallelExecutor:
             self.workers.shutdown()  # failed: not worth keeping, shared or not
             raise
         mcfg = model.config
-        self.storage = ShardedKVStorage(
+        shard = KVStorage(
             mcfg.num_layers,
             num_blocks,
             config.block_size,
@@ -77,8 +82,9 @@ class TensorParallelExecutor:
             mcfg.head_dim,
             fmt,
             "cpu",
-            send=self.send,
-            group=self.workers.group,
+        )
+        self.storage = ShardedKVStorage(
+            shard, command=self.command, defer=self.defer, group=self.workers.group
         )
 
     @property
@@ -88,10 +94,40 @@ class TensorParallelExecutor:
     def send(self, cmd: Command) -> None:
         if self.workers.lease is not self.lease:
             raise WorkerFailure("this engine's tensor-parallel workers now serve a newer engine")
-        self.workers.send(cmd)
+        deferred, self.deferred = self.deferred, []
+        self.workers.send(cmd, deferred)
+
+    def defer(self, cmd: Command) -> None:
+        """`cmd` goes to the workers with the next command, in the same message: for one that
+        only has to be done before the workers' next use of the pool (an invalidation), so a
+        burst of frees costs no collective of its own."""
+        self.deferred.append(cmd)
+
+    def command(self, cmd: Command, local: Callable[[], T]) -> T:
+        """`cmd` to every worker, then rank 0's own part of it. Should rank 0's part raise, the
+        workers are left inside the command (waiting in an all-reduce or gather that rank 0
+        never joins, or with a shard rank 0 did not change): the group is out of step for good,
+        so it fails now, and a shared group is replaced by the next engine, instead of every
+        later command waiting out the collective timeout first."""
+        self.send(cmd)
+        try:
+            return local()
+        except WorkerFailure:
+            raise
+        except BaseException as err:
+            self.workers.abandon(
+                f"rank 0 raised {type(err).__name__} in its part of {type(cmd).__name__}: {err}"
+            )
+            raise
 
     def runner(self, cache) -> TPModelRunner:
-        return TPModelRunner(self.workers.model, self.storage, cache, self.send)
+        return TPModelRunner(self.workers.model, self.storage.shard, cache, self.command)
+
+    def patch_kv_shards(self, name: str, patch: Callable[[KVShard], None]) -> None:
+        """`patch` on rank 0's shard first (a missing seam fails here, loudly, before any
+        worker hears of it), then on every worker's: the same code on every rank's KV heads."""
+        patch(shard_view(self.storage.shard, self.workers.group))
+        self.send(PatchKV(name, patch))
 
     def shutdown(self) -> None:
         """Stop the workers; a shared group stays up for the next engine unless it failed."""
@@ -102,10 +138,10 @@ class TensorParallelExecutor:
 class TPModelRunner(ModelRunner):
     """ModelRunner over rank 0's shard: the step's inputs go to every worker first."""
 
-    def __init__(self, model: CausalLM, storage, cache, send) -> None:
+    def __init__(self, model: CausalLM, storage: KVStorage, cache, command) -> None:
         super().__init__(model, storage, cache)
-        self.send = send
+        self.command = command
 
     def forward(self, ids_pos: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
-        self.send(Step(ids_pos, meta))
-        return super().forward(ids_pos, meta)
+        local = functools.partial(super().forward, ids_pos, meta)
+        return self.command(Step(ids_pos, meta), local)

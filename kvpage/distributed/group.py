@@ -15,6 +15,10 @@ import torch.distributed as dist
 
 from kvpage.errors import WorkerFailure
 
+# A command's first broadcast: its length and up to FRAME_BYTES - 8 pickled bytes (a step of a
+# small batch pickles to ~3 KB), so most commands cost one collective, not two.
+FRAME_BYTES = 16384
+
 # How long an idle worker waits for rank 0's next command: an engine may sit idle for hours.
 IDLE_TIMEOUT = timedelta(days=7)
 
@@ -52,10 +56,10 @@ class TPGroup:
             ) from err
 
     # --- collectives ---------------------------------------------------------------------------
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place (the row-parallel layers' one collective)."""
+    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        """Sum (or `op`) over ranks, in place (the row-parallel layers' one collective)."""
         opts = dist.AllreduceOptions()
-        opts.timeout = self.timeout
+        opts.reduceOp, opts.timeout = op, self.timeout
         self._wait(lambda: self.pg.allreduce([t], opts), "all_reduce")
         return t
 
@@ -75,16 +79,26 @@ class TPGroup:
         return out[0] if self.rank == 0 else None
 
     def send_object(self, obj: object) -> None:
-        """Rank 0: one command to every worker (length, then the pickled bytes)."""
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        self.broadcast(torch.tensor([data.numel()], dtype=torch.long))
-        self.broadcast(data)
+        """Rank 0: one command to every worker. One broadcast of a fixed-size frame (the length,
+        then the pickled bytes) when they fit, as a step's usually do; the rest in a second."""
+        data = pickle.dumps(obj)
+        frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+        frame[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        head = data[: FRAME_BYTES - 8]
+        frame[8 : 8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        self.broadcast(frame)
+        if len(data) > len(head):
+            self.broadcast(torch.frombuffer(bytearray(data[len(head) :]), dtype=torch.uint8))
 
     def recv_object(self) -> object:
         """Workers: the next command from rank 0; waits as long as the engine stays idle."""
-        size = self.broadcast(torch.zeros(1, dtype=torch.long), timeout=IDLE_TIMEOUT)
-        data = self.broadcast(torch.empty(int(size.item()), dtype=torch.uint8))
-        return pickle.loads(data.numpy().tobytes())
+        frame = self.broadcast(torch.empty(FRAME_BYTES, dtype=torch.uint8), timeout=IDLE_TIMEOUT)
+        size = int(frame[:8].view(torch.int64).item())
+        data = frame[8 : 8 + size].numpy().tobytes()
+        if size > len(data):
+            rest = self.broadcast(torch.empty(size - len(data), dtype=torch.uint8))
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
 
     def _wait(self, start, what: str) -> None:
         if self.failed is not None:

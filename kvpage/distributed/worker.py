@@ -15,7 +15,9 @@ from kvpage.distributed.commands import (
     Configure,
     CopyBlock,
     Invalidate,
+    PatchKV,
     ReadBlocks,
+    ReadScales,
     Step,
     Stop,
     WriteBlocks,
@@ -23,7 +25,7 @@ from kvpage.distributed.commands import (
 from kvpage.distributed.group import TPGroup, worker_store
 from kvpage.distributed.shard_model import build_shard
 from kvpage.distributed.sharding import ShardPlan
-from kvpage.distributed.storage import ShardOps
+from kvpage.distributed.storage import ShardOps, shard_view
 from kvpage.errors import WorkerFailure
 from kvpage.model.kv_format import kv_format
 from kvpage.model.paged_attention import KVStorage, PagedAttention
@@ -93,12 +95,19 @@ class Shard:
         elif isinstance(cmd, WriteBlocks):
             storage.write_blocks(cmd.block_ids, ops.own(cmd.blocks))
             ops.ack()
+        elif isinstance(cmd, ReadScales):
+            ops.read_scales(cmd.block_ids)
+        elif isinstance(cmd, PatchKV):
+            cmd.patch(shard_view(storage, self.group))
 
 
 @torch.inference_mode()
 def _serve(shard: Shard) -> None:
-    while not isinstance(cmd := shard.group.recv_object(), Stop):
-        shard.execute(cmd)
+    while True:
+        for cmd in shard.group.recv_object():  # a message: deferred commands, then one more
+            if isinstance(cmd, Stop):
+                return
+            shard.execute(cmd)
 
 
 def _exit_with_parent(parent_pid: int) -> None:

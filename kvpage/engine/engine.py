@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -38,7 +39,7 @@ from kvpage.errors import InvalidRequest, WorkerFailure
 from kvpage.model import load_model
 from kvpage.model.base import CausalLM
 from kvpage.model.kv_format import kv_format
-from kvpage.model.paged_attention import KVStorage
+from kvpage.model.paged_attention import KVShard, KVStorage
 from kvpage.model.tokenizer import Tokenizer, encode_text
 from kvpage.sampling import chosen_logprobs, make_generator
 from kvpage.sampling_params import SamplingParams
@@ -281,6 +282,16 @@ class LLMEngine:
     def inject_swap_failure(self, count: int = 1) -> None:
         """R21: the next `count` swap-out writes fail; the engine must fall back to recompute."""
         self.swap_space.fail_next_writes += count
+
+    def patch_kv_shards(self, patch: Callable[[KVShard], None]) -> None:
+        """Run `patch` on every rank's KV pool shard, for this engine's life: this process's
+        and, under tensor parallelism, each worker's (sent by reference, so a module-level
+        function). The verifier's KV mutants plant their bug here: code that runs on a KV
+        shard runs on every rank, and a bug in it is on every rank's KV heads."""
+        if self.tp:
+            self.tp.patch_kv_shards(f"{patch.__module__}.{patch.__qualname__}", patch)
+        else:
+            patch(KVShard(self.storage))
 
     # --- observers ---------------------------------------------------------------------------
     def add_observer(self, observer: EngineObserver) -> None:

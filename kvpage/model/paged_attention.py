@@ -7,6 +7,7 @@ prefill chunk attends causally to its cached prefix and to itself."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,18 @@ class SavedKV:
     @property
     def num_blocks(self) -> int:
         return self.data.shape[2]
+
+
+@dataclass(slots=True)
+class KVShard:
+    """One rank's KV pool shard as a patch applied on every rank sees it
+    (LLMEngine.patch_kv_shards): its storage, and how to reach the other ranks' shards."""
+
+    storage: KVStorage
+    rank: int = 0
+    world_size: int = 1
+    # In-place elementwise max of a same-shaped tensor over every rank; None in one process.
+    all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class KVStorage:
@@ -243,6 +256,14 @@ class KVStorage:
         self.data[:, :, dst].copy_(self.data[:, :, src])
         if self.scales is not None:
             self.scales[:, :, dst].copy_(self.scales[:, :, src])
+
+    def block_scales(self, block_ids: list[int]) -> torch.Tensor | None:
+        """The scales (L, 2, n, B, KVH) of the given blocks over every KV head (a tensor-parallel
+        pool gathers every rank's heads); None for a layout without scales."""
+        if self.scales is None:
+            return None
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.scales.device)
+        return self.scales.index_select(2, index).cpu()
 
     def read_blocks(self, block_ids: list[int]) -> SavedKV:
         """A CPU copy of the given blocks, scales included."""

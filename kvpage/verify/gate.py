@@ -32,6 +32,7 @@ class MutantResult:
     first_failure: str | None
     divergence: dict | None  # Divergence.to_dict() of the first divergence found
     seconds: float
+    not_applicable: str | None = None  # why the bug cannot be expressed on this model (not run)
 
     @property
     def attributed_class(self) -> str | None:
@@ -56,22 +57,27 @@ class GateResult:
     mutants_run: bool = True  # False with --no-mutants
 
     @property
+    def applicable(self) -> list[MutantResult]:
+        """The mutants run: a not-applicable one counts neither as caught nor as missed."""
+        return [m for m in self.mutants if m.not_applicable is None]
+
+    @property
     def mutation_score(self) -> float | None:
         """Caught / run; None when the mutation check was skipped (never a vacuous 100%)."""
-        if not self.mutants_run:
+        if not self.mutants_run or not self.applicable:
             return None
-        return sum(m.caught for m in self.mutants) / len(self.mutants)
+        return sum(m.caught for m in self.applicable) / len(self.applicable)
 
     @property
     def attribution_score(self) -> float | None:
-        if not self.mutants_run:
+        if not self.mutants_run or not self.applicable:
             return None
-        return sum(m.attribution_ok for m in self.mutants) / len(self.mutants)
+        return sum(m.attribution_ok for m in self.applicable) / len(self.applicable)
 
     @property
     def passed(self) -> bool:
         return all(c.passed for c in self.cases) and all(
-            m.caught and m.attribution_ok for m in self.mutants
+            m.caught and m.attribution_ok for m in self.applicable
         )
 
     def to_dict(self) -> dict:
@@ -118,6 +124,7 @@ def _mutant_dict(m: MutantResult) -> dict:
         "attribution_ok": m.attribution_ok,
         "first_divergence": m.divergence,
         "seconds": round(m.seconds, 2),
+        "not_applicable": m.not_applicable,
     }
 
 
@@ -194,6 +201,11 @@ def _run_gate(
         bar.step(f"{case.full_name}: {'ok' if case_results[-1].passed else 'FAIL'}")
     mutant_results = []
     for mutant in mutant_list:
+        reason = mutant.not_applicable(model.config)
+        if reason is not None:
+            mutant_results.append(MutantResult(mutant, False, [], None, None, 0.0, reason))
+            bar.step(f"mutant {mutant.name}: not applicable")
+            continue
         mutant_results.append(run_mutant(mutant, model, tokenizer, model_name, cases, runtime))
         bar.step(f"mutant {mutant.name}: {'caught' if mutant_results[-1].caught else 'MISSED'}")
     bar.close()

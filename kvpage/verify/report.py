@@ -34,12 +34,24 @@ def write_reports(result, directory: str | Path) -> dict:
 
 
 def scores(data: dict) -> str:
-    if data["mutation_score"] is None:
+    if data["mutation_check"] == "skipped":
         return "mutation check skipped (--no-mutants)"
+    na = sum(m.get("not_applicable") is not None for m in data["mutants"].values())
+    run = len(data["mutants"]) - na
+    also = f" ({na} not applicable to this model)" if na else ""
+    if data["mutation_score"] is None:
+        return f"no mutant applicable{also}"
     return (
         f"mutation score {data['mutation_score']:.0%}, attribution "
-        f"{data['attribution_score']:.0%} over {len(data['mutants'])} mutants"
+        f"{data['attribution_score']:.0%} over {run} mutants{also}"
     )
+
+
+def _caught(m: dict) -> str:
+    """A mutant's verdict: caught, MISSED, or n/a with the reason it was not run."""
+    if m.get("not_applicable"):
+        return f"n/a: {m['not_applicable']}"
+    return "caught" if m["caught"] else "MISSED"
 
 
 def summary_table(data: dict) -> str:
@@ -53,6 +65,9 @@ def summary_table(data: dict) -> str:
             )
         )
     for name, m in data["mutants"].items():
+        if m.get("not_applicable"):
+            rows.append((f"mutant {name}", "n/a", m["not_applicable"]))
+            continue
         status = "caught" if m["caught"] else "MISSED"
         attributed = m["attributed_class"] or "-"
         ok = "ok" if m["attribution_ok"] else f"expected {m['expected_class']}"
@@ -105,7 +120,7 @@ def markdown(data: dict) -> str:
     ]
     for name, m in data["mutants"].items():
         lines.append(
-            f"| {name} | {m['bug']} | {m['caught']} | {m['expected_class']} | "
+            f"| {name} | {m['bug']} | {_caught(m)} | {m['expected_class']} | "
             f"{m['attributed_class']} | {m['first_failure']} |"
         )
     lines.append("")
@@ -232,7 +247,7 @@ def html_page(data: dict) -> str:
                 [
                     n,
                     m["bug"],
-                    _verdict(m["caught"]),
+                    _caught(m) if m.get("not_applicable") else _verdict(m["caught"]),
                     m["expected_class"],
                     m["attributed_class"],
                     m["first_failure"],

@@ -230,8 +230,18 @@ class EngineTracer:
         """The model ran and the blocks are still pinned: a quantized view takes the scales its
         step read now (the step wrote its new tokens' scales; a commit may free a block next,
         which invalidates them)."""
-        if self.engine.storage.scales is not None:
-            self._views = {sid: self._with_scales(view) for sid, view in self._views.items()}
+        if self.engine.storage.scales is None:
+            return
+        # One read for every block the step's views name: under tensor parallelism it gathers
+        # every rank's KV heads (a command and a gather per step, not per block).
+        ids = sorted({e.physical for view in self._views.values() for e in view.entries})
+        if not ids:
+            return
+        scales = self.engine.storage.block_scales(ids)  # (L, 2, n, B, KVH) over all KV heads
+        at = {bid: i for i, bid in enumerate(ids)}
+        self._views = {
+            sid: self._with_scales(view, scales, at) for sid, view in self._views.items()
+        }
 
     @property
     def records(self) -> dict[str, list[StepRecord]]:
@@ -323,13 +333,13 @@ class EngineTracer:
             kv_layout=self._kv_format.layout_version,
         )
 
-    def _with_scales(self, view: CacheView) -> CacheView:
-        """The scales a quantized step read, per block and layer."""
-        scales = self.engine.storage.scales
+    def _with_scales(self, view: CacheView, scales: torch.Tensor, at: dict[int, int]) -> CacheView:
+        """The scales a quantized step read, per block and layer; `scales` holds block
+        `e.physical` at index `at[e.physical]`."""
         if not view.entries:
             return view
         entries = tuple(
-            e._replace(scale=scale_digest(scales[:, :, e.physical, : e.valid_len]))
+            e._replace(scale=scale_digest(scales[:, :, at[e.physical], : e.valid_len]))
             for e in view.entries
         )
         return replace(view, entries=entries, scale_digests=tuple(e.scale for e in entries))

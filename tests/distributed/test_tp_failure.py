@@ -1,6 +1,7 @@
 """Tensor-parallel failure paths (issue 15): a worker that dies or hangs fails every in-flight
 request with an error within 30 s and leaves no process behind; a worker whose rank 0 dies
-exits by itself; a model that cannot be split is refused before anything starts."""
+exits by itself; rank 0 failing mid-step stops its workers at once; a model that cannot be
+split is refused before anything starts."""
 
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
 from kvpage import SamplingParams
 from kvpage.config import EngineConfig
+from kvpage.distributed.executor import shared_workers
 from kvpage.engine.engine import LLMEngine
 from kvpage.errors import TensorParallelError, WorkerFailure
+from kvpage.model.paged_attention import KVShard
 
 from .conftest import children_alive, engine_for
 
@@ -95,3 +99,37 @@ def test_tp1_starts_no_process():
     engine = LLMEngine(EngineConfig())
     assert engine.tp is None
     assert set(multiprocessing.active_children()) == before
+
+
+def _rank0_write_raises(shard: KVShard) -> None:
+    """Rank 0 fails inside a step, after the workers got it (module level: workers import it)."""
+    if shard.rank == 0:
+
+        def write(self, layer, slots, k, v):
+            raise RuntimeError("rank 0 broke mid-step")
+
+        shard.storage.write = types.MethodType(write, shard.storage)
+
+
+def test_rank0_failing_mid_step_replaces_a_shared_group_at_once():
+    """The workers are left inside the step's all-reduce that rank 0 never joins: the group is
+    failed and its workers stopped at once, and the next engine gets a fresh group that works,
+    instead of its first command waiting out the collective timeout (60 s here)."""
+    config = EngineConfig(tensor_parallel_size=2, tensor_parallel_timeout_s=60.0)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    with shared_workers():
+        with engine_for(config) as engine:
+            pids = engine.tp.worker_pids
+            engine.patch_kv_shards(_rank0_write_raises)
+            engine.add_request("r", "a prompt", params)
+            with pytest.raises(RuntimeError, match="rank 0 broke mid-step"):
+                engine.step()
+            assert not engine.tp.workers.healthy
+            assert children_alive(pids) == []
+        start = time.monotonic()
+        with engine_for(config) as engine:
+            assert engine.tp.worker_pids != pids
+            engine.add_request("r", "a prompt", params)
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - start < 30

@@ -177,7 +177,7 @@ def test_debug_checks_refuse_a_read_of_invalidated_scales(model):
     cfg = EngineConfig(MODEL, block_size=8, num_blocks=32, kv_cache_dtype="int8",
                        preemption_mode="swap", swap_space_blocks=32, debug_checks=True)
     engine = LLMEngine(cfg, model, ByteTokenizer())
-    swap_in_without_scales(engine)
+    engine.patch_kv_shards(swap_in_without_scales)
     engine.add_request("r", list(range(30, 50)), SamplingParams(max_tokens=12, ignore_eos=True))
     engine.force_preempt("r", after_tokens=3, resume_after_steps=1, mode="swap")
     with pytest.raises(InvariantViolation, match="scales nobody wrote"):

@@ -7,6 +7,7 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvpage.config import ModelConfig
 from kvpage.engine.engine import LLMEngine
 
 
@@ -23,6 +24,12 @@ class Mutant:
     # The pool format the bug lives in (a quantized KV dtype), or None for any: the gate runs
     # such a mutant only when it runs suites in that format.
     kv_cache_dtype: str | None = None
+    # Why the bug cannot be expressed on a model of a given shape (None: it can). The gate
+    # reports such a mutant "not applicable" with the reason: neither caught nor missed.
+    not_applicable_on: Callable[[ModelConfig], str | None] | None = None
+
+    def not_applicable(self, cfg: ModelConfig) -> str | None:
+        return None if self.not_applicable_on is None else self.not_applicable_on(cfg)
 
 
 class MissingSeam(AttributeError):
