@@ -45,6 +45,7 @@ class WorkerSpec:
 
 def worker_main(spec: WorkerSpec) -> None:
     _exit_with_parent(spec.parent_pid)
+    os.environ.update(torchrun_env(spec))
     torch.set_num_threads(spec.num_threads)
     store = worker_store(spec.port, spec.world_size, spec.timeout_s)
     store.set(f"kvpage-ready-{spec.rank}", "1")
@@ -55,6 +56,20 @@ def worker_main(spec: WorkerSpec) -> None:
         _serve(Shard(group, model, plan))
     except WorkerFailure:
         os._exit(1)  # rank 0 is gone or broke the group: nothing left to serve
+
+
+def torchrun_env(spec: WorkerSpec) -> dict[str, str]:
+    """The variables torchrun gives each rank, so that code in a worker that reads them (a
+    library's rank check, a logger) sees the group it is in. The group itself does not use them:
+    it rendezvouses through rank 0's private store."""
+    return {
+        "RANK": str(spec.rank),
+        "LOCAL_RANK": str(spec.rank),
+        "WORLD_SIZE": str(spec.world_size),
+        "LOCAL_WORLD_SIZE": str(spec.world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(spec.port),
+    }
 
 
 class Shard:

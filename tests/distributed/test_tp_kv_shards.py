@@ -11,6 +11,8 @@ scales as in a one-process engine."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -31,6 +33,11 @@ def _double_rank1_scales(shard: KVShard) -> None:
     """A corruption of rank 1's shard only (module level: the worker imports it by name)."""
     if shard.rank == 1:
         shard.storage.scales.mul_(2)
+
+
+def _scale_by_torchrun_rank(shard: KVShard) -> None:
+    """Scales times 1 + the RANK a torchrun-style launcher would have set in this process."""
+    shard.storage.scales.mul_(1 + int(os.environ.get("RANK", "0")))
 
 
 def _prefilled(engine, patch=None):
@@ -100,6 +107,18 @@ def test_block_scales_are_every_ranks_and_see_rank1s(config):
     assert torch.equal(after[..., 0], before[..., 0])
     assert torch.equal(after[..., 1], before[..., 1] * 2)
     assert scale_digest(after[:, :, 0]) != scale_digest(before[:, :, 0])
+
+
+def test_workers_see_the_variables_torchrun_sets(config, monkeypatch):
+    """RANK in each worker's environment is its rank (rank 0, this process, sets none)."""
+    monkeypatch.delenv("RANK", raising=False)
+    with engine_for(_tp2(config)) as engine:
+        ids, _ = _prefilled(engine)
+        before = engine.storage.block_scales(ids)
+        engine.patch_kv_shards(_scale_by_torchrun_rank)
+        after = engine.storage.block_scales(ids)
+    assert torch.equal(after[..., 0], before[..., 0])
+    assert torch.equal(after[..., 1], before[..., 1] * 2)
 
 
 def test_a_command_larger_than_one_frame_arrives_whole(config):
