@@ -152,11 +152,24 @@ def test_no_cross_tenant_hit_on_any_replica(apps):
 
 
 # --- observability -------------------------------------------------------------------------
+def _metrics_once_idle(url: str, replicas: set[str], timeout_s: float = 20.0) -> list:
+    """/metrics samples once the router has seen every routed request complete. Ray reports a
+    completion to the router after the reply has reached the client, so the last request of a
+    previous test may still count for a moment; bounded, so a leak still fails."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(f"{url}/metrics", timeout=60).text
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        loads = [s.value for s in samples if s.name == "kvpage_router_in_flight"]
+        if (len(loads) == len(replicas) and not any(loads)) or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.1)
+
+
 def test_metrics_and_audit_name_the_replica(apps):
     app = apps["prefix"]
     replicas = set(app.replica_ids())
-    text = httpx.get(f"{app.url}/metrics", timeout=60).text
-    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    samples = _metrics_once_idle(app.url, replicas)
     hits = {
         s.labels["replica"] for s in samples if s.name == "kvpage_prefix_cache_hits_tokens_total"
     }
