@@ -3,7 +3,7 @@
 // One query token per sequence. A work item is (sequence, KV head): its G = H / KVH query heads
 // walk the sequence's block table once, so each K/V row is read once per step and never copied.
 // Scores, softmax and the weighted sum are float32 whatever the storage dtype (bfloat16 is
-// widened on load, the output rounded to nearest even once). head_dim must be a multiple of 16:
+// widened on load, the output rounded to nearest even once). head_dim is 16 * C, C = 1..8:
 // rows are processed as 16-float vectors (GCC vector extensions, so the same source compiles to
 // AVX-512, AVX2 or SSE). Built by kvpage/model/native_attention.py at first use; shapes and
 // strides are checked there.
