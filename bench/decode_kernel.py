@@ -5,8 +5,8 @@ time, interleaved round by round in one process:
                                   [--context 150,220] [--threads 1] [--rounds 5] [--layers 12]
                                   [--dtype float32|bfloat16]
 
-kernel: `PagedDecode` reading K/V where they lie in a shuffled pool. torch: what a step did
-without it -- gather each sequence's blocks into a padded (S, KVH, C, D) copy, then
+kernel: `PagedDecode` reading K/V where they lie in a shuffled `KVStorage` pool. torch: what a
+step runs without it -- `KVStorage.gather_blocks` into a padded (S, KVH, C, D) copy, then
 `decode_attention` (SDPA in float32, grouped matmuls in 16-bit). Both are timed over `--layers`
 calls (one step of a model with that many layers); prints min and median ms per step and the
 torch/kernel ratio, plus the largest difference between the two outputs."""
@@ -20,33 +20,36 @@ import time
 import torch
 
 from kvpage.model.decode_attention import decode_attention
+from kvpage.model.kv_format import kv_format
 from kvpage.model.native_attention import PagedDecode
+from kvpage.model.paged_attention import KVStorage
 
 BLOCK = 16
 
 
 def build(args):
+    """A one-layer pool of random K/V, shuffled block tables, contexts and queries."""
     g = torch.Generator().manual_seed(0)
     low, high = map(int, args.context.split(","))
     lens = torch.randint(low, high + 1, (args.seqs,), generator=g)
     max_blocks = -(-high // BLOCK)
     num_blocks = args.seqs * max_blocks + 8
     dtype = getattr(torch, args.dtype)
-    shape = (num_blocks, BLOCK, args.kv_heads, args.head_dim)
-    k, v = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    storage = KVStorage(
+        1, num_blocks, BLOCK, args.kv_heads, args.head_dim, kv_format("auto", dtype), "cpu"
+    )
+    storage.data.copy_(torch.randn(storage.data.shape, generator=g))
     tables = torch.randperm(num_blocks, generator=g)[: args.seqs * max_blocks]
     tables = tables.view(args.seqs, max_blocks)
     q = torch.randn(args.seqs, args.heads, args.head_dim, generator=g).to(dtype)
-    return q, k, v, tables, lens
+    return q, storage, tables, lens
 
 
-def torch_path(q, k, v, tables, lens, scale):
-    s, max_blocks = tables.shape
-    kvh, d = k.shape[2], k.shape[3]
-    kc = k[tables.reshape(-1)].view(s, max_blocks * BLOCK, kvh, d).transpose(1, 2)
-    vc = v[tables.reshape(-1)].view(s, max_blocks * BLOCK, kvh, d).transpose(1, 2)
-    mask = (torch.arange(max_blocks * BLOCK)[None, :] < lens[:, None]).view(s, 1, 1, -1)
-    return decode_attention(q, kc, vc, mask, scale)
+def torch_path(q, storage: KVStorage, tables, lens, scale):
+    """What a decode step runs without the kernel: the engine's block gather, then attention."""
+    k, v = storage.gather_blocks(0, tables)  # (S, KVH, C, D)
+    mask = (torch.arange(k.shape[2])[None, :] < lens[:, None]).view(len(lens), 1, 1, -1)
+    return decode_attention(q, k, v, mask, scale)
 
 
 def timed(fn, layers: int) -> float:
@@ -69,12 +72,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    q, k, v, tables, lens = build(args)
+    q, storage, tables, lens = build(args)
     scale = args.head_dim**-0.5
-    kernel = PagedDecode(tables, lens, k.shape[0], BLOCK)
+    kernel = PagedDecode(tables, lens, storage.num_blocks, BLOCK)
+    k_pool, v_pool = storage.layer_pools(0)
     runs = {
-        "kernel": lambda: kernel(q, k, v, scale),
-        "torch": lambda: torch_path(q, k, v, tables, lens, scale),
+        "kernel": lambda: kernel(q, k_pool, v_pool, scale),
+        "torch": lambda: torch_path(q, storage, tables, lens, scale),
     }
     diff = (runs["kernel"]().float() - runs["torch"]().float()).abs().max().item()
     times: dict[str, list[float]] = {name: [] for name in runs}
