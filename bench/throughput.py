@@ -74,16 +74,9 @@ MODELS = {
         num_attention_heads=12,
         num_key_value_heads=12,
     ),
-    # The model of issue 12's llama.cpp comparison: the 120m with GQA, 12 heads / 4 KV heads.
-    "125m": dict(
-        vocab_size=32000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-    ),
 }
+# The model of issue 12's llama.cpp comparison: the 120m with GQA, 12 heads / 4 KV heads.
+MODELS["125m"] = {**MODELS["120m"], "num_key_value_heads": 4}
 
 
 BB_PROMPT, BB_OUTPUT, BB_REQUESTS = 128, 64, 32  # llama-batched-bench -npp 128 -ntg 64 -npl 32
