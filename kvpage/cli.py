@@ -7,9 +7,12 @@ wherever it can be."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -473,9 +476,8 @@ def _check_replica_args(args: argparse.Namespace) -> None:
 
 
 def _cmd_serve_replicas(args: argparse.Namespace) -> int:
-    """N engine replicas on Ray Serve; blocks until Ctrl-C, then deletes the application."""
+    """N engine replicas on Ray Serve; blocks until Ctrl-C or SIGTERM, then deletes the application."""
     import secrets
-    import time
     from dataclasses import replace
 
     from kvpage.distributed.prefix_router import RouterConfig
@@ -503,12 +505,19 @@ def _cmd_serve_replicas(args: argparse.Namespace) -> int:
     )
     print(f"kvpage serve: {args.replicas} replicas on Ray Serve, router {router.policy}")
     print(f"  listening on http://{args.host}:{args.port}", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        ray_serve.stop()
+    _wait_for_stop_signal()
+    ray_serve.stop()
     return 0
+
+
+def _wait_for_stop_signal() -> None:
+    """Until Ctrl-C or SIGTERM (how a service manager stops a server). Ray's driver answers
+    SIGTERM with a stack dump and an exit that skips Serve's shutdown: ours replaces it here."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with contextlib.suppress(KeyboardInterrupt):
+        while not stop.wait(1.0):
+            pass
 
 
 def _server_options(args: argparse.Namespace) -> ServerOptions:
