@@ -78,8 +78,13 @@ def _force_free(pool, b, bump: bool = True) -> None:
 
 
 def _unchecked_set_valid(pool) -> None:
+    """Writes into any block, shared or not. While a block is shared its fill never shrinks:
+    the pool keeps one fill per block, and a writer behind the others must not unfill what
+    they wrote (the real bug corrupts the KV, it does not make the donor's publish fail)."""
+
     def set_valid(self, block_id, valid_len):
-        self.blocks[block_id].valid_len = valid_len
+        b = self.blocks[block_id]
+        b.valid_len = max(b.valid_len, valid_len) if len(b.owners) > 1 else valid_len
 
     _bind(pool, "set_valid", set_valid)
 
