@@ -78,13 +78,14 @@ def _force_free(pool, b, bump: bool = True) -> None:
 
 
 def _unchecked_set_valid(pool) -> None:
-    """Writes into any block, shared or not. While a block is shared its fill never shrinks:
-    the pool keeps one fill per block, and a writer behind the others must not unfill what
-    they wrote (the real bug corrupts the KV, it does not make the donor's publish fail)."""
+    """Writes into any block, shared or not. A block's fill only grows until it is freed, as
+    in the honest pool; with several writers in one block, the one behind must not unfill
+    what the others wrote (the real bug corrupts the KV, it does not fail the donor's
+    publish). Owners cannot tell who writes: without a refcount a writer is not an owner."""
 
     def set_valid(self, block_id, valid_len):
         b = self.blocks[block_id]
-        b.valid_len = max(b.valid_len, valid_len) if len(b.owners) > 1 else valid_len
+        b.valid_len = max(b.valid_len, valid_len)
 
     _bind(pool, "set_valid", set_valid)
 
