@@ -31,8 +31,9 @@ def bench_prompt(prompt_len: int, repeats: int) -> dict[str, float]:
     m = KVCacheManager(2 * n_blocks + 8, BLOCK_SIZE)
     ns = CacheNamespace("bench-model@1", "bench-tok@1", block_size=BLOCK_SIZE)
     tokens = [(i * 7919) % 32000 for i in range(prompt_len)]
-    samples: dict[str, list[float]] = {k: [] for k in
-                                       ("hash", "allocate", "publish", "lookup", "free")}
+    samples: dict[str, list[float]] = {
+        k: [] for k in ("hash", "allocate", "publish", "lookup", "free")
+    }
     for _ in range(repeats):
         chain = m.new_key_chain(ns)
         samples["hash"].append(timed(lambda chain=chain: chain.extend(tokens)))
@@ -41,7 +42,8 @@ def bench_prompt(prompt_len: int, repeats: int) -> dict[str, float]:
         samples["publish"].append(timed(lambda t=owner, c=chain: m.publish_full_blocks(t, c)))
         reader = m.new_table(2)
         samples["lookup"].append(
-            timed(lambda t=reader, c=chain: m.acquire_prefix(t, c, prompt_len)))
+            timed(lambda t=reader, c=chain: m.acquire_prefix(t, c, prompt_len))
+        )
         assert reader.num_tokens == prompt_len - BLOCK_SIZE  # every block but the last hit
         samples["free"].append(timed(lambda t=owner: m.free_table(t)))
         m.free_table(reader)
@@ -53,8 +55,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=30)
     args = ap.parse_args()
-    print(f"block_size={BLOCK_SIZE}, median of {args.repeats} repeats, microseconds per call "
-          f"(per block in brackets)")
+    print(
+        f"block_size={BLOCK_SIZE}, median of {args.repeats} repeats, microseconds per call "
+        f"(per block in brackets)"
+    )
     ops = ("allocate", "lookup", "publish", "free", "hash")
     print(f"{'tokens':>7} {'blocks':>6} " + " ".join(f"{op:>18}" for op in ops))
     results = {}
@@ -66,8 +70,10 @@ def main() -> None:
     block_ratio = hi / lo
     for op in ops:
         ratio = results[hi][op] / results[lo][op]
-        print(f"{op:>8} cost ratio {hi}/{lo} tokens = {ratio:5.1f}x "
-              f"(block ratio {block_ratio:.0f}x; linear if close)")
+        print(
+            f"{op:>8} cost ratio {hi}/{lo} tokens = {ratio:5.1f}x "
+            f"(block ratio {block_ratio:.0f}x; linear if close)"
+        )
 
 
 if __name__ == "__main__":

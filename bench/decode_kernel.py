@@ -19,10 +19,10 @@ import time
 
 import torch
 
+from kvpage.kv.format import kv_format
+from kvpage.kv.storage import KVStorage
 from kvpage.model.decode_attention import decode_attention
-from kvpage.model.kv_format import kv_format
 from kvpage.model.native_attention import PagedDecode
-from kvpage.model.paged_attention import KVStorage
 
 BLOCK = 16
 

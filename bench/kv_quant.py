@@ -27,8 +27,8 @@ import torch
 
 from kvpage import LLM, SamplingParams
 from kvpage.config import KV_CACHE_DTYPES
-from kvpage.model.kv_format import kv_format
-from kvpage.model.paged_attention import KVStorage
+from kvpage.kv.format import kv_format
+from kvpage.kv.storage import KVStorage
 
 BLOCK_SIZE = 16
 
@@ -62,7 +62,10 @@ def blocks_table(args, dtypes: list[str]) -> None:
 
 def workload(args, vocab: int) -> list[list[int]]:
     rng = random.Random(args.seed)
-    return [[rng.randrange(3, min(vocab, 256)) for _ in range(args.prompt)] for _ in range(args.requests)]
+    return [
+        [rng.randrange(3, min(vocab, 256)) for _ in range(args.prompt)]
+        for _ in range(args.requests)
+    ]
 
 
 def run_once(args, dtype: str, memory: int, prompts) -> tuple[float, dict, list[list[int]]]:

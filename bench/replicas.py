@@ -33,8 +33,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvpage.config import EngineConfig  # noqa: E402
-from kvpage.distributed import ray_serve  # noqa: E402
-from kvpage.distributed.prefix_router import RouterConfig  # noqa: E402
+from kvpage.serve_replicas import ray_serve  # noqa: E402
+from kvpage.serve_replicas.prefix_router import RouterConfig  # noqa: E402
 from kvpage.server import ServerOptions  # noqa: E402
 
 ROUTERS = ("prefix", "round-robin")

@@ -20,8 +20,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from kvpage.distributed.group import TPGroup, master_store, worker_store
 from kvpage.model.projection import Projection
+from kvpage.parallel.group import TPGroup, master_store, worker_store
 
 
 def _time(fn, reps: int) -> float:

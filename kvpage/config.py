@@ -75,7 +75,7 @@ class ModelConfig:
 
 
 PREEMPTION_MODES = ("recompute", "swap")
-# How the paged pool stores K/V (kvpage.model.kv_format): "auto" = the model dtype, as computed.
+# How the paged pool stores K/V (kvpage.kv.format): "auto" = the model dtype, as computed.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8_e4m3")
 
 

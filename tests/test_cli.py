@@ -10,7 +10,7 @@ import torch
 from kvpage import SamplingParams
 from kvpage.cli import main
 from kvpage.model import load_model
-from kvpage.verify.reference import generate
+from kvpage.reference.generator import generate
 
 
 def test_cli_generate_prints_text_and_ids():

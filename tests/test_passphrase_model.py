@@ -20,8 +20,8 @@ from kvpage.model.passphrase import (
     secret_offset,
 )
 from kvpage.model.tokenizer import ByteTokenizer
+from kvpage.reference.generator import generate
 from kvpage.sampling_params import SamplingParams
-from kvpage.verify.reference import generate
 
 MODEL_DIR = SHIPPED_MODELS["passphrase-mini"]
 NUM_RECALL = 100

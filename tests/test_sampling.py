@@ -9,8 +9,8 @@ import torch
 from kvpage import SamplingParams
 from kvpage.errors import InvalidRequest
 from kvpage.model import load_model
+from kvpage.reference.generator import generate
 from kvpage.sampling import filtered_probs, make_generator, sample_token, top_logprobs
-from kvpage.verify.reference import generate
 
 
 def test_params_validation():

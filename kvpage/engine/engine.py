@@ -34,12 +34,13 @@ from kvpage.engine.runner import ModelRunner, StepBatch
 from kvpage.engine.sampler import Sampler
 from kvpage.engine.scheduler import Scheduler
 from kvpage.engine.sequence import ForcedPreemption, SeqStatus, Sequence
-from kvpage.engine.swap import KVSwapper, SwapSpace
+from kvpage.engine.swap import KVSwapper
 from kvpage.errors import InvalidRequest, WorkerFailure
+from kvpage.kv.format import kv_format
+from kvpage.kv.storage import KVShard, KVStorage
+from kvpage.kv.swap_space import SwapSpace
 from kvpage.model import load_model
 from kvpage.model.base import CausalLM
-from kvpage.model.kv_format import kv_format
-from kvpage.model.paged_attention import KVShard, KVStorage
 from kvpage.model.tokenizer import Tokenizer, encode_text
 from kvpage.sampling import chosen_logprobs, make_generator
 from kvpage.sampling_params import SamplingParams
@@ -661,6 +662,6 @@ def _tensor_parallel(config: EngineConfig, model: CausalLM, num_blocks: int, fmt
     never loads it."""
     if config.tensor_parallel_size == 1:
         return None
-    from kvpage.distributed.executor import TensorParallelExecutor
+    from kvpage.parallel.executor import TensorParallelExecutor
 
     return TensorParallelExecutor(config, model, num_blocks, fmt)

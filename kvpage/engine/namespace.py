@@ -4,8 +4,8 @@ thing independently of an engine instance to check which namespace a request was
 from __future__ import annotations
 
 from kvpage.cache.namespace import CacheNamespace
+from kvpage.kv.format import KVFormat, kv_format
 from kvpage.model.base import CausalLM
-from kvpage.model.kv_format import KVFormat, kv_format
 
 
 def base_namespace(

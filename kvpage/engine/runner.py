@@ -9,9 +9,9 @@ import torch
 from kvpage.cache.block_table import TableSnapshot
 from kvpage.cache.manager import KVCacheManager
 from kvpage.engine.scheduler import ScheduledSeq
+from kvpage.kv.storage import KVStorage
 from kvpage.model.base import CausalLM
 from kvpage.model.paged_attention import (
-    KVStorage,
     PagedAttention,
     PagedAttentionMetadata,
     PrefillChunk,

@@ -10,42 +10,8 @@ from kvpage.cache.manager import KVCacheManager
 from kvpage.engine.events import EngineObserver, SwappedIn, SwappedOut, emit, held_blocks, who
 from kvpage.engine.sequence import Sequence
 from kvpage.errors import SwapError
-from kvpage.model.paged_attention import KVStorage, SavedKV
-
-
-class SwapSpace:
-    def __init__(self, capacity_blocks: int) -> None:
-        self.capacity_blocks = capacity_blocks
-        self.used_blocks = 0
-        self._stored: dict[int, SavedKV] = {}  # seq_id -> its blocks (and their scales), on CPU
-        self.fail_next_writes = 0  # failure injection (R21): the next N writes raise
-
-    def can_store(self, num_blocks: int) -> bool:
-        return self.used_blocks + num_blocks <= self.capacity_blocks
-
-    def write(self, seq_id: int, blocks: SavedKV) -> None:
-        n = blocks.num_blocks
-        if self.fail_next_writes > 0:
-            self.fail_next_writes -= 1
-            raise SwapError(f"injected swap-write failure for seq {seq_id}")
-        if not self.can_store(n):
-            raise SwapError(f"swap space full: {self.used_blocks}+{n} > {self.capacity_blocks}")
-        if seq_id in self._stored:
-            raise SwapError(f"seq {seq_id} is already swapped out")
-        self._stored[seq_id] = blocks
-        self.used_blocks += n
-
-    def take(self, seq_id: int) -> SavedKV:
-        blocks = self._stored.pop(seq_id)
-        self.used_blocks -= blocks.num_blocks
-        return blocks
-
-    def discard(self, seq_id: int) -> None:
-        if seq_id in self._stored:
-            self.take(seq_id)
-
-    def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._stored
+from kvpage.kv.storage import KVStorage
+from kvpage.kv.swap_space import SwapSpace
 
 
 class KVSwapper:

@@ -17,9 +17,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvpage.model.base import CausalLM
+from kvpage.reference.generator import generate
 from kvpage.sampling_params import SamplingParams
 from kvpage.server.audit import AuditLog
-from kvpage.verify.reference import generate
 
 log = logging.getLogger("kvpage.server")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvpage.verify.trace import StepRecord
+from kvpage.reference.records import StepRecord
 
 CANARY_LEN = 3
 TOPK_MARGIN = 1e-3

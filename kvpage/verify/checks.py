@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpage.engine.engine import LLMEngine
+from kvpage.reference.records import StepRecord
 from kvpage.verify.case import Case, RequestSpec
 from kvpage.verify.diff import (
     REQUIRED_FIELDS,
@@ -25,7 +26,6 @@ from kvpage.verify.sampling_oracle import (
     check_logprobs,
     uniformity_test,
 )
-from kvpage.verify.trace import StepRecord
 
 
 @dataclass(slots=True)

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from kvpage.reference.records import StepRecord
 from kvpage.verify.sampling_oracle import filtered_support  # the oracle, not the sampler
-from kvpage.verify.trace import StepRecord
 
 DEFAULT_ATOL = 1e-4
 # Logit tolerance when the pool stores K/V in another dtype than the model computes in. The

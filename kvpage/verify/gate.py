@@ -177,7 +177,7 @@ def run_gate(
 def _tensor_parallel_workers(tensor_parallel_size: int):
     if tensor_parallel_size == 1:
         return contextlib.nullcontext()
-    from kvpage.distributed.executor import shared_workers  # only a TP gate loads it
+    from kvpage.parallel.executor import shared_workers  # only a TP gate loads it
 
     return shared_workers()
 

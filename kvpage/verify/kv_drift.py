@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpage.model.base import CausalLM
+from kvpage.reference.generator import generate
+from kvpage.reference.kv_oracle import RoundTrip, RoundTripKVCache
 from kvpage.sampling_params import SamplingParams
-from kvpage.verify.kv_oracle import RoundTrip, RoundTripKVCache
-from kvpage.verify.reference import generate
 
 DRIFT_SUITES = ("prefix", "batching", "preemption")
 

@@ -76,9 +76,7 @@ def summary_table(data: dict) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in width))
     verdict = "PASSED" if data["passed"] else "FAILED"
-    lines.append(
-        f"\ngate {verdict}: {scores(data)}, {data['seconds']:.1f}s"
-    )
+    lines.append(f"\ngate {verdict}: {scores(data)}, {data['seconds']:.1f}s")
     return "\n".join(lines)
 
 
@@ -212,8 +210,7 @@ def html_page(data: dict) -> str:
         f"</title><style>{_CSS}</style></head><body>",
         f"<h1>kvpage release gate: <span class='{'pass' if data['passed'] else 'fail'}'>"
         f"{verdict}</span></h1>",
-        f"<p>Model <code>{e(data['model'])}</code>, {data['seconds']:.1f}s, "
-        f"{e(scores(data))}.</p>",
+        f"<p>Model <code>{e(data['model'])}</code>, {data['seconds']:.1f}s, {e(scores(data))}.</p>",
         f"<pre>{e(summary_table(data))}</pre>",
     ]
     for suite, s in data["suites"].items():

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field, replace
 from kvpage.config import EngineConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.namespace import base_namespace
-from kvpage.model.kv_format import kv_format
+from kvpage.kv.format import kv_format
+from kvpage.reference.generator import ReferenceOutput, generate, stop_token_ids
+from kvpage.reference.records import StepRecord
 from kvpage.sampling_params import SamplingParams
 from kvpage.verify.canary import TOPK_MARGIN, find_foreign_canaries
 from kvpage.verify.case import Case, RequestSpec
@@ -38,8 +40,7 @@ from kvpage.verify.diff import (
     numeric_tie_step,
     quantized_attribution,
 )
-from kvpage.verify.reference import ReferenceOutput, generate, stop_token_ids
-from kvpage.verify.trace import EngineTracer, StepRecord
+from kvpage.verify.trace import EngineTracer
 
 __all__ = ["SUITES", "CaseResult", "Failure", "Runtime", "build_suites", "run_case"]
 

@@ -1,142 +1,26 @@
-"""Per-step traces (R15): for each request and each sampled token, what went in (input ids, position
-ids), what came out (a logits digest, top-k, the chosen token) and the cache view the step read.
-
-An `EngineTracer` is an engine observer (kvpage.engine.events): attach it with
-`engine.add_observer(EngineTracer(engine))` and read it back as `engine.tracer`; with no observer
-attached, tracing costs the engine an empty-list test per hook. The reference produces the same `StepRecord` shape with a contiguous
-view, so the two can be diffed field by field (kvpage.verify.diff)."""
+"""The engine's step tracer (R15). An `EngineTracer` is an engine observer (kvpage.engine.events):
+attach it with `engine.add_observer(EngineTracer(engine))` and read it back as `engine.tracer`;
+with no observer attached, tracing costs the engine an empty-list test per hook. It writes the
+same `StepRecord`s (kvpage.reference.records) as the contiguous reference, so the two can be
+diffed field by field (kvpage.verify.diff)."""
 
 from __future__ import annotations
 
-import functools
-import hashlib
-from dataclasses import asdict, dataclass, field, replace
-from typing import NamedTuple
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from kvpage.reference.records import (
+    EMPTY_VIEW,
+    TOP_K,
+    CacheView,
+    StepRecord,
+    ViewEntry,
+    logits_digests,
+    sampler_state,
+    scale_digest,
+)
 from kvpage.verify.provenance import KVProvenance
-
-TOP_K = 5
-
-
-class ViewEntry(NamedTuple):  # a tuple: one is built per block per traced step
-    logical: int
-    physical: int  # -1 for the reference's contiguous tensor
-    generation: int
-    valid_len: int
-    shared: bool
-    ref_count: int
-    state: str
-    scale: str = ""  # digest of the block's scales over its valid tokens (quantized KV only)
-
-
-@dataclass(frozen=True, slots=True)
-class CacheView:
-    """The KV one step read for one request. Every layer reads through the same table here (the
-    pool has one table per sequence for all layers), so one view stands for all layers."""
-
-    entries: tuple[ViewEntry, ...]
-    epoch: int
-    namespace: str  # hex digest of the namespace the request's blocks are keyed in
-    block_size: int  # 0 for contiguous
-    contiguous: bool = False
-    kv_dtype: str = "float32"  # the stored dtype (int8, float8_e4m3fn, bfloat16, float32 ...)
-    kv_layout: int = 1  # kvpage.model.kv_format layout version (2: codes + per-token scales)
-    # Quantized KV: one digest of the scales read per block (the reference: per block-sized
-    # span of its contiguous cache, so the two line up block by block).
-    scale_digests: tuple[str, ...] = ()
-
-    @property
-    def last_block_len(self) -> int:
-        return self.entries[-1].valid_len if self.entries else 0
-
-
-EMPTY_VIEW = CacheView((), -1, "", 0)
-
-
-@dataclass(slots=True)
-class StepRecord:
-    request_id: str
-    step: int  # index of the output token this record produced
-    input_ids: list[int]  # tokens that entered the context since the previous record
-    position_ids: list[int]  # their positions (as fed; cached tokens at their cache position)
-    logits_digest: str
-    topk_ids: list[int]
-    topk_values: list[float]
-    chosen_token: int
-    view: CacheView
-    prefix_hit_tokens: int = 0  # tokens of input_ids served from the prefix cache
-    prefix_digest: str = ""  # chained digest of the last block hit
-    after_resume: bool = False  # first record after a preemption (swap restore or recompute)
-    resume_mode: str = ""
-    restore_complete: bool = True  # the restored KV had landed when this step read it
-    engine_step: int = -1
-    sampler: dict | None = None  # seed, generator offset and state digest after this draw
-    logits: torch.Tensor | None = field(default=None, repr=False)  # (V,) float32, for atol checks
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("logits")
-        d["view"]["entries"] = [e._asdict() for e in self.view.entries]
-        return d
-
-
-def logits_digest(logits: torch.Tensor) -> str:
-    """Stable digest of float32 logits rounded to 1e-4 (bitwise equality is not the contract)."""
-    return logits_digests(logits.reshape(1, -1))[0]
-
-
-def logits_digests(logits: torch.Tensor) -> list[str]:
-    """One 64-bit fingerprint per row of (M, V) logits: the 1e-4-rounded values dotted with fixed
-    pseudo-random 64-bit weights (wrapping). Not cryptographic — a compact identity for reports,
-    cheap for a 32k vocabulary every step; the atol check compares the logits themselves."""
-    rounded = torch.round(logits.float() * 1e4).to(torch.int64)  # (M, V)
-    fingerprint = (rounded * _digest_weights(logits.shape[-1])).sum(dim=-1)  # (M,) wraps mod 2^64
-    return [f"{value & 0xFFFFFFFFFFFFFFFF:016x}" for value in fingerprint.tolist()]
-
-
-@functools.cache
-def _digest_weights(vocab: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(0x6B7670616765)
-    return torch.randint(-(2**62), 2**62, (vocab,), generator=gen, dtype=torch.int64)
-
-
-def scale_digest(scales: torch.Tensor) -> str:
-    """Digest of float16 scales laid out (L, 2, tokens, KVH), one part per layer joined by '.',
-    so two digests also say in which layer the scales first differ."""
-    data = scales.detach().to(torch.float16).contiguous().cpu().view(torch.int16).numpy()
-    return ".".join(hashlib.sha256(layer.tobytes()).hexdigest()[:8] for layer in data)
-
-
-def sampler_state(generator: torch.Generator | None, num_draws: int) -> dict | None:
-    """The request's generator after a draw: seed, offset (draws so far) and a state digest."""
-    if generator is None:
-        return None
-    state = hashlib.sha256(generator.get_state().numpy().tobytes()).hexdigest()[:16]
-    return {
-        "seed": generator.initial_seed(),
-        "generator_offset": num_draws,
-        "generator_state": state,
-    }
-
-
-def make_record(request_id, step, input_ids, position_ids, logits, token, view, **extra):
-    logits = logits.detach().float().cpu()
-    values, ids = torch.topk(logits, min(TOP_K, logits.shape[-1]))
-    return StepRecord(
-        request_id=request_id,
-        step=step,
-        input_ids=list(input_ids),
-        position_ids=list(position_ids),
-        logits_digest=logits_digest(logits),
-        topk_ids=ids.tolist(),
-        topk_values=values.tolist(),
-        chosen_token=int(token),
-        view=view,
-        logits=logits,
-        **extra,
-    )
 
 
 @dataclass(slots=True)

@@ -137,8 +137,8 @@ def kvpage_recall(out: Path, secrets: list[str]) -> float:
     """Greedy recall of each held-out secret alone, through kvpage's loader and reference
     generator (the path the experiment's no-sharing group is checked against)."""
     from kvpage.model.loader import load_hf_directory
+    from kvpage.reference.generator import generate
     from kvpage.sampling_params import SamplingParams
-    from kvpage.verify.reference import generate
 
     model, _ = load_hf_directory(out, torch.float32, "cpu")
     params = SamplingParams(max_tokens=12)

@@ -19,10 +19,10 @@ import ray
 from ray import serve
 
 from kvpage.config import EngineConfig
-from kvpage.distributed import ray_serve
-from kvpage.distributed.asgi_call import HttpCall, ResponseStart
-from kvpage.distributed.prefix_router import RouterConfig
-from kvpage.distributed.routing_key import UNROUTED
+from kvpage.serve_replicas import ray_serve
+from kvpage.serve_replicas.asgi_call import HttpCall, ResponseStart
+from kvpage.serve_replicas.prefix_router import RouterConfig
+from kvpage.serve_replicas.routing_key import UNROUTED
 from kvpage.server import ServerOptions
 
 MODEL = "builtin:tiny-llama"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpage.distributed.prefix_router import Router, RouterConfig, RoutingKey
-from kvpage.distributed.prefix_tree import PrefixTree
+from kvpage.serve_replicas.prefix_router import Router, RouterConfig, RoutingKey
+from kvpage.serve_replicas.prefix_tree import PrefixTree
 
 
 def _tokens(start: int, n: int) -> list[int]:

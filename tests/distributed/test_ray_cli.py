@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 
-from kvpage.distributed.ray_serve import QUIET_RAY_ENV, REPLICA_HEADER
+from kvpage.serve_replicas.ray_serve import QUIET_RAY_ENV, REPLICA_HEADER
 
 from .ray_service import MODEL, free_port
 

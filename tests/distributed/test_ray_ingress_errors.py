@@ -10,8 +10,8 @@ import json
 import pytest
 from ray.exceptions import ActorDiedError
 
-from kvpage.distributed.asgi_call import ResponseStart
-from kvpage.distributed.ray_serve import REPLICA_HEADER, IngressCore, _rest
+from kvpage.serve_replicas.asgi_call import ResponseStart
+from kvpage.serve_replicas.ray_serve import REPLICA_HEADER, IngressCore, _rest
 
 pytestmark = pytest.mark.ray
 

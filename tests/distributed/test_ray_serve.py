@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from kvpage import LLM, SamplingParams
-from kvpage.distributed.ray_serve import ENGINE_DEPLOYMENT, REPLICA_HEADER
+from kvpage.serve_replicas.ray_serve import ENGINE_DEPLOYMENT, REPLICA_HEADER
 from kvpage.server.chat import simple_template
 
 from .ray_service import MODEL, serve_apps

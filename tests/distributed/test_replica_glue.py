@@ -11,11 +11,11 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpage.config import EngineConfig
-from kvpage.distributed.asgi_call import HttpCall, ResponseStart, call_asgi
-from kvpage.distributed.metrics_merge import merge
-from kvpage.distributed.routing_key import UNROUTED, RoutingKeys
 from kvpage.engine.engine import LLMEngine
 from kvpage.model.tokenizer import ByteTokenizer
+from kvpage.serve_replicas.asgi_call import HttpCall, ResponseStart, call_asgi
+from kvpage.serve_replicas.metrics_merge import merge
+from kvpage.serve_replicas.routing_key import UNROUTED, RoutingKeys
 from kvpage.server import ServerOptions, create_app
 from kvpage.server.chat import simple_template
 from kvpage.server.tenants import Tenants

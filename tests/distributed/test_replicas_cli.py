@@ -13,10 +13,11 @@ from kvpage import cli
 NO_RAY = """
 import sys
 from kvpage import cli
-args = cli._build_parser().parse_args(["serve"])
-cli._check_replica_args(args)
-import kvpage.server, kvpage.distributed.prefix_router, kvpage.distributed.routing_key
-import kvpage.distributed.asgi_call, kvpage.distributed.metrics_merge
+from kvpage.cli.serve import check_replica_args
+args = cli.build_parser().parse_args(["serve"])
+check_replica_args(args)
+import kvpage.server, kvpage.serve_replicas.prefix_router, kvpage.serve_replicas.routing_key
+import kvpage.serve_replicas.asgi_call, kvpage.serve_replicas.metrics_merge
 assert args.replicas == 1, args.replicas
 print("ray imported" if "ray" in sys.modules else "no ray")
 """

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kvpage.config import ModelConfig
-from kvpage.distributed.sharding import shard_model, shard_plan
 from kvpage.errors import TensorParallelError
 from kvpage.model import load_model
 from kvpage.model.loader import build_model
+from kvpage.parallel.sharding import shard_model, shard_plan
 
 
 class BarrierAllReduce:

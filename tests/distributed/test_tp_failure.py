@@ -17,10 +17,10 @@ import pytest
 
 from kvpage import SamplingParams
 from kvpage.config import EngineConfig
-from kvpage.distributed.executor import shared_workers
 from kvpage.engine.engine import LLMEngine
 from kvpage.errors import TensorParallelError, WorkerFailure
-from kvpage.model.paged_attention import KVShard
+from kvpage.kv.storage import KVShard
+from kvpage.parallel.executor import shared_workers
 
 from .conftest import children_alive, engine_for
 

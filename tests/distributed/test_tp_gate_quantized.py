@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpage.distributed.executor import shared_workers
 from kvpage.model import load_model
+from kvpage.parallel.executor import shared_workers
 from kvpage.verify.gate import run_mutant
 from kvpage.verify.mutants import MUTANTS
 from kvpage.verify.suites import SUITES, Runtime, build_suites, run_case

@@ -18,10 +18,10 @@ import torch
 
 from kvpage import SamplingParams
 from kvpage.config import EngineConfig
-from kvpage.distributed.group import FRAME_BYTES
-from kvpage.model.paged_attention import KVShard, SavedKV
+from kvpage.kv.storage import KVShard, SavedKV
+from kvpage.parallel.group import FRAME_BYTES
+from kvpage.reference.records import scale_digest
 from kvpage.verify.mutants.quantized import int8_round_toward_zero, one_scale_for_all_heads
-from kvpage.verify.trace import scale_digest
 
 from .conftest import engine_for
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from kvpage import SamplingParams
-from kvpage.verify.reference import generate
+from kvpage.reference.generator import generate
 
 # (name, shared prefix length in units of block size B, plus a token offset)
 PREFIX_GROUPS = [

@@ -10,7 +10,7 @@ import torch
 
 from kvpage import SamplingParams
 from kvpage.model import load_model
-from kvpage.verify.reference import generate
+from kvpage.reference.generator import generate
 
 from .hf_models import VOCAB, save_hf
 

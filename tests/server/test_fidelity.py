@@ -19,12 +19,12 @@ from kvpage import EngineConfig, LLMEngine, SamplingParams
 from kvpage.engine.outputs import CompletionOutput
 from kvpage.model import load_model
 from kvpage.model.tokenizer import ByteTokenizer
+from kvpage.reference.generator import generate
 from kvpage.server import ServerOptions, create_app
 from kvpage.server.background import BackgroundServer
 from kvpage.server.chat import simple_template
 from kvpage.server.generation import Choice
 from kvpage.server.text_stream import TextStream
-from kvpage.verify.reference import generate
 
 from .conftest import MODEL
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvpage import SamplingParams
-from kvpage.verify.reference import generate
+from kvpage.reference.generator import generate
 
 from .conftest import MODEL
 

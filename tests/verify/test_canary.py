@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import torch
 
+from kvpage.reference.records import CacheView, make_record
 from kvpage.verify.canary import find_foreign_canaries, make_canaries
-from kvpage.verify.trace import CacheView, make_record
 
 VIEW = CacheView((), 0, "", 0, True)
 

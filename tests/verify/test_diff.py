@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvpage.reference.records import CacheView, ViewEntry, make_record
 from kvpage.verify.diff import REQUIRED_FIELDS, first_divergence, quantized_attribution
-from kvpage.verify.trace import CacheView, ViewEntry, make_record
 
 NS = "ab" * 32
 V = 10

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpage.reference.records import EMPTY_VIEW, StepRecord
 from kvpage.sampling_params import SamplingParams
 from kvpage.verify.diff import (
     HALF_PRECISION_ATOL,
@@ -14,7 +15,6 @@ from kvpage.verify.diff import (
     logit_atol,
     numeric_tie_step,
 )
-from kvpage.verify.trace import EMPTY_VIEW, StepRecord
 
 ATOL = HALF_PRECISION_ATOL
 

@@ -15,6 +15,7 @@ from kvpage import LLMEngine, SamplingParams
 from kvpage.config import EngineConfig
 from kvpage.errors import InvariantViolation
 from kvpage.model import load_model
+from kvpage.reference.generator import generate
 from kvpage.verify.mutants.cache import (
     namespace_missing_field,
     no_refcount,
@@ -26,7 +27,6 @@ from kvpage.verify.mutants.generations import (
     free_without_generation_bump,
     reclaim_freed_tail,
 )
-from kvpage.verify.reference import generate
 from kvpage.verify.trace import EngineTracer
 
 MODEL = "builtin:tiny-llama"

@@ -15,7 +15,7 @@ FORBIDDEN = (
     "kvpage.cache",
     "kvpage.engine",
     "kvpage.model.paged_attention",
-    "kvpage.model.kv_format",
+    "kvpage.kv.format",
 )
 
 
@@ -52,7 +52,7 @@ def reached_modules(start: str) -> set[str]:
 
 
 def test_reference_imports_no_paging_prefix_or_scheduling_code():
-    seen = reached_modules("kvpage.verify.reference")
+    seen = reached_modules("kvpage.reference.generator")
     reached = sorted(n for n in seen if n.startswith(FORBIDDEN))
     assert not reached, f"the reference reaches {reached}"
     assert "kvpage.model.attention" in seen and "kvpage.sampling" in seen  # the walk works

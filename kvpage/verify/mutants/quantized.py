@@ -14,8 +14,8 @@ import torch
 
 from kvpage.config import ModelConfig
 from kvpage.engine.engine import LLMEngine
-from kvpage.model.kv_format import SCALE_DTYPE, SCALE_MAX, SCALE_MIN
-from kvpage.model.paged_attention import KVShard
+from kvpage.kv.format import SCALE_DTYPE, SCALE_MAX, SCALE_MIN
+from kvpage.kv.storage import KVShard
 from kvpage.verify.mutants.base import Mutant, _bind, _replace
 
 QUANTIZED_SUITES = ("prefix:int8", "batching:int8", "preemption:int8", "parallel:int8")

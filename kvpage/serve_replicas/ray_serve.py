@@ -27,11 +27,11 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from kvpage.config import EngineConfig
-from kvpage.distributed.asgi_call import HttpCall, ResponseStart, call_asgi
-from kvpage.distributed.metrics_merge import merge
-from kvpage.distributed.prefix_router import RouterConfig
-from kvpage.distributed.ray_router import ROUTERS, KVPageRequestRouter
-from kvpage.distributed.routing_key import UNROUTED, RoutingKeys
+from kvpage.serve_replicas.asgi_call import HttpCall, ResponseStart, call_asgi
+from kvpage.serve_replicas.metrics_merge import merge
+from kvpage.serve_replicas.prefix_router import RouterConfig
+from kvpage.serve_replicas.ray_router import ROUTERS, KVPageRequestRouter
+from kvpage.serve_replicas.routing_key import UNROUTED, RoutingKeys
 from kvpage.server.state import ServerOptions
 
 APP_NAME = "kvpage"
@@ -268,7 +268,7 @@ def _router_metrics(router: KVPageRequestRouter) -> str:
 # --- building and running the application ---------------------------------------------------
 def build_app(config: ServiceConfig) -> serve.Application:
     routing = RequestRouterConfig(
-        request_router_class="kvpage.distributed.ray_router.KVPageRequestRouter",
+        request_router_class="kvpage.serve_replicas.ray_router.KVPageRequestRouter",
         request_router_kwargs=asdict(config.router),
     )
     engines = serve.deployment(

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from kvpage.distributed.prefix_router import RoutingKey
 from kvpage.model.tokenizer import Tokenizer
+from kvpage.serve_replicas.prefix_router import RoutingKey
 from kvpage.server.chat import Messages
 from kvpage.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from kvpage.server.tenants import Tenants

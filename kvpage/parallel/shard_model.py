@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from kvpage.config import ModelConfig
-from kvpage.distributed.group import TPGroup
-from kvpage.distributed.sharding import ShardPlan, shard_model, shard_plan
 from kvpage.model.base import CausalLM
 from kvpage.model.loader import build_model
+from kvpage.parallel.group import TPGroup
+from kvpage.parallel.sharding import ShardPlan, shard_model, shard_plan
 
 
 def build_shard(

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kvpage.distributed.commands import CopyBlock, Invalidate, ReadBlocks, ReadScales, WriteBlocks
-from kvpage.distributed.group import TPGroup
-from kvpage.model.kv_format import KVFormat
-from kvpage.model.paged_attention import KVShard, KVStorage, SavedKV
+from kvpage.kv.format import KVFormat
+from kvpage.kv.storage import KVShard, KVStorage, SavedKV
+from kvpage.parallel.commands import CopyBlock, Invalidate, ReadBlocks, ReadScales, WriteBlocks
+from kvpage.parallel.group import TPGroup
 
 
 def shard_view(storage: KVStorage, group: TPGroup) -> KVShard:

@@ -10,10 +10,8 @@ import torch
 
 from kvpage.errors import InvalidRequest
 from kvpage.model.base import CausalLM
-from kvpage.sampling import DEFAULT_SEED, make_generator, sample_token, top_logprobs
-from kvpage.sampling_params import SamplingParams
-from kvpage.verify.kv_oracle import RoundTrip, RoundTripKVCache
-from kvpage.verify.trace import (
+from kvpage.reference.kv_oracle import RoundTrip, RoundTripKVCache
+from kvpage.reference.records import (
     CacheView,
     StepRecord,
     ViewEntry,
@@ -21,6 +19,8 @@ from kvpage.verify.trace import (
     sampler_state,
     scale_digest,
 )
+from kvpage.sampling import DEFAULT_SEED, make_generator, sample_token, top_logprobs
+from kvpage.sampling_params import SamplingParams
 
 
 @dataclass
@@ -47,7 +47,7 @@ def generate(
     """Generate for one request alone. With `trace_as` set, `records` holds one StepRecord per
     token (request id `trace_as`, contiguous cache view, `namespace` as the expected one).
     `kv_cache_dtype`: every K/V vector goes through that format's round trip before it is
-    stored and read (kvpage.verify.kv_oracle); `scale_span` > 0 (a block size) makes a traced
+    stored and read (kvpage.reference.kv_oracle); `scale_span` > 0 (a block size) makes a traced
     view carry one digest of the scales per span of that many tokens, as a paged view has one
     per block."""
     check_prompt(model, prompt_ids, params)

@@ -3,7 +3,7 @@
 imported from the engine's quantiser, so a bug in the engine's quantiser (rounding, scale
 granularity) shows up as a divergence instead of being shared by both sides.
 
-The definition (the same as kvpage.model.kv_format's docstring states):
+The definition (the same as kvpage.kv.format's docstring states):
   per token and kv-head, over head_dim: scale = float16(clamp(max|x| / qmax, 2^-14, 65504));
   int8: code = clamp(round-half-even(x / scale), -127, 127);
   fp8_e4m3: code = float8_e4m3fn(clamp(x / scale, -448, 448)) (the cast rounds half to even);

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpage.model.paged_attention import KVShard, PagedAttentionMetadata, SavedKV
+from kvpage.kv.storage import KVShard, SavedKV
+from kvpage.model.paged_attention import PagedAttentionMetadata
 
 
 @dataclass(slots=True)
@@ -69,5 +70,13 @@ class Stop:
 
 
 Command = (
-    Configure | Step | CopyBlock | Invalidate | ReadBlocks | WriteBlocks | ReadScales | PatchKV | Stop
+    Configure
+    | Step
+    | CopyBlock
+    | Invalidate
+    | ReadBlocks
+    | WriteBlocks
+    | ReadScales
+    | PatchKV
+    | Stop
 )

@@ -1,6 +1,6 @@
 """Which replica serves a request (R36): prefix affinity, round-robin or least-loaded.
 
-Pure Python, no Ray: `kvpage.distributed.ray_router` feeds it the live replicas and their loads
+Pure Python, no Ray: `kvpage.serve_replicas.ray_router` feeds it the live replicas and their loads
 (requests in flight, counted by the router itself) and sends the request where it says.
 
 Prefix affinity, per request with key (namespace, prompt tokens):
@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvpage.distributed.prefix_tree import PrefixTree
+from kvpage.serve_replicas.prefix_tree import PrefixTree
 
 ROUTERS = ("prefix", "round-robin", "least-loaded")
 
@@ -92,7 +92,9 @@ class Router:
                 cfg = self.config
                 self.trees[name] = PrefixTree(cfg.chunk_tokens, cfg.max_nodes_per_replica)
 
-    def _by_prefix(self, key: RoutingKey, replicas: list[str], loads: Mapping[str, int]) -> Decision:
+    def _by_prefix(
+        self, key: RoutingKey, replicas: list[str], loads: Mapping[str, int]
+    ) -> Decision:
         matches = {r: self.trees[r].match(key.namespace, key.tokens) for r in replicas}
         best = max(matches.values())
         least = self._least_loaded(replicas, loads)

@@ -15,14 +15,15 @@ from typing import TypeVar
 import torch
 
 from kvpage.config import EngineConfig
-from kvpage.distributed.commands import Command, Configure, PatchKV, Step
-from kvpage.distributed.storage import ShardedKVStorage, shard_view
-from kvpage.distributed.workers import WorkerGroup
 from kvpage.engine.runner import ModelRunner
 from kvpage.errors import WorkerFailure
+from kvpage.kv.format import KVFormat
+from kvpage.kv.storage import KVShard, KVStorage
 from kvpage.model.base import CausalLM
-from kvpage.model.kv_format import KVFormat
-from kvpage.model.paged_attention import KVShard, KVStorage, PagedAttentionMetadata
+from kvpage.model.paged_attention import PagedAttentionMetadata
+from kvpage.parallel.commands import Command, Configure, PatchKV, Step
+from kvpage.parallel.storage import ShardedKVStorage, shard_view
+from kvpage.parallel.workers import WorkerGroup
 
 T = TypeVar("T")
 

@@ -21,13 +21,13 @@ from collections.abc import Sequence
 import torch
 import torch.multiprocessing as mp
 
-from kvpage.distributed.commands import Command, Stop
-from kvpage.distributed.group import TPGroup, master_store
-from kvpage.distributed.shard_model import build_shard
-from kvpage.distributed.sharding import check_divisible
-from kvpage.distributed.worker import WorkerSpec, worker_main
 from kvpage.errors import WorkerFailure
 from kvpage.model.base import CausalLM
+from kvpage.parallel.commands import Command, Stop
+from kvpage.parallel.group import TPGroup, master_store
+from kvpage.parallel.shard_model import build_shard
+from kvpage.parallel.sharding import check_divisible
+from kvpage.parallel.worker import WorkerSpec, worker_main
 
 JOIN_TIMEOUT_S = 5.0
 STARTUP_GRACE_S = 30.0  # a worker's interpreter and torch import, on top of the timeout

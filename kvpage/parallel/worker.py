@@ -11,7 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from kvpage.config import ModelConfig
-from kvpage.distributed.commands import (
+from kvpage.errors import WorkerFailure
+from kvpage.kv.format import kv_format
+from kvpage.kv.storage import KVStorage
+from kvpage.model.paged_attention import PagedAttention
+from kvpage.parallel.commands import (
     Configure,
     CopyBlock,
     Invalidate,
@@ -22,13 +26,10 @@ from kvpage.distributed.commands import (
     Stop,
     WriteBlocks,
 )
-from kvpage.distributed.group import TPGroup, worker_store
-from kvpage.distributed.shard_model import build_shard
-from kvpage.distributed.sharding import ShardPlan
-from kvpage.distributed.storage import ShardOps, shard_view
-from kvpage.errors import WorkerFailure
-from kvpage.model.kv_format import kv_format
-from kvpage.model.paged_attention import KVStorage, PagedAttention
+from kvpage.parallel.group import TPGroup, worker_store
+from kvpage.parallel.shard_model import build_shard
+from kvpage.parallel.sharding import ShardPlan
+from kvpage.parallel.storage import ShardOps, shard_view
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ token and head (int8 at head_dim 16: 18 bytes against 64 in float32, 3.56x).
 scale = fp16(clamp(amax(|x|) / qmax, 2^-14, 65504)); code = clamp(round(x / scale), +-qmax);
 x' = float32(code) * float32(scale). Every step is elementwise or a max, so the result does not
 depend on batch shape. The contiguous reference implements the same round trip independently
-(kvpage.verify.kv_oracle)."""
+(kvpage.reference.kv_oracle)."""
 
 from __future__ import annotations
 

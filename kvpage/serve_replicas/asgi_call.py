@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpage.distributed.prefix_router import RoutingKey
+from kvpage.serve_replicas.prefix_router import RoutingKey
 
 _DONE = object()
 _APP_EXIT_TIMEOUT = 10.0  # seconds the app gets to wind down after the caller left

@@ -20,8 +20,8 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from kvpage.distributed.asgi_call import HttpCall
-from kvpage.distributed.prefix_router import Router, RouterConfig
+from kvpage.serve_replicas.asgi_call import HttpCall
+from kvpage.serve_replicas.prefix_router import Router, RouterConfig
 
 ROUTERS: dict[tuple[str, str], KVPageRequestRouter] = {}  # (app, deployment) -> router
 
@@ -35,7 +35,7 @@ class KVPageRequestRouter(RequestRouter):
         self.matched_tokens: Counter[str] = Counter()  # replica -> prompt tokens it had seen
         # Ray may ship this class by value, with copies of its module's globals: reach the real
         # registry through the import system, where the ingress will look for it.
-        from kvpage.distributed import ray_router
+        from kvpage.serve_replicas import ray_router
 
         ray_router.ROUTERS[self.app_name, self._deployment_id.name] = self
 

@@ -1,0 +1,98 @@
+"""`kvpage generate`: one prompt through the contiguous reference (or a tensor-parallel engine)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from kvpage.cli.common import (
+    add_model_args,
+    add_tensor_parallel,
+    count,
+    number,
+    token_ids,
+)
+from kvpage.config import KV_CACHE_DTYPES
+from kvpage.errors import WorkerFailure
+from kvpage.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    pass
+
+
+def add_parser(sub) -> None:
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    add_model_args(gen)
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs a tokenizer)")
+    prompt.add_argument("--prompt-ids", type=token_ids, help="comma-separated prompt token ids")
+    gen.add_argument("--max-tokens", type=count, default=32, help="tokens to generate")
+    gen.add_argument("--temperature", type=number(float, 0.0), default=0.0, help="0: greedy")
+    gen.add_argument("--top-k", type=int, default=-1, help="-1: all tokens")
+    gen.add_argument("--top-p", type=number(float, 0.0, 1.0), default=1.0, help="nucleus mass")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens")
+    gen.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="K/V round trip of the reference (auto: as computed)",
+    )
+    add_tensor_parallel(gen)
+    gen.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpage.model import load_model
+    from kvpage.model.tokenizer import encode_text
+    from kvpage.reference.generator import generate
+
+    params = SamplingParams(  # checked before the model loads
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    if args.prompt is not None:
+        prompt_ids = encode_text(tokenizer, args.prompt, args.model)
+    else:
+        prompt_ids = args.prompt_ids
+    if args.tensor_parallel_size > 1:
+        out = _generate_tensor_parallel(args, model, tokenizer, prompt_ids, params)
+    else:
+        out = generate(model, prompt_ids, params, kv_cache_dtype=args.kv_cache_dtype)
+    if tokenizer is not None:
+        print(f"text: {tokenizer.decode(out.token_ids)!r}")
+    print(f"prompt_ids: {prompt_ids}")
+    print(f"token_ids: {out.token_ids}")
+    print(f"finish_reason: {out.finish_reason}")
+    return 0
+
+
+def _generate_tensor_parallel(args, model, tokenizer, prompt_ids, params):
+    """One request through a tensor-parallel engine (the one-process path above runs the
+    contiguous reference, which has no paged pool to shard)."""
+    from kvpage.config import EngineConfig
+    from kvpage.engine.engine import LLMEngine
+
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+    engine = LLMEngine(config, model, tokenizer)
+    finished = []
+    try:
+        engine.add_request("0", prompt_ids, params)
+        while engine.has_unfinished_requests():
+            finished += [o for o in engine.step() if o.finished]
+    finally:
+        engine.shutdown()
+    out = finished[0]
+    if out.outputs[0].finish_reason == "error":
+        raise WorkerFailure(out.error)
+    return out.outputs[0]
