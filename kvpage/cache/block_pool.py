@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvpage.cache.events import CacheStats
+from kvpage.cache.stats import CacheStats
 from kvpage.errors import InvariantViolation, OutOfBlocks
 
 
@@ -90,8 +90,8 @@ class BlockPool:
         self.counts = dict.fromkeys(BlockState, 0)
         self.counts[_S.FREE] = num_blocks
         self.on_cached: Callable[[int], None] | None = None  # set by the prefix index owner
-        # Told of every block that went FREE, after its generation bump (the KV store drops
-        # what the block held: a quantized block's scales).
+        # Told of every block that went FREE, after its generation bump (the manager records
+        # an invalidation for the KV store: what the block held, a quantized block's scales).
         self.on_free: Callable[[int], None] | None = None
         self._tick = 0
 

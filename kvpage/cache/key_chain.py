@@ -70,9 +70,14 @@ class BlockKeyChain:
         twin._pending = list(self._pending)
         return twin
 
+    def block_digest(self, parent: bytes, tokens: list[int]) -> bytes:
+        """The key of a block whose prefix's key is `parent` (the namespace digest for the first
+        block): it covers every token from position 0 to the block's end."""
+        return chain_digest(parent, tokens)
+
     def _close_block(self) -> None:
         prev = self.keys[-1].digest if self.keys else self.namespace_digest
-        digest = chain_digest(prev, self._pending)
+        digest = self.block_digest(prev, self._pending)
         fast = int.from_bytes(digest[:8], "little") & self._mask
         self.keys.append(BlockKey(fast, digest))
         self._pending = []

@@ -1,8 +1,12 @@
 """KVCacheManager: the one facade the engine uses for paged KV memory (R2-R8, R11, R12, R22).
 
 It composes the pool, the prefix index and per-sequence tables, and is the only code that mutates a
-BlockTable. The KV tensors live elsewhere: the manager hands out slot indices
-(block_id * block_size + offset) and asks `copy_block_fn(src, dst)` to copy a block on CoW.
+BlockTable. The KV tensors live elsewhere (kvpage.kv): the manager hands out slot indices
+(block_id * block_size + offset) and records what the tensors must do as block operations, plain
+data drained with `take_block_ops()` into the step's plan: a `CopyBlock` for each copy-on-write,
+an `InvalidateBlock` for each block freed when the KV layout keeps per-block state (scales). It
+calls nobody back: whoever applies the operations (the engine's executor) does so in order,
+before the step's forward pass.
 
 Order of operations for one sequence (engine side):
   chain = new_key_chain(ns); chain.extend(prompt)
@@ -15,24 +19,20 @@ Order of operations for one sequence (engine side):
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import replace
+from collections.abc import Iterable
 
+from kvpage.cache.block_ops import BlockOp, CopyBlock, InvalidateBlock
 from kvpage.cache.block_pool import READABLE, BlockPool, BlockState, CacheUsage
 from kvpage.cache.block_table import BlockTable, SnapshotEntry, TableSnapshot, blocks_for
-from kvpage.cache.events import AuditEvent, CacheStats, CorruptionEvent, CowEvent, HitEvent
 from kvpage.cache.invariants import check_invariants
 from kvpage.cache.key_chain import BlockKeyChain
 from kvpage.cache.namespace import CacheNamespace
-from kvpage.cache.prefix_index import PrefixIndex, PublishResult
+from kvpage.cache.prefix_index import DigestMismatch, PrefixIndex, PublishResult
+from kvpage.cache.stats import CacheStats
 from kvpage.errors import InvariantViolation, OutOfBlocks
 
 _S = BlockState
-
-
-def _no_copy(src: int, dst: int) -> None:
-    """Default CoW callback for pure bookkeeping use (tests, benchmarks)."""
+APPENDABLE = READABLE | {_S.RESTORING}
 
 
 class KVCacheManager:
@@ -44,24 +44,22 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         fast_key_bits: int = 64,
         debug_checks: bool = False,
-        audit_maxlen: int = 10_000,
-        copy_block_fn: Callable[[int, int], None] = _no_copy,
-        listener: Callable[[AuditEvent], None] | None = None,
-        free_block_fn: Callable[[int], None] | None = None,
+        invalidate_freed: bool = False,
     ):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.fast_key_bits = fast_key_bits
         self.debug_checks = debug_checks
         self.stats = CacheStats()
-        self.audit: deque[AuditEvent] = deque(maxlen=audit_maxlen)
-        self.listener = listener  # the engine: it tells its observers, naming the request
-        self.copy_block_fn = copy_block_fn
         self.pool = BlockPool(num_blocks, block_size, self.stats)
-        self.pool.on_free = free_block_fn  # the KV store: what a block held dies with it
-        self.index = PrefixIndex(self.pool, self.stats, self._emit_from_index, fast_key_bits)
-        self._looking_up = -1  # seq id of the lookup in progress (names its corruption events)
+        # A block's per-generation KV state (a quantized block's scales) dies with it: each free
+        # becomes an InvalidateBlock for the KV store. A plain layout keeps none, so no op.
+        if invalidate_freed:
+            self.pool.on_free = lambda block_id: self._ops.append(InvalidateBlock(block_id))
+        self.index = PrefixIndex(self.pool, self.stats, fast_key_bits)
         self.pool.on_cached = self.index.note_cached
+        self._ops: list[BlockOp] = []  # block operations since the last take_block_ops()
+        self._corruptions: list[tuple[int, DigestMismatch]] = []  # (seq id, what it found)
         self.live_tables: dict[int, BlockTable] = {}  # seq_id -> table holding blocks
         self.inflight: dict[int, TableSnapshot] = {}
         self._next_snap_id = 0
@@ -96,11 +94,9 @@ class KVCacheManager:
         if not self._caching_on(chain.namespace_digest):
             return 0
         cap = self.max_hit_blocks(prompt_len)
-        self._looking_up = table.seq_id
-        try:
-            hits = self.index.match(chain, cap)
-        finally:
-            self._looking_up = -1
+        hits = self.index.match(chain, cap)
+        for found in self.index.take_corruptions():  # the index knows keys, not sequences
+            self._corruptions.append((table.seq_id, found))
         for e in hits:
             self.pool.add_owner(e.block_id, table.seq_id)
         table.block_ids = [e.block_id for e in hits]
@@ -109,9 +105,6 @@ class KVCacheManager:
         table.bump()
         self.live_tables[table.seq_id] = table
         self.stats.hit_tokens += table.num_tokens
-        if hits:
-            capped = len(hits) == cap < prompt_len // self.block_size
-            self._emit_hit(table, hits, prompt_len, capped)
         self._debug()
         return table.num_tokens
 
@@ -119,21 +112,6 @@ class KVCacheManager:
         """Full blocks a prompt may take from the cache: at least one prompt token is left to
         compute, since its logits choose the first output token."""
         return (prompt_len - 1) // self.block_size
-
-    def _emit_hit(self, table: BlockTable, hits, prompt_len: int, capped: bool) -> None:
-        last = self.pool.blocks[hits[-1].block_id]
-        self._emit(
-            HitEvent(
-                seq_id=table.seq_id,
-                namespace=table.namespace or b"",
-                prefix_digest=hits[-1].digest,
-                token_count=len(hits) * self.block_size,
-                blocks_hit=tuple(e.block_id for e in hits),
-                last_block_full=last.valid_len == self.block_size,
-                prompt_tokens=prompt_len,
-                capped=capped,
-            )
-        )
 
     # --- allocation ------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -146,7 +124,7 @@ class KVCacheManager:
     def blocks_needed(self, table: BlockTable, num_new_tokens: int) -> int:
         """New blocks plus one CoW copy if the first new token lands in a shared block."""
         new = self.blocks_for(table.num_tokens + num_new_tokens) - len(table.block_ids)
-        return max(new, 0) + int(self._cow_needed(table))
+        return max(new, 0) + int(self.cow_needed(table))
 
     def can_append(self, table: BlockTable, num_new_tokens: int) -> bool:
         return self.blocks_needed(table, num_new_tokens) <= self.num_free_blocks()
@@ -156,10 +134,10 @@ class KVCacheManager:
             raise InvariantViolation(f"seq {table.seq_id}: append of {num_new_tokens} tokens")
         if num_new_tokens == 0:
             return []
-        self._check_appendable(table)
+        self.check_appendable(table)
         bs = self.block_size
         start, end = table.num_tokens, table.num_tokens + num_new_tokens
-        cow = self._cow_needed(table)
+        cow = self.cow_needed(table)
         new = self.blocks_for(end) - len(table.block_ids)
         self._reserve(new + int(cow))  # all-or-nothing: past this line nothing can run out
         if cow:
@@ -199,16 +177,20 @@ class KVCacheManager:
         self._debug()
         return new
 
-    def _cow_needed(self, table: BlockTable) -> bool:
-        # Only a partial last block can receive a write; a full one is never written again.
+    def cow_needed(self, table: BlockTable) -> bool:
+        """The copy-on-write decision (a declared seam, kvpage.engine.hooks): the next write
+        lands in a block others can read. Only a partial last block can receive a write; a full
+        one is never written again."""
         if table.num_tokens % self.block_size == 0:
             return False
         return self.pool.blocks[table.block_ids[-1]].state is _S.SHARED_READONLY
 
-    def _check_appendable(self, table: BlockTable) -> None:
+    def check_appendable(self, table: BlockTable) -> None:
+        """The table's last block is readable, or being restored (a swap-in's copy lands before
+        the step that writes after it), and the table holds it: appends go there."""
         if table.block_ids:
             b = self.pool.blocks[table.block_ids[-1]]
-            if b.state not in READABLE or table.seq_id not in b.owners:
+            if b.state not in APPENDABLE or table.seq_id not in b.owners:
                 raise InvariantViolation(
                     f"seq {table.seq_id}: append to a table whose last block {b.block_id} is "
                     f"{b.state.name} (owners {sorted(b.owners)})"
@@ -217,16 +199,11 @@ class KVCacheManager:
     def _copy_on_write(self, table: BlockTable, logical_block: int) -> int:
         src = table.block_ids[logical_block]
         dst = self.pool.allocate(1, table.seq_id)[0]
-        try:
-            self.copy_block_fn(src, dst)
-        except BaseException:
-            self.pool.remove_owner(dst, table.seq_id)
-            raise
+        self._ops.append(CopyBlock(src, dst, table.seq_id, logical_block))
         self.pool.set_valid(dst, self.pool.blocks[src].valid_len)
         table.block_ids[logical_block] = dst
         self.pool.remove_owner(src, table.seq_id)
         self.stats.cow_copies += 1
-        self._emit(CowEvent(table.seq_id, logical_block, src, dst))
         return dst
 
     def _reserve(self, n: int) -> None:
@@ -287,7 +264,7 @@ class KVCacheManager:
 
     def fork(self, table: BlockTable, child_seq_id: int) -> BlockTable:
         """A child sequence sharing every block of `table` (parallel sampling); writes CoW."""
-        self._check_appendable(table)
+        self.check_appendable(table)
         child = self.new_table(child_seq_id)
         for bid in table.block_ids:
             self.pool.add_owner(bid, child_seq_id)
@@ -392,6 +369,18 @@ class KVCacheManager:
         table.bump()
         self._debug()
 
+    # --- what the tensors must do, and what lookups found -----------------------------------
+    def take_block_ops(self) -> list[BlockOp]:
+        """The block operations recorded since the last call, in the order they must be
+        applied (a copy reads its source before a later free may invalidate it)."""
+        ops, self._ops = self._ops, []
+        return ops
+
+    def take_corruptions(self) -> list[tuple[int, DigestMismatch]]:
+        """Fast-key hits whose full digest differed (never served), since the last call."""
+        found, self._corruptions = self._corruptions, []
+        return found
+
     # --- observability and control ---------------------------------------------------------
     def usage(self) -> CacheUsage:
         return self.pool.usage()
@@ -415,17 +404,6 @@ class KVCacheManager:
                 f"key chain (block_size {chain.block_size}, fast bits {chain.fast_key_bits}) does "
                 f"not match the cache ({self.block_size}, {self.fast_key_bits})"
             )
-
-    def _emit(self, event: AuditEvent) -> None:
-        self.audit.append(event)
-        if self.listener is not None:
-            self.listener(event)
-
-    def _emit_from_index(self, event: AuditEvent) -> None:
-        """The index knows keys, not sequences: name the sequence whose lookup found it."""
-        if isinstance(event, CorruptionEvent):
-            event = replace(event, seq_id=self._looking_up)
-        self._emit(event)
 
     def _debug(self) -> None:
         if self.debug_checks:

@@ -20,13 +20,24 @@ index before the pool bumps the generation and puts the block on the free list.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpage.cache.block_pool import BlockPool, BlockState
-from kvpage.cache.events import AuditEvent, CacheStats, CorruptionEvent
 from kvpage.cache.key_chain import BlockKey, BlockKeyChain
+from kvpage.cache.stats import CacheStats
 from kvpage.errors import InvariantViolation, OutOfBlocks
+
+
+@dataclass(frozen=True, slots=True)
+class DigestMismatch:
+    """A fast-key hit whose full digest differed; the entry was not served (R5)."""
+
+    namespace: bytes
+    fast_key: int
+    wanted_digest: bytes
+    found_digest: bytes
+    block_id: int
+    depth: int  # logical block index of the lookup
 
 
 @dataclass(slots=True, eq=False)
@@ -53,12 +64,11 @@ class PrefixIndex:
         self,
         pool: BlockPool,
         stats: CacheStats | None = None,
-        emit: Callable[[AuditEvent], None] | None = None,
         fast_key_bits: int = 64,
     ):
         self.pool = pool
         self.stats = stats if stats is not None else pool.stats
-        self.emit = emit or (lambda _e: None)
+        self.mismatches: list[DigestMismatch] = []  # since the last take_corruptions()
         self.fast_key_bits = fast_key_bits
         self.entries: dict[int, IndexEntry] = {}  # fast key -> entry
         self.by_block: dict[int, IndexEntry] = {}
@@ -83,7 +93,7 @@ class PrefixIndex:
         hits: list[IndexEntry] = []
         parent: IndexEntry | None = None
         for depth in range(min(max_blocks, len(chain.keys))):
-            entry = self._confirmed(chain.keys[depth], chain.namespace_digest, depth)
+            entry = self.confirmed(chain.keys[depth], chain.namespace_digest, depth)
             if entry is None:
                 break
             if entry.parent is not parent:
@@ -95,16 +105,16 @@ class PrefixIndex:
             parent = entry
         return hits
 
-    def _confirmed(self, key: BlockKey, namespace: bytes, depth: int) -> IndexEntry | None:
+    def confirmed(self, key: BlockKey, namespace: bytes, depth: int) -> IndexEntry | None:
+        """The joinable entry under `key`'s fast key, its full digest confirmed (a declared seam,
+        kvpage.engine.hooks): a fast-key match alone is never served."""
         entry = self.entries.get(key.fast)
         if entry is None:
             return None
         if entry.digest != key.digest:
             self.stats.corruption_count += 1
-            self.emit(
-                CorruptionEvent(
-                    namespace, key.fast, key.digest, entry.digest, entry.block_id, depth
-                )
+            self.mismatches.append(
+                DigestMismatch(namespace, key.fast, key.digest, entry.digest, entry.block_id, depth)
             )
             return None
         block = self.pool.blocks[entry.block_id]
@@ -116,6 +126,10 @@ class PrefixIndex:
         if block.state not in (BlockState.SHARED_READONLY, BlockState.CACHED):
             return None  # e.g. EVICTING: content fine, but not joinable now
         return entry
+
+    def take_corruptions(self) -> list[DigestMismatch]:
+        found, self.mismatches = self.mismatches, []
+        return found
 
     # --- publish ---------------------------------------------------------------------------
     def publish(
@@ -158,12 +172,18 @@ class PrefixIndex:
         return self.pool.counts[BlockState.CACHED]
 
     def evict_one(self) -> int:
-        """Evict the least recently used CACHED leaf; returns its block id (now FREE)."""
+        """Evict the CACHED leaf `choose_victim` picks; returns its block id (now FREE)."""
+        bid = self.choose_victim()
+        self.remove(self.by_block[bid])
+        self.pool.evict_cached(bid)
+        return bid
+
+    def choose_victim(self) -> int:
+        """The least recently used CACHED leaf (the eviction policy, a declared seam of
+        kvpage.engine.hooks). Stale heap entries (hit since) are dropped on the way."""
         while self._heap:
             tick, bid = heapq.heappop(self._heap)
             if self._is_evictable_leaf(bid, tick):
-                self._remove(self.by_block[bid])
-                self.pool.evict_cached(bid)
                 return bid
         raise OutOfBlocks("no evictable cached block")
 
@@ -173,7 +193,8 @@ class PrefixIndex:
             return False  # stale heap entry: hit (and maybe released) since
         return self.by_block[block_id].num_children == 0
 
-    def _remove(self, entry: IndexEntry) -> None:
+    def remove(self, entry: IndexEntry) -> None:
+        """Take an entry out of the index; its parent may become an evictable leaf."""
         del self.entries[entry.fast_key]
         del self.by_block[entry.block_id]
         parent = entry.parent

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from kvpage.cache.block_pool import BlockPool
     from kvpage.cache.manager import KVCacheManager
-    from kvpage.engine.runner import StepBatch
+    from kvpage.engine.plan import StepBatch, StepPlan
     from kvpage.engine.sequence import Sequence
 
 
@@ -144,6 +144,9 @@ class EngineObserver:
         """A lifecycle or cache event (the dataclasses above)."""
 
     # --- tracing: engine objects as they are, read-only ------------------------------------
+    def on_plan(self, plan: StepPlan) -> None:
+        """What the scheduler decided for a step, before any of it is executed."""
+
     def on_batch(self, batch: StepBatch) -> None:
         """Before the model runs over one step's batch."""
 
@@ -160,10 +163,12 @@ class EngineObserver:
         """A parallel sample forked off `parent` drew its first token from the parent's row."""
 
     def on_kv_copy(self, src: int, dst: int) -> None:
-        """KV of block `src` was copied into `dst` (copy-on-write), outside any step."""
+        """A copy-on-write of block `src` into `dst` was decided (the executor copies the KV
+        before the step's forward pass), as the pool stands at that moment."""
 
     def on_kv_restored(self, seq: Sequence, block_ids: list[int]) -> None:
-        """A swap-in wrote `seq`'s saved KV into `block_ids`; they become readable right after."""
+        """A swap-in wrote `seq`'s saved KV (its first `seq.swapped_tokens` tokens) into
+        `block_ids`, its table's first blocks; they become readable right after."""
 
     def on_prefix_hit(self, seq: Sequence, cached_tokens: int) -> None:
         """A lookup gave `seq` its first `cached_tokens` (every lookup, retries included)."""

@@ -1,8 +1,16 @@
-"""What the engine hands back, with vLLM's names."""
+"""What the engine hands back, with vLLM's names, and how a sequence's state becomes it.
+
+One convention for every output: a finished RequestOutput is complete (each CompletionOutput from
+token 0, `offset` 0); a progress output (streaming, `finished=False`) carries one sample's tokens
+of this step only, from output position `offset` (copying the whole list per token would make a
+request's streaming cost quadratic in its length)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from kvpage.engine.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -38,3 +46,71 @@ class RequestOutput:
     metrics: RequestMetrics
     new_token_ids: list[int] = field(default_factory=list)  # produced by the step that made this
     error: str | None = None  # why, when a sample ended with finish_reason "error"
+
+
+Decode = Callable[[list[int]], str] | None  # the tokenizer's decode, if the model has one
+
+
+def progress_output(seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+    """One sample's progress: the step's tokens and their logprobs, no text."""
+    offset = len(seq.output_ids) - len(new_tokens)
+    sample = CompletionOutput(
+        seq.sample_index,
+        list(new_tokens),
+        "",
+        None if seq.logprobs is None else seq.logprobs[offset:],
+        seq.finish_reason,
+        None if seq.token_logprobs is None else seq.token_logprobs[offset:],
+        offset=offset,
+    )
+    return RequestOutput(
+        seq.request_id,
+        seq.prompt_ids,
+        [sample],
+        False,
+        metrics(seq, seq.num_preemptions),
+        new_token_ids=new_tokens,
+        error=seq.error,
+    )
+
+
+def final_output(samples: list[Sequence], new_tokens: list[int], decode: Decode) -> RequestOutput:
+    """The finished request: all n samples by index. Samples never forked (the request ended
+    before its first token) are empty, with sample 0's finish reason."""
+    head = samples[0]
+    outputs = [completion(s, decode) for s in samples]
+    empty_logprobs = None if head.logprobs is None else []
+    outputs += [
+        CompletionOutput(i, [], "", empty_logprobs, head.finish_reason, empty_logprobs)
+        for i in range(len(samples), head.params.n)
+    ]
+    preemptions = sum(s.num_preemptions for s in samples)
+    error = next((s.error for s in samples if s.error), None)
+    return RequestOutput(
+        head.request_id,
+        head.prompt_ids,
+        outputs,
+        True,
+        metrics(head, preemptions),
+        new_token_ids=new_tokens,
+        error=error,
+    )
+
+
+def completion(seq: Sequence, decode: Decode) -> CompletionOutput:
+    text = decode(seq.output_ids) if seq.finished and decode is not None else ""
+    return CompletionOutput(
+        seq.sample_index,
+        list(seq.output_ids),
+        text,
+        None if seq.logprobs is None else list(seq.logprobs),
+        seq.finish_reason,
+        None if seq.token_logprobs is None else list(seq.token_logprobs),
+    )
+
+
+def metrics(seq: Sequence, num_preemptions: int) -> RequestMetrics:
+    ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
+    return RequestMetrics(
+        seq.arrival_time, seq.first_token_time, ttft, seq.num_cached_tokens, num_preemptions
+    )

@@ -1,14 +1,14 @@
-"""Builds one step's packed batch from the scheduler's decisions and runs the model once (R2, R10)."""
+"""Builds one step's packed batch from its plan and runs the model once over it (R2, R10)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
 from kvpage.cache.block_table import TableSnapshot
 from kvpage.cache.manager import KVCacheManager
-from kvpage.engine.scheduler import ScheduledSeq
+from kvpage.engine.plan import ScheduledSeq, StepBatch
 from kvpage.kv.storage import KVStorage
 from kvpage.model.base import CausalLM
 from kvpage.model.paged_attention import (
@@ -18,25 +18,24 @@ from kvpage.model.paged_attention import (
     validate_cu_seqlens,
 )
 
-
-@dataclass(slots=True)
-class StepBatch:
-    """One step as data: what a tracer observes and what the model consumes."""
-
-    scheduled: list[ScheduledSeq]
-    input_ids: list[int]
-    positions: list[int]
-    cu_seqlens_q: list[int]
-    snapshots: list[TableSnapshot]
-    sample_rows: list[int]  # last row of each sequence whose pending tokens are all computed
-    sample_seqs: list[ScheduledSeq]
+# Runs the local forward pass on every rank (tensor parallelism: the inputs are sent first).
+AroundForward = Callable[
+    [torch.Tensor, PagedAttentionMetadata, Callable[[], torch.Tensor]], torch.Tensor
+]
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, storage: KVStorage, cache: KVCacheManager) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        storage: KVStorage,
+        cache: KVCacheManager,
+        around_forward: AroundForward | None = None,
+    ) -> None:
         self.model = model
         self.storage = storage
         self.cache = cache
+        self.around_forward = around_forward
         self.device = model.device
         self.block_size = storage.block_size
         self._block_offsets = torch.arange(self.block_size, device=self.device)
@@ -48,25 +47,31 @@ class ModelRunner:
         cu = [0]
         sample_rows: list[int] = []
         sample_seqs: list[ScheduledSeq] = []
+        context_lens: list[int] = []
         for item in scheduled:
             seq, start, n = item.seq, item.seq.num_computed, item.num_new_tokens
             ids += seq.token_at(start, start + n)
             positions += range(start, start + n)
             cu.append(cu[-1] + n)
+            context_lens.append(start + n)
             if start + n == seq.num_tokens:
                 sample_rows.append(cu[-1] - 1)
                 sample_seqs.append(item)
-        self.check_cu_seqlens(cu, len(ids))
+        self.check_batch(cu, len(ids))
         snaps = [self.cache.snapshot(item.seq.table) for item in scheduled]
-        return StepBatch(scheduled, ids, positions, cu, snaps, sample_rows, sample_seqs)
+        return StepBatch(
+            scheduled, ids, positions, cu, snaps, sample_rows, sample_seqs, context_lens
+        )
 
-    def check_cu_seqlens(self, cu_seqlens: list[int], num_tokens: int) -> None:
-        validate_cu_seqlens(cu_seqlens, num_tokens)  # R10; a method so a mutant can drop it
+    def check_batch(self, cu_seqlens: list[int], num_tokens: int) -> None:
+        """The packed batch's layout guard (R10; a declared seam, kvpage.engine.hooks: the
+        check a naive engine lacks, which the verifier must not need to catch its bugs)."""
+        validate_cu_seqlens(cu_seqlens, num_tokens)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Logits (len(sample_rows), V) in float32."""
-        meta = self._metadata(batch)
+        meta = self.attention_metadata(batch)
         ids_pos = torch.tensor(
             (batch.input_ids, batch.positions), dtype=torch.long, device=self.device
         )  # (2, N): one host-to-tensor copy for both
@@ -77,28 +82,34 @@ class ModelRunner:
         return self.model.compute_logits(hidden).float()  # (M, V)
 
     def forward(self, ids_pos: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
-        """Hidden states (N, C); a tensor-parallel runner sends the same inputs to its workers."""
-        return self.model(ids_pos[0], ids_pos[1], PagedAttention(self.storage, meta))
+        """Hidden states (N, C); under tensor parallelism every worker runs the same inputs."""
+
+        def local() -> torch.Tensor:
+            return self.model(ids_pos[0], ids_pos[1], PagedAttention(self.storage, meta))
+
+        return local() if self.around_forward is None else self.around_forward(ids_pos, meta, local)
 
     def release(self, batch: StepBatch) -> None:
         for snap in batch.snapshots:
             self.cache.release_snapshot(snap)
 
-    def _metadata(self, batch: StepBatch) -> PagedAttentionMetadata:
+    def attention_metadata(self, batch: StepBatch) -> PagedAttentionMetadata:
+        """What every layer's attention reads of the step: slots, decode tables and lengths,
+        prefill chunks with their cached context."""
         decode_rows: list[int] = []
         decode_tables: list[tuple[int, ...]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         slots: list[int] = []
-        for item, snap, start, end in zip(
+        for item, snap, context_len, start, end in zip(
             batch.scheduled,
             batch.snapshots,
+            batch.context_lens,
             batch.cu_seqlens_q,
             batch.cu_seqlens_q[1:],
             strict=False,
         ):
             slots += item.slots
-            context_len = item.seq.num_computed + item.num_new_tokens
             if item.num_new_tokens == 1:
                 decode_rows.append(start)
                 decode_tables.append(snap.block_ids)

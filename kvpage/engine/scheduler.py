@@ -1,74 +1,57 @@
-"""Continuous batching (R9) with chunked prefill and preemption (R11, R20).
+"""The scheduler owns the request lifecycle: continuous batching (R9) with chunked prefill and
+preemption (R11, R20), and what becomes of each request after its tokens are drawn.
 
-Each step: running requests first, oldest first, each gets its pending tokens (1 for decode, a chunk
-for prefill) within the token budget; when blocks run out the newest running request is preempted
-(recompute: free and re-prefill later, at the front of the queue; swap: KV copied to the CPU).
-Then swapped requests are restored, and only then are waiting requests admitted — prefix-cache hits
-taken (ref_count raised) before any new allocation, so the allocation cannot evict them.
+`schedule(step)` returns the step as data (kvpage.engine.plan.StepPlan): running requests first,
+oldest first, each with its pending tokens (1 for decode, a chunk for prefill) within the token
+budget; when blocks run out the newest running request is preempted (recompute: free and re-prefill
+later, at the front of the queue; swap: KV copied to the CPU). Then swapped requests are restored,
+and only then are waiting requests admitted — prefix-cache hits taken (ref_count raised) before any
+new allocation, so the allocation cannot evict them. Every KV movement those decisions imply is a
+block operation in the plan, in order; the scheduler itself touches no tensor. After the executor
+applied them, `block_ops_applied` makes restored tables readable and turns a failed swap-out into
+a recompute (R21); after the forward pass, `commit` counts the KV written and publishes the newly
+full blocks; `update(plan, sampled)` appends the draws, applies the stop rule and returns outputs.
 
 With preemption switched off nothing can be taken back: admission reserves each request's worst
 case, and if running requests still hold every block and none can grow (preemption was switched off
 while they ran), the newest of them fails with finish reason "error" so the others can finish.
 
-Prefix sharing inside one step (issue 12). Blocks enter the prefix index only after the step that
-wrote their KV (`KVCacheManager.publish_full_blocks`, from the engine's commit), so N requests that
-share a system prompt and are admitted in the same step would each compute it. Two ways out:
-(a) a request admitted in the same step joins the blocks an earlier request of that step is writing
-    in this very forward pass. Correct here only through a property of another module: every layer
-    writes all of the step's K/V slots before any sequence attends (model/paged_attention.py). A
-    runner that splits a mixed batch into passes (cached-context chunks and decodes before fresh
-    prefills, as many do), a kernel that writes each sequence's K/V inside its own attention, or
-    asynchronous scheduling turns it into a read before the write. It also breaks the seeds' rule
-    as written (R11/R12: a table becomes visible only after its KV is there): the joiner's table
-    and the index would name blocks whose KV does not exist yet. And the gate would not guard it:
-    on this runner such a join passes every check, and the provenance check sees a step as one
-    batch, writes first; only tokens would show the day the runner changes (the mutant
-    `same_step_join` is exactly that pair, and the gate catches it as a prefix_key divergence).
-(b) the request is held back and admitted in a later step, once the writer's step has published
-    the blocks, and takes an ordinary hit. The rule holds literally: nothing is readable, through
-    the index or a table, before its KV is written, whatever the runner does. The price: one step
-    more to the first token of a held request, and only when it would otherwise recompute a block.
-We do (b). Each step, once, the digests of the full blocks that this step's scheduled chunks
-complete, and that the commit will publish (chain.keys[num_published : num_tokens // B], caching on
-for the namespace, publishing not blocked), form a set, updated as requests are admitted; a waiting
-request is deferred when a key it could hit (its first (len - 1) // B: chained digests, so only a
-writer of its own namespace matches) is in the set. It is skipped, not a barrier: requests behind
-it that share nothing are admitted as usual. Live and bounded: only a chunk scheduled in this very
-step makes anyone wait, and a waiter is reached only while budget is left, so every scheduled
-prefill completes its prompt in this step and publishes at its end (a preempted, aborted or stalled
-writer is not scheduled, so it holds nobody); and a request is deferred at most once per full block
-it could hit. A deferred request was not admitted, so its lookup is counted only at its final
-admission (`_count_lookup`).
+Prefix sharing inside one step: a request admitted in the same step as another that is computing
+the prefix it could hit is held back one step (kvpage.engine.prefix_wait explains why, and why not
+join the writer's blocks), then takes an ordinary hit.
 
-The scheduler holds the cache, the swapper (KV movement) and the observers; never the engine."""
+Events (kvpage.engine.events) reach the observers at the moment the thing happens."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import dataclass, field
 
+from kvpage.cache.block_ops import CopyBlock, SwapIn, SwapOut
 from kvpage.cache.manager import KVCacheManager
 from kvpage.config import EngineConfig
-from kvpage.engine.events import EngineObserver, Preempted, emit, held_blocks, prefix_hit, who
+from kvpage.engine.events import (
+    Aborted,
+    CacheCorruption,
+    CowCopy,
+    EngineObserver,
+    Finished,
+    Freed,
+    Preempted,
+    SwappedIn,
+    SwappedOut,
+    TimedOut,
+    emit,
+    held_blocks,
+    prefix_hit,
+    who,
+)
+from kvpage.engine.outputs import Decode, RequestOutput, final_output, progress_output
+from kvpage.engine.plan import BlockOpsDone, Draw, Preemption, Sampled, ScheduledSeq, StepPlan
+from kvpage.engine.prefix_wait import PrefixWait
+from kvpage.engine.requests import Requests
 from kvpage.engine.sequence import SeqStatus, Sequence
-from kvpage.engine.swap import KVSwapper
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-    slots: list[int]
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    step: int
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[tuple[Sequence, str]] = field(default_factory=list)  # (seq, mode used)
-    # Running but unable to grow with preemption off; and those failed for it (the engine ends them)
-    stalled: list[Sequence] = field(default_factory=list)
-    failed: list[tuple[Sequence, str]] = field(default_factory=list)  # (seq, why)
+from kvpage.kv.swap_space import SwapSpace
 
 
 class Scheduler:
@@ -76,170 +59,193 @@ class Scheduler:
         self,
         config: EngineConfig,
         cache: KVCacheManager,
-        swapper: KVSwapper,
+        swap_space: SwapSpace,
+        requests: Requests,
         observers: list[EngineObserver],
+        decode: Decode = None,
     ) -> None:
         self.config = config
         self.cache = cache
-        self.swapper = swapper
+        self.swap_space = swap_space
+        self.requests = requests
         self.observers = observers  # the engine's list, shared
+        self.decode = decode
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
+        self.suspended: dict[int, Sequence] = {}  # seq id -> a WAITING/SWAPPED seq kept out
+        self.to_fork: set[int] = set()  # seq ids of n > 1 requests before their first token
         self.preemption_enabled = True  # kill switch (R30)
+        self.emit_progress = True  # per-token outputs for streaming; offline callers turn it off
         self.preemptions = {"recompute": 0, "swap": 0}
+        self.swap_counts = {"swap_outs": 0, "swap_ins": 0, "swap_failures": 0}
+        self.counters = {"aborts": 0, "timeouts": 0}
         # Each prompt once, at its first admission (R29): prefix_hits == sum(num_cached_tokens).
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens served from the cache
         # Prompt tokens fed to the model (re-prefills after recompute preemption count again):
         # without preemption, sum(prompt lengths) - prefix_hits.
         self.prefill_tokens = 0
-        self._deferrals: dict[int, int] = {}  # seq id -> steps held back for a pending prefix
-        self.last_output: SchedulerOutput | None = None  # what the latest step decided
+        self.prefix_wait = PrefixWait(cache)
+        self._outputs: list[RequestOutput] = []  # finished or progressed since the last take
 
     # --- queue management ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        if seq.params.n > 1:
+            self.to_fork.add(seq.seq_id)  # R33: one sequence until its prefill is done
 
     def remove(self, seq: Sequence) -> None:
-        """Take a request out of whatever queue holds it and give back its blocks."""
+        """Take a request out of whatever queue holds it and give back its blocks and its
+        swap space."""
         for queue in (self.waiting, self.running, self.swapped):
             if seq in queue:
                 queue.remove(seq)
-        self._deferrals.pop(seq.seq_id, None)
+        self.suspended.pop(seq.seq_id, None)
+        self.prefix_wait.forget(seq)
         self.cache.free_table(seq.table)
         seq.num_computed = 0
+        self.swap_space.discard(seq.seq_id)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.suspended)
+
+    def suspend(self, seq: Sequence) -> None:
+        """Keep a WAITING or SWAPPED sequence out of every step until `resume` (between steps:
+        a test driver's hold after a forced preemption)."""
+        queue = {SeqStatus.WAITING: self.waiting, SeqStatus.SWAPPED: self.swapped}[seq.status]
+        queue.remove(seq)
+        self.suspended[seq.seq_id] = seq
+
+    def resume(self, seq: Sequence) -> None:
+        """Back where a preemption puts it: the front of the waiting queue, or swapped."""
+        del self.suspended[seq.seq_id]
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.appendleft(seq)
+        else:
+            self.swapped.append(seq)
 
     # --- one step --------------------------------------------------------------------------
-    def schedule(self, step: int) -> SchedulerOutput:
-        out = SchedulerOutput(step)
-        self._apply_forced_preemptions(out)
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted:
-            budget = self._restore_swapped(out, budget)
-            if not any(s.hold_until_step <= step for s in self.swapped):
-                self._admit_waiting(out, budget)
-        self._fail_if_stuck(out)
-        self.prefill_tokens += sum(_prompt_tokens(item) for item in out.scheduled)
-        self.last_output = out
-        return out
+    def schedule(self, step: int) -> StepPlan:
+        plan = StepPlan(step)
+        self._drain(plan)  # ops recorded between steps (frees of finished requests)
+        budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
+        if not plan.preempted:
+            budget = self._restore_swapped(plan, budget)
+            if self.may_admit(plan):
+                self._admit_waiting(plan, budget)
+        self._fail_if_stuck(plan)
+        self.prefill_tokens += sum(_prompt_tokens(item) for item in plan.scheduled)
+        self._drain(plan)
+        return plan
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed, budget)
-            room = self._make_room(seq, n, out)
+            room = self._make_room(seq, n, plan)
             if room == "self_preempted":
                 break  # seq itself was the newest; nothing after it is left
             if room == "no_room":  # preemption switched off: wait for blocks to come back
-                out.stalled.append(seq)
+                plan.stalled.append(seq)
                 i += 1
                 continue
-            out.scheduled.append(ScheduledSeq(seq, n, self.cache.append_slots(seq.table, n)))
+            plan.scheduled.append(ScheduledSeq(seq, n, self._append(seq, n, plan)))
             budget -= n
             i += 1
         return budget
 
-    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> str:
+    def _make_room(self, seq: Sequence, n: int, plan: StepPlan) -> str:
         while not self.cache.can_append(seq.table, n):
             if not self.preemption_enabled:
                 return "no_room"
-            victim = self.running[-1]
-            self.preempt(victim, out)
+            victim = self.choose_victim(seq)
+            self.preempt(victim, plan)
             if victim is seq:
                 return "self_preempted"
         return "ok"
 
-    def _restore_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        """Swapped requests come back before any new admission, oldest first. One swapped out
-        mid-prefill may have more uncomputed tokens than a whole step's budget: it is restored
-        with a chunk of them (like any prefill), never left waiting for a budget it cannot get."""
+    def choose_victim(self, needs_room: Sequence) -> Sequence:
+        """Which running request is preempted when `needs_room` cannot grow (a declared seam,
+        kvpage.engine.hooks): the newest, so the oldest requests keep making progress. Running
+        is oldest first, so the newest never precedes `needs_room` in this step's order."""
+        return self.running[-1]
+
+    def _append(self, seq: Sequence, n: int, plan: StepPlan) -> list[int]:
+        slots = self.cache.append_slots(seq.table, n)
+        self._drain(plan)
+        return slots
+
+    def _restore_swapped(self, plan: StepPlan, budget: int) -> int:
+        """Swapped requests come back before any new admission, oldest first."""
         for seq in list(self.swapped):
-            if seq.hold_until_step > out.step:
-                continue
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            n = min(seq.num_uncomputed, budget)
-            if self.cache.blocks_for(seq.swapped_tokens + n) > self.cache.num_free_blocks():
+            n = self.restore_chunk(seq, budget)
+            if n is None or self.cache.blocks_for(seq.swapped_tokens + n) > (
+                self.cache.num_free_blocks()
+            ):
                 break
-            self.swapped.remove(seq)
-            self.swapper.swap_in(seq)  # table readable only once the copy is complete
-            self._note_resume(seq)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n, self.cache.append_slots(seq.table, n)))
+            self._swap_in(seq, plan)
+            plan.scheduled.append(ScheduledSeq(seq, n, self._append(seq, n, plan)))
             budget -= n
         return budget
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        pending = self._pending_keys(out) if self.waiting else None
+    def restore_chunk(self, seq: Sequence, budget: int) -> int | None:
+        """Tokens a swapped request is restored with this step, or None for not now (a declared
+        seam). One swapped out mid-prefill may have more uncomputed tokens than a whole step's
+        budget: it comes back with a chunk of them (like any prefill), never left waiting for a
+        budget it cannot get."""
+        return min(seq.num_uncomputed, budget)
+
+    def _swap_in(self, seq: Sequence, plan: StepPlan) -> None:
+        """Allocate its blocks RESTORING (unreadable) and plan the copy back; the table becomes
+        readable in `block_ops_applied`, once the executor has written the KV."""
+        self.swapped.remove(seq)
+        ids = self.cache.allocate_restoring(seq.table, seq.swapped_tokens)
+        self._drain(plan)
+        plan.block_ops.append(SwapIn(seq.seq_id, tuple(ids)))
+        seq.num_computed = seq.swapped_tokens
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        plan.resumed.append(seq)
+        self.swap_counts["swap_ins"] += 1
+
+    def may_admit(self, plan: StepPlan) -> bool:
+        """Whether waiting requests may be admitted in this step (a declared seam): not while a
+        swapped request is still out (it came first; new admissions would take its blocks)."""
+        return not self.swapped
+
+    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
+        pending = self.prefix_wait.pending_keys(plan.scheduled) if self.waiting else None
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            if seq.hold_until_step > out.step:
-                continue
-            if pending and self._defer(seq, pending):
+            if pending and self.prefix_wait.defer(seq, pending):
                 continue  # a chunk of this step computes its prefix: it hits it next step
             if not self.preemption_enabled and not self._fits_worst_case(seq):
                 return
-            self._acquire_prefix(seq)
+            self.acquire_prefix(seq)
+            self._report_corruptions()
             n = min(seq.num_uncomputed, budget)
             if not self.cache.can_append(seq.table, n):
                 self.cache.free_table(seq.table)  # give the hit blocks back; retry next step
                 seq.num_computed = 0
                 return
             self._admit(seq)
-            out.scheduled.append(ScheduledSeq(seq, n, self.cache.append_slots(seq.table, n)))
+            plan.scheduled.append(ScheduledSeq(seq, n, self._append(seq, n, plan)))
             budget -= n
             if pending is not None:
-                self._add_pending(pending, seq)
-
-    # --- same-step prefix sharing (see the module docstring) -------------------------------
-    def _pending_keys(self, out: SchedulerOutput) -> set[bytes] | None:
-        """Digests of the full blocks this step's chunks complete, published when it ends; None
-        when prefix caching is off (nothing will be published, nobody waits)."""
-        if not self.cache.enable_prefix_caching:
-            return None
-        pending: set[bytes] = set()
-        for item in out.scheduled:
-            self._add_pending(pending, item.seq)
-        return pending
-
-    def _add_pending(self, pending: set[bytes], seq: Sequence) -> None:
-        """What `publish_full_blocks` will publish for seq after this step (its table already
-        counts the step's chunk): O(blocks completed), nothing for most decodes."""
-        table, chain = seq.table, seq.chain
-        if table.publish_blocked or not self.cache.index.is_enabled(chain.namespace_digest):
-            return
-        end = min(len(chain.keys), table.num_tokens // self.cache.block_size)
-        pending.update(key.digest for key in chain.keys[table.num_published : end])
-
-    def _defer(self, seq: Sequence, pending: set[bytes]) -> bool:
-        """Hold seq back this step when a block it could hit is being computed in it. Chained
-        digests cover the namespace, so only a writer of its own namespace can hold it."""
-        chain = seq.chain
-        if not self.cache.index.is_enabled(chain.namespace_digest):
-            return False
-        cap = self.cache.max_hit_blocks(seq.num_tokens)
-        if not any(key.digest in pending for key in chain.keys[:cap]):
-            return False
-        held = self._deferrals.get(seq.seq_id, 0)
-        if held >= cap:  # a backstop: each held step should have published one of its blocks
-            return False
-        self._deferrals[seq.seq_id] = held + 1
-        return True
+                self.prefix_wait.add(pending, seq)
 
     def _admit(self, seq: Sequence) -> None:
         """The admission is final: count the lookup (first time only) and report the hit."""
         self.waiting.remove(seq)
-        self._deferrals.pop(seq.seq_id, None)
+        self.prefix_wait.forget(seq)
         self._note_resume(seq)
         seq.status = SeqStatus.RUNNING
-        self._count_lookup(seq)
+        self.count_lookup(seq)
         if self.observers and seq.num_computed:
             first = not seq.admitted_once
             emit(self.observers, prefix_hit(seq, self.cache, first))
@@ -248,14 +254,25 @@ class Scheduler:
         seq.admitted_once = True
         self.running.append(seq)
 
-    def _count_lookup(self, seq: Sequence) -> None:
-        """prefix_queries / prefix_hits count each request's prompt once, at its first admission:
-        a retried admission never gets here, and a re-prefill after recompute preemption is not
-        a new query (the tokens it finds again are not new hits)."""
+    def count_lookup(self, seq: Sequence) -> None:
+        """prefix_queries / prefix_hits count each request's prompt once, at its first admission
+        (a declared seam): a retried admission never gets here, and a re-prefill after
+        recompute preemption is not a new query (the tokens it finds again are not new hits)."""
         if seq.admitted_once:
             return
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += seq.num_computed
+
+    def acquire_prefix(self, seq: Sequence) -> None:
+        """The admission's prefix lookup (a declared seam): the cached blocks it takes, before
+        any allocation. Tracers see every lookup's result (a retry's too)."""
+        seq.num_computed = self.cache.acquire_prefix(seq.table, seq.chain, seq.num_tokens)
+        self.note_prefix(seq)
+
+    def note_prefix(self, seq: Sequence) -> None:
+        """Tell tracers the tokens the next step skips for `seq` (its num_computed)."""
+        for observer in self.observers:
+            observer.on_prefix_hit(seq, seq.num_computed)
 
     def _fits_worst_case(self, seq: Sequence) -> bool:
         """Without preemption nothing can be taken back, so admit a request only if it and every
@@ -273,30 +290,21 @@ class Scheduler:
         unforked = seq.params.n > 1 and seq.sample_index == 0 and not seq.output_ids
         return blocks * seq.params.n if unforked else blocks
 
-    def _acquire_prefix(self, seq: Sequence) -> None:
-        seq.num_computed = self.cache.acquire_prefix(seq.table, seq.chain, seq.num_tokens)
-        self._note_prefix(seq)
-
-    def _note_prefix(self, seq: Sequence) -> None:
-        """Tracers see every lookup's result (a retry's too): the tokens the next step skips."""
-        for observer in self.observers:
-            observer.on_prefix_hit(seq, seq.num_computed)
-
     def _note_resume(self, seq: Sequence) -> None:
         if seq.resume_pending:
             for observer in self.observers:
                 observer.on_resume(seq, seq.resume_pending, seq.kv_restored)
         seq.resume_pending = ""
 
-    def _fail_if_stuck(self, out: SchedulerOutput) -> None:
+    def _fail_if_stuck(self, plan: StepPlan) -> None:
         """Preemption off, nothing scheduled, and running requests that cannot grow: no step will
         ever free a block, so the newest of them is failed (the engine ends it) and its blocks
         let the others finish. Without this the server loop would spin on empty steps."""
-        if not out.stalled or out.scheduled or out.preempted:
+        if not plan.stalled or plan.scheduled or plan.preempted:
             return
-        victim = out.stalled[-1]  # running is oldest first
+        victim = plan.stalled[-1]  # running is oldest first
         held = len({b for s in self.running for b in s.table.block_ids})
-        out.failed.append(
+        plan.failed.append(
             (
                 victim,
                 f"request {victim.sample_id!r} cannot grow: preemption is off and the running "
@@ -305,38 +313,247 @@ class Scheduler:
             )
         )
 
+    # --- block operations: recorded in order, reported once done --------------------------
+    def _drain(self, plan: StepPlan) -> None:
+        """Move the cache's recorded block ops into the plan (keeping their order) and report
+        the copies: a copy-on-write is observed when it is decided, as the pool then stands."""
+        ops = self.cache.take_block_ops()
+        plan.block_ops += ops
+        for op in ops:
+            if isinstance(op, CopyBlock):
+                self._report_copy(op)
+
+    def _report_copy(self, op: CopyBlock) -> None:
+        for observer in self.observers:
+            observer.on_kv_copy(op.src, op.dst)
+        seq = self.requests.by_seq_id.get(op.seq_id)
+        if self.observers and seq is not None:
+            fields = dict(logical_block=op.logical_block, src_block=op.src, dst_block=op.dst)
+            emit(self.observers, CowCopy(**who(seq), **fields))
+
+    def _report_corruptions(self) -> None:
+        for seq_id, found in self.cache.take_corruptions():
+            seq = self.requests.by_seq_id.get(seq_id)
+            if self.observers and seq is not None:
+                event = CacheCorruption(
+                    **who(seq),
+                    fast_key=found.fast_key,
+                    wanted_digest=found.wanted_digest.hex(),
+                    found_digest=found.found_digest.hex(),
+                    block_id=found.block_id,
+                    depth=found.depth,
+                )
+                emit(self.observers, event)
+
+    def block_ops_applied(self, plan: StepPlan, done: BlockOpsDone) -> None:
+        """The executor applied the plan's block ops: restored tables become readable, and a
+        swap-out whose write failed falls back to recompute (its blocks are already free)."""
+        for op in plan.swap_ins:
+            self._finish_swap_in(op, done)
+        for pre in plan.preempted:
+            if pre.mode == "swap" and pre.seq.seq_id in done.failed_swap_outs:
+                self._swap_failed(pre)
+            elif pre.mode == "swap":
+                self._swap_done(pre)
+            if pre.held is not None:
+                fields = dict(mode=pre.mode, requested_mode=pre.requested_mode, **pre.held)
+                emit(self.observers, Preempted(**who(pre.seq), **fields))
+
+    def _finish_swap_in(self, op: SwapIn, done: BlockOpsDone) -> None:
+        seq = self.requests.by_seq_id[op.seq_id]
+        self.cache.finish_restore(seq.table)  # only now may a step read these blocks
+        latency = done.restored.get(seq.seq_id)
+        if latency is not None:
+            seq.kv_restored = True
+            for observer in self.observers:
+                observer.on_kv_restored(seq, list(op.block_ids))
+            if self.observers:
+                pool = self.cache.pool
+                fields = dict(
+                    num_tokens=seq.swapped_tokens,
+                    blocks=op.block_ids,
+                    generations=tuple(pool.blocks[b].generation for b in op.block_ids),
+                    latency_s=latency,
+                )
+                emit(self.observers, SwappedIn(**who(seq), **fields))
+        self._note_resume(seq)
+
+    def _swap_done(self, pre: Preemption) -> None:
+        self.swap_counts["swap_outs"] += 1
+        if pre.held is not None:
+            fields = dict(num_tokens=pre.seq.swapped_tokens, **pre.held)
+            emit(self.observers, SwappedOut(**who(pre.seq), **fields))
+
+    def _swap_failed(self, pre: Preemption) -> None:
+        """R21: the copy to the swap space failed; the request is recomputed instead."""
+        seq = pre.seq
+        self.swap_counts["swap_failures"] += 1
+        self.preemptions["swap"] -= 1
+        self.preemptions["recompute"] += 1
+        pre.mode = seq.resume_pending = "recompute"
+        seq.kv_restored = True
+        if seq.seq_id in self.suspended:
+            del self.suspended[seq.seq_id]
+        else:
+            self.swapped.remove(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
     # --- preemption ------------------------------------------------------------------------
-    def preempt(self, seq: Sequence, out: SchedulerOutput, mode: str | None = None) -> str:
-        """Take a running request off the pool. Swap falls back to recompute when the swap
-        space is full or the copy fails (R21); returns the mode actually used."""
+    def preempt(self, seq: Sequence, plan: StepPlan, mode: str | None = None) -> str:
+        """Take a running request off the pool, now. Swap falls back to recompute when the swap
+        space is full (and, once the executor tried, when the copy fails: R21); returns the
+        mode planned."""
         requested = mode = mode or self.config.preemption_mode
         held = held_blocks(seq, self.cache.pool) if self.observers else None
         self.running.remove(seq)
         seq.num_preemptions += 1
-        if mode == "swap" and self.swapper.swap_out(seq):
-            seq.status = SeqStatus.SWAPPED
-            self.swapped.append(seq)
+        if mode == "swap" and self.swap_space.can_store(len(seq.table.block_ids)):
+            self._swap_out(seq, plan)
         else:
             mode = "recompute"
             self.cache.free_table(seq.table)
             seq.num_computed = 0
             seq.status = SeqStatus.WAITING
             self.waiting.appendleft(seq)
+        self._drain(plan)
         self.preemptions[mode] += 1
         seq.resume_pending = mode
-        out.preempted.append((seq, mode))
-        if held is not None:
-            emit(self.observers, Preempted(**who(seq), mode=mode, requested_mode=requested, **held))
+        plan.preempted.append(Preemption(seq, mode, requested, held))
         return mode
 
-    def _apply_forced_preemptions(self, out: SchedulerOutput) -> None:
-        for seq in list(self.running):
-            plan = seq.forced
-            if plan is None or plan.done or len(seq.output_ids) < plan.after_tokens:
-                continue
-            plan.done = True
-            self.preempt(seq, out, plan.mode)
-            seq.hold_until_step = out.step + plan.resume_after_steps
+    def _swap_out(self, seq: Sequence, plan: StepPlan) -> None:
+        """Plan the copy out and give the blocks back: the executor reads them before anything
+        later in the plan can write them."""
+        block_ids = self.cache.begin_evict(seq.table)
+        self.swap_space.reserve(seq.seq_id, len(block_ids))
+        self._drain(plan)
+        plan.block_ops.append(SwapOut(seq.seq_id, tuple(block_ids)))
+        seq.swapped_tokens = seq.num_computed
+        seq.kv_restored = False
+        self.cache.free_table(seq.table)
+        seq.status = SeqStatus.SWAPPED
+        self.swapped.append(seq)
+
+    # --- after the forward pass ------------------------------------------------------------
+    def commit(self, plan: StepPlan) -> None:
+        """The step wrote its KV: count it, and publish the blocks it completed (only now may
+        another request read them)."""
+        for item in plan.scheduled:
+            item.seq.num_computed += item.num_new_tokens
+            self.cache.publish_full_blocks(item.seq.table, item.seq.chain)
+
+    def fork(self, parent: Sequence) -> list[Sequence]:
+        """Samples 1..n-1 of a parallel request whose prefill just completed, made before sample
+        0's first token is appended: they share the prompt's KV, not sample 0's output. They
+        run right after the parent (same age)."""
+        self.to_fork.discard(parent.seq_id)
+        children = [self.requests.new_sample(parent, i) for i in range(1, parent.params.n)]
+        at = self.running.index(parent) + 1
+        self.running[at:at] = children
+        return children
+
+    def update(self, plan: StepPlan, sampled: Sampled) -> list[RequestOutput]:
+        """Append the step's draws (forked samples first), end what the stop rule ends, and
+        return the outputs since the last step."""
+        for draw in (*sampled.forked, *sampled.draws):
+            self._append_draw(draw)
+        return self.take_outputs()
+
+    def _append_draw(self, draw: Draw) -> None:
+        seq, token = draw.seq, draw.token
+        seq.output_ids.append(token)
+        seq.chain.extend((token,))
+        if seq.logprobs is not None:
+            seq.logprobs.append(draw.top_logprobs)
+            seq.token_logprobs.append(draw.logprob)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        reason = self.stop_reason(seq, token)
+        if reason is not None:
+            self.finish(seq, reason)
+        elif self.emit_progress:
+            self._outputs.append(progress_output(seq, [token]))
+
+    def stop_reason(self, seq: Sequence, token: int) -> str | None:
+        """The stop rule after `token` was appended (a declared seam): a stop id (EOS unless
+        ignore_eos, or one of stop_token_ids) ends with "stop", max_tokens with "length"; a stop
+        drawn exactly at max_tokens is a stop."""
+        if token in seq.stop_ids:
+            return "stop"
+        if len(seq.output_ids) >= seq.params.max_tokens:
+            return "length"
+        return None
+
+    def take_outputs(self) -> list[RequestOutput]:
+        out, self._outputs = self._outputs, []
+        return out
+
+    # --- the end of a request --------------------------------------------------------------
+    def finish(self, seq: Sequence, reason: str) -> None:
+        held = held_blocks(seq, self.cache.pool) if self.observers else None
+        self.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        if held is not None:
+            emit(self.observers, Freed(**who(seq), reason=reason, **held))
+            count = len(seq.output_ids)
+            emit(
+                self.observers,
+                Finished(**who(seq), reason=reason, num_output_tokens=count, error=seq.error),
+            )
+        new = seq.output_ids[-1:] if reason in ("stop", "length") else []
+        if seq.params.n == 1:
+            self._outputs.append(final_output([seq], new, self.decode))
+            self.requests.retire(seq.request_id)
+        else:
+            self._finish_sample(seq, new)
+
+    def _finish_sample(self, seq: Sequence, new: list[int]) -> None:
+        """One sample of a parallel request is done; the request is once every sample is (a
+        request that ends before its fork has only sample 0)."""
+        self.to_fork.discard(seq.seq_id)
+        if self.emit_progress:
+            self._outputs.append(progress_output(seq, new))
+        samples = self.requests.samples[seq.request_id]
+        if all(s.finished for s in samples):
+            self._outputs.append(final_output(samples, [], self.decode))
+            self.requests.retire(seq.request_id)
+
+    def fail(self, seq: Sequence, message: str) -> None:
+        """End a sample with finish reason "error"; `message` reaches RequestOutput.error."""
+        seq.error = message
+        self.finish(seq, "error")
+
+    def abort(self, name: str, reason: str = "abort") -> bool:
+        """Abort wherever the request is (waiting, running, swapped, suspended); its blocks come
+        back. A request id ends every unfinished sample; `rid#i` only that sample (the server's
+        stop strings end samples one at a time)."""
+        live = [seq for seq in self.requests.named(name) if not seq.finished]
+        if not live:
+            return False
+        self.counters["aborts" if reason == "abort" else "timeouts"] += 1
+        if self.observers:
+            self._emit_abort(name, live, reason)
+        for seq in live:
+            self.finish(seq, reason)
+        return True
+
+    def _emit_abort(self, name: str, live: list[Sequence], reason: str) -> None:
+        """One event for the call; it names the request (or sample) as the caller did."""
+        fields = {**who(live[0]), "sample_id": name, "samples": tuple(s.sample_id for s in live)}
+        if reason == "timeout":
+            overdue = time.monotonic() - live[0].deadline
+            emit(self.observers, TimedOut(**fields, overdue_s=overdue))
+        else:
+            emit(self.observers, Aborted(**fields))
+
+    def expire_timeouts(self) -> None:
+        """Only requests that have a deadline are looked at: none, no per-step scan."""
+        now = time.monotonic()
+        heads = self.requests.heads
+        for request_id in [r for r in self.requests.with_deadline if now > heads[r].deadline]:
+            self.abort(request_id, reason="timeout")
 
 
 def _prompt_tokens(item: ScheduledSeq) -> int:

@@ -5,6 +5,9 @@ WAITING --admit--> RUNNING --finish--> FINISHED
    |                 \\--preempt(swap)--> SWAPPED --restore--> RUNNING
 any state --abort/timeout--> FINISHED
 
+A WAITING or SWAPPED sequence may be suspended (`Scheduler.suspend`, from a test driver between
+steps): it keeps its state but leaves the queues until resumed, so no step schedules it.
+
 A request with n > 1 (R33) enters as one sequence, sample 0. The step that samples its first token
 forks samples 1..n-1: new sequences, RUNNING, sharing its blocks and key chain up to the prompt's
 end. From then on each sample moves through this machine on its own.
@@ -27,17 +30,6 @@ class SeqStatus(enum.Enum):
     RUNNING = "running"
     SWAPPED = "swapped"
     FINISHED = "finished"
-
-
-@dataclass(slots=True)
-class ForcedPreemption:
-    """A test/verifier instruction (R20): preempt after `after_tokens` outputs, keep the request
-    out for `resume_after_steps` engine steps."""
-
-    after_tokens: int
-    resume_after_steps: int
-    mode: str
-    done: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -64,8 +56,6 @@ class Sequence:
     first_token_time: float | None = None
     finish_reason: str | None = None
     error: str | None = None
-    forced: ForcedPreemption | None = None
-    hold_until_step: int = -1
     swapped_tokens: int = 0  # KV tokens held in the swap space while SWAPPED
     resume_pending: str = ""  # preemption mode, until the request runs again
     kv_restored: bool = True  # False from swap-out until the restored KV has been copied back

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvpage.model.paged_attention import PagedAttention
-from kvpage.verify.mutants.base import _bind
+from kvpage.verify.mutants.base import bind
 
 MAX_STEPS = 4
 
@@ -44,7 +44,7 @@ class AttentionCapture:
         capture = self
 
         def run(self, batch):
-            meta = self._metadata(batch)
+            meta = self.attention_metadata(batch)
             sink: dict[int, list] = {}
             index = capture._decode_index(batch, meta)
             ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
@@ -58,7 +58,7 @@ class AttentionCapture:
                 capture.weights.append([sink[layer] for layer in sorted(sink)])
             return logits
 
-        _bind(runner, "run", run)
+        bind(runner, "run", run)
 
     def _decode_index(self, batch, meta) -> int | None:
         rows = meta.decode_rows.tolist()

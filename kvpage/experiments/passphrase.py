@@ -21,10 +21,10 @@ from pathlib import Path
 from kvpage.config import EngineConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.experiments.attention_capture import AttentionCapture
-from kvpage.experiments.sharing import share_running_prefix
 from kvpage.model import load_model
 from kvpage.model import passphrase as task
 from kvpage.sampling_params import SamplingParams
+from kvpage.verify.mutants.sharing import share_running_prefix
 
 STRATEGIES = ("no_sharing", "shared_no_cow", "shared_cow")
 MODEL = "builtin:passphrase-mini"

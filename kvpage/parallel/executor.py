@@ -1,5 +1,6 @@
 """Rank 0 of a tensor-parallel engine: a WorkerGroup (new, or a shared one, see
-`shared_workers`), rank 0's KV pool shard, and the runner that sends each step to the workers.
+`shared_workers`), rank 0's KV pool shard (whose block operations go to every rank), and the
+forward pass that sends each step's inputs to the workers first (the engine's runner calls it).
 
 Per step, rank 0 broadcasts one `Step` (token ids, positions and the attention metadata: slot
 mapping, block tables, cu_seqlens); every rank runs its shard, the row-parallel layers
@@ -8,14 +9,12 @@ all-reduce, and rank 0 alone computes logits (the head is replicated)."""
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
 
 from kvpage.config import EngineConfig
-from kvpage.engine.runner import ModelRunner
 from kvpage.errors import WorkerFailure
 from kvpage.kv.format import KVFormat
 from kvpage.kv.storage import KVShard, KVStorage
@@ -89,6 +88,11 @@ class TensorParallelExecutor:
         )
 
     @property
+    def model(self) -> CausalLM:
+        """Rank 0's shard of the model (its head replicated): what the engine's runner runs."""
+        return self.workers.model
+
+    @property
     def worker_pids(self) -> list[int]:
         return self.workers.pids
 
@@ -121,8 +125,11 @@ class TensorParallelExecutor:
             )
             raise
 
-    def runner(self, cache) -> TPModelRunner:
-        return TPModelRunner(self.workers.model, self.storage.shard, cache, self.command)
+    def forward_on_every_rank(
+        self, ids_pos: torch.Tensor, meta: PagedAttentionMetadata, local: Callable[[], T]
+    ) -> T:
+        """The step's inputs to every worker, then rank 0's own forward pass over its shard."""
+        return self.command(Step(ids_pos, meta), local)
 
     def patch_kv_shards(self, name: str, patch: Callable[[KVShard], None]) -> None:
         """`patch` on rank 0's shard first (a missing seam fails here, loudly, before any
@@ -134,15 +141,3 @@ class TensorParallelExecutor:
         """Stop the workers; a shared group stays up for the next engine unless it failed."""
         if not self.shared or not self.workers.healthy:
             self.workers.shutdown()
-
-
-class TPModelRunner(ModelRunner):
-    """ModelRunner over rank 0's shard: the step's inputs go to every worker first."""
-
-    def __init__(self, model: CausalLM, storage: KVStorage, cache, command) -> None:
-        super().__init__(model, storage, cache)
-        self.command = command
-
-    def forward(self, ids_pos: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
-        local = functools.partial(super().forward, ids_pos, meta)
-        return self.command(Step(ids_pos, meta), local)

@@ -17,10 +17,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+import kvpage.server.admin as admin
 from kvpage.engine.engine import LLMEngine
 from kvpage.errors import InvalidRequest
 from kvpage.model.tokenizer import encode_text
-from kvpage.server import admin
 from kvpage.server.audit import AuditLog, AuditObserver
 from kvpage.server.chat import load_chat_template
 from kvpage.server.engine_loop import EngineFailure, EngineLoop

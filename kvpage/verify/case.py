@@ -7,9 +7,9 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvpage.engine.engine import LLMEngine
 from kvpage.sampling_params import SamplingParams
 from kvpage.verify.canary import make_canaries
+from kvpage.verify.driver import StepDriver
 
 
 @dataclass(slots=True)
@@ -33,11 +33,12 @@ class RequestSpec:
 
 @dataclass(slots=True)
 class Action:
-    """Something done to the engine between steps, once `when(engine, step)` holds."""
+    """Something done between steps, once `when(driver, step)` holds: through the test driver
+    (kvpage.verify.driver), which reaches the engine only by its public calls."""
 
     name: str
-    when: Callable[[LLMEngine, int], bool]
-    do: Callable[[LLMEngine], None]
+    when: Callable[[StepDriver, int], bool]
+    do: Callable[[StepDriver], None]
 
 
 @dataclass(slots=True)
@@ -86,6 +87,6 @@ def with_canaries(specs: list[RequestSpec], vocab: int, seed: int) -> list[Reque
     return specs
 
 
-def status_of(engine: LLMEngine, rid: str):
-    seq = engine.seqs.get(rid)
+def status_of(driver: StepDriver, rid: str):
+    seq = driver.seqs.get(rid)
     return None if seq is None else seq.status

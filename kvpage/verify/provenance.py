@@ -189,16 +189,16 @@ class KVProvenance:
         self._restart(dst, segments)
 
     def on_kv_restored(self, seq: Seq, block_ids: list[int]) -> None:
-        """A swap-in wrote seq's saved KV into block_ids: the table's last len(block_ids) logical
-        blocks, up to its num_tokens (kvpage.cache.manager.allocate_restoring)."""
+        """A swap-in wrote seq's saved KV into block_ids: its logical blocks 0.., up to the
+        tokens it had when swapped out (a swapped table restarts empty:
+        kvpage.cache.manager.allocate_restoring)."""
         self._sample_ids[seq.seq_id] = seq.sample_id
-        B, table = self.block_size, seq.table
-        first = len(table.block_ids) - len(block_ids)
+        B = self.block_size
         for i, bid in enumerate(block_ids):
-            hi = min(B, table.num_tokens - (first + i) * B)
+            hi = min(B, seq.swapped_tokens - i * B)
             if hi > 0:
                 self.stats.restored_blocks += 1
-                self._write(seq, bid, 0, hi, (first + i) * B)
+                self._write(seq, bid, 0, hi, i * B)
 
     # --- writes ----------------------------------------------------------------------------
     def _record_writes(self, seq: Seq, slots: list[int], positions: list[int]) -> None:

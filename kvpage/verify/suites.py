@@ -40,6 +40,7 @@ from kvpage.verify.diff import (
     numeric_tie_step,
     quantized_attribution,
 )
+from kvpage.verify.driver import StepDriver
 from kvpage.verify.trace import EngineTracer
 
 __all__ = ["SUITES", "CaseResult", "Failure", "Runtime", "build_suites", "run_case"]
@@ -218,6 +219,7 @@ class _Drive:
 
     def __init__(self, engine: LLMEngine, case: Case) -> None:
         self.engine, self.case = engine, case
+        self.driver = StepDriver(engine)
         self.liveness: list[Failure] = []
         self.bound = step_bound(case)
 
@@ -237,11 +239,12 @@ class _Drive:
                     cache_salt=spec.cache_salt,
                     timeout_s=spec.timeout_s,
                 )
-            for action in [a for a in actions if a.when(engine, steps)]:
-                action.do(engine)
+            for action in [a for a in actions if a.when(self.driver, steps)]:
+                action.do(self.driver)
                 actions.remove(action)
+            self.driver.prepare()  # forced preemptions and holds, before what is ready is read
             ready = self._ready_work()
-            ended = {o.request_id: o for o in engine.step() if o.finished}
+            ended = {o.request_id: o for o in self.driver.step() if o.finished}
             finished.update(ended)
             steps += 1
             if ready and not ended and not self._progressed():
@@ -250,19 +253,17 @@ class _Drive:
             if steps > self.bound:
                 self._overrun(steps)
                 break
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        finished.update({o.request_id: o for o in self.driver.step() if o.finished})
         return finished, steps
 
     def _ready_work(self) -> list[str]:
-        """Requests the coming step could work on (running, or queued and not held)."""
-        sched, step = self.engine.scheduler, self.engine.step_count + 1
-        ready = [s.sample_id for s in sched.running]
-        for queue in (sched.waiting, sched.swapped):
-            ready += [s.sample_id for s in queue if s.hold_until_step <= step]
-        return ready
+        """Requests the coming step could work on: running or queued (a held one is out of
+        the queues until the driver lets it back)."""
+        sched = self.engine.scheduler
+        return [s.sample_id for q in (sched.running, sched.waiting, sched.swapped) for s in q]
 
     def _progressed(self) -> bool:
-        last = self.engine.scheduler.last_output
+        last = self.driver.last_plan
         return last is not None and bool(last.scheduled or last.preempted)
 
     def _stall(self, steps: int, ready: list[str]) -> None:

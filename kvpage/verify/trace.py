@@ -58,6 +58,9 @@ class EngineTracer:
     def on_event(self, event) -> None:
         """Lifecycle events are not part of a step trace (the hooks below are)."""
 
+    def on_plan(self, plan) -> None:
+        """A plan is traced through what it leads to (on_batch, on_sampled, the copies)."""
+
     def on_prefix_hit(self, seq, cached_tokens: int) -> None:
         pend = self._pending_for(seq)
         pend.hit_tokens = max(0, cached_tokens - pend.context_start)

@@ -160,7 +160,7 @@ def batched_logits_in_bfloat16(engine: LLMEngine) -> None:
     """A test-only seam: logits of a step with several sequences are rounded to bfloat16, as a
     lower-precision batched kernel would leave them. Solo steps are untouched, nothing else
     changes: the outputs differ from solo ones by float rounding only."""
-    from kvpage.verify.mutants.base import _bind
+    from kvpage.verify.mutants.base import bind
 
     original = engine.runner.run
 
@@ -170,4 +170,4 @@ def batched_logits_in_bfloat16(engine: LLMEngine) -> None:
             logits = logits.to("cpu").bfloat16().float().to(logits.device)
         return logits
 
-    _bind(engine.runner, "run", run)
+    bind(engine.runner, "run", run)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvpage.cache import BlockKeyChain, BlockTable, CacheNamespace, KVCacheManager
+from kvpage.cache import BlockKeyChain, BlockTable, CacheNamespace, CopyBlock, KVCacheManager
 
 BS = 16
 
@@ -34,6 +34,21 @@ class FakeKV:
         bs = self.block_size
         self.copies.append((src, dst))
         self.slots[dst * bs : (dst + 1) * bs] = self.slots[src * bs : (src + 1) * bs]
+
+    def follow(self, manager: KVCacheManager) -> None:
+        """Apply the manager's copy-on-write ops as soon as a call records them (the engine's
+        executor applies a whole step's before its forward pass: the same order)."""
+        for name in ("append_slots", "make_writable"):
+            call = getattr(manager, name)
+
+            def applying(*args, _call=call):
+                result = _call(*args)
+                for op in manager.take_block_ops():
+                    if isinstance(op, CopyBlock):
+                        self.copy_block(op.src, op.dst)
+                return result
+
+            setattr(manager, name, applying)
 
     def write(self, slots: list[int], namespace: bytes, tokens: list[int], start: int) -> None:
         for i, slot in enumerate(slots):
@@ -62,7 +77,7 @@ class Harness:
     def __init__(self, num_blocks: int = 11, block_size: int = BS, **kw):
         self.m = KVCacheManager(num_blocks, block_size, debug_checks=True, **kw)
         self.kv = FakeKV(num_blocks, block_size)
-        self.m.copy_block_fn = self.kv.copy_block
+        self.kv.follow(self.m)
         self.ns = ns(block_size=block_size)
 
     def prefill(

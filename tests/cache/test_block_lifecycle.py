@@ -4,7 +4,14 @@ import itertools
 
 import pytest
 
-from kvpage.cache import LEGAL_TRANSITIONS, BlockPool, BlockState
+from kvpage.cache import (
+    LEGAL_TRANSITIONS,
+    BlockPool,
+    BlockState,
+    CopyBlock,
+    InvalidateBlock,
+    KVCacheManager,
+)
 from kvpage.errors import InvariantViolation, OutOfBlocks
 
 S = BlockState
@@ -97,19 +104,22 @@ def test_cow_without_a_free_block_changes_nothing(make_harness):
     assert h.refs() == before and h.kv.copies == []
 
 
-def test_failing_copy_callback_returns_the_new_block(h):
-    a = h.prefill(1, list(range(20)))
-    child = h.m.fork(a.table, 2)
-
-    def broken(src, dst):
-        raise RuntimeError("device copy failed")
-
-    h.m.copy_block_fn = broken
-    with pytest.raises(RuntimeError):
-        h.m.append_slots(child, 1)
-    assert child.block_ids == [0, 1] and child.num_tokens == 20
-    assert h.m.pool.blocks[2].state is S.FREE and h.m.pool.blocks[2].generation == 1
-    h.m.check_invariants()
+def test_cow_is_recorded_as_a_block_op_not_done(h):
+    """The manager copies nothing itself: a copy-on-write is one CopyBlock op, in order with the
+    invalidations of frees, for the executor to apply before the step reads."""
+    m = KVCacheManager(11, 16, debug_checks=True, invalidate_freed=True)
+    table = m.new_table(1)
+    chain = m.new_key_chain(h.ns)
+    chain.extend(list(range(20)))
+    m.acquire_prefix(table, chain, 20)
+    m.append_slots(table, 20)
+    child = m.fork(table, 2)
+    m.append_slots(child, 1)
+    m.free_table(table)
+    ops = m.take_block_ops()
+    assert ops == [CopyBlock(src=1, dst=2, seq_id=2, logical_block=1), InvalidateBlock(1)]
+    assert m.take_block_ops() == []  # drained
+    assert child.block_ids == [0, 2] and m.pool.blocks[2].valid_len == 5  # 4 copied, 1 new
 
 
 # --- snapshots --------------------------------------------------------------------------------

@@ -13,7 +13,14 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvpage.cache import BlockKeyChain, BlockState, BlockTable, CacheNamespace, KVCacheManager
+from kvpage.cache import (
+    BlockKeyChain,
+    BlockState,
+    BlockTable,
+    CacheNamespace,
+    CopyBlock,
+    KVCacheManager,
+)
 from kvpage.errors import InvariantViolation, OutOfBlocks
 
 BS = 4
@@ -39,14 +46,28 @@ class CacheMachine(RuleBasedStateMachine):
     @initialize(bits=st.sampled_from([64, 64, 3]))
     def setup(self, bits):
         self.m = KVCacheManager(NUM_BLOCKS, BS, fast_key_bits=bits)
+        for name in ("append_slots", "make_writable"):
+            self._apply_copies_after(name)
         self.kv: list = [None] * (NUM_BLOCKS * BS)
-        self.m.copy_block_fn = self._copy
         self.seqs: dict[int, SeqModel] = {}
         self.snaps: list[tuple] = []  # (snapshot, expected slot contents)
         self.next_id = 0
         self.copies = 0
 
     # --- fake device ---------------------------------------------------------------------
+    def _apply_copies_after(self, name: str) -> None:
+        """The manager records copy-on-writes as ops; the fake device applies them at once."""
+        call = getattr(self.m, name)
+
+        def applying(*args):
+            result = call(*args)
+            for op in self.m.take_block_ops():
+                if isinstance(op, CopyBlock):
+                    self._copy(op.src, op.dst)
+            return result
+
+        setattr(self.m, name, applying)
+
     def _copy(self, src, dst):
         self.copies += 1
         self.kv[dst * BS : (dst + 1) * BS] = self.kv[src * BS : (src + 1) * BS]

@@ -3,7 +3,7 @@ and eviction order for the deterministic prefix set of R19."""
 
 import pytest
 
-from kvpage.cache import BlockState, HitEvent
+from kvpage.cache import BlockState
 from kvpage.errors import OutOfBlocks
 
 S = BlockState
@@ -23,7 +23,6 @@ def test_shared_prefix_of_zero_blocks(h):
     assert (b.cached, b.table.block_ids) == (0, [3, 4, 5])
     assert (h.m.stats.queries_tokens, h.m.stats.hit_tokens) == (80, 0)
     assert len(h.m.index) == 4  # two full blocks each; partial blocks are never published
-    assert not h.m.audit
 
 
 def test_shared_prefix_of_one_full_block(h):
@@ -32,17 +31,9 @@ def test_shared_prefix_of_one_full_block(h):
     assert (b.cached, b.table.block_ids) == (16, [0, 3, 4])
     blk = h.m.pool.blocks[0]
     assert (blk.ref_count, blk.state, blk.owners) == (2, S.SHARED_READONLY, {1, 2})
-    ev = h.m.audit[-1]
-    assert isinstance(ev, HitEvent)
-    assert (ev.seq_id, ev.token_count, ev.blocks_hit, ev.last_block_full, ev.capped) == (
-        2,
-        16,
-        (0,),
-        True,
-        False,
-    )
-    assert ev.prefix_digest == b.chain.keys[0].digest
-    assert ev.namespace == h.ns.digest()
+    entry = h.m.index.by_block[0]  # what the hit was served from
+    assert (entry.digest, entry.namespace) == (b.chain.keys[0].digest, h.ns.digest())
+    assert blk.valid_len == 16  # a hit on a full block only
 
 
 def test_shared_prefix_of_several_full_blocks(h):
@@ -50,7 +41,6 @@ def test_shared_prefix_of_several_full_blocks(h):
     b = h.prefill(2, A50[:48] + toks(5000, 10))
     assert (b.cached, b.table.block_ids) == (48, [0, 1, 2, 4])
     assert [h.m.pool.blocks[i].ref_count for i in range(5)] == [2, 2, 2, 1, 1]
-    assert h.m.audit[-1].blocks_hit == (0, 1, 2)
 
 
 def test_shared_prefix_of_full_plus_one(h):
@@ -73,12 +63,12 @@ def test_fully_cached_prompt_leaves_last_token_to_compute(h):
     b = h.prefill(2, A50[:48])
     # Capped at k-1 blocks: block 2 is recomputed privately so the last token yields logits.
     assert (b.cached, b.table.block_ids) == (32, [0, 1, 3])
-    assert h.m.audit[-1].capped is True
+    assert h.m.max_hit_blocks(48) == 2 < 48 // 16  # capped
     assert h.m.pool.blocks[3].state is S.PRIVATE_WRITABLE  # key 2 stays with block 2
     assert b.table.publish_blocked
     c = h.prefill(3, A50[:49])
     assert (c.cached, c.table.block_ids) == (48, [0, 1, 2, 4])
-    assert h.m.audit[-1].capped is False
+    assert h.m.max_hit_blocks(49) == 3  # not capped
 
 
 def test_short_prompts_never_hit(h):

@@ -12,6 +12,7 @@ import torch
 from kvpage import SamplingParams
 from kvpage.config import EngineConfig
 from kvpage.engine.events import EngineObserver
+from kvpage.verify.driver import StepDriver
 from tests.engine.workload import prefix_prompts
 
 from .conftest import TP_MODELS, engine_for
@@ -45,14 +46,15 @@ def _run(config: EngineConfig, prompts):
         pending.append(("fork", prompts[0][: BLOCK + 3], FORK))
         for rid, prompt, params in pending[:half]:
             engine.add_request(rid, prompt, params)
+        driver = StepDriver(engine)
         for rid, after, resume, mode in FORCED:
-            engine.force_preempt(rid, after, resume, mode)
+            driver.force_preempt(rid, after, resume, mode)
         outs, steps = {}, 0
         while engine.has_unfinished_requests() or steps < 3:
             if steps == 2:  # the second wave can hit the blocks the first one published
                 for rid, prompt, params in pending[half:]:
                     engine.add_request(rid, prompt, params)
-            outs.update({o.request_id: o for o in engine.step() if o.finished})
+            outs.update({o.request_id: o for o in driver.step() if o.finished})
             steps += 1
             assert steps < 2000, "no progress"
         return outs, recorder.rows, engine.stats()

@@ -8,6 +8,7 @@ import pytest
 
 from kvpage import LLMEngine, SamplingParams
 from kvpage.config import EngineConfig
+from kvpage.verify.driver import StepDriver
 
 from .workload import prefix_prompts
 
@@ -50,6 +51,7 @@ def run_engine(engine: LLMEngine, prompts, params, forced=(), second_wave_after:
     """Half the requests arrive first; the rest after `second_wave_after` steps, so they can hit
     the blocks the first wave published."""
     half = len(prompts) // 2
+    driver = StepDriver(engine)
     for i in range(half):
         engine.add_request(str(i), prompts[i], params)
     outputs = {}
@@ -59,8 +61,8 @@ def run_engine(engine: LLMEngine, prompts, params, forced=(), second_wave_after:
             for i in range(half, len(prompts)):
                 engine.add_request(str(i), prompts[i], params)
             for index, after, resume, mode in forced:
-                engine.force_preempt(str(index), after, resume, mode)
-        for out in engine.step():
+                driver.force_preempt(str(index), after, resume, mode)
+        for out in driver.step():
             if out.finished:
                 outputs[int(out.request_id)] = out
         steps += 1

@@ -18,6 +18,7 @@ from kvpage.engine import events as ev
 from kvpage.engine.events import EngineObserver
 from kvpage.model import load_model
 from kvpage.verify.cases.policy import policy_cases
+from kvpage.verify.driver import StepDriver
 from kvpage.verify.trace import EngineTracer
 
 from .test_differential import assert_idle_baseline
@@ -126,8 +127,9 @@ def test_preempt_in_both_modes(tiny, mode):
     prompts = _prompts(3, seed=4)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, PARAMS, cache_salt="t")
-    engine.force_preempt("r1", after_tokens=3, resume_after_steps=2, mode=mode)
-    _drive(engine)
+    driver = StepDriver(engine)
+    driver.force_preempt("r1", after_tokens=3, resume_after_steps=2, mode=mode)
+    _drive(driver)
     (pre,) = rec.of(ev.Preempted)
     assert (pre.request_id, pre.mode, pre.requested_mode, pre.tenant) == ("r1", mode, mode, "t")
     assert pre.blocks and len(pre.blocks) == len(pre.generations)
@@ -147,9 +149,10 @@ def test_swap_falls_back_to_recompute(tiny):
     engine, rec = _engine(tiny, swap_space_blocks=64, preemption_mode="swap")
     for i, p in enumerate(_prompts(2, seed=5)):
         engine.add_request(f"r{i}", p, PARAMS)
-    engine.inject_swap_failure(1)
-    engine.force_preempt("r0", after_tokens=2, resume_after_steps=1, mode="swap")
-    _drive(engine)
+    driver = StepDriver(engine)
+    driver.fail_swap_writes(1)
+    driver.force_preempt("r0", after_tokens=2, resume_after_steps=1, mode="swap")
+    _drive(driver)
     (pre,) = rec.of(ev.Preempted)
     assert (pre.mode, pre.requested_mode) == ("recompute", "swap")
     assert not rec.of(ev.SwappedOut)
@@ -261,8 +264,8 @@ def test_every_event_kind_is_distinct():
 # --- nobody else reaches in ----------------------------------------------------------------------
 ROOT = Path(kvpage.__file__).parent
 OWNERS = ("engine", "cache")  # packages that may set their own attributes
-SEAMS = ("verify/mutants",)  # mutants patch through _bind/_replace, which check the seam exists
-WATCHED = {"engine", "_engine", "scheduler", "cache", "swapper", "runner", "sampler", "storage"}
+SEAMS = ("verify/mutants",)  # mutants patch through bind/replace/plant, which check the seam
+WATCHED = {"engine", "_engine", "scheduler", "cache", "executor", "runner", "sampler", "storage"}
 
 
 def _chain(node: ast.AST) -> set[str]:

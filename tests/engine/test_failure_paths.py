@@ -13,6 +13,7 @@ from kvpage import LLMEngine, SamplingParams
 from kvpage.config import EngineConfig
 from kvpage.engine.sequence import SeqStatus
 from kvpage.model import load_model
+from kvpage.verify.driver import StepDriver
 
 from .test_differential import assert_idle_baseline
 from .test_events import Recorder
@@ -67,15 +68,16 @@ def test_abort_waiting_running_swapped(tiny, references):
     prompts = prefix_prompts(16, 258, n=6, seed=11)
     engine = _engine(tiny, max_num_seqs=3, preemption_mode="swap")
     _add(engine, prompts)
-    engine.force_preempt("r1", after_tokens=3, resume_after_steps=50, mode="swap")
-    _drive(engine, until=lambda: "r1" in engine.seqs and _status(engine, "r1") is SeqStatus.SWAPPED)
+    driver = StepDriver(engine)
+    driver.force_preempt("r1", after_tokens=3, resume_after_steps=50, mode="swap")
+    _drive(driver, until=lambda: "r1" in engine.seqs and _status(engine, "r1") is SeqStatus.SWAPPED)
     assert _status(engine, "r5") is SeqStatus.WAITING
     assert _status(engine, "r0") is SeqStatus.RUNNING
     assert engine.stats()["swap_space_used"] > 0
     for rid in ("r5", "r0", "r1"):
         assert engine.abort_request(rid)
     assert engine.stats()["swap_space_used"] == 0
-    done = _drive(engine)
+    done = _drive(driver)
     for rid in ("r5", "r0", "r1"):
         assert done[rid].outputs[0].finish_reason == "abort"
     assert engine.stats()["aborts"] == 3
@@ -105,9 +107,10 @@ def test_swap_write_failure_falls_back_to_recompute(tiny, references):
     prompts = prefix_prompts(16, 258, n=5, seed=13)
     engine = _engine(tiny, preemption_mode="swap")
     _add(engine, prompts)
-    engine.inject_swap_failure(1)
-    engine.force_preempt("r2", after_tokens=5, resume_after_steps=2, mode="swap")
-    done = _drive(engine)
+    driver = StepDriver(engine)
+    driver.fail_swap_writes(1)
+    driver.force_preempt("r2", after_tokens=5, resume_after_steps=2, mode="swap")
+    done = _drive(driver)
     s = engine.stats()
     assert s["swap_failures"] == 1 and s["swap_outs"] == 0
     assert s["preemptions_recompute"] == 1 and done["r2"].metrics.num_preemptions == 1
@@ -124,8 +127,9 @@ def test_cancel_recompute(tiny, references):
         tiny, max_num_batched_tokens=8, preemption_mode="recompute", enable_prefix_caching=False
     )
     _add(engine, prompts)
-    engine.force_preempt("r0", after_tokens=4, resume_after_steps=3)
-    engine.force_preempt("r1", after_tokens=4, resume_after_steps=0)
+    driver = StepDriver(engine)
+    driver.force_preempt("r0", after_tokens=4, resume_after_steps=3)
+    driver.force_preempt("r1", after_tokens=4, resume_after_steps=0)
 
     def r1_reprefilling():
         seq = engine.seqs.get("r1")
@@ -138,16 +142,16 @@ def test_cancel_recompute(tiny, references):
 
     done = {}
     _drive(
-        engine,
+        driver,
         until=lambda: (
             engine.seqs["r0"].status is SeqStatus.WAITING and engine.seqs["r0"].num_preemptions == 1
         ),
         done=done,
     )
     assert engine.abort_request("r0")
-    _drive(engine, until=r1_reprefilling, done=done)
+    _drive(driver, until=r1_reprefilling, done=done)
     assert engine.abort_request("r1")
-    _drive(engine, done=done)
+    _drive(driver, done=done)
     assert done["r0"].outputs[0].finish_reason == done["r1"].outputs[0].finish_reason == "abort"
     _check_survivors(done, prompts, references, skip={"r0", "r1"})
     assert_idle_baseline(engine)
@@ -179,12 +183,13 @@ def test_preempted_mid_prefill_with_a_remainder_over_the_budget_comes_back(tiny,
     engine.add_request("big", big, PARAMS)
     _drive(engine, until=lambda: engine.seqs["big"].num_computed > 0)
     assert len(big) - engine.seqs["big"].num_computed > 16
-    engine.force_preempt("big", after_tokens=0, resume_after_steps=1, mode=mode)
-    engine.step()
+    driver = StepDriver(engine)
+    driver.force_preempt("big", after_tokens=0, resume_after_steps=1, mode=mode)
+    driver.step()
     expected_status = SeqStatus.SWAPPED if mode == "swap" else SeqStatus.WAITING
     assert _status(engine, "big") is expected_status
     _add(engine, prompts[:2])  # arrive after it: admitted only once it is back
-    done = _drive(engine, max_steps=200)
+    done = _drive(driver, max_steps=200)
     ref = references("builtin:tiny-llama")
     assert done["big"].outputs[0].token_ids == ref.tokens(big, PARAMS)
     _check_survivors(done, prompts[:2], references)

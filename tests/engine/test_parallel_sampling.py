@@ -14,6 +14,7 @@ from kvpage.config import EngineConfig
 from kvpage.engine.outputs import RequestOutput
 from kvpage.engine.sequence import SeqStatus
 from kvpage.model import load_model
+from kvpage.verify.driver import StepDriver
 
 from .test_differential import assert_idle_baseline
 
@@ -51,8 +52,14 @@ def _prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length)] for length in lengths]
 
 
-def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]], on_step=None):
-    """Add every request, step until idle; returns (final outputs by id, every output in order)."""
+def _run(
+    engine: LLMEngine,
+    requests: dict[str, tuple[list[int], SamplingParams]],
+    on_step=None,
+    driver: StepDriver | None = None,
+):
+    """Add every request, step until idle (through `driver` when given); returns (final outputs
+    by id, every output in order)."""
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
     final: dict[str, RequestOutput] = {}
@@ -62,7 +69,7 @@ def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]
             return final, seen
         if on_step is not None:
             on_step(engine, step)
-        for out in engine.step():
+        for out in (driver or engine).step():
             seen.append(out)
             if out.finished:
                 assert out.request_id not in final, "a request finished twice"
@@ -237,9 +244,10 @@ def test_samples_survive_preemption(tiny, references, mode):
     engine = _engine(tiny, num_blocks=20, preemption_mode=mode, swap_space_blocks=64)
     forced = _seeded(90, 3, max_tokens=16)
     engine.add_request("forced", prompts[0], forced)
-    engine.force_preempt("forced#1", 2, 3, "swap")  # before the fork: kept for the child
-    engine.force_preempt("forced#2", 5, 2, "recompute")
-    final, _ = _run(engine, requests)
+    driver = StepDriver(engine)
+    driver.force_preempt("forced#1", 2, 3, "swap")  # before the fork: kept for the child
+    driver.force_preempt("forced#2", 5, 2, "recompute")
+    final, _ = _run(engine, requests, driver=driver)
     _assert_samples_match(final, {**requests, "forced": (prompts[0], forced)}, ref)
     stats = engine.stats()
     assert stats["preemptions"] >= 5, stats

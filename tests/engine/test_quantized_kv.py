@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvpage import LLMEngine, SamplingParams
-from kvpage.cache import KVCacheManager
+from kvpage.cache import InvalidateBlock, KVCacheManager
 from kvpage.cache.block_pool import BlockState
 from kvpage.config import EngineConfig
 from kvpage.engine.namespace import base_namespace
@@ -18,6 +18,7 @@ from kvpage.model import load_model
 from kvpage.model.tokenizer import ByteTokenizer
 from kvpage.reference.generator import generate
 from kvpage.reference.kv_oracle import RoundTrip, RoundTripKVCache
+from kvpage.verify.driver import StepDriver
 
 from .test_differential import _config, assert_idle_baseline, run_engine
 from .workload import prefix_prompts
@@ -200,10 +201,11 @@ def test_debug_checks_refuse_a_read_of_invalidated_scales(model):
     engine = LLMEngine(cfg, model, ByteTokenizer())
     engine.patch_kv_shards(swap_in_without_scales)
     engine.add_request("r", list(range(30, 50)), SamplingParams(max_tokens=12, ignore_eos=True))
-    engine.force_preempt("r", after_tokens=3, resume_after_steps=1, mode="swap")
+    driver = StepDriver(engine)
+    driver.force_preempt("r", after_tokens=3, resume_after_steps=1, mode="swap")
     with pytest.raises(InvariantViolation, match="scales nobody wrote"):
         for _ in range(40):
-            engine.step()
+            driver.step()
 
 
 def test_llm_takes_kv_cache_dtype(model, quantized_refs):
@@ -235,4 +237,7 @@ def test_cached_blocks_keep_their_scales_until_evicted(model):
     )
     evicted = engine.cache.evict(2)
     assert sorted(evicted) == sorted(cached)
+    ops = engine.cache.take_block_ops()  # the cache only records what the tensors must do
+    assert ops == [InvalidateBlock(bid) for bid in evicted]
+    engine.executor.apply_block_ops(ops)
     assert all(scales[:, :, bid].abs().sum() == 0 for bid in evicted)

@@ -12,6 +12,7 @@ import pytest
 from kvpage import LLMEngine, SamplingParams
 from kvpage.config import EngineConfig
 from kvpage.engine.sequence import SeqStatus
+from kvpage.verify.driver import StepDriver
 
 from .test_differential import _byte_tokenizer, assert_idle_baseline
 
@@ -31,10 +32,15 @@ def _prompts(vocab: int, block_size: int, n: int, seed: int = 0) -> tuple[list[i
     return prefix, [prefix + tail for tail in tails]
 
 
+_drivers: dict[int, StepDriver] = {}  # id(engine) -> its driver, which keeps the last plan
+
+
 def _engine(ref, block_size: int, **overrides) -> LLMEngine:
     args = dict(model=MODEL, block_size=block_size, num_blocks=256, debug_checks=True)
     args.update(overrides)
-    return LLMEngine(EngineConfig(**args), ref.model, _byte_tokenizer())
+    engine = LLMEngine(EngineConfig(**args), ref.model, _byte_tokenizer())
+    _drivers[id(engine)] = StepDriver(engine)
+    return engine
 
 
 def _run(engine: LLMEngine, limit: int = 500) -> dict:
@@ -47,7 +53,7 @@ def _run(engine: LLMEngine, limit: int = 500) -> dict:
 
 
 def _scheduled_ids(engine: LLMEngine) -> set[str]:
-    return {item.seq.request_id for item in engine.scheduler.last_output.scheduled}
+    return {item.seq.request_id for item in _drivers[id(engine)].last_plan.scheduled}
 
 
 @pytest.mark.parametrize("block_size", [8, 16])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvpage.errors import SwapError
 from kvpage.kv.format import kv_format
 from kvpage.kv.storage import KVStorage
 from kvpage.kv.swap_space import SwapSpace
@@ -88,7 +89,9 @@ def test_swap_out_and_in_carries_scales(name):
     st = _storage(name)
     written = [_write_block(st, b, 10 + b) for b in (0, 3)]
     space = SwapSpace(capacity_blocks=4)
-    space.write(7, st.read_blocks([0, 3]))
+    space.reserve(7, 2)  # planned by the scheduler, copied by the executor
+    assert space.used_blocks == 2 and not space.can_store(3)
+    space.store(7, st.read_blocks([0, 3]))
     assert space.used_blocks == 2
     for b in (0, 3):  # the blocks are freed and reused by someone else
         st.invalidate(b)
@@ -127,3 +130,19 @@ def test_appending_to_a_partial_block_never_requantises_its_tokens(name):
                 whole.data[0, :, 1:3].flatten(1, 2)[:, :hi],
             )
     assert torch.equal(pieces.data, whole.data) and torch.equal(pieces.scales, whole.scales)
+
+
+def test_swap_space_reservations():
+    space = SwapSpace(capacity_blocks=3)
+    space.reserve(1, 2)
+    with pytest.raises(SwapError, match="full"):
+        space.reserve(2, 2)
+    with pytest.raises(SwapError, match="already"):
+        space.reserve(1, 1)
+    with pytest.raises(SwapError, match="no swap space reserved"):
+        space.store(2, _storage("auto").read_blocks([0]))
+    space.cancel(1)  # its copy failed
+    assert space.used_blocks == 0 and 1 not in space
+    space.reserve(2, 1)
+    space.discard(2)  # finished before its copy
+    assert space.used_blocks == 0 and 2 not in space

@@ -79,7 +79,7 @@ def test_chat_n_choices(open_server, offline):
     r = client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=8, extra_body=TOKEN_IDS, **{**FIELDS, "n": 2}
     )
-    prompt_ids = offline.engine._prompt_ids("<|user|>\nTwo answers, please.\n<|assistant|>\n")
+    prompt_ids = offline.engine.prompt_ids("<|user|>\nTwo answers, please.\n<|assistant|>\n")
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=77, max_tokens=8, n=2)
     model = offline.engine.model
     assert [c.index for c in r.choices] == [0, 1]

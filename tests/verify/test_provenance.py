@@ -16,6 +16,7 @@ from kvpage.config import EngineConfig
 from kvpage.errors import InvariantViolation
 from kvpage.model import load_model
 from kvpage.reference.generator import generate
+from kvpage.verify.driver import StepDriver
 from kvpage.verify.mutants.cache import (
     namespace_missing_field,
     no_refcount,
@@ -117,13 +118,14 @@ def run(model, workload: str, mutant=None, debug_checks: bool = True) -> Run:
 def drive(engine, tracer, batch, later=(), forced=(), params=PARAMS) -> Run:
     tokens: dict[str, list[list[int]]] = {}
     steps = 0
+    driver = StepDriver(engine)
     while engine.has_unfinished_requests() or steps <= 3:
         if steps == 3:
             for rid in later:
                 engine.add_request(rid, batch[rid], params)
             for rid, after, hold, mode in forced:
-                engine.force_preempt(rid, after, hold, mode)
-        for out in engine.step():
+                driver.force_preempt(rid, after, hold, mode)
+        for out in driver.step():
             if out.finished:
                 tokens[out.request_id] = [c.token_ids for c in out.outputs]
         steps += 1

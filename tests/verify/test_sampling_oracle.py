@@ -19,6 +19,7 @@ from kvpage.config import EngineConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.model import load_model
 from kvpage.reference.generator import generate
+from kvpage.verify.driver import StepDriver
 from kvpage.verify.mutants.sampling import (
     SAMPLING_MUTANTS,
     probs_top_k_off_by_one,
@@ -391,11 +392,12 @@ def _run_engine(w: Workload, mutant=None) -> list[list[int]]:
         mutant.apply(engine)
     for i, (p, sp) in enumerate(zip(w.prompts, w.params, strict=True)):
         engine.add_request(str(i), p, sp)
+    driver = StepDriver(engine)
     for rid in PREEMPTED:
-        engine.force_preempt(rid, after_tokens=4, resume_after_steps=1, mode="recompute")
+        driver.force_preempt(rid, after_tokens=4, resume_after_steps=1, mode="recompute")
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in driver.step():
             if out.finished:
                 tokens[out.request_id] = out.outputs[0].token_ids
     assert engine.scheduler.preemptions["recompute"] == len(PREEMPTED)

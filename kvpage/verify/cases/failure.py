@@ -20,7 +20,7 @@ def failure_cases(vocab: int) -> list[Case]:
         Action(
             "abort waiting w4, running w0, swapped w1",
             lambda e, s: status_of(e, "w1") is SeqStatus.SWAPPED,
-            lambda e: [e.abort_request(r) for r in ("w4", "w0", "w1")],
+            lambda e: [e.engine.abort_request(r) for r in ("w4", "w0", "w1")],
         ),
     ]
     cases.append(
@@ -51,7 +51,7 @@ def failure_cases(vocab: int) -> list[Case]:
         Action(
             "fail the next swap write",
             lambda e, s: s == 0,
-            lambda e: (e.inject_swap_failure(1), e.force_preempt("s1", 5, 2, "swap")),
+            lambda e: (e.fail_swap_writes(1), e.force_preempt("s1", 5, 2, "swap")),
         )
     ]
     cases.append(
@@ -74,7 +74,7 @@ def failure_cases(vocab: int) -> list[Case]:
         Action(
             "cancel c0's recompute",
             lambda e, s: status_of(e, "c0") is SeqStatus.WAITING and e.seqs["c0"].num_preemptions,
-            lambda e: e.abort_request("c0"),
+            lambda e: e.engine.abort_request("c0"),
         ),
     ]
     cases.append(

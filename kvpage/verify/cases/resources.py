@@ -44,7 +44,7 @@ def _abort_in_chunked_prefill(t: Tokens, mode: str) -> Case:
     abort = Action(
         "abort 'long' halfway through its prefill",
         lambda e, s: _mid_prefill(e, "long") and e.seqs["long"].num_computed >= 32,
-        lambda e: e.abort_request("long"),
+        lambda e: e.engine.abort_request("long"),
     )
     return Case(
         "resources",

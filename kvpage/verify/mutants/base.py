@@ -1,5 +1,8 @@
-"""What a mutant is, and the one way it patches an engine instance: through a named seam that must
-exist (a renamed seam fails loudly at apply time instead of showing up as a "missed" mutant)."""
+"""What a mutant is, and the only ways it may change an engine instance: replace a declared seam
+(kvpage.engine.hooks), or replace or wrap a public method or attribute of an engine part. Private
+names are refused here, and an AST test (tests/verify/test_mutant_seams.py) refuses them in any
+mutant's body; a seam that is gone fails loudly at apply time instead of showing up as a
+"missed" mutant."""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ from dataclasses import dataclass, field
 
 from kvpage.config import ModelConfig
 from kvpage.engine.engine import LLMEngine
+from kvpage.engine.hooks import SEAMS, owner_of
+from kvpage.errors import KVPageError
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,19 +37,37 @@ class Mutant:
         return None if self.not_applicable_on is None else self.not_applicable_on(cfg)
 
 
-class MissingSeam(AttributeError):
-    """A mutant targets an attribute the engine no longer has."""
+class MissingSeam(KVPageError, AttributeError):
+    """A mutant targets a seam or public attribute the engine no longer has, or a private one."""
 
 
-def _bind(obj, name: str, fn) -> None:
-    """Replace method `name` of one instance; the method must already exist."""
+def _public(obj, name: str) -> None:
+    if name.startswith("_"):
+        raise MissingSeam(
+            f"{type(obj).__name__}.{name} is private: plant a bug through a declared seam "
+            "(kvpage.engine.hooks) or a public method"
+        )
+
+
+def bind(obj, name: str, fn: Callable) -> None:
+    """Replace public method `name` of one instance by `fn(self, ...)`."""
+    _public(obj, name)
     if not callable(getattr(obj, name, None)):
         raise MissingSeam(f"{type(obj).__name__} has no method {name!r} to patch")
     setattr(obj, name, types.MethodType(fn, obj))
 
 
-def _replace(obj, name: str, value) -> None:
-    """Replace attribute `name` of one instance; the attribute must already exist."""
+def replace(obj, name: str, value) -> None:
+    """Replace public attribute `name` of one instance; the attribute must already exist."""
+    _public(obj, name)
     if not hasattr(obj, name):
         raise MissingSeam(f"{type(obj).__name__} has no attribute {name!r} to replace")
     setattr(obj, name, value)
+
+
+def plant(engine: LLMEngine, seam: str, fn: Callable) -> None:
+    """Replace declared seam `seam` (e.g. "scheduler.stop_reason") by `fn(self, ...)`."""
+    declared = SEAMS.get(seam)
+    if declared is None:
+        raise MissingSeam(f"{seam!r} is not a declared seam (kvpage.engine.hooks.SEAMS)")
+    bind(owner_of(engine, declared), declared.attribute, fn)

@@ -1,98 +1,80 @@
-"""Cache and block-table mutants (R23): each mutant patches ONE engine instance — never a branch in
-the hot path, never a module-level change — to reproduce one classic paged-KV bug. The mutation
-check runs the suites against each and demands that every mutant is caught and that its first
-divergence is attributed (kvpage.verify.diff) to the class that matches its bug.
+"""Cache and block-table mutants (R23): each plants one classic paged-KV bug in ONE engine instance
+through a declared seam or a public method (kvpage.verify.mutants.base) — never a branch in the
+hot path, never a module-level change. The mutation check runs the suites against each and demands
+that every mutant is caught and that its first divergence is attributed (kvpage.verify.diff) to
+the class that matches its bug.
 
 Mutants switch the engine's own guards off where a naive engine would not have them (state checks
-in snapshot/pin, cu_seqlens validation): the point is that the verifier catches the bug from the
+in snapshot/pin, the batch layout guard): the point is that the verifier catches the bug from the
 outside, by token-level differential traces, canaries and counters."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from kvpage.cache.block_ops import SwapIn
 from kvpage.cache.block_pool import BlockState
-from kvpage.cache.block_table import SnapshotEntry, TableSnapshot
-from kvpage.cache.key_chain import BlockKey, BlockKeyChain, chain_digest
+from kvpage.cache.key_chain import BlockKeyChain, chain_digest
 from kvpage.cache.namespace import CacheNamespace
 from kvpage.engine.engine import LLMEngine
-from kvpage.engine.runner import StepBatch
-from kvpage.engine.scheduler import ScheduledSeq
-from kvpage.verify.mutants.base import Mutant, _bind, _replace
+from kvpage.engine.plan import ScheduledSeq, StepBatch
+from kvpage.verify.mutants.base import Mutant, bind, plant, replace
+from kvpage.verify.mutants.sharing import (
+    share_running_prefix,
+    unchecked_set_valid,
+    unguarded_snapshots,
+)
 
 _S = BlockState
 
 
 # --- shared broken pieces ----------------------------------------------------------------------
-def _naive_match(self, chain, max_blocks):
+def naive_match(self, chain, max_blocks):
     """A flat hash-table lookup: no radix parent check (what the broken keys then exploit)."""
     hits = []
     for depth in range(min(max_blocks, len(chain.keys))):
-        entry = self._confirmed(chain.keys[depth], chain.namespace_digest, depth)
+        entry = self.confirmed(chain.keys[depth], chain.namespace_digest, depth)
         if entry is None or entry in hits:
             break
         hits.append(entry)
     return hits
 
 
-def _unguarded_snapshot(engine: LLMEngine) -> None:
-    """Snapshots without the readability check or pins (a naive engine has neither)."""
-    cache, pool = engine.cache, engine.cache.pool
+def keep_generation_on_free(pool) -> None:
+    """Every free leaves the block's generation as it was: the next owner's incarnation cannot
+    be told from the last one's (a stale snapshot or index entry would pass every check)."""
 
-    def snapshot(self, table):
-        self._next_snap_id += 1
-        entries = tuple(
-            SnapshotEntry(b, pool.blocks[b].generation, pool.blocks[b].valid_len)
-            for b in table.block_ids
-        )
-        snap = TableSnapshot(
-            self._next_snap_id,
-            table.seq_id,
-            table.epoch,
-            table.num_tokens,
-            entries,
-            tuple(table.block_ids),
-        )
-        self.inflight[snap.snap_id] = snap
-        return snap
+    def keeping(name: str):
+        original = getattr(pool, name)
 
-    def release_snapshot(self, snap):
-        self.inflight.pop(snap.snap_id, None)
+        def release(self, block_id, *args):
+            generation = self.blocks[block_id].generation
+            original(block_id, *args)
+            block = self.blocks[block_id]
+            if block.state is _S.FREE and block.generation != generation:
+                block.generation = generation
+                self.stats.generation_bumps -= 1
 
-    _bind(cache, "snapshot", snapshot)
-    _bind(cache, "release_snapshot", release_snapshot)
+        return release
+
+    for name in ("remove_owner", "unpin", "evict_cached"):
+        bind(pool, name, keeping(name))
 
 
-def _force_free(pool, b, bump: bool = True) -> None:
-    """Put a block on the free list whatever its state (the transition table is bypassed)."""
-    pool.counts[b.state] -= 1
-    pool.counts[_S.FREE] += 1
-    b.state = _S.FREE
-    b.owners.clear()
-    b.ref_count = 0
-    b.published = False
-    b.valid_len = 0
-    if bump:
-        b.generation += 1
-    pool.free_ids.append(b.block_id)
+def fast_key_entry(index, key):
+    """The joinable entry under a fast key, its digest never compared."""
+    entry = index.entries.get(key.fast)
+    if entry is None or index.pool.blocks[entry.block_id].state not in (
+        _S.SHARED_READONLY,
+        _S.CACHED,
+    ):
+        return None
+    return entry
 
 
-def _unchecked_set_valid(pool) -> None:
-    """Writes into any block, shared or not. A block's fill only grows until it is freed, as
-    in the honest pool; with several writers in one block, the one behind must not unfill
-    what the others wrote (the real bug corrupts the KV, it does not fail the donor's
-    publish). Owners cannot tell who writes: without a refcount a writer is not an owner."""
-
-    def set_valid(self, block_id, valid_len):
-        b = self.blocks[block_id]
-        b.valid_len = max(b.valid_len, valid_len)
-
-    _bind(pool, "set_valid", set_valid)
-
-
-def _build_without_cu_check(engine: LLMEngine) -> None:
-    """The runner, minus the cu_seqlens assertion (R10)."""
-    _bind(engine.runner, "check_cu_seqlens", lambda self, cu_seqlens, num_tokens: None)
+def _without_batch_check(engine: LLMEngine) -> None:
+    """The runner, minus its batch layout guard (R10)."""
+    plant(engine, "runner.check_batch", lambda self, cu_seqlens, num_tokens: None)
 
 
 # --- the mutants -------------------------------------------------------------------------------
@@ -100,52 +82,40 @@ def share_partial_no_cow(engine: LLMEngine) -> None:
     """A new request joins a running request's blocks up to their common prefix, the partial
     last block included, and then appends into it in place: no copy-on-write (the passphrase
     experiment's sharing, R27, with a reference count but without copy-on-write)."""
-    # Imported here: experiments sit above verify in the layering, and sharing.py imports the
-    # broken pieces below from this module.
-    from kvpage.experiments.sharing import share_running_prefix
-
     share_running_prefix(engine, refcount=True, cow=False)
-
-
-def _tolerant_release(pool) -> None:
-    original = pool.remove_owner
-
-    def remove_owner(self, block_id, owner):
-        if owner in self.blocks[block_id].owners:
-            original(block_id, owner)
-
-    _bind(pool, "remove_owner", remove_owner)
 
 
 def fork_shares_partial_without_copy(engine: LLMEngine) -> None:
     """Parallel samples share the prompt's partial last block and each appends into it in
     place: copy-on-write relabels nothing and copies nothing (R6, R33)."""
-    _bind(engine.cache, "_cow_needed", lambda self, table: False)
-    _unchecked_set_valid(engine.cache.pool)
+    plant(engine, "cache.cow_needed", lambda self, table: False)
+    unchecked_set_valid(engine.cache.pool)
 
 
 def no_refcount(engine: LLMEngine) -> None:
     """Releasing a shared block frees it for everyone (no reference count)."""
     pool, index = engine.cache.pool, engine.cache.index
+    release = pool.remove_owner
 
     def remove_owner(self, block_id, owner):
         b = self.blocks[block_id]
         if owner not in b.owners or b.state is _S.FREE:
-            return
+            return  # a holder whose block another release already freed
         if len(b.owners) == 1:  # the last holder: the ordinary release
-            b.owners.discard(owner)
-            b.ref_count -= 1
-            self._settle(b)
+            release(block_id, owner)
             return
-        if b.block_id in index.by_block:
-            index._remove(index.by_block[b.block_id])
-        _force_free(self, b)
+        entry = index.by_block.get(block_id)
+        if entry is not None:
+            index.remove(entry)
+            b.published = False
+        for other in sorted(b.owners):  # everyone's reference goes with one release
+            release(block_id, other)
 
-    _bind(pool, "remove_owner", remove_owner)
-    _bind(pool, "pin", lambda self, block_id: None)
-    _bind(pool, "unpin", lambda self, block_id: None)
-    _unguarded_snapshot(engine)
-    _bind(engine.cache, "_check_appendable", lambda self, table: None)
+    bind(pool, "remove_owner", remove_owner)
+    bind(pool, "pin", lambda self, block_id: None)
+    bind(pool, "unpin", lambda self, block_id: None)
+    unguarded_snapshots(engine)
+    bind(engine.cache, "check_appendable", lambda self, table: None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,73 +127,44 @@ class _SaltBlindNamespace(CacheNamespace):
 def namespace_missing_field(engine: LLMEngine) -> None:
     """The namespace key leaves out the per-request cache salt (tenant isolation, R5)."""
     ns = engine.namespace
-    _replace(
-        engine,
-        "namespace",
-        _SaltBlindNamespace(**{f.name: getattr(ns, f.name) for f in fields(ns) if f.init}),
-    )
+    values = {f.name: getattr(ns, f.name) for f in fields(ns) if f.init}
+    replace(engine, "namespace", _SaltBlindNamespace(**values))
 
 
 class _UnchainedKeyChain(BlockKeyChain):
-    def _close_block(self) -> None:
-        digest = chain_digest(self.namespace_digest, self._pending)  # own tokens only
-        self.keys.append(BlockKey(int.from_bytes(digest[:8], "little") & self._mask, digest))
-        self._pending = []
+    def block_digest(self, parent: bytes, tokens: list[int]) -> bytes:
+        return chain_digest(self.namespace_digest, tokens)  # own tokens only
 
 
 def block_key_own_tokens(engine: LLMEngine) -> None:
     """A block's key covers its own tokens only, not the prefix before it (R4)."""
-    cache = engine.cache
 
     def new_key_chain(self, namespace):
         return _UnchainedKeyChain(namespace.digest(), self.block_size, self.fast_key_bits)
 
-    _bind(cache, "new_key_chain", new_key_chain)
-    _bind(cache.index, "match", _naive_match)
+    plant(engine, "cache.new_key_chain", new_key_chain)
+    plant(engine, "index.match", naive_match)
 
 
 def fast_key_trusted(engine: LLMEngine) -> None:
     """A hit on the (narrow, 8-bit) fast key is served without confirming the full digest."""
-    index = engine.cache.index
-    _bind(index, "_confirmed", lambda self, key, namespace, depth: _fast_key_entry(self, key))
-    _bind(index, "match", _naive_match)
-
-
-def _fast_key_entry(index, key):
-    """The joinable entry under a fast key, its digest never compared."""
-    entry = index.entries.get(key.fast)
-    if entry is None or index.pool.blocks[entry.block_id].state not in (
-        _S.SHARED_READONLY,
-        _S.CACHED,
-    ):
-        return None
-    return entry
+    plant(engine, "index.confirmed", lambda self, key, namespace, depth: fast_key_entry(self, key))
+    plant(engine, "index.match", naive_match)
 
 
 def stale_index_after_evict(engine: LLMEngine) -> None:
     """Eviction neither bumps the generation nor removes the index entry; hits trust entries."""
     pool, index = engine.cache.pool, engine.cache.index
-
-    def to_free(self, b):
-        _force_free(self, b, bump=False)
+    keep_generation_on_free(pool)
+    publish = index.publish
 
     def evict_one(self):
-        import heapq
-
-        while self._heap:
-            tick, bid = heapq.heappop(self._heap)
-            if self._is_evictable_leaf(bid, tick):
-                entry = self.by_block.pop(bid)
-                parent = entry.parent
-                if parent is not None:
-                    parent.num_children -= 1
-                    if parent.num_children == 0 and (
-                        self.pool.blocks[parent.block_id].state is _S.CACHED
-                    ):
-                        self._push(parent.block_id)
-                self.pool.evict_cached(bid)  # the entry stays in self.entries: stale
-                return bid
-        raise RuntimeError("no evictable cached block")
+        bid = self.choose_victim()
+        entry = self.by_block[bid]
+        self.remove(entry)
+        pool.evict_cached(bid)
+        self.entries[entry.fast_key] = entry  # the entry stays, naming a FREE block: stale
+        return bid
 
     def confirmed(self, key, namespace, depth):
         entry = self.entries.get(key.fast)
@@ -231,72 +172,66 @@ def stale_index_after_evict(engine: LLMEngine) -> None:
             return None
         return None if self.pool.blocks[entry.block_id].state is _S.FREE else entry
 
-    _bind(pool, "_to_free", to_free)
-    _bind(index, "evict_one", evict_one)
-    _bind(index, "_confirmed", confirmed)
-    _bind(index, "match", _naive_match)
-    _bind(index, "publish", _publish_over_stale(index))
-
-
-def _publish_over_stale(index):
-    original = index.publish
-
-    def publish(self, key, block_id, depth, parent, namespace):
+    def publish_over_stale(self, key, block_id, depth, parent, namespace):
         stale = self.entries.get(key.fast)
         if stale is not None and self.by_block.get(stale.block_id) is not stale:
             del self.entries[key.fast]  # a stale entry is simply overwritten
-        return original(key, block_id, depth, parent, namespace)
+        return publish(key, block_id, depth, parent, namespace)
 
-    return publish
+    bind(index, "evict_one", evict_one)
+    plant(engine, "index.confirmed", confirmed)
+    plant(engine, "index.match", naive_match)
+    bind(index, "publish", publish_over_stale)
 
 
 def restore_visible_before_copy(engine: LLMEngine) -> None:
-    """A swapped-in table is published before its KV copy lands (the copy completes after the
-    next step has already read the blocks)."""
-    deferred: list = []
-    original_step = engine.step
+    """A swapped-in table is readable before its KV copy lands (the copy completes after the
+    step that has already read the blocks)."""
+    executor = engine.executor
+    apply_ops, step = executor.apply_block_ops, engine.step
+    deferred: list = []  # (swap-in, its saved KV), taken from the swap space on time
 
-    def swap_in(self, seq):
-        blocks = self.space.take(seq.seq_id)
-        ids = self.cache.allocate_restoring(seq.table, seq.swapped_tokens)
-        self.cache.finish_restore(seq.table)  # visible now ...
-        seq.num_computed = seq.swapped_tokens
-        self.counts["swap_ins"] += 1
-        deferred.append((ids, blocks, seq))  # ... copied later
+    def apply_block_ops(self, ops):
+        for op in ops:
+            if isinstance(op, SwapIn):
+                deferred.append((op, self.swap_space.take(op.seq_id)))
+        return apply_ops([op for op in ops if not isinstance(op, SwapIn)])
 
-    def step(self):
-        outputs = original_step()
-        for ids, blocks, seq in deferred:
-            self.storage.write_blocks(ids, blocks)
-            seq.kv_restored = True
+    def late_step(self):
+        outputs = step()
+        for op, saved in deferred:
+            executor.storage.write_blocks(list(op.block_ids), saved)
+            seq = self.requests.by_seq_id.get(op.seq_id)
+            if seq is not None:
+                seq.kv_restored = True
         deferred.clear()
         return outputs
 
-    _bind(engine.swapper, "swap_in", swap_in)
-    _bind(engine, "step", step)
+    bind(executor, "apply_block_ops", apply_block_ops)
+    bind(engine, "step", late_step)
 
 
 def full_prefix_no_token_left(engine: LLMEngine) -> None:
     """A prompt of exactly k cached blocks is served whole: no token is left to compute, so the
     first token is sampled from whatever logits row the batch happens to end with."""
-
-    def max_hit_blocks(self, prompt_len):
-        return prompt_len // self.block_size  # every full block, even the prompt's last
-
-    _bind(engine.cache, "max_hit_blocks", max_hit_blocks)
-    _build_without_cu_check(engine)
+    plant(engine, "cache.max_hit_blocks", lambda self, prompt_len: prompt_len // self.block_size)
+    _without_batch_check(engine)
 
 
 def off_by_one_block_boundary(engine: LLMEngine) -> None:
     """The decode context length is one short when the new token opens a new block."""
-    runner = engine.runner
-    original = runner._decode_tables
-    B = engine.config.block_size
+    runner, B = engine.runner, engine.config.block_size
+    build = runner.build
 
-    def decode_tables(self, tables, lens):
-        return original(tables, [n - 1 if n % B == 1 else n for n in lens])
+    def short_by_one(self, scheduled):
+        batch = build(scheduled)
+        batch.context_lens = [
+            n - 1 if item.num_new_tokens == 1 and n % B == 1 else n
+            for item, n in zip(batch.scheduled, batch.context_lens, strict=True)
+        ]
+        return batch
 
-    _bind(runner, "_decode_tables", decode_tables)
+    bind(runner, "build", short_by_one)
 
 
 def zero_length_cu_seqlens(engine: LLMEngine) -> None:
@@ -305,43 +240,41 @@ def zero_length_cu_seqlens(engine: LLMEngine) -> None:
     sequence is shifted onto its neighbour's block table (R10)."""
     sched, runner = engine.scheduler, engine.runner
     lingering: list = []
-    original_remove, original_schedule = sched.remove, sched.schedule
+    remove, schedule, metadata = sched.remove, sched.schedule, runner.attention_metadata
 
-    def remove(self, seq):
+    def linger(self, seq):
         position = self.running.index(seq) if seq in self.running else None
-        original_remove(seq)
+        remove(seq)
         if position is not None:
             lingering.append((position, seq))
 
-    def schedule(self, step):
-        out = original_schedule(step)
-        for position, seq in lingering if out.scheduled else ():  # still in this step's batch
-            out.scheduled.insert(min(position, len(out.scheduled)), ScheduledSeq(seq, 0, []))
+    def schedule_with_lingering(self, step):
+        plan = schedule(step)
+        for position, seq in lingering if plan.scheduled else ():  # still in this step's batch
+            plan.scheduled.insert(min(position, len(plan.scheduled)), ScheduledSeq(seq, 0, []))
         lingering.clear()
-        return out
+        return plan
 
-    original_metadata = runner._metadata
-
-    def metadata(self, batch):
-        deduped = sorted(set(batch.cu_seqlens_q))
+    def deduplicated(self, batch):
         shifted = StepBatch(
             batch.scheduled,
             batch.input_ids,
             batch.positions,
-            deduped,
+            sorted(set(batch.cu_seqlens_q)),
             batch.snapshots,
             batch.sample_rows,
             batch.sample_seqs,
+            batch.context_lens,
         )
-        meta = original_metadata(shifted)
+        meta = metadata(shifted)
         slots = [s for item in batch.scheduled for s in item.slots]
         meta.slot_mapping = meta.slot_mapping.new_tensor(slots)
         return meta
 
-    _bind(sched, "remove", remove)
-    _bind(sched, "schedule", schedule)
-    _build_without_cu_check(engine)
-    _bind(runner, "_metadata", metadata)
+    bind(sched, "remove", linger)
+    bind(sched, "schedule", schedule_with_lingering)
+    _without_batch_check(engine)
+    bind(runner, "attention_metadata", deduplicated)
 
 
 CACHE_MUTANTS: tuple[Mutant, ...] = (

@@ -2,10 +2,7 @@
 A freed block that keeps its generation, or a step that reads an incarnation nobody wrote for it,
 only shows in the output once the block has been reused by the wrong request at the wrong moment;
 the KV provenance check (kvpage.verify.provenance) sees the (block, generation) pairs themselves,
-so it catches both on workloads where every token still equals the reference.
-
-Not registered in kvpage.verify.mutants: the gate takes them once it fails on provenance
-violations."""
+so it catches both on workloads where every token still equals the reference."""
 
 from __future__ import annotations
 
@@ -13,8 +10,8 @@ from dataclasses import dataclass
 
 from kvpage.cache.block_pool import BlockState
 from kvpage.engine.engine import LLMEngine
-from kvpage.verify.mutants.base import Mutant, _bind
-from kvpage.verify.mutants.cache import _force_free
+from kvpage.verify.mutants.base import Mutant, bind, plant
+from kvpage.verify.mutants.cache import keep_generation_on_free
 
 _S = BlockState
 
@@ -23,7 +20,7 @@ def free_without_generation_bump(engine: LLMEngine) -> None:
     """Free puts the block on the free list with its generation unchanged: the next owner's
     incarnation cannot be told from the last one's (a stale snapshot or index entry would pass
     every generation check)."""
-    _bind(engine.cache.pool, "_to_free", lambda self, b: _force_free(self, b, bump=False))
+    keep_generation_on_free(engine.cache.pool)
 
 
 @dataclass(slots=True)
@@ -40,11 +37,11 @@ def reclaim_freed_tail(engine: LLMEngine) -> None:
     allocate, write and free that block again in between."""
     sched, cache = engine.scheduler, engine.cache
     tails: dict[int, _FreedTail] = {}
-    original_preempt, original_acquire = sched.preempt, sched._acquire_prefix
+    original_preempt, original_acquire = sched.preempt, sched.acquire_prefix
 
-    def preempt(self, seq, out, mode=None):
+    def preempt(self, seq, plan, mode=None):
         ids, computed = list(seq.table.block_ids), seq.num_computed
-        used = original_preempt(seq, out, mode)
+        used = original_preempt(seq, plan, mode)
         if used == "recompute" and ids and computed % cache.block_size:
             tails[seq.seq_id] = _FreedTail(ids[-1], len(ids) - 1, computed)
         return used
@@ -53,10 +50,10 @@ def reclaim_freed_tail(engine: LLMEngine) -> None:
         original_acquire(seq)
         tail = tails.pop(seq.seq_id, None)
         if tail is not None and _take_back(cache, seq, tail):
-            self._note_prefix(seq)
+            self.note_prefix(seq)
 
-    _bind(sched, "preempt", preempt)
-    _bind(sched, "_acquire_prefix", acquire)
+    bind(sched, "preempt", preempt)
+    plant(engine, "scheduler.acquire_prefix", acquire)
 
 
 def _take_back(cache, seq, tail: _FreedTail) -> bool:
@@ -66,9 +63,8 @@ def _take_back(cache, seq, tail: _FreedTail) -> bool:
     if block.state is not _S.FREE or table.num_tokens != tail.logical * B:
         return False
     pool.free_ids.remove(tail.block_id)
-    pool._transition(block, _S.PRIVATE_WRITABLE)
-    block.owners.add(table.seq_id)
-    block.ref_count = 1
+    pool.free_ids.appendleft(tail.block_id)  # so the next allocation is exactly this block
+    pool.allocate(1, table.seq_id)
     pool.set_valid(tail.block_id, tail.computed - tail.logical * B)
     table.block_ids.append(tail.block_id)
     # No hit is counted: a re-admission is not a new lookup, so the bug shows in the KV it reads

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 from kvpage.cache.namespace import CacheNamespace
 from kvpage.engine.engine import LLMEngine
-from kvpage.verify.mutants.base import Mutant, _bind, _replace
+from kvpage.verify.mutants.base import Mutant, bind, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +21,7 @@ class _EmptySaltIsNone(CacheNamespace):
 def empty_salt_is_no_salt(engine: LLMEngine) -> None:
     ns = engine.namespace
     values = {f.name: getattr(ns, f.name) for f in fields(ns) if f.init}
-    _replace(engine, "namespace", _EmptySaltIsNone(**values))
+    replace(engine, "namespace", _EmptySaltIsNone(**values))
 
 
 def _publish_ignoring_switches(engine: LLMEngine, per_namespace: bool, global_: bool) -> None:
@@ -39,7 +39,7 @@ def _publish_ignoring_switches(engine: LLMEngine, per_namespace: bool, global_: 
         finally:
             self.index.disabled, self.enable_prefix_caching = disabled, enabled
 
-    _bind(cache, "publish_full_blocks", publish_full_blocks)
+    bind(cache, "publish_full_blocks", publish_full_blocks)
 
 
 def tenant_switch_lookup_only(engine: LLMEngine) -> None:
@@ -58,7 +58,7 @@ def tenant_switch_ignores_salt(engine: LLMEngine) -> None:
     def set_namespace_caching(self, cache_salt, enabled):
         self.cache.set_namespace_enabled(self.namespace.digest(), enabled)
 
-    _bind(engine, "set_namespace_caching", set_namespace_caching)
+    bind(engine, "set_namespace_caching", set_namespace_caching)
 
 
 NAMESPACE_MUTANTS: tuple[Mutant, ...] = (

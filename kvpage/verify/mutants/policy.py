@@ -8,38 +8,34 @@ import torch
 
 from kvpage.cache.block_pool import BlockState
 from kvpage.engine.engine import LLMEngine
-from kvpage.engine.runner import StepBatch
-from kvpage.verify.mutants.base import Mutant, _bind
-from kvpage.verify.mutants.cache import _fast_key_entry, _naive_match
+from kvpage.engine.plan import StepBatch
+from kvpage.verify.mutants.base import Mutant, bind, plant
+from kvpage.verify.mutants.cache import fast_key_entry, naive_match
 
 
 def fifo_eviction(engine: LLMEngine) -> None:
     """Evicts the CACHED leaf published first, however recently it was reused."""
-    index = engine.cache.index
 
-    def evict_one(self):
-        for bid, entry in list(self.by_block.items()):  # dict order = publish order
+    def choose_victim(self):
+        for bid, entry in self.by_block.items():  # dict order = publish order
             if self.pool.blocks[bid].state is BlockState.CACHED and entry.num_children == 0:
-                self._remove(entry)
-                self.pool.evict_cached(bid)
                 return bid
         raise RuntimeError("no evictable cached block")
 
-    _bind(index, "evict_one", evict_one)
+    plant(engine, "index.choose_victim", choose_victim)
 
 
 def digest_confirmed_at_root_only(engine: LLMEngine) -> None:
     """The full digest is compared for the first block only; deeper hits trust the fast key."""
-    index = engine.cache.index
-    original = index._confirmed
+    original = engine.cache.index.confirmed
 
     def confirmed(self, key, namespace, depth):
         if depth == 0:
             return original(key, namespace, depth)
-        return _fast_key_entry(self, key)
+        return fast_key_entry(self, key)
 
-    _bind(index, "_confirmed", confirmed)
-    _bind(index, "match", _naive_match)
+    plant(engine, "index.confirmed", confirmed)
+    plant(engine, "index.match", naive_match)
 
 
 def hits_recounted_on_readmission(engine: LLMEngine) -> None:
@@ -50,11 +46,11 @@ def hits_recounted_on_readmission(engine: LLMEngine) -> None:
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += seq.num_computed
 
-    _bind(engine.scheduler, "_count_lookup", count_lookup)
+    plant(engine, "scheduler.count_lookup", count_lookup)
 
 
 def same_step_join(engine: LLMEngine) -> None:
-    """Option (a) of kvpage.engine.scheduler without its precondition. Blocks are published when
+    """Option (a) of kvpage.engine.prefix_wait without its precondition. Blocks are published when
     they are allocated, so a request admitted later in the same step joins the writer's blocks
     instead of waiting for them; and the step runs the chunks that read cached context before
     the fresh prefills that only write it (a mixed batch split into passes, as many runners do).
@@ -82,14 +78,14 @@ def same_step_join(engine: LLMEngine) -> None:
                     rows[id(item)] = row
         return torch.stack([rows[id(item)] for item in batch.sample_seqs])
 
-    _bind(cache, "append_slots", publish_on_allocation)
-    _bind(runner, "run", readers_first)
+    bind(cache, "append_slots", publish_on_allocation)
+    bind(runner, "run", readers_first)
 
 
 def _sub_batch(batch: StepBatch, indices: list[int]) -> StepBatch:
     """The part of a step's batch made of the scheduled items at `indices`, repacked."""
     sampled = {id(item) for item in batch.sample_seqs}
-    out = StepBatch([], [], [], [0], [], [], [])
+    out = StepBatch([], [], [], [0], [], [], [], [])
     for i in indices:
         item, start, end = batch.scheduled[i], batch.cu_seqlens_q[i], batch.cu_seqlens_q[i + 1]
         out.scheduled.append(item)
@@ -97,6 +93,7 @@ def _sub_batch(batch: StepBatch, indices: list[int]) -> StepBatch:
         out.positions.extend(batch.positions[start:end])
         out.cu_seqlens_q.append(out.cu_seqlens_q[-1] + end - start)
         out.snapshots.append(batch.snapshots[i])
+        out.context_lens.append(batch.context_lens[i])
         if id(item) in sampled:
             out.sample_rows.append(out.cu_seqlens_q[-1] - 1)
             out.sample_seqs.append(item)

@@ -16,7 +16,7 @@ from kvpage.config import ModelConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.kv.format import SCALE_DTYPE, SCALE_MAX, SCALE_MIN
 from kvpage.kv.storage import KVShard
-from kvpage.verify.mutants.base import Mutant, _bind, _replace
+from kvpage.verify.mutants.base import Mutant, bind, replace
 
 QUANTIZED_SUITES = ("prefix:int8", "batching:int8", "preemption:int8", "parallel:int8")
 
@@ -25,7 +25,7 @@ def scale_from_previous_generation(shard: KVShard) -> None:
     """Scales are kept per slot 'until invalidated' to save recomputing them, but a freed block's
     scales are never invalidated: a reused block's tokens are read with the scales its previous
     generation wrote (the codes are this generation's)."""
-    _bind(shard.storage, "invalidate", lambda self, block_id: None)
+    bind(shard.storage, "invalidate", lambda self, block_id: None)
 
     def store(self, layer, slots, codes, scales):
         self.data[layer].flatten(1, 2).index_copy_(1, slots, codes.view(self.data.dtype))
@@ -34,7 +34,7 @@ def scale_from_previous_generation(shard: KVShard) -> None:
         fresh = kept.eq(0).all(dim=-1, keepdim=True)  # a slot never written keeps nothing
         stored.index_copy_(1, slots, torch.where(fresh, scales, kept))
 
-    _bind(shard.storage, "store", store)
+    bind(shard.storage, "store", store)
 
 
 def cow_copies_data_not_scale(shard: KVShard) -> None:
@@ -44,7 +44,7 @@ def cow_copies_data_not_scale(shard: KVShard) -> None:
     def copy_block(self, src, dst):
         self.data[:, :, dst].copy_(self.data[:, :, src])
 
-    _bind(shard.storage, "copy_block", copy_block)
+    bind(shard.storage, "copy_block", copy_block)
 
 
 def one_scale_for_all_heads(shard: KVShard) -> None:
@@ -66,7 +66,7 @@ def one_scale_for_all_heads(shard: KVShard) -> None:
             codes = y.clamp(-self.format.qmax, self.format.qmax).to(self.format.storage_dtype)
         return codes, scales
 
-    _bind(shard.storage, "quantize", quantize)
+    bind(shard.storage, "quantize", quantize)
 
 
 def _one_kv_head(cfg: ModelConfig) -> str | None:
@@ -88,13 +88,13 @@ def swap_in_without_scales(shard: KVShard) -> None:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
         self.data.index_copy_(2, index, blocks.data.to(self.data.device))
 
-    _bind(shard.storage, "write_blocks", write_blocks)
+    bind(shard.storage, "write_blocks", write_blocks)
 
 
 def int8_round_toward_zero(shard: KVShard) -> None:
     """The engine's int8 quantiser truncates (rounds toward zero) instead of rounding to nearest:
     every code is biased toward zero by half a step on average. The reference still rounds."""
-    _replace(shard.storage, "rounding", torch.trunc)
+    replace(shard.storage, "rounding", torch.trunc)
 
 
 QUANTIZED_MUTANTS: tuple[Mutant, ...] = (

@@ -4,14 +4,13 @@ behind, and the scheduler that never restored a request swapped out mid-prefill.
 from __future__ import annotations
 
 from kvpage.engine.engine import LLMEngine
-from kvpage.engine.scheduler import ScheduledSeq, SchedulerOutput
 from kvpage.engine.sequence import SeqStatus
-from kvpage.verify.mutants.base import Mutant, _bind
+from kvpage.verify.mutants.base import Mutant, bind, plant
 
 
 def abort_keeps_swap_space(engine: LLMEngine) -> None:
     """Finishing a swapped request (abort, timeout) forgets its KV in the swap space."""
-    _bind(engine.swap_space, "discard", lambda self, seq_id: None)
+    bind(engine.swap_space, "discard", lambda self, seq_id: None)
 
 
 def abort_mid_prefill_leaks_blocks(engine: LLMEngine) -> None:
@@ -24,10 +23,11 @@ def abort_mid_prefill_leaks_blocks(engine: LLMEngine) -> None:
             for queue in (self.waiting, self.running, self.swapped):
                 if seq in queue:
                     queue.remove(seq)
+            self.suspended.pop(seq.seq_id, None)
             return
         original(seq)
 
-    _bind(sched, "remove", remove)
+    bind(sched, "remove", remove)
 
 
 def restore_needs_whole_remainder(engine: LLMEngine) -> None:
@@ -35,46 +35,21 @@ def restore_needs_whole_remainder(engine: LLMEngine) -> None:
     bug the liveness check found): swapped out mid-prefill, it never comes back and no new
     request is admitted after it."""
 
-    def restore_swapped(self, out, budget):
-        for seq in list(self.swapped):
-            if seq.hold_until_step > out.step:
-                continue
-            n = seq.num_uncomputed
-            need = self.cache.blocks_for(seq.num_tokens)
-            if (
-                len(self.running) >= self.config.max_num_seqs
-                or n > budget
-                or need > self.cache.num_free_blocks()
-            ):
-                break
-            self.swapped.remove(seq)
-            self.swapper.swap_in(seq)
-            self._note_resume(seq)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n, self.cache.append_slots(seq.table, n)))
-            budget -= n
-        return budget
+    def restore_chunk(self, seq, budget):
+        return seq.num_uncomputed if seq.num_uncomputed <= budget else None
 
-    _bind(engine.scheduler, "_restore_swapped", restore_swapped)
+    plant(engine, "scheduler.restore_chunk", restore_chunk)
 
 
 def held_swap_blocks_admission(engine: LLMEngine) -> None:
-    """Any swapped request blocks new admissions, even one held out for many steps."""
+    """A request held out in swap (suspended) still blocks new admissions, as if it were
+    waiting its turn to come back."""
 
-    def schedule(self, step):
-        out = SchedulerOutput(step)
-        self._apply_forced_preemptions(out)
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted:
-            budget = self._restore_swapped(out, budget)
-            if not self.swapped:
-                self._admit_waiting(out, budget)
-        self._fail_if_stuck(out)
-        self.last_output = out
-        return out
+    def may_admit(self, plan):
+        held = any(s.status is SeqStatus.SWAPPED for s in self.suspended.values())
+        return not self.swapped and not held
 
-    _bind(engine.scheduler, "schedule", schedule)
+    plant(engine, "scheduler.may_admit", may_admit)
 
 
 RESOURCE_MUTANTS: tuple[Mutant, ...] = (

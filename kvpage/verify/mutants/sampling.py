@@ -1,5 +1,5 @@
 """Sampling mutants (R13, R34): engine-only bugs in how ONE engine instance draws its tokens, planted
-through seams (`engine.sampler.sample`, `engine.scheduler.preempt`). The reference imports
+through the sampler seam and the scheduler's public `preempt`. The reference imports
 kvpage.sampling directly and stays correct, so the differential diff sees the engine drift; the
 first divergence must be attributed to "sampling".
 
@@ -20,7 +20,7 @@ from kvpage.engine.engine import LLMEngine
 from kvpage.engine.sequence import Sequence
 from kvpage.sampling import filtered_probs, make_generator, sample_token
 from kvpage.sampling_params import SamplingParams
-from kvpage.verify.mutants.base import Mutant, _bind
+from kvpage.verify.mutants.base import Mutant, bind, plant
 
 ProbsFn = Callable[[torch.Tensor, SamplingParams], torch.Tensor]  # (V,) logits -> (V,) probs
 
@@ -58,7 +58,7 @@ def _sample_with(engine: LLMEngine, probs_fn: ProbsFn) -> None:
                 seq.num_draws += 1
         return tokens
 
-    _bind(engine.sampler, "sample", sample)
+    plant(engine, "sampler.sample", sample)
 
 
 def sampler_shared_generator(engine: LLMEngine) -> None:
@@ -74,7 +74,7 @@ def sampler_shared_generator(engine: LLMEngine) -> None:
                 seq.num_draws += 1
         return tokens
 
-    _bind(engine.sampler, "sample", sample)
+    plant(engine, "sampler.sample", sample)
 
 
 def generator_reseeded_on_recompute(engine: LLMEngine) -> None:
@@ -84,14 +84,14 @@ def generator_reseeded_on_recompute(engine: LLMEngine) -> None:
     sched = engine.scheduler
     original = sched.preempt
 
-    def preempt(self, seq, out, mode=None):
-        used = original(seq, out, mode)
+    def preempt(self, seq, plan, mode=None):
+        used = original(seq, plan, mode)
         if used == "recompute" and seq.generator is not None:
             fallback = engine.config.seed + seq.seq_id
             seq.generator = make_generator(seq.params, fallback, engine.model.device)
         return used
 
-    _bind(sched, "preempt", preempt)
+    bind(sched, "preempt", preempt)
 
 
 def top_p_before_temperature(engine: LLMEngine) -> None:

@@ -1,0 +1,67 @@
+"""Declared seams: the strategies and guards of the engine that the verifier may replace.
+
+A mutant (kvpage.verify.mutants) plants a bug in one engine instance by replacing one of these, or
+by wrapping a public method; it never touches a private name (an AST test holds every mutant to
+that). A seam is named `owner.attribute`, the owner found from the engine along `OWNERS`; each is
+a public method whose contract is its docstring, so renaming or removing one fails the mutants
+that use it loudly (`kvpage.verify.mutants.base.MissingSeam`) instead of as "missed" mutants.
+
+Forced preemption, holds and failure injection are not seams: a test driver makes them from
+public calls between steps (kvpage.verify.driver)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Seam:
+    owner: str  # a key of OWNERS
+    attribute: str
+    what: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.owner}.{self.attribute}"
+
+
+# How each owner is reached from an LLMEngine.
+OWNERS: dict[str, str] = {
+    "engine": "",
+    "scheduler": "scheduler",
+    "cache": "cache",
+    "index": "cache.index",
+    "pool": "cache.pool",
+    "sampler": "sampler",
+    "runner": "runner",
+}
+
+SEAMS: dict[str, Seam] = {
+    s.name: s
+    for s in (
+        Seam("scheduler", "choose_victim", "which running request is preempted for room"),
+        Seam("scheduler", "restore_chunk", "how many tokens a swapped request comes back with"),
+        Seam("scheduler", "may_admit", "whether waiting requests may be admitted this step"),
+        Seam("scheduler", "acquire_prefix", "the admission's prefix lookup (what it shares)"),
+        Seam("scheduler", "count_lookup", "which admissions count as prefix queries and hits"),
+        Seam("scheduler", "stop_reason", "the stop rule after each appended token"),
+        Seam("cache", "cow_needed", "the copy-on-write decision"),
+        Seam("cache", "max_hit_blocks", "how much of a prompt a prefix hit may cover"),
+        Seam("cache", "new_key_chain", "the block-key builder (chained digests)"),
+        Seam("index", "confirmed", "the digest confirmation of a fast-key hit"),
+        Seam("index", "match", "the prefix lookup's walk down the index"),
+        Seam("index", "choose_victim", "which cached block is evicted (LRU leaf)"),
+        Seam("sampler", "sample", "the sampler: one token per row"),
+        Seam("runner", "check_batch", "the packed batch's layout guard (cu_seqlens, R10)"),
+        Seam("engine", "namespace", "the namespace requests are keyed in (salted per tenant)"),
+        Seam("engine", "patch_kv_shards", "the KV pool's code on every rank (quantize, copy…)"),
+    )
+}
+
+
+def owner_of(engine, seam: Seam):
+    """The object that holds `seam` in this engine."""
+    obj = engine
+    for part in filter(None, OWNERS[seam.owner].split(".")):
+        obj = getattr(obj, part)
+    return obj

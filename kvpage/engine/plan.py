@@ -1,0 +1,111 @@
+"""One engine step as plain data (a leaf module: data types only).
+
+    Scheduler.schedule(step) -> StepPlan            who runs, how many tokens, which block ops
+    Executor.apply_block_ops(plan.block_ops)        copies, swap-outs, swap-ins, invalidations
+    Scheduler.block_ops_applied(plan, done)         restored tables readable; failed swaps recomputed
+    Executor.build(plan) -> StepBatch               token ids, positions, cu_seqlens, snapshots
+    Executor.run(batch) -> logits                   the model, once over the packed batch
+    sampler, then Scheduler.update(plan, sampled)   tokens appended, blocks published, outputs
+
+Nothing here calls anything: a tracer, a test or a mutant can read, build or rewrite a plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvpage.cache.block_ops import BlockOp, CopyBlock, InvalidateBlock, SwapIn, SwapOut
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvpage.cache.block_table import TableSnapshot
+    from kvpage.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    slots: list[int]  # KV slot of each new token (block_id * block_size + offset)
+
+
+@dataclass(slots=True)
+class Preemption:
+    seq: Sequence
+    mode: str  # what was done: "recompute" or "swap" (a failed swap-out becomes recompute)
+    requested_mode: str
+    held: dict | None  # the blocks and generations it gave back (when observed)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step: int
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Preemption] = field(default_factory=list)
+    # Running but unable to grow with preemption off; and those failed for it (the engine ends them)
+    stalled: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)  # (seq, why)
+    resumed: list[Sequence] = field(default_factory=list)  # swapped in this step
+    block_ops: list[BlockOp] = field(default_factory=list)  # in the order they must be applied
+
+    @property
+    def copies(self) -> list[CopyBlock]:
+        return [op for op in self.block_ops if isinstance(op, CopyBlock)]
+
+    @property
+    def swap_outs(self) -> list[SwapOut]:
+        return [op for op in self.block_ops if isinstance(op, SwapOut)]
+
+    @property
+    def swap_ins(self) -> list[SwapIn]:
+        return [op for op in self.block_ops if isinstance(op, SwapIn)]
+
+    @property
+    def invalidations(self) -> list[InvalidateBlock]:
+        return [op for op in self.block_ops if isinstance(op, InvalidateBlock)]
+
+
+@dataclass(slots=True)
+class BlockOpsDone:
+    """What the executor did of a plan's block ops: swap-outs whose write failed (the request
+    falls back to recompute, R21) and swap-ins whose KV is back, with how long each took."""
+
+    failed_swap_outs: set[int] = field(default_factory=set)  # seq ids
+    restored: dict[int, float] = field(default_factory=dict)  # seq id -> seconds
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """The model's input for one step: what a tracer observes and what the runner consumes."""
+
+    scheduled: list[ScheduledSeq]
+    input_ids: list[int]
+    positions: list[int]
+    cu_seqlens_q: list[int]
+    snapshots: list[TableSnapshot]
+    sample_rows: list[int]  # last row of each sequence whose pending tokens are all computed
+    sample_seqs: list[ScheduledSeq]
+    context_lens: list[int]  # per scheduled sequence: tokens its attention reads, chunk included
+
+
+@dataclass(slots=True)
+class Draw:
+    """One sampled token and, when the request asked for them, its logprobs."""
+
+    seq: Sequence
+    token: int
+    row: int  # the logits row it was drawn from
+    parent: Sequence | None = None  # for a forked sample's first draw: the sample it forked off
+    top_logprobs: dict[int, float] | None = None
+    logprob: float | None = None
+
+
+@dataclass(slots=True)
+class Sampled:
+    """A step's draws: one per sampling row, and the first draw of each sample forked from a
+    row (parallel sampling): those come first, since the fork precedes the parent's append."""
+
+    draws: list[Draw]
+    forked: list[Draw] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # (M, V) float32, one row per sampling row

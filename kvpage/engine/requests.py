@@ -1,0 +1,139 @@
+"""The live requests: request id -> its samples, seq id -> sequence, and the deadlines in flight.
+
+A request with n > 1 (R33) enters as one sequence, sample 0; its samples 1..n-1 are made at the
+fork (`new_sample`). A sample id is the request id for n == 1 and `rid#i` for sample i."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from kvpage.cache.manager import KVCacheManager
+from kvpage.cache.namespace import CacheNamespace
+from kvpage.engine.sequence import SeqStatus, Sequence
+from kvpage.sampling import make_generator
+from kvpage.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    arrival_time: float
+    deadline: float | None
+
+
+class Requests:
+    def __init__(
+        self,
+        cache: KVCacheManager,
+        seed: int,
+        device: str | torch.device,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.cache, self.seed, self.device = cache, seed, device
+        self.eos_token_ids = eos_token_ids
+        self.heads: dict[str, Sequence] = {}  # request id -> its sample 0
+        self.samples: dict[str, list[Sequence]] = {}  # request id -> its samples, by index
+        self.by_seq_id: dict[int, Sequence] = {}
+        self.with_deadline: set[str] = set()  # request ids with a timeout still in flight
+        self._seq_ids = itertools.count()
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.heads
+
+    # --- making sequences ------------------------------------------------------------------
+    def new_sequence(self, req: NewRequest, namespace: CacheNamespace) -> Sequence:
+        """Sample 0 of a new request, registered; its key chain already covers the prompt."""
+        seq_id = next(self._seq_ids)
+        chain = self.cache.new_key_chain(namespace)
+        chain.extend(req.prompt_ids)
+        eos = () if req.params.ignore_eos else self.eos_token_ids
+        seq = Sequence(
+            seq_id=seq_id,
+            request_id=req.request_id,
+            prompt_ids=req.prompt_ids,
+            params=req.params,
+            chain=chain,
+            table=self.cache.new_table(seq_id),
+            # Sample 0's seed is params.seed, which is what params.for_sample(0) would give.
+            generator=make_generator(req.params, self.seed + seq_id, self.device),
+            stop_ids=frozenset((*eos, *req.params.stop_token_ids)),
+            arrival_time=req.arrival_time,
+            deadline=req.deadline,
+            cache_salt=req.cache_salt,
+            logprobs=[] if req.params.logprobs is not None else None,
+            token_logprobs=[] if req.params.logprobs is not None else None,
+        )
+        self.heads[req.request_id] = seq
+        self.samples[req.request_id] = [seq]
+        self.by_seq_id[seq_id] = seq
+        if seq.deadline is not None:
+            self.with_deadline.add(req.request_id)
+        return seq
+
+    def new_sample(self, parent: Sequence, index: int) -> Sequence:
+        """Sample `index` of a parallel request: every block of sample 0 shared (the partial
+        last one is copied on its first write), its own generator."""
+        seq_id = next(self._seq_ids)
+        params = parent.params  # n kept, so sample_id reads `rid#index`
+        child = Sequence(
+            seq_id=seq_id,
+            request_id=parent.request_id,
+            prompt_ids=parent.prompt_ids,
+            params=params,
+            chain=parent.chain.copy(),
+            table=self.cache.fork(parent.table, seq_id),
+            generator=make_generator(params.for_sample(index), self.seed + seq_id, self.device),
+            stop_ids=parent.stop_ids,
+            arrival_time=parent.arrival_time,
+            deadline=parent.deadline,
+            cache_salt=parent.cache_salt,
+            logprobs=[] if params.logprobs is not None else None,
+            token_logprobs=[] if params.logprobs is not None else None,
+            status=SeqStatus.RUNNING,
+            num_computed=parent.num_computed,
+            num_cached_tokens=parent.num_cached_tokens,
+            # Its later re-prefills (after recompute) are not new prefix queries.
+            admitted_once=True,
+            sample_index=index,
+        )
+        self.samples[parent.request_id].append(child)
+        self.by_seq_id[seq_id] = child
+        return child
+
+    # --- lookups ---------------------------------------------------------------------------
+    def named(self, name: str) -> list[Sequence]:
+        """A request id names all its samples; `rid#i` names sample i once it exists."""
+        if name in self.samples:
+            return self.samples[name]
+        ref = self.split_sample_id(name)
+        if ref is None or ref[1] >= len(self.samples[ref[0]]):
+            return []
+        return [self.samples[ref[0]][ref[1]]]
+
+    def sample(self, sample_id: str) -> Sequence | None:
+        """The sequence a sample id names, if it exists (a request id names its sample 0)."""
+        found = self.named(sample_id)
+        return found[0] if found else None
+
+    def split_sample_id(self, sample_id: str) -> tuple[str, int] | None:
+        """`rid#i` of a live parallel request -> (rid, i); anything else -> None."""
+        rid, sep, index = sample_id.rpartition("#")
+        head = self.heads.get(rid)
+        if not sep or head is None or not index.isdigit() or int(index) >= head.params.n:
+            return None
+        return rid, int(index)
+
+    def unfinished(self) -> list[Sequence]:
+        return [s for samples in self.samples.values() for s in samples if not s.finished]
+
+    def retire(self, request_id: str) -> None:
+        del self.heads[request_id]
+        for seq in self.samples.pop(request_id):
+            self.by_seq_id.pop(seq.seq_id, None)
+        self.with_deadline.discard(request_id)
