@@ -57,10 +57,6 @@ class OutOfBlocks(KVPageError):
     """An allocation could not be satisfied; nothing was changed."""
 
 
-class CacheCorruption(KVPageError):
-    """A prefix-index entry's fast key matched but its full digest did not."""
-
-
 # --- tensor parallel -------------------------------------------------------------------------
 class TensorParallelError(KVPageError):
     """Tensor parallelism cannot run this model or setting (e.g. heads that do not divide)."""

@@ -8,12 +8,14 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from kvpage.config import DEVICE_SYNTAX, MODEL_DTYPES
+from kvpage.errors import KVPageError
 
 ADMIN_TOKEN_ENV = "KVPAGE_ADMIN_TOKEN"
 
 
-class CliError(Exception):
-    """A bad command line: printed as one `error:` line, exit status 2."""
+class CliError(KVPageError):
+    """A bad command line: printed as one `error:` line, exit status 2 (`main` catches it before
+    other KVPageErrors, so its line has no class name: the message names the flag)."""
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter):

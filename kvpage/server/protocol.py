@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvpage.errors import InvalidRequest
+from kvpage.errors import InvalidRequest, KVPageError
 from kvpage.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
@@ -19,7 +19,7 @@ MAX_STOP = 16  # stop strings per request: each one is searched for on every tok
 MAX_STOP_CHARS = 256  # per stop string: the text held back from a stream is one less than this
 
 
-class ApiError(Exception):
+class ApiError(KVPageError):
     """An error the client caused (or must see), rendered in OpenAI's error shape."""
 
     def __init__(

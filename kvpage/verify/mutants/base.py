@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from kvpage.config import ModelConfig
 from kvpage.engine.engine import LLMEngine
+from kvpage.errors import KVPageError
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,7 @@ class Mutant:
         return None if self.not_applicable_on is None else self.not_applicable_on(cfg)
 
 
-class MissingSeam(AttributeError):
+class MissingSeam(KVPageError, AttributeError):
     """A mutant targets an attribute the engine no longer has."""
 
 
