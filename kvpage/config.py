@@ -67,7 +67,8 @@ class ModelConfig:
                 raise UnsupportedModel(f"{name} must be > 0, got {getattr(self, name)}")
 
     def position_signature(self) -> str:
-        """What the KV of a token depends on besides the tokens: part of the cache namespace (R5)."""
+        """What the KV of a token depends on besides the tokens: part of the cache namespace, so that
+        a block computed under other positions is never reused."""
         if self.rope is None:
             return f"learned-abs:{self.max_position_embeddings}"
         r = self.rope
