@@ -5,7 +5,6 @@ from kvpage.engine.engine import LLMEngine
 from kvpage.engine.llm import LLM
 from kvpage.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpage.errors import (
-    CacheCorruption,
     InvalidConfig,
     InvalidRequest,
     InvariantViolation,
@@ -20,7 +19,6 @@ from kvpage.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
-    "CacheCorruption",
     "CompletionOutput",
     "EngineConfig",
     "InvalidConfig",

@@ -3,9 +3,12 @@ bad value fails where it is made, with a message that names it."""
 
 from __future__ import annotations
 
+import numbers
+import re
 from dataclasses import dataclass
 
-from kvpage.errors import UnsupportedModel
+from kvpage.errors import InvalidConfig, UnsupportedModel
+from kvpage.sampling_params import SEED_MAX, SEED_MIN
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -64,7 +67,8 @@ class ModelConfig:
                 raise UnsupportedModel(f"{name} must be > 0, got {getattr(self, name)}")
 
     def position_signature(self) -> str:
-        """What the KV of a token depends on besides the tokens: part of the cache namespace (R5)."""
+        """What the KV of a token depends on besides the tokens: part of the cache namespace, so that
+        a block computed under other positions is never reused."""
         if self.rope is None:
             return f"learned-abs:{self.max_position_embeddings}"
         r = self.rope
@@ -77,11 +81,21 @@ class ModelConfig:
 PREEMPTION_MODES = ("recompute", "swap")
 # How the paged pool stores K/V (kvpage.kv.format): "auto" = the model dtype, as computed.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8_e4m3")
+# The weight dtypes the loader builds, by name (kvpage.model maps each to its torch dtype). The
+# names live here, not in kvpage.model: the config is a bottom layer and must not import it.
+MODEL_DTYPES = ("float32", "float16", "bfloat16")
+# Syntax only: whether this machine has that CUDA device is the CLI's check (and torch's, when
+# the model is placed), not the config's: a config may be built on a machine that will not run it.
+DEVICE_SYNTAX = re.compile(r"cpu|cuda(:[0-9]+)?")
+FAST_KEY_BITS = (1, 64)  # a block's fast key is a 64-bit hash, narrowed in tests
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Everything `LLM(...)` takes besides the model. Unset sizes are derived from the model."""
+    """Everything `LLM(...)` takes besides the model. Unset sizes are derived from the model.
+
+    Every field is checked here. `None` is the only way to ask for a derived value: 0 is an
+    error, never a silent default."""
 
     model: str = "builtin:tiny-llama"
     block_size: int = 16
@@ -89,44 +103,93 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV pool (used when num_blocks is None)
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
-    swap_space_blocks: int = 256  # CPU swap space, in blocks
+    swap_space_blocks: int = 256  # CPU swap space, in blocks; 0: none (swap -> recompute)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max positions
-    dtype: str = "float32"
+    dtype: str = "float32"  # one of MODEL_DTYPES
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
-    device: str = "cpu"
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     seed: int = 0
     debug_checks: bool = False
-    request_timeout_s: float | None = None
+    request_timeout_s: float | None = None  # None: requests never time out
     fast_key_bits: int = 64
     # Ranks (processes) one model is split across; 1 = this process alone, nothing started.
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 20.0  # a collective slower than this = a hung worker
 
     def __post_init__(self) -> None:
-        from kvpage.errors import InvalidConfig
-
-        if self.block_size <= 0:
-            raise InvalidConfig(f"block_size must be > 0, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise InvalidConfig(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise InvalidConfig(
-                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
-            )
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise InvalidConfig("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise InvalidConfig(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
-            )
-        if self.swap_space_blocks < 0:
-            raise InvalidConfig(f"swap_space_blocks must be >= 0, got {self.swap_space_blocks}")
-        if self.tensor_parallel_size < 1 or self.tensor_parallel_timeout_s <= 0:
-            raise InvalidConfig(
-                "tensor_parallel_size must be >= 1 and tensor_parallel_timeout_s > 0, got "
-                f"{self.tensor_parallel_size} and {self.tensor_parallel_timeout_s}"
-            )
+        _check_text("model", self.model)
+        _check_int("block_size", self.block_size, 1)
+        _check_int("num_blocks", self.num_blocks, 1, optional=True)
+        _check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)
+        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _check_int("swap_space_blocks", self.swap_space_blocks, 0)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_model_len", self.max_model_len, 1, optional=True)
+        _check_choice("dtype", self.dtype, MODEL_DTYPES)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_device(self.device)
+        _check_int("seed", self.seed, SEED_MIN, SEED_MAX)
+        _check_bool("debug_checks", self.debug_checks)
+        _check_seconds("request_timeout_s", self.request_timeout_s, optional=True)
+        _check_int("fast_key_bits", self.fast_key_bits, *FAST_KEY_BITS)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_seconds("tensor_parallel_timeout_s", self.tensor_parallel_timeout_s)
         if self.tensor_parallel_size > 1 and self.device != "cpu":
-            raise InvalidConfig("tensor parallelism runs on CPU (gloo) only for now")
+            raise InvalidConfig(
+                "tensor parallelism runs on CPU (gloo) only for now: tensor_parallel_size "
+                f"{self.tensor_parallel_size} needs device 'cpu', got {self.device!r}"
+            )
+
+
+# --- field checks: each names the field and the value it got -----------------------------------
+def _check_int(
+    name: str, value: object, low: int, high: int | None = None, *, optional: bool = False
+) -> None:
+    """An int (a bool or a float is a mistake, not a number) in [low, high]."""
+    if value is None and optional:
+        return
+    bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+    what = f"None or an int {bounds}" if optional else f"an int {bounds}"
+    if not _is_int(value) or value < low or (high is not None and value > high):
+        raise InvalidConfig(f"{name} must be {what}, got {value!r}")
+
+
+def _check_seconds(name: str, value: object, *, optional: bool = False) -> None:
+    """A duration > 0 (`not value > 0` also refuses NaN)."""
+    if value is None and optional:
+        return
+    if not _is_real(value) or not value > 0:
+        what = "None or a number > 0" if optional else "a number > 0"
+        raise InvalidConfig(f"{name} must be {what} (seconds), got {value!r}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise InvalidConfig(f"{name} must be True or False, got {value!r}")
+
+
+def _check_text(name: str, value: object) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidConfig(f"{name} must be a non-empty string, got {value!r}")
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise InvalidConfig(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_device(value: object) -> None:
+    if not isinstance(value, str) or not DEVICE_SYNTAX.fullmatch(value):
+        raise InvalidConfig(f"device must be 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -50,15 +50,12 @@ class SwapError(KVPageError):
 
 # --- cache -----------------------------------------------------------------------------------
 class InvariantViolation(KVPageError):
-    """A cache invariant (R3, R22) does not hold. Always a bug, never a user error."""
+    """A cache invariant does not hold (a block state transition the pool refuses, or a fact the
+    step-end checker recomputes differently). Always a bug, never a user error."""
 
 
 class OutOfBlocks(KVPageError):
     """An allocation could not be satisfied; nothing was changed."""
-
-
-class CacheCorruption(KVPageError):
-    """A prefix-index entry's fast key matched but its full digest did not."""
 
 
 # --- tensor parallel -------------------------------------------------------------------------

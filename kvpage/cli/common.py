@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
-from kvpage.model import DTYPES
-
-if TYPE_CHECKING:
-    pass
+from kvpage.config import DEVICE_SYNTAX, MODEL_DTYPES
+from kvpage.errors import KVPageError
 
 ADMIN_TOKEN_ENV = "KVPAGE_ADMIN_TOKEN"
 
 
-class CliError(Exception):
-    """A bad command line: printed as one `error:` line, exit status 2."""
+class CliError(KVPageError):
+    """A bad command line: printed as one `error:` line, exit status 2 (`main` catches it before
+    other KVPageErrors, so its line has no class name: the message names the flag)."""
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -75,26 +74,24 @@ def token_ids(text: str) -> list[int]:
 
 def device(text: str) -> str:
     """A device this machine has: `--device cuda` without CUDA fails here, not in the loader."""
+    if not DEVICE_SYNTAX.fullmatch(text):  # what EngineConfig takes (torch takes more: cpu:0)
+        raise argparse.ArgumentTypeError(f"{text}: only cpu, cuda and cuda:N devices are supported")
+    if text == "cpu":
+        return text
     import torch
 
-    try:
-        device = torch.device(text)
-    except RuntimeError as err:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device ({err})") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise argparse.ArgumentTypeError(f"{text}: CUDA is not available on this machine")
-        if device.index is not None and device.index >= count:
-            raise argparse.ArgumentTypeError(f"{text}: this machine has {count} CUDA device(s)")
-    elif device.type != "cpu":
-        raise argparse.ArgumentTypeError(f"{text}: only cpu and cuda devices are supported")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise argparse.ArgumentTypeError(f"{text}: CUDA is not available on this machine")
+    index = torch.device(text).index
+    if index is not None and index >= count:
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {count} CUDA device(s)")
     return text
 
 
 def add_model_args(p: argparse.ArgumentParser, model: str = "builtin:tiny-llama") -> None:
     p.add_argument("--model", default=model, help="builtin:NAME or a Hugging Face directory")
-    p.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="weights and KV")
+    p.add_argument("--dtype", default="float32", choices=MODEL_DTYPES, help="weights and KV")
     p.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N")
 
 

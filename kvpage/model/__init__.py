@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpage.config import MODEL_DTYPES
 from kvpage.errors import ModelLoadError, UnknownModel
 from kvpage.model.base import CausalLM
 from kvpage.model.builtin import (
@@ -16,7 +17,8 @@ from kvpage.model.builtin import (
 from kvpage.model.loader import build_model, load_hf_directory, load_hf_tokenizer
 from kvpage.model.tokenizer import ByteTokenizer, Tokenizer
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The names are EngineConfig's (MODEL_DTYPES); each is also the torch attribute of its dtype.
+DTYPES = {name: getattr(torch, name) for name in MODEL_DTYPES}
 
 __all__ = ["CausalLM", "Tokenizer", "load_model", "load_tokenizer", "resolve_dtype"]
 

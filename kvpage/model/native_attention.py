@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from kvpage.errors import KVPageError
+
 SOURCE = Path(__file__).parent / "native" / "paged_decode.cpp"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -30,7 +32,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 HEAD_DIMS = tuple(range(16, 129, 16))
 
 
-class NativeBuildError(RuntimeError):
+class NativeBuildError(KVPageError, RuntimeError):
     """The kernel did not compile or load; the message has the compiler's output."""
 
 

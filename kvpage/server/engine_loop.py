@@ -17,6 +17,7 @@ from typing import Any
 
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.outputs import RequestOutput
+from kvpage.errors import KVPageError
 from kvpage.sampling_params import SamplingParams
 
 log = logging.getLogger("kvpage.server")
@@ -24,7 +25,7 @@ log = logging.getLogger("kvpage.server")
 _STOP = object()
 
 
-class EngineFailure(RuntimeError):
+class EngineFailure(KVPageError, RuntimeError):
     """The engine raised during a step; every request in flight is failed with it."""
 
     status = 500  # what a request that has not started its response answers

@@ -10,16 +10,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvpage.errors import InvalidRequest
+from kvpage.errors import InvalidRequest, KVPageError
 from kvpage.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
-MAX_N = 16  # parallel samples per request (R33)
+MAX_N = 16  # parallel samples per request: each one is a sequence of its own after prefill
 MAX_STOP = 16  # stop strings per request: each one is searched for on every token
 MAX_STOP_CHARS = 256  # per stop string: the text held back from a stream is one less than this
 
 
-class ApiError(Exception):
+class ApiError(KVPageError):
     """An error the client caused (or must see), rendered in OpenAI's error shape."""
 
     def __init__(
