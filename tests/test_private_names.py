@@ -56,7 +56,10 @@ def _touches(tree: ast.AST) -> list[tuple[int, str]]:
                 found.append((node.lineno, node.attr))
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvpage"):
             found += [(node.lineno, a.name) for a in node.names if _private(a.name)]
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "setattr"):
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
+            "getattr",
+            "setattr",
+        ):
             args = node.args
             if len(args) > 1 and isinstance(args[1], ast.Constant) and _private(str(args[1].value)):
                 found.append((node.lineno, str(args[1].value)))

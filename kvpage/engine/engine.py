@@ -166,6 +166,10 @@ class LLMEngine:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
         prompt_ids = self.prompt_ids(prompt)
         self._check_request(prompt_ids, params)
+        if timeout_s is not None and not _positive_seconds(timeout_s):
+            raise InvalidRequest(
+                f"timeout_s must be None or a number of seconds > 0, got {timeout_s!r}"
+            )
         now = time.monotonic()
         timeout_s = timeout_s if timeout_s is not None else self.config.request_timeout_s
         deadline = None if timeout_s is None else now + timeout_s
@@ -229,7 +233,7 @@ class LLMEngine:
         Its KV moves at once (a swap-out is copied before this returns); returns the mode
         used (a swap that cannot be stored falls back to recompute)."""
         seq = self._live_sample(sample_id)
-        mode = mode or self.config.preemption_mode
+        mode = self.config.preemption_mode if mode is None else mode
         if mode not in ("recompute", "swap"):
             raise InvalidRequest(f"mode must be 'recompute' or 'swap', got {mode!r}")
         if seq.status is not SeqStatus.RUNNING:
@@ -437,3 +441,8 @@ class LLMEngine:
             **sched.swap_counts,
             **sched.counters,
         }
+
+
+def _positive_seconds(value) -> bool:
+    """A real number of seconds > 0 (not a bool, not NaN)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0

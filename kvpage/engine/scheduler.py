@@ -404,7 +404,7 @@ class Scheduler:
         """Take a running request off the pool, now. Swap falls back to recompute when the swap
         space is full (and, once the executor tried, when the copy fails: R21); returns the
         mode planned."""
-        requested = mode = mode or self.config.preemption_mode
+        requested = mode = self.config.preemption_mode if mode is None else mode
         held = held_blocks(seq, self.cache.pool) if self.observers else None
         self.running.remove(seq)
         seq.num_preemptions += 1

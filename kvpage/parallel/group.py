@@ -66,7 +66,7 @@ class TPGroup:
     def broadcast(self, t: torch.Tensor, timeout: timedelta | None = None) -> torch.Tensor:
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
-        opts.timeout = timeout or self.timeout
+        opts.timeout = self.timeout if timeout is None else timeout
         self._wait(lambda: self.pg.broadcast([t], opts), "broadcast")
         return t
 

@@ -41,6 +41,7 @@ from kvpage.verify.diff import (
     quantized_attribution,
 )
 from kvpage.verify.driver import StepDriver
+from kvpage.verify.mutants.base import MissingSeam
 from kvpage.verify.trace import EngineTracer
 
 __all__ = ["SUITES", "CaseResult", "Failure", "Runtime", "build_suites", "run_case"]
@@ -163,6 +164,8 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         failures += check_baseline(engine)
         if engine.kv_format.quantized or engine.kv_format.cast_only:
             _attribute_rounded_kv(case, runtime, failures)
+    except MissingSeam:
+        raise  # a mutant that cannot be planted is the verifier's error, never a catch
     except Exception as err:  # a crash is a failure of the case, not of the verifier
         # What the engine produced before it crashed is still diffed: the first divergence
         # usually says more than the exception that followed it.

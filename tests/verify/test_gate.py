@@ -11,6 +11,7 @@ from kvpage.cli import main as cli_main
 from kvpage.model import load_model
 from kvpage.verify.gate import run_gate, run_mutant
 from kvpage.verify.mutants import Mutant
+from kvpage.verify.mutants.base import MissingSeam, bind, plant
 from kvpage.verify.report import write_reports
 from kvpage.verify.suites import Runtime, build_suites
 
@@ -136,6 +137,25 @@ def test_an_uncaught_mutant_fails_the_gate():
     base = Runtime(model, tok, "builtin:tiny-llama")
     result = run_mutant(harmless, model, tok, "builtin:tiny-llama", cases, base)
     assert not result.caught and result.divergence is None and not result.attribution_ok
+
+
+@pytest.mark.parametrize(
+    "plant_it",
+    [
+        lambda engine: plant(engine, "scheduler.no_such_seam", lambda self: None),
+        lambda engine: bind(engine.scheduler, "_fail_if_stuck", lambda self, plan: None),
+        lambda engine: bind(engine.scheduler, "no_such_method", lambda self: None),
+    ],
+    ids=["undeclared seam", "private method", "missing method"],
+)
+def test_a_mutant_that_cannot_be_planted_is_an_error_not_a_catch(plant_it):
+    """Applied inside a case, a crash would count as caught: a seam that is gone must fail."""
+    model, tok = load_model("builtin:tiny-llama")
+    cases = build_suites(model.config.vocab_size, ("failure",))
+    broken = Mutant("broken", "plants nothing", "block_table", plant_it)
+    base = Runtime(model, tok, "builtin:tiny-llama")
+    with pytest.raises(MissingSeam):
+        run_mutant(broken, model, tok, "builtin:tiny-llama", cases, base)
 
 
 def test_cli_exit_codes(tmp_path):
