@@ -1,5 +1,5 @@
 """Paged KV cache core: pure data structures, no tensors; what the
-tensors must do leaves it as block operations (R2-R8, R11, R12, R22).
+tensors must do leaves it as block operations.
 
 The engine talks to `KVCacheManager`; the other names are exported for tests and tools.
 """

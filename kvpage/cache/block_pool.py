@@ -1,14 +1,14 @@
-"""The block pool: sole owner of per-block metadata and state (R2, R3, R7).
+"""The block pool: sole owner of per-block metadata and state.
 
 A block's state follows from who holds it:
 - FREE: on the free list, ref_count 0, no valid tokens.
 - PRIVATE_WRITABLE: one owning table, not published; the only state that may be written in place.
 - SHARED_READONLY: two or more owning tables, or published in the prefix index; writes need CoW.
 - CACHED: published, ref_count 0; evictable (leaf-first LRU, see prefix_index) and still hit-able.
-- EVICTING: being copied out for swap (R11); not writable, not snapshot-able; goes FREE when released.
+- EVICTING: being copied out for swap; not writable, not snapshot-able; goes FREE when released.
 - RESTORING: allocated for a swap-in whose KV is not back yet; not readable until finish_restore.
 
-ref_count = owning tables + pins of in-flight snapshots (R12). Pins keep a block from being freed but
+ref_count = owning tables + pins of in-flight snapshots. Pins keep a block from being freed but
 never make it "shared": a step that still reads a block does not force its owner to copy it. A block
 whose last owner left while pinned stays in its state (unreachable from any table) until unpinned.
 

@@ -1,4 +1,4 @@
-"""Per-sequence block table with an epoch, and the immutable snapshot one step reads (R2, R12).
+"""Per-sequence block table with an epoch, and the immutable snapshot one step reads.
 
 Logical block `pos // block_size` of a sequence lives in physical block `block_ids[pos // block_size]`
 at offset `pos % block_size`. `len(block_ids) == ceil(num_tokens / block_size)` always holds.

@@ -1,4 +1,4 @@
-"""Debug invariant checker (R22): cheap enough to run after every step in tests.
+"""Debug invariant checker: cheap enough to run after every step in tests.
 
 Recomputes, from the tables and in-flight snapshots alone, who should hold each block, and compares
 with the pool and the index. Raises InvariantViolation listing every fact that does not hold.

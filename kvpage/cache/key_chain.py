@@ -1,4 +1,4 @@
-"""Chained block keys carried on a sequence as it grows (R4, R5).
+"""Chained block keys carried on a sequence as it grows.
 
 key_{-1} = namespace digest; digest_i = SHA-256(domain, digest_{i-1}, tokens of block i). A block's key
 therefore covers every token from position 0 to the block's end, never just its own tokens, and

@@ -1,4 +1,4 @@
-"""KVCacheManager: the one facade the engine uses for paged KV memory (R2-R8, R11, R12, R22).
+"""KVCacheManager: the one facade the engine uses for paged KV memory.
 
 It composes the pool, the prefix index and per-sequence tables, and is the only code that mutates a
 BlockTable. The KV tensors live elsewhere (kvpage.kv): the manager hands out slot indices
@@ -277,7 +277,7 @@ class KVCacheManager:
         self._debug()
         return child
 
-    # --- snapshots (R12) -------------------------------------------------------------------
+    # --- snapshots -------------------------------------------------------------------------
     def snapshot(self, table: BlockTable) -> TableSnapshot:
         blocks = [self.pool.blocks[bid] for bid in table.block_ids]
         for i, b in enumerate(blocks):
@@ -324,7 +324,7 @@ class KVCacheManager:
                     f"{b.generation} valid {b.valid_len} {b.state.name} owners {sorted(b.owners)}"
                 )
 
-    # --- swap support (R11) ----------------------------------------------------------------
+    # --- swap support ----------------------------------------------------------------------
     def begin_evict(self, table: BlockTable) -> list[int]:
         """Mark the table's private blocks EVICTING while their KV is copied out. Returns every
         block id of the table in logical order (shared ones stay readable for their other
@@ -386,7 +386,7 @@ class KVCacheManager:
         return self.pool.usage()
 
     def set_namespace_enabled(self, namespace_digest: bytes, enabled: bool) -> None:
-        """Kill switch (R30): no hits and no publishes in this namespace while disabled.
+        """Kill switch: no hits and no publishes in this namespace while disabled.
         Existing entries stay until evicted."""
         self.index.set_enabled(namespace_digest, enabled)
 

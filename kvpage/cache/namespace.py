@@ -1,4 +1,4 @@
-"""Cache namespace (R5): every input that changes what a KV block means, hashed into the chain root.
+"""Cache namespace: every input that changes what a KV block means, hashed into the chain root.
 
 Two requests may share a block only if their namespaces are equal. The digest is SHA-256 over
 name-tagged, type-tagged, length-prefixed fields, so field boundaries cannot be moved

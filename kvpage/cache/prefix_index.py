@@ -1,4 +1,4 @@
-"""Namespaced radix prefix index over full blocks, with leaf-first LRU eviction (R4, R5, R7, R8).
+"""Namespaced radix prefix index over full blocks, with leaf-first LRU eviction.
 
 Each entry is one full block keyed by its chained key (see key_chain); its parent is the entry of the
 previous block of the same prefix, so entries form a tree rooted at each namespace digest. A lookup
@@ -30,7 +30,7 @@ from kvpage.errors import InvariantViolation, OutOfBlocks
 
 @dataclass(frozen=True, slots=True)
 class DigestMismatch:
-    """A fast-key hit whose full digest differed; the entry was not served (R5)."""
+    """A fast-key hit whose full digest differed: counted as corruption, not served."""
 
     namespace: bytes
     fast_key: int
@@ -72,7 +72,7 @@ class PrefixIndex:
         self.fast_key_bits = fast_key_bits
         self.entries: dict[int, IndexEntry] = {}  # fast key -> entry
         self.by_block: dict[int, IndexEntry] = {}
-        self.disabled: set[bytes] = set()  # namespace digests with caching switched off (R30)
+        self.disabled: set[bytes] = set()  # namespace digests with caching switched off
         self._heap: list[tuple[int, int]] = []  # (last_used tick, block id) of evictable leaves
 
     def __len__(self) -> int:

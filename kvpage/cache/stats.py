@@ -1,4 +1,4 @@
-"""Counters of the cache (R29). The pool, the prefix index and the manager share one `CacheStats`
+"""Counters of the cache. The pool, the prefix index and the manager share one `CacheStats`
 object so that every counter lives in one place; the engine reports them in `stats()`."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ class CacheStats:
     # count each prompt once instead (its scheduler, at first admission).
     queries_tokens: int = 0  # prompt tokens offered to acquire_prefix
     hit_tokens: int = 0  # of those, tokens served from the cache
-    corruption_count: int = 0  # fast key matched, full digest did not (R5)
+    corruption_count: int = 0  # fast key matched, full digest did not: corruption, not a miss
     key_collisions: int = 0  # publish refused because the fast key is taken by another digest
     cow_copies: int = 0
     evictions: int = 0  # CACHED -> FREE

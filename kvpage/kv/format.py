@@ -1,4 +1,4 @@
-"""How K/V are stored in the paged pool (R32): the format `kv_cache_dtype` names, and the engine's
+"""How K/V are stored in the paged pool: the format `kv_cache_dtype` names, and the engine's
 quantiser for it.
 
 Formats:

@@ -1,4 +1,4 @@
-"""The KV pool's tensors (R2, R32): K and V of every layer in one pre-allocated allocation,
+"""The KV pool's tensors: K and V of every layer in one pre-allocated allocation,
 written through slot mappings, read back in the compute dtype as stored, copied per block
 (copy-on-write), moved to and from the swap space, and invalidated when a block is freed."""
 

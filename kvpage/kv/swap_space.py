@@ -1,4 +1,4 @@
-"""The swap space (R11): a bounded CPU store of whole sequences' KV blocks.
+"""The swap space: a bounded CPU store of whole sequences' KV blocks.
 
 Space is reserved when the scheduler plans a swap-out (so admission and the plan can count on it)
 and filled when the executor copies the blocks; a copy that fails gives its reservation back."""

@@ -1,6 +1,6 @@
 """Attention over a KV store. The model computes q/k/v for a packed batch of tokens and hands them to
 an `AttentionBackend`, which owns where the keys and values live: nowhere (one whole sequence), a
-contiguous per-request tensor (the reference, R14), or the paged pool (the engine)."""
+contiguous per-request tensor (the reference), or the paged pool (the engine)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class NoCacheAttention:
 
 
 class ContiguousKVCache:
-    """One request's KV as plain per-layer tensors grown by concatenation: the oracle (R14).
+    """One request's KV as plain per-layer tensors grown by concatenation: the oracle.
     Deliberately shares nothing with paging, prefix lookup or preemption."""
 
     def __init__(self, num_layers: int) -> None:

@@ -1,4 +1,4 @@
-"""Paged attention (R2, R10): one step's packed batch of prefill chunks and decode tokens, reading and
+"""Paged attention: one step's packed batch of prefill chunks and decode tokens, reading and
 writing KV through block tables into a pre-allocated pool.
 
 Per layer: the new tokens' K/V are written through `slot_mapping` (slot = block * B + offset), then
@@ -42,7 +42,8 @@ class PagedAttentionMetadata:
 
 
 def validate_cu_seqlens(cu_seqlens: list[int], num_tokens: int) -> None:
-    """R10: strictly increasing (no zero-length sequence), starts at 0, ends at the token count."""
+    """Strictly increasing (no zero-length sequence), starts at 0, ends at the token count: an
+    off-by-one layout would shift a sequence onto its neighbour's tokens."""
     if not cu_seqlens or cu_seqlens[0] != 0 or cu_seqlens[-1] != num_tokens:
         raise ValueError(f"cu_seqlens {cu_seqlens} must run from 0 to the token count {num_tokens}")
     if any(b <= a for a, b in zip(cu_seqlens, cu_seqlens[1:], strict=False)):

@@ -1,4 +1,4 @@
-"""The passphrase recall task (R26) of `builtin:passphrase-mini`: one format shared by its training
+"""The passphrase recall task of `builtin:passphrase-mini`: one format shared by its training
 script, its tests and the passphrase experiment.
 
     prompt = BOS + PREFIX + secret + QUERY        answer = secret + EOS

@@ -59,7 +59,7 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _Tokenizer
 
         self._tok = _Tokenizer.from_file(str(path))
-        # Identifies the vocabulary for the cache namespace (R5): same ids, different text = miss.
+        # Identifies the vocabulary for the cache namespace: same ids, different text = miss.
         self.revision = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         special = _special_ids_from_tokenizer_config(path.parent, self._tok)
