@@ -25,7 +25,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
-    n: int = 1  # parallel samples of one prompt (forked after prefill, R33)
+    n: int = 1  # parallel samples of one prompt (forked after prefill)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

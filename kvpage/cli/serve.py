@@ -102,7 +102,7 @@ def add_parser(sub) -> None:
 
 
 def _add_replicas(srv: argparse.ArgumentParser) -> None:
-    """Scale-out on Ray Serve (R36); with --replicas 1 none of it applies and Ray is not imported."""
+    """Scale-out on Ray Serve; with --replicas 1 none of it applies and Ray is not imported."""
     srv.add_argument(
         "--replicas",
         type=count,

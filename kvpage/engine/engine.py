@@ -72,7 +72,7 @@ class LLMEngine:
         )
         self.storage = self.tp.storage if self.tp else self._local_storage(num_blocks)
         # Per-operation checks inside the manager are for its own tests; the engine checks every
-        # invariant once per step instead (R22), which catches the same corruption.
+        # invariant once per step instead, which catches the same corruption.
         self.cache = KVCacheManager(
             num_blocks,
             config.block_size,
@@ -229,7 +229,7 @@ class LLMEngine:
 
     # --- calls between steps (a test driver's: kvpage.verify.driver) -----------------------
     def preempt(self, sample_id: str, mode: str | None = None) -> str:
-        """Preempt a RUNNING sample now, between steps (R20); `mode` defaults to the engine's.
+        """Preempt a RUNNING sample now, between steps; `mode` defaults to the engine's.
         Its KV moves at once (a swap-out is copied before this returns); returns the mode
         used (a swap that cannot be stored falls back to recompute)."""
         seq = self._live_sample(sample_id)
@@ -390,7 +390,7 @@ class LLMEngine:
             )
         return draw
 
-    # --- kill switches (R30) ----------------------------------------------------------------
+    # --- kill switches ----------------------------------------------------------------------
     def set_prefix_caching(self, enabled: bool) -> None:
         """Engine-wide: while off, no request gets a hit and nothing is published."""
         self.cache.enable_prefix_caching = enabled

@@ -66,7 +66,7 @@ class CowCopy(EngineEvent):
 class Preempted(EngineEvent):
     kind: ClassVar[str] = "preempt"
     mode: str  # the mode used: "recompute" or "swap"
-    requested_mode: str  # differs from `mode` when swap fell back to recompute (R21)
+    requested_mode: str  # differs from `mode` when swap fell back to recompute
     blocks: tuple[int, ...]  # held before the preemption
     generations: tuple[int, ...]
 
@@ -125,7 +125,7 @@ class TimedOut(EngineEvent):
 
 @dataclass(frozen=True, slots=True)
 class CacheCorruption(EngineEvent):
-    """A lookup's fast key matched an entry whose full digest differs; it was not served (R5)."""
+    """A lookup's fast key matched an entry whose full digest differs: corruption, never served."""
 
     kind: ClassVar[str] = "cache_corruption"
     fast_key: int

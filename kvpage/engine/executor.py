@@ -25,7 +25,7 @@ class Executor:
 
     def apply_block_ops(self, ops: list[BlockOp]) -> BlockOpsDone:
         """Apply every op in order. A swap-out whose write fails is reported (its request is
-        recomputed instead, R21), never raised: the other ops still apply."""
+        recomputed instead), never raised: the other ops still apply."""
         done = BlockOpsDone()
         for op in ops:
             if isinstance(op, CopyBlock):

@@ -1,4 +1,4 @@
-"""The cache namespace a model + tokenizer + block size imply (R5). The verifier computes the same
+"""The cache namespace a model + tokenizer + block size imply. The verifier computes the same
 thing independently of an engine instance to check which namespace a request was keyed in."""
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class StepPlan:
 @dataclass(slots=True)
 class BlockOpsDone:
     """What the executor did of a plan's block ops: swap-outs whose write failed (the request
-    falls back to recompute, R21) and swap-ins whose KV is back, with how long each took."""
+    falls back to recompute) and swap-ins whose KV is back, with how long each took."""
 
     failed_swap_outs: set[int] = field(default_factory=set)  # seq ids
     restored: dict[int, float] = field(default_factory=dict)  # seq id -> seconds

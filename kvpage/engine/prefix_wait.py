@@ -1,4 +1,4 @@
-"""Prefix sharing inside one step (issue 12): who waits one step for a prefix being computed.
+"""Prefix sharing inside one step: who waits one step for a prefix being computed.
 
 Blocks enter the prefix index only after the step that wrote their KV (`Scheduler.commit`), so N
 requests that share a system prompt and are admitted in the same step would each compute it. Two

@@ -1,6 +1,6 @@
 """The live requests: request id -> its samples, seq id -> sequence, and the deadlines in flight.
 
-A request with n > 1 (R33) enters as one sequence, sample 0; its samples 1..n-1 are made at the
+A request with n > 1 enters as one sequence, sample 0; its samples 1..n-1 are made at the
 fork (`new_sample`). A sample id is the request id for n == 1 and `rid#i` for sample i."""
 
 from __future__ import annotations

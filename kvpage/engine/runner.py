@@ -1,4 +1,4 @@
-"""Builds one step's packed batch from its plan and runs the model once over it (R2, R10)."""
+"""Builds one step's packed batch from its plan and runs the model once over it."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ class ModelRunner:
         )
 
     def check_batch(self, cu_seqlens: list[int], num_tokens: int) -> None:
-        """The packed batch's layout guard (R10; a declared seam, kvpage.engine.hooks: the
+        """The packed batch's layout guard (a declared seam, kvpage.engine.hooks: the
         check a naive engine lacks, which the verifier must not need to catch its bugs)."""
         validate_cu_seqlens(cu_seqlens, num_tokens)
 

@@ -1,4 +1,4 @@
-"""One step's sampling (R13): greedy rows in a single argmax; seeded rows each draw from their own
+"""One step's sampling: greedy rows in a single argmax; seeded rows each draw from their own
 request's generator (kvpage.sampling), so a token never depends on its batch neighbours."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The scheduler owns the request lifecycle: continuous batching (R9) with chunked prefill and
-preemption (R11, R20), and what becomes of each request after its tokens are drawn.
+"""The scheduler owns the request lifecycle: continuous batching with chunked prefill and
+preemption, and what becomes of each request after its tokens are drawn.
 
 `schedule(step)` returns the step as data (kvpage.engine.plan.StepPlan): running requests first,
 oldest first, each with its pending tokens (1 for decode, a chunk for prefill) within the token
@@ -9,7 +9,7 @@ and only then are waiting requests admitted — prefix-cache hits taken (ref_cou
 new allocation, so the allocation cannot evict them. Every KV movement those decisions imply is a
 block operation in the plan, in order; the scheduler itself touches no tensor. After the executor
 applied them, `block_ops_applied` makes restored tables readable and turns a failed swap-out into
-a recompute (R21); after the forward pass, `commit` counts the KV written and publishes the newly
+a recompute; after the forward pass, `commit` counts the KV written and publishes the newly
 full blocks; `update(plan, sampled)` appends the draws, applies the stop rule and returns outputs.
 
 With preemption switched off nothing can be taken back: admission reserves each request's worst
@@ -75,12 +75,12 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self.suspended: dict[int, Sequence] = {}  # seq id -> a WAITING/SWAPPED seq kept out
         self.to_fork: set[int] = set()  # seq ids of n > 1 requests before their first token
-        self.preemption_enabled = True  # kill switch (R30)
+        self.preemption_enabled = True  # kill switch
         self.emit_progress = True  # per-token outputs for streaming; offline callers turn it off
         self.preemptions = {"recompute": 0, "swap": 0}
         self.swap_counts = {"swap_outs": 0, "swap_ins": 0, "swap_failures": 0}
         self.counters = {"aborts": 0, "timeouts": 0}
-        # Each prompt once, at its first admission (R29): prefix_hits == sum(num_cached_tokens).
+        # Each prompt once, at its first admission: prefix_hits == sum(num_cached_tokens).
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens served from the cache
         # Prompt tokens fed to the model (re-prefills after recompute preemption count again):
@@ -93,7 +93,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
         if seq.params.n > 1:
-            self.to_fork.add(seq.seq_id)  # R33: one sequence until its prefill is done
+            self.to_fork.add(seq.seq_id)  # prefilled once, as one sequence, then forked
 
     def remove(self, seq: Sequence) -> None:
         """Take a request out of whatever queue holds it and give back its blocks and its
@@ -385,7 +385,7 @@ class Scheduler:
             emit(self.observers, SwappedOut(**who(pre.seq), **fields))
 
     def _swap_failed(self, pre: Preemption) -> None:
-        """R21: the copy to the swap space failed; the request is recomputed instead."""
+        """The swap-out copy failed: the request is recomputed instead, so it still finishes."""
         seq = pre.seq
         self.swap_counts["swap_failures"] += 1
         self.preemptions["swap"] -= 1
@@ -402,7 +402,7 @@ class Scheduler:
     # --- preemption ------------------------------------------------------------------------
     def preempt(self, seq: Sequence, plan: StepPlan, mode: str | None = None) -> str:
         """Take a running request off the pool, now. Swap falls back to recompute when the swap
-        space is full (and, once the executor tried, when the copy fails: R21); returns the
+        space is full (and, once the executor tried, when the copy fails); returns the
         mode planned."""
         requested = mode = self.config.preemption_mode if mode is None else mode
         held = held_blocks(seq, self.cache.pool) if self.observers else None

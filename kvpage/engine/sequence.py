@@ -8,7 +8,7 @@ any state --abort/timeout--> FINISHED
 A WAITING or SWAPPED sequence may be suspended (`Scheduler.suspend`, from a test driver between
 steps): it keeps its state but leaves the queues until resumed, so no step schedules it.
 
-A request with n > 1 (R33) enters as one sequence, sample 0. The step that samples its first token
+A request with n > 1 enters as one sequence, sample 0. The step that samples its first token
 forks samples 1..n-1: new sequences, RUNNING, sharing its blocks and key chain up to the prompt's
 end. From then on each sample moves through this machine on its own.
 """

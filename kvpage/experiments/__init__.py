@@ -1,1 +1,1 @@
-"""Experiments built on the engine: the passphrase contamination study (R26-R28)."""
+"""Experiments built on the engine: the passphrase contamination study."""

@@ -1,4 +1,4 @@
-"""The passphrase experiment (R26-R28, seed 004 §4): requests share a ~50-token instruction prefix
+"""The passphrase experiment: requests share a ~50-token instruction prefix
 and differ in a secret; the model must answer with its own secret. Three sharing strategies:
 
   no_sharing     every request computes its own KV (prefix caching off)

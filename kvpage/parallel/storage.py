@@ -115,7 +115,7 @@ class ShardedKVStorage:
 
     def write_blocks(self, block_ids: list[int], blocks: SavedKV) -> None:
         """Restore: returns only when every rank's copy is in its pool, so the caller's
-        finish_restore (the table becoming readable) follows every rank's copy (R11)."""
+        finish_restore (the table becoming readable) follows every rank's copy."""
 
         def local() -> None:
             self.shard.write_blocks(block_ids, self.ops.own(blocks))

@@ -1,4 +1,4 @@
-"""The contiguous reference generator (R14): one request alone, its KV grown step by step in plain
+"""The contiguous reference generator: one request alone, its KV grown step by step in plain
 per-layer tensors. It imports no paging, prefix-cache or scheduling code — it is what those are
 verified against."""
 

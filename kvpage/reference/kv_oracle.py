@@ -1,4 +1,4 @@
-"""The quantized contiguous reference's K/V round trip (R32): what a paged engine with
+"""The quantized contiguous reference's K/V round trip: what a paged engine with
 `kv_cache_dtype` must attend to, written here again from the format's definition rather than
 imported from the engine's quantiser, so a bug in the engine's quantiser (rounding, scale
 granularity) shows up as a divergence instead of being shared by both sides.

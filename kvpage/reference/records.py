@@ -1,4 +1,4 @@
-"""Step records (R15): per request and sampled token, what went in (input ids, positions), what
+"""Step records: per request and sampled token, what went in (input ids, positions), what
 came out (a logits digest, top-k, the chosen token) and the cache view the step read. The
 reference generator writes them for its contiguous run, the verifier's tracer for the engine, so
 the two can be diffed field by field (kvpage.verify.diff)."""

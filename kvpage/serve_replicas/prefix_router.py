@@ -1,4 +1,4 @@
-"""Which replica serves a request (R36): prefix affinity, round-robin or least-loaded.
+"""Which replica serves a request: prefix affinity, round-robin or least-loaded.
 
 Pure Python, no Ray: `kvpage.serve_replicas.ray_router` feeds it the live replicas and their loads
 (requests in flight, counted by the router itself) and sends the request where it says.

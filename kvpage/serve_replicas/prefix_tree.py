@@ -1,4 +1,4 @@
-"""An approximate radix tree of the token prefixes one replica was sent (R36), for routing only.
+"""An approximate radix tree of the token prefixes one replica was sent, for routing only.
 
 It mirrors what the replica's prefix cache could hold, not what it does hold: the engine caches
 full blocks keyed by namespace + every token before, so the tree keeps prompts as chains of

@@ -1,4 +1,4 @@
-"""`kvpage serve --replicas N` (R36): N engine replicas on Ray Serve behind one ingress.
+"""`kvpage serve --replicas N`: N engine replicas on Ray Serve behind one ingress.
 
     HTTP -> Ray Serve proxy -> Ingress (1 replica: routing key, /metrics, /health)
          -> KVPageRequestRouter (in the ingress process: prefix | round-robin | least-loaded)

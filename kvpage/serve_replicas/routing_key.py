@@ -1,4 +1,4 @@
-"""The routing key of an HTTP request (R36): (namespace, prompt tokens), computed at the ingress.
+"""The routing key of an HTTP request: (namespace, prompt tokens), computed at the ingress.
 
 The key is a best guess made before the replica sees the request: a body the replica will reject
 (bad JSON, unknown fields, a wrong API key) still gets a key — an empty prompt, so it goes to the

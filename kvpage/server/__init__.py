@@ -1,4 +1,4 @@
-"""OpenAI-compatible server (R25, R29-R31): `create_app(engine, ServerOptions(...))`."""
+"""OpenAI-compatible server: `create_app(engine, ServerOptions(...))`."""
 
 from kvpage.server.app import create_app
 from kvpage.server.state import ServerOptions

@@ -1,4 +1,4 @@
-"""Run-time kill switches (R30) under /admin, guarded by the admin token (`X-Admin-Token`).
+"""Run-time kill switches under /admin, guarded by the admin token (`X-Admin-Token`).
 
 Layered from narrow to wide: prefix caching off for one namespace (a tenant, a cache salt, or the
 unsalted namespace), prefix caching off everywhere, preemption off, and drain (refuse new requests

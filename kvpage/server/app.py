@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP app (R31): /v1/completions, /v1/chat/completions, /v1/models,
+"""The OpenAI-compatible HTTP app: /v1/completions, /v1/chat/completions, /v1/models,
 /health, /metrics, and the /admin switches.
 
 `create_app(engine, options)` builds it around an engine the app then owns: the engine loop and the

@@ -1,4 +1,4 @@
-"""Audit log (R29): one JSON line per engine event — prefix hit, copy-on-write, preempt, swap out,
+"""Audit log: one JSON line per engine event — prefix hit, copy-on-write, preempt, swap out,
 swap in (the restore, with its latency), free, finish, abort, timeout — sampled at a configurable
 rate; cache corruption, requests failed with an error and shadow-comparison alerts are always
 written. Each line names the request and sample and the namespace digest (which identifies the

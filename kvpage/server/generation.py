@@ -1,6 +1,6 @@
 """One request's life on the server: submit it, turn engine outputs into text deltas per choice
 (stop strings, incremental decode), time its tokens, and hand each sample to the shadow comparison
-when it is done. A request with n > 1 has n choices, one per engine sample (R33)."""
+when it is done. A request with n > 1 has n choices, one per engine sample."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics (R29) on a per-app registry (tests build several apps in one process).
+"""Prometheus metrics on a per-app registry (tests build several apps in one process).
 
 Engine counters are monotonic totals kept by the engine; they are read once per scrape on the engine
 thread (`engine_snapshot`, which is `engine.stats()`) and exposed by a collector, so no number is counted twice. Latencies are

@@ -1,4 +1,4 @@
-"""Shadow comparison (R25): a sampled fraction of the requests served with a prefix-cache hit is
+"""Shadow comparison: a sampled fraction of the requests served with a prefix-cache hit is
 recomputed on the reference path (contiguous KV, no sharing) in a worker thread, off the serving
 path, and its tokens compared with what the client got. A mismatch counts as pollution and writes an
 alert with the first differing step.

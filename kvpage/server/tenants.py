@@ -1,4 +1,4 @@
-"""API keys -> tenants -> cache salts (R5).
+"""API keys -> tenants -> cache salts.
 
 With keys configured the salt comes from the tenant, never from the client: a client that could pick
 a salt could pick another tenant's and time its cache hits (the lesson of vLLM's CVE-2025-46570).
