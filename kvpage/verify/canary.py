@@ -1,4 +1,4 @@
-"""Canaries (R18): each request carries its own short token sequence in its private tail. A foreign
+"""Canaries: each request carries its own short token sequence in its private tail. A foreign
 canary in another request's output tokens or top-k is an isolation failure naming both requests.
 Appearances the reference also shows (the request alone, so it cannot have seen a foreign canary)
 are the model's own doing and are not counted."""

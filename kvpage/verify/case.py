@@ -1,5 +1,5 @@
 """What a verification case is: requests with arrival steps and expectations, and actions done to
-the engine between steps (R19-R21). Case builders live in kvpage.verify.cases, one module per suite."""
+the engine between steps. Case builders live in kvpage.verify.cases, one module per suite."""
 
 from __future__ import annotations
 

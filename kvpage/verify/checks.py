@@ -120,7 +120,7 @@ def check_provenance(tracer, refs: dict[str, list[StepRecord]]) -> list[Failure]
         ref_records = refs.get(v.sample_id, [])
         ref = ref_records[v.record_step] if v.record_step < len(ref_records) else None
         if rec is not None and v.kind not in _WRITE_SIDE:
-            # Where the bad read happened decides the class, as for any divergence (R17).
+            # Where the bad read happened decides the class, as for any divergence.
             attribution = attribute(ref or rec, rec)
             attribution.reason = f"{v.kind}: {attribution.reason}"
         elif rec is not None:
@@ -235,7 +235,7 @@ def _check_counters(case: Case, engine: LLMEngine, finished) -> list[Failure]:
             Failure("expectation", message, None, finding("counter", "accounting", message, fields))
         )
     expected = dict(case.expect_counters)
-    # Prefix accounting (R29): hits count each prompt once, at its first admission.
+    # Prefix accounting: hits count each prompt once, at its first admission.
     expected.setdefault("prefix_hits", sum(o.metrics.num_cached_tokens for o in finished.values()))
     for name, value in expected.items():
         if stats[name] != value:
@@ -252,7 +252,8 @@ def _check_counters(case: Case, engine: LLMEngine, finished) -> list[Failure]:
 
 # --- baseline ----------------------------------------------------------------------------------
 def check_baseline(engine: LLMEngine) -> list[Failure]:
-    """Idle engine: every block free or cached, each cached block indexed, nothing held (R21)."""
+    """Idle engine: every block free or cached, each cached block indexed, nothing held, so a
+    release path that leaks a block or a reference shows here."""
     s = engine.stats()
     problems = []
     if s["private_blocks"] or s["shared_blocks"] or s["evicting_blocks"] or s["restoring_blocks"]:

@@ -1,5 +1,5 @@
-"""First divergence between a reference trace and a candidate trace (R16), attributed by the fixed
-matrix of seed 000 §8 (R17):
+"""First divergence between a reference trace and a candidate trace, attributed by a fixed
+matrix, so where the first divergence falls names what to check:
 
   same logits, different token              -> sampling:     seed, generator offset/state, filters
   runs longer or shorter / other finish      -> stop_rule:    finish reasons, stop ids, max_tokens

@@ -1,4 +1,4 @@
-"""A test driver: what the verifier and the tests do to an engine between steps (R20, R21).
+"""A test driver: what the verifier and the tests do to an engine between steps.
 
 Forced preemption, holds and swap-write failures are not engine features: the driver makes them
 out of public engine calls between steps (`preempt`, `suspend`, `resume`, the swap space's
@@ -53,7 +53,7 @@ class StepDriver(EngineObserver):
         self.forced.append(ForcedPreemption(sample_id, after_tokens, resume_after_steps, mode))
 
     def fail_swap_writes(self, count: int = 1) -> None:
-        """The next `count` swap-out copies fail (R21): the engine must recompute instead."""
+        """The next `count` swap-out copies fail: the engine must recompute instead."""
         self.failing_writes += count
         if self._store is None:
             space = self.engine.swap_space

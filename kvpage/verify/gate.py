@@ -1,4 +1,4 @@
-"""The release gate (R24): suites on the real engine (debug invariant checks on), then the mutation
+"""The release gate: suites on the real engine (debug invariant checks on), then the mutation
 check (every mutant caught, its first divergence attributed to its own class), then a report.
 Passes only when every case passes, every mutant is caught and correctly attributed, and every
 divergence report carries the fields its class needs."""
@@ -256,7 +256,8 @@ def run_mutant(mutant: Mutant, model, tokenizer, model_name: str, cases, base: R
 
 
 def _environment(model) -> dict:
-    """What the baseline depends on: re-run the reference when any of it changes (seed 000 §8)."""
+    """What the baseline depends on: re-run the reference when any of it changes, since an old
+    baseline would make a real numeric change look like a cache bug."""
     return {
         "model_revision": model.config.revision,
         "dtype": str(model.dtype),

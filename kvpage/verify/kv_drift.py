@@ -1,4 +1,4 @@
-"""How far a quantized KV format moves a model from unquantized KV (issue 14 §3): measured on the
+"""How far a quantized KV format moves a model from unquantized KV: measured on the
 gate's prompts, not assumed. The paged engine must equal the *quantized* reference exactly; this is
 the other question -- what the quantization itself costs.
 

@@ -1,4 +1,4 @@
-"""KV provenance (R15, R22): for every block incarnation (block id, generation), whose KV it holds;
+"""KV provenance: for every block incarnation (block id, generation), whose KV it holds;
 for every read, whether that KV is the reader's own.
 
 The identity of one KV slot is what its values depend on: the namespace and every token from
@@ -33,8 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-# The reference imports kvpage.verify.trace, which imports this module: nothing here may import
-# kvpage.cache or kvpage.engine (R14), so the engine's types are named in docstrings only.
+# The reference imports kvpage.verify.trace, which imports this module, and must share no code
+# with what it checks: nothing here may import kvpage.cache or kvpage.engine, so the engine's
+# types are named in docstrings only.
 Seq = Any  # a kvpage.engine.sequence.Sequence
 
 _DOMAIN = b"kvpage.verify.provenance.v1"

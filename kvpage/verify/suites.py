@@ -1,9 +1,9 @@
-"""Verification suites (R19-R21, R34): a case runs on a fresh engine with a tracer attached; every
-sample of every request is diffed step by step against the reference run alone (R16), sampled
-draws are checked against the independent sampling oracle, canaries are checked across requests
-(R18), KV provenance is checked on every read, the case must finish within a step bound derived
+"""Verification suites: a case runs on a fresh engine with a tracer attached; every
+sample of every request is diffed step by step against the reference run alone, sampled
+draws are checked against the independent sampling oracle, canaries are checked across requests,
+KV provenance is checked on every read, the case must finish within a step bound derived
 from its work and never stall with ready work (liveness), and the pool, ref_counts, index and
-swap space must be back at baseline (R21). Case builders live in kvpage.verify.cases."""
+swap space must be back at baseline. Case builders live in kvpage.verify.cases."""
 
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
 
 
 def _attribute_rounded_kv(case: Case, runtime: Runtime, failures: list[Failure]) -> None:
-    """Seed 000 §8's fourth row: a divergence that appears only on the quantized path. When a
+    """The quantized_kv class: a divergence that appears only on the quantized path. When a
     case with the pool in a rounded KV format diverges, it runs again with unquantized KV (the
     same engine factory, so the same build); if that run shows no divergence, the divergences
     found are re-attributed to quantized_kv with the scales and layout they read."""

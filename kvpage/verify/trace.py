@@ -1,4 +1,4 @@
-"""The engine's step tracer (R15). An `EngineTracer` is an engine observer (kvpage.engine.events):
+"""The engine's step tracer. An `EngineTracer` is an engine observer (kvpage.engine.events):
 attach it with `engine.add_observer(EngineTracer(engine))` and read it back as `engine.tracer`;
 with no observer attached, tracing costs the engine an empty-list test per hook. It writes the
 same `StepRecord`s (kvpage.reference.records) as the contiguous reference, so the two can be
@@ -39,7 +39,8 @@ class EngineTracer:
     """Attach with `engine.add_observer(EngineTracer(engine))`; read `records[request_id]`.
 
     It implements kvpage.engine.events.EngineObserver (every hook) without subclassing it: the
-    reference imports this module's record types and must reach no engine code (R14)."""
+    reference imports this module's record types and must reach no engine code, or it
+    could share the bugs it is there to catch."""
 
     traces_steps = True  # `engine.tracer` returns it
 

@@ -1,4 +1,4 @@
-"""Chunked prefill and decode-heavy budgets (R9, R10)."""
+"""Chunked prefill and decode-heavy budgets."""
 
 from __future__ import annotations
 

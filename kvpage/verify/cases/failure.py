@@ -1,4 +1,4 @@
-"""Failure paths (R21): abort while waiting/running/swapped, timeout, swap-write failure,
+"""Failure paths: abort while waiting/running/swapped, timeout, swap-write failure,
 cancelled recompute."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Namespaces and kill switches (R5, R30, R34). The reference keys namespaces with the same code
+"""Namespaces and kill switches. The reference keys namespaces with the same code
 as the engine, so token equality cannot see a namespace bug: every request here states exactly
 how many cached tokens it must get.
 

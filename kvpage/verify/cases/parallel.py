@@ -1,4 +1,4 @@
-"""Parallel sampling (R33, R6): n = 2..4 samples forked after prefill share every prompt block,
+"""Parallel sampling: n = 2..4 samples forked after prefill share every prompt block,
 the partial last one included, and copy it on their first write. Each sample is diffed against
 the reference run alone with its derived seed; without preemption the copy count is exact
 (n - 1 per prompt ending mid-block: concurrent CoW never double-copies)."""

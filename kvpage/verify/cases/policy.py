@@ -1,4 +1,4 @@
-"""Cache policy (R7, R8, R5, R29, R34): what must be a hit is a hit, what must not be is not.
+"""Cache policy: what must be a hit is a hit, what must not be is not.
 
 - eviction order: a reused prefix outlives a newer one nobody reused (leaf-first LRU by last
   release), so after memory pressure the reused one still hits and the other misses;

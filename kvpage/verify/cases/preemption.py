@@ -1,4 +1,4 @@
-"""Forced preemption (R20): the A/B/C script of seed 000 §9, tiny pools, a forced schedule."""
+"""Forced preemption: the A/B/C script, on tiny pools so freed blocks are reused at once."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from kvpage.verify.case import Action, Case, RequestSpec, Tokens, greedy, with_c
 
 
 def _abc_script(t: Tokens, mode: str) -> Case:
-    """Seed 000 §9: A long prefill + short decode; B shares A's prefix and ends quickly; C long
+    """The A/B/C script: A long prefill + short decode; B shares A's prefix and ends quickly; C long
     decode, preempted at its 8th token; B frees its private blocks; C resumes and must match."""
     B = 8
     prefix = t.take(5 * B)

@@ -1,4 +1,4 @@
-"""The deterministic prefix set (R19): shared prefixes of 0/1/several blocks, full±1, exact blocks,
+"""The deterministic prefix set: shared prefixes of 0/1/several blocks, full±1, exact blocks,
 multi-turn nesting, conflicting formats, tenants, many distinct keys, evict-and-reuse."""
 
 from __future__ import annotations

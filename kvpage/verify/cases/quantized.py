@@ -1,4 +1,4 @@
-"""Quantized KV (R32, issue 14): the prefix, batching and preemption suites again with the pool in
+"""Quantized KV: the prefix, batching and preemption suites again with the pool in
 a quantized format, diffed against the reference with the same K/V round trip
 (kvpage.reference.kv_oracle), plus greedy forks whose partial prompt block is copied on write (a CoW
 must carry the block's scales with its codes). A copy of a suite is named `<suite>:<dtype>`."""

@@ -1,4 +1,4 @@
-"""Resource paths (R21, R34), each in both preemption modes on tiny pools: abort during a chunked
+"""Resource paths, each in both preemption modes on tiny pools: abort during a chunked
 prefill, timeout while swapped, preemption in the middle of a chunked prefill (the remainder is
 larger than a whole step's budget), preemption of a request whose prefix came from the cache.
 After each the baseline (free blocks, ref_counts, index size, swap space) must hold, and the

@@ -1,4 +1,4 @@
-"""Seeded sampling (R13, R34). Every request here samples; each is diffed token by token against
+"""Seeded sampling. Every request here samples; each is diffed token by token against
 the reference run alone with the same seed, so a draw that depends on the batch, a generator
 shared across rows or re-seeded after a preemption is a divergence. The draws themselves are
 checked against the independent sampling oracle: each must be possible, and all of a case's draws

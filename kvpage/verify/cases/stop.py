@@ -1,4 +1,4 @@
-"""Stop rules and length (R34): stop token ids hit at chosen steps (on and off block boundaries,
+"""Stop rules and length: stop token ids hit at chosen steps (on and off block boundaries,
 at the very first token), EOS reached by sampled requests, max_tokens ending exactly on a block
 boundary. A candidate that stops early or late diverges with the stop_rule class."""
 

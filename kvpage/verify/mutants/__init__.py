@@ -1,4 +1,4 @@
-"""Deliberately broken engines (R23, R34): each mutant patches ONE engine instance through a named
+"""Deliberately broken engines: each mutant patches ONE engine instance through a named
 seam — never a branch in the hot path, never a module-level change — to reproduce one realistic
 bug. The mutation check runs the suites against each and demands that every mutant is caught and
 that its first divergence is attributed (kvpage.verify.diff) to the class that matches its bug.

@@ -1,4 +1,4 @@
-"""Cache and block-table mutants (R23): each plants one classic paged-KV bug in ONE engine instance
+"""Cache and block-table mutants: each plants one classic paged-KV bug in ONE engine instance
 through a declared seam or a public method (kvpage.verify.mutants.base) — never a branch in the
 hot path, never a module-level change. The mutation check runs the suites against each and demands
 that every mutant is caught and that its first divergence is attributed (kvpage.verify.diff) to
@@ -73,7 +73,7 @@ def fast_key_entry(index, key):
 
 
 def _without_batch_check(engine: LLMEngine) -> None:
-    """The runner, minus its batch layout guard (R10)."""
+    """The runner, minus its batch layout guard."""
     plant(engine, "runner.check_batch", lambda self, cu_seqlens, num_tokens: None)
 
 
@@ -81,13 +81,13 @@ def _without_batch_check(engine: LLMEngine) -> None:
 def share_partial_no_cow(engine: LLMEngine) -> None:
     """A new request joins a running request's blocks up to their common prefix, the partial
     last block included, and then appends into it in place: no copy-on-write (the passphrase
-    experiment's sharing, R27, with a reference count but without copy-on-write)."""
+    experiment's sharing, with a reference count but without copy-on-write)."""
     share_running_prefix(engine, refcount=True, cow=False)
 
 
 def fork_shares_partial_without_copy(engine: LLMEngine) -> None:
     """Parallel samples share the prompt's partial last block and each appends into it in
-    place: copy-on-write relabels nothing and copies nothing (R6, R33)."""
+    place: copy-on-write relabels nothing and copies nothing."""
     plant(engine, "cache.cow_needed", lambda self, table: False)
     unchecked_set_valid(engine.cache.pool)
 
@@ -125,7 +125,7 @@ class _SaltBlindNamespace(CacheNamespace):
 
 
 def namespace_missing_field(engine: LLMEngine) -> None:
-    """The namespace key leaves out the per-request cache salt (tenant isolation, R5)."""
+    """The namespace key leaves out the per-request cache salt (tenant isolation)."""
     ns = engine.namespace
     values = {f.name: getattr(ns, f.name) for f in fields(ns) if f.init}
     replace(engine, "namespace", _SaltBlindNamespace(**values))
@@ -137,7 +137,7 @@ class _UnchainedKeyChain(BlockKeyChain):
 
 
 def block_key_own_tokens(engine: LLMEngine) -> None:
-    """A block's key covers its own tokens only, not the prefix before it (R4)."""
+    """A block's key covers its own tokens only, not the prefix before it."""
 
     def new_key_chain(self, namespace):
         return _UnchainedKeyChain(namespace.digest(), self.block_size, self.fast_key_bits)
@@ -237,7 +237,7 @@ def off_by_one_block_boundary(engine: LLMEngine) -> None:
 def zero_length_cu_seqlens(engine: LLMEngine) -> None:
     """Requests retired in one step linger one more step in the batch as zero-length entries, and
     the runner derives per-sequence row ranges from the de-duplicated cu_seqlens: every later
-    sequence is shifted onto its neighbour's block table (R10)."""
+    sequence is shifted onto its neighbour's block table."""
     sched, runner = engine.scheduler, engine.runner
     lingering: list = []
     remove, schedule, metadata = sched.remove, sched.schedule, runner.attention_metadata

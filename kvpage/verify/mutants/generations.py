@@ -1,4 +1,4 @@
-"""Generation mutants (R3, R7, R22): bugs in the block lifecycle that need not change a single token.
+"""Generation mutants: bugs in the block lifecycle that need not change a single token.
 A freed block that keeps its generation, or a step that reads an incarnation nobody wrote for it,
 only shows in the output once the block has been reused by the wrong request at the wrong moment;
 the KV provenance check (kvpage.verify.provenance) sees the (block, generation) pairs themselves,

@@ -1,4 +1,4 @@
-"""Namespace and kill-switch mutants (R5, R30, R34): the salt collapsed, switches that stop hits
+"""Namespace and kill-switch mutants: the salt collapsed, switches that stop hits
 but not publishes, a per-tenant switch keyed without the tenant's salt."""
 
 from __future__ import annotations

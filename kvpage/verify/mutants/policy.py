@@ -1,6 +1,6 @@
-"""Cache-policy mutants (R7, R8, R5, R29, R34): eviction that forgets reuse, a digest confirmed at
+"""Cache-policy mutants: eviction that forgets reuse, a digest confirmed at
 the root only, prefix hits counted again when a request is re-admitted, and same-step prefix
-sharing that joins blocks before they are written (R11, R12)."""
+sharing that joins blocks before they are written."""
 
 from __future__ import annotations
 

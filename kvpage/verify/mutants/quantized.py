@@ -1,4 +1,4 @@
-"""Quantized-KV mutants (R32, issue 14): five ways a quantized pool goes wrong while every block
+"""Quantized-KV mutants: five ways a quantized pool goes wrong while every block
 table, generation and prefix key is right. Each patches a `KVStorage` through a named seam (write,
 store, quantize, copy_block, write_blocks, invalidate, rounding) on every rank's KV shard
 (`LLMEngine.patch_kv_shards`: under tensor parallelism the workers apply the same function to

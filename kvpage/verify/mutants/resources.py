@@ -1,4 +1,4 @@
-"""Resource-path and liveness mutants (R21, R34): release paths that leave blocks or swap space
+"""Resource-path and liveness mutants: release paths that leave blocks or swap space
 behind, and the scheduler that never restored a request swapped out mid-prefill."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sampling mutants (R13, R34): engine-only bugs in how ONE engine instance draws its tokens, planted
+"""Sampling mutants: engine-only bugs in how ONE engine instance draws its tokens, planted
 through the sampler seam and the scheduler's public `preempt`. The reference imports
 kvpage.sampling directly and stays correct, so the differential diff sees the engine drift; the
 first divergence must be attributed to "sampling".

@@ -1,4 +1,4 @@
-"""Sharing a running request's blocks at admission (R27): the passphrase experiment's strategies,
+"""Sharing a running request's blocks at admission: the passphrase experiment's strategies,
 and the broken engine pieces they need.
 
 A new request joins the running request with the longest common prefix, partial last block

@@ -1,4 +1,4 @@
-"""Stop-rule mutants (R34): the request ends one token early or late, or never on EOS. Each
+"""Stop-rule mutants: the request ends one token early or late, or never on EOS. Each
 replaces the scheduler's stop rule (a declared seam); the diff must report a stop_rule
 divergence."""
 
