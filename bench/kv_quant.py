@@ -1,4 +1,4 @@
-"""Quantized KV cache: memory and speed against float32 KV, in one process (issue 14 §7):
+"""Quantized KV cache: memory and speed against float32 KV, in one process:
 
     python bench/kv_quant.py [--model builtin:tiny-llama] [--dtypes auto,int8,fp8_e4m3]
                              [--memory-mib 64] [--requests 32] [--prompt 384] [--output 64]

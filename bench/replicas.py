@@ -1,4 +1,4 @@
-"""Engine replicas on Ray Serve: prefix-affinity routing vs round-robin, in one invocation (R36).
+"""Engine replicas on Ray Serve: prefix-affinity routing vs round-robin, in one invocation.
 
     python bench/replicas.py [--replicas 2] [--clients 8] [--conversations 16] [--turns 5]
                              [--shared-requests 64] [--max-tokens 16] [--model builtin:tiny-llama]

@@ -75,7 +75,7 @@ MODELS = {
         num_key_value_heads=12,
     ),
 }
-# The model of issue 12's llama.cpp comparison: the 120m with GQA, 12 heads / 4 KV heads.
+# The model of the llama.cpp comparison: the 120m with GQA, 12 heads / 4 KV heads.
 MODELS["125m"] = {**MODELS["120m"], "num_key_value_heads": 4}
 
 

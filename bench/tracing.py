@@ -1,4 +1,4 @@
-"""Cost of the verifier's tracer (R15) on the engine hot path: the same workload with tracing off
+"""Cost of the verifier's tracer on the engine hot path: the same workload with tracing off
 and on, interleaved, in one process. Prints median wall time and output tokens/s for each and the
 ratio on/off. Off must cost nothing measurable (an empty observer list); on at most 25%.
 

@@ -1,4 +1,4 @@
-"""EngineConfig checks every field where it is made (issue 21, Edges): a bad value raises
+"""EngineConfig checks every field where it is made: a bad value raises
 InvalidConfig naming the field and the value, `None` is the only way to ask for a derived value,
 and 0 is an error, never a silent default."""
 

@@ -1,4 +1,4 @@
-"""One root for every library error (issue 21, Edges): `except KVPageError` catches anything kvpage
+"""One root for every library error: `except KVPageError` catches anything kvpage
 raises on purpose. The roots that were outside it keep their second base (RuntimeError,
 AttributeError) for callers that catch that, and keep how they are reported (a CLI line, an HTTP
 status). Exported errors are all raised somewhere: no dead names in the public API."""

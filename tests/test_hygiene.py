@@ -1,4 +1,4 @@
-"""Issue 11 §5: one ceiling-division helper for block counts, every counter the cache keeps is
+"""No dead code: one ceiling-division helper for block counts, every counter the cache keeps is
 reported, and no stats key is exported twice under two names."""
 
 from __future__ import annotations

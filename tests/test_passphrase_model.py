@@ -1,4 +1,4 @@
-"""The shipped passphrase model (R26): its shape, the task format, and greedy recall of held-out
+"""The shipped passphrase model: its shape, the task format, and greedy recall of held-out
 secrets through the contiguous reference generator."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sampling (R13): seeded draws are reproducible and depend on the request's own seed only;
+"""Sampling: seeded draws are reproducible and depend on the request's own seed only;
 top-k/top-p keep exactly the tokens they should."""
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_prompt_validation():
         generate(model, [1], SamplingParams(max_tokens=10_000))
 
 
-# --- issue 11: no NaN from tiny temperature or top_p; the chosen token's logprob ---------------
+# --- no NaN from tiny temperature or top_p; the chosen token's logprob -------------------------
 def test_tiny_temperature_is_greedy_and_stored_as_zero():
     """vLLM treats a temperature below 1e-5 as greedy; stored as 0 so the sampler, the reference
     and the verifier's oracle all see greedy."""

@@ -1,4 +1,4 @@
-"""Train `builtin:passphrase-mini` (R26): a 4-layer, d_model 128, 4-head byte-level Llama that
+"""Train `builtin:passphrase-mini`: a 4-layer, d_model 128, 4-head byte-level Llama that
 recalls the secret in its prompt. CPU, 2 threads, fixed seeds; writes a Hugging Face directory
 (config.json + model.safetensors) and the held-out secrets, then measures recall with kvpage itself.
 

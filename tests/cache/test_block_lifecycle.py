@@ -1,4 +1,4 @@
-"""Block pool states and transitions, copy-on-write, snapshots (R12) and the swap states (R11)."""
+"""Block pool states and transitions, copy-on-write, snapshots and the swap states."""
 
 import itertools
 

@@ -1,4 +1,4 @@
-"""The invariant checker (R22) must fail on each kind of broken state, with the facts in the message."""
+"""The invariant checker must fail on each kind of broken state, with the facts in the message."""
 
 import pytest
 

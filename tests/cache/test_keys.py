@@ -1,4 +1,4 @@
-"""Namespace digests (R5), chained block keys (R4) and fast-key collisions."""
+"""Namespace digests, chained block keys and fast-key collisions."""
 
 import dataclasses
 import random

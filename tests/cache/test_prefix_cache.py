@@ -1,5 +1,5 @@
 """vLLM-style prefix-cache tests on a tiny pool (11 blocks of 16 tokens): exact block ids, hit counts
-and eviction order for the deterministic prefix set of R19."""
+and eviction order for the deterministic prefix set (0, 1, several blocks, full±1)."""
 
 import pytest
 

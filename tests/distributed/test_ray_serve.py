@@ -1,4 +1,4 @@
-"""`kvpage serve --replicas 2` on a local Ray instance (R36): OpenAI-client parity with a single
+"""`kvpage serve --replicas 2` on a local Ray instance: OpenAI-client parity with a single
 engine, prefix routing beating round-robin on multi-turn chat, tenants isolated on every replica,
 replicas named in metrics and audit, and a killed replica that does not take the service down.
 

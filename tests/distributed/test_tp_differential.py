@@ -1,4 +1,4 @@
-"""Tensor parallel = one process (issue 15): TP=2 over gloo gives the same greedy tokens as TP=1
+"""Tensor parallel = one process: TP=2 over gloo gives the same greedy tokens as TP=1
 and as the Hugging Face model, and logits within 1e-4 of TP=1, on Llama GQA (8 q / 2 kv heads:
 one kv head per rank), Llama MHA and GPT-2, in one schedule that has prefix hits, chunked
 prefill, swap preemption under a tight pool, forced recompute and swap preemptions, and a

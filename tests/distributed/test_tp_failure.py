@@ -1,4 +1,4 @@
-"""Tensor-parallel failure paths (issue 15): a worker that dies or hangs fails every in-flight
+"""Tensor-parallel failure paths: a worker that dies or hangs fails every in-flight
 request with an error within 30 s and leaves no process behind; a worker whose rank 0 dies
 exits by itself; rank 0 failing mid-step stops its workers at once; a model that cannot be
 split is refused before anything starts."""

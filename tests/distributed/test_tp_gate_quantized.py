@@ -1,4 +1,4 @@
-"""The mutation check at TP=2 (issue 15) for the quantized-KV mutants that rank 0 alone could not
+"""The mutation check at TP=2 for the quantized-KV mutants that rank 0 alone could not
 express or that were attributed to the wrong class: each, planted on every rank, fails the
 case that catches it at TP=1, attributed to quantized_kv, while the same case passes at TP=2
 on the unmutated engine. Builtin tiny-llama: 2 KV heads, so one per rank."""

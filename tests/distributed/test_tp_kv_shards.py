@@ -1,4 +1,4 @@
-"""Every rank's KV shard under tensor parallelism (issue 15), on Llama GQA with 2 KV heads split
+"""Every rank's KV shard under tensor parallelism, on Llama GQA with 2 KV heads split
 over 2 ranks (one KV head each): a KV patch (how the verifier plants its quantized-KV mutants)
 acts on the workers' shards too, the scales rank 0 reads for the tracer are every rank's, and a
 command larger than one broadcast frame reaches every rank whole.

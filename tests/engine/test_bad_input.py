@@ -1,5 +1,5 @@
 """Bad input raises InvalidRequest naming the field, changes nothing, and the other requests in the
-same batch still finish correctly (R21, issue 4 item 8)."""
+same batch still finish correctly."""
 
 from __future__ import annotations
 

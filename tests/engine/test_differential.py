@@ -1,4 +1,4 @@
-"""The engine's one promise (R2, R9-R13, R20): whatever the schedule — prefix sharing, chunking,
+"""The engine's one promise: whatever the schedule — prefix sharing, chunking,
 preemption by recompute or swap, forced preemption — each request's tokens equal the contiguous
 reference's for that request alone. The invariant checker runs after every step (debug_checks)."""
 

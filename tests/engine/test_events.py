@@ -1,4 +1,4 @@
-"""One event stream out of the engine (issue 11 §1): every event kind, observed from a real engine
+"""One event stream out of the engine: every event kind, observed from a real engine
 run through `engine.add_observer`, names the request and sample (not only the sequence id), the
 tenant (the request's cache salt) and the namespace digest; counts agree with the engine's stats.
 And nothing outside kvpage/engine and kvpage/cache assigns engine, scheduler or cache attributes."""

@@ -1,6 +1,7 @@
-"""R21: abort while waiting / running / swapped, timeout, swap-write failure, cancelled recompute,
-and preemption switched off while every block is held. After each, the pool, the ref_counts and the
-index return to baseline and the other requests still produce the reference's tokens."""
+"""Failure paths: abort while waiting / running / swapped, timeout, swap-write failure, cancelled
+recompute, and preemption switched off while every block is held. After each, the pool, the
+ref_counts and the index return to baseline and the other requests still produce the reference's
+tokens."""
 
 from __future__ import annotations
 
@@ -158,7 +159,7 @@ def test_cancel_recompute(tiny, references):
 
 
 def test_preemption_kill_switch_admits_only_what_fits(tiny, references):
-    """With preemption off (R30), admission reserves each request's worst case, so a tight pool
+    """With preemption switched off, admission reserves each request's worst case, so a tight pool
     runs requests a few at a time instead of deadlocking."""
     prompts = prefix_prompts(16, 258, n=8, seed=15)
     engine = _engine(tiny, num_blocks=12)
@@ -172,7 +173,7 @@ def test_preemption_kill_switch_admits_only_what_fits(tiny, references):
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preempted_mid_prefill_with_a_remainder_over_the_budget_comes_back(tiny, references, mode):
-    """Regression (issue 10): a request swapped out after its first prefill chunk, with more
+    """Regression: a request swapped out after its first prefill chunk, with more
     prompt left than a whole step's budget, was never restored and blocked every admission."""
     model, tokenizer = tiny
     prompts = prefix_prompts(16, 258, n=3, seed=16)
@@ -204,7 +205,7 @@ def _distinct(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def test_preemption_switched_off_with_every_block_held(tiny, references):
-    """Livelock (issue 11 §2): preemption goes off while two requests run that each need five
+    """Livelock: preemption goes off while two requests run that each need five
     blocks of an eight-block pool. When both need their fifth, no step can ever free one: the
     newest fails with finish reason "error" (and says why), its blocks come back, the other and
     a request queued behind them finish with the reference's tokens."""

@@ -1,4 +1,4 @@
-"""Streaming outputs (issue 11 §1.4): a progress output carries only the step's new tokens and their
+"""Streaming outputs: a progress output carries only the step's new tokens and their
 logprobs, from output position `offset`; the finished output is complete. Copying the whole list
 into every progress output made a request's streaming cost quadratic in its length."""
 

@@ -1,4 +1,4 @@
-"""Parallel sampling (R33): a request with n > 1 is prefilled once and forked into n samples that
+"""Parallel sampling: a request with n > 1 is prefilled once and forked into n samples that
 share its blocks; the partial last block is copied on the first write (copy-on-write). Whatever the
 schedule, sample i equals the contiguous reference run alone with `params.for_sample(i)`."""
 

@@ -1,4 +1,4 @@
-"""Quantized KV in the engine (issue 14): the paged int8 / fp8 engine is token-identical to the
+"""Quantized KV in the engine: the paged int8 / fp8 engine is token-identical to the
 contiguous reference with the same K/V round trip (kvpage.reference.kv_oracle) under prefix hits,
 chunked prefill and preemption by recompute and swap, block sizes 8 and 16; scales live and die
 with their block generation; a block of one KV format is never served to another."""

@@ -1,4 +1,4 @@
-"""Prefix sharing inside one step (issue 12): requests submitted together that share full blocks
+"""Prefix sharing inside one step: requests submitted together that share full blocks
 compute them once. The later ones are held back one step, until the first one's step has written
 and published the blocks, then take an ordinary hit (kvpage.engine.scheduler). Tokens equal the
 contiguous reference's; `prefill_tokens` counts the prompt tokens fed to the model."""

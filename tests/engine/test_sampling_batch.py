@@ -1,4 +1,4 @@
-"""R13: a seeded request draws the same tokens alone and in a batch of 16, and those are the
+"""A seeded request draws the same tokens alone and in a batch of 16, and those are the
 reference's tokens."""
 
 from __future__ import annotations

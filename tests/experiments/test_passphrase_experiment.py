@@ -1,5 +1,6 @@
-"""R27 on the trained model, fast version: sharing the partial block without refcount or
-copy-on-write leaks secrets between concurrent requests; no sharing and refcount+CoW never do."""
+"""The passphrase experiment on the trained model, fast version: sharing the partial block
+without refcount or copy-on-write leaks secrets between concurrent requests; no sharing and
+refcount+CoW never do."""
 
 from __future__ import annotations
 

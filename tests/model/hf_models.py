@@ -1,4 +1,4 @@
-"""Random-weight Hugging Face reference models (the oracle of R1), built with a fixed seed."""
+"""Random-weight Hugging Face reference models (our models' oracle), built with a fixed seed."""
 
 from __future__ import annotations
 

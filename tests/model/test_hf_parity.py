@@ -1,5 +1,5 @@
-"""Our models against Hugging Face transformers on the same random weights (R1): full-sequence logits
-and greedy generation through the contiguous reference (R14)."""
+"""Our models against Hugging Face transformers on the same random weights: full-sequence logits
+and greedy generation through the contiguous reference."""
 
 from __future__ import annotations
 

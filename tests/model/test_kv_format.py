@@ -1,4 +1,4 @@
-"""The KV formats (issue 14): config validation, the quantise -> dequantise round trip's rules
+"""The KV formats: config validation, the quantise -> dequantise round trip's rules
 (per-head float16 scales, round half to even, error bounds), and the engine's quantiser against
 the reference's independent implementation (kvpage.reference.kv_oracle)."""
 

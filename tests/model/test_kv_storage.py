@@ -1,4 +1,4 @@
-"""The paged KV store in each format (issue 14): a write returns what a read will see; the scales
+"""The paged KV store in each format: a write returns what a read will see; the scales
 live beside their block (invalidated on free, copied on CoW, carried by swap); the memory a block
 takes; `auto` adds no work."""
 

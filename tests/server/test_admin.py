@@ -1,4 +1,4 @@
-"""Run-time kill switches (R30) take effect on the next request: prefix caching off globally and
+"""Run-time kill switches take effect on the next request: prefix caching off globally and
 per namespace (tenant), preemption off, drain. All guarded by the admin token."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""OpenAI/vLLM fidelity that clients trip on (issue 11): OpenAI's error shape for unknown routes and
+"""OpenAI/vLLM fidelity that clients trip on: OpenAI's error shape for unknown routes and
 methods, GET /v1/models/{id}, the chosen token's logprob outside the top k, raw token bytes,
 text_offset across stream chunks, `usage: null` on intermediate chunks, and fields the server
 does not implement refused by name rather than ignored."""

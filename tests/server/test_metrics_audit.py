@@ -1,4 +1,4 @@
-"""Issue 11 §4: token counters, an end-to-end latency histogram, lifetime ratios named `_ratio`,
+"""Observability: token counters, an end-to-end latency histogram, lifetime ratios named `_ratio`,
 a request the client abandoned counted as 499 (not 200), the tenant on audit hit lines and admin
 switch changes in the audit log; the CLI writes the audit log by default."""
 

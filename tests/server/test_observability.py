@@ -1,5 +1,6 @@
-"""Metrics (R29) move as expected, the audit log has one line per prefix hit / free (with the R29
-fields), and the shadow comparison (R25) re-checks cache hits and counts pollution."""
+"""Metrics move as expected, the audit log has one line per prefix hit / free (with the fields
+that explain a hit: namespace, prefix digest, tokens, blocks, last block full), and the shadow
+comparison re-checks cache hits and counts pollution."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`n` on the server (R33): one choice per sample, `index` = the sample's index, each equal token for
+"""`n` on the server: one choice per sample, `index` = the sample's index, each equal token for
 token to offline `LLM.generate` and to the contiguous reference run alone with the sample's seed;
 usage sums every choice; streamed chunks name their choice; 1 <= n <= 16."""
 

@@ -1,4 +1,4 @@
-"""Shadow comparison (R25) on a quantized server (issue 14): the recomputation rounds K/V as the
+"""Shadow comparison on a quantized server: the recomputation rounds K/V as the
 served pool does, so a correct int8 server counts no pollution -- and a real difference still does."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tenant isolation (R5): with API keys the cache salt comes from the tenant, so tenant A's prompt
+"""Tenant isolation: with API keys the cache salt comes from the tenant, so tenant A's prompt
 never hits tenant B's cache while two requests of A share; a client cannot pick a salt. Without
 keys an explicit `cache_salt` is honoured."""
 

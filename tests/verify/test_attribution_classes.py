@@ -1,4 +1,4 @@
-"""The attribution classes added for the gate's power (R34), on hand-made traces: a token chosen
+"""The attribution classes added for the gate's power, on hand-made traces: a token chosen
 differently from identical logits is the sampler's; a request that runs longer or shorter, or
 ends for another reason, is a stop rule; each class lists its fields and fails when one is
 missing."""

@@ -1,4 +1,4 @@
-"""The new suites exercise what they are built for on the shipped model (R34): a case that never
+"""The new suites exercise what they are built for on the shipped model: a case that never
 reaches its path would pass on any bug of its class. Each claim is checked on the real engine."""
 
 from __future__ import annotations

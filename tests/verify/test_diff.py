@@ -1,5 +1,5 @@
 """The diff on hand-made traces: the first divergence is found at the known step, with every field
-of the result, and the attribution matrix picks the class seed 000 §8 prescribes."""
+of the result, and the attribution matrix picks the class each kind of divergence calls for."""
 
 from __future__ import annotations
 

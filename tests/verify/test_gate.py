@@ -1,5 +1,5 @@
 """The release gate on the real engine: every suite passes, every mutant is caught, and each
-mutant's first divergence lands in the attribution class of its bug (R23, R24)."""
+mutant's first divergence lands in the attribution class of its bug."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from kvpage.verify.report import write_reports
 from kvpage.verify.suites import Runtime, build_suites
 
 # Written out here, not read from the mutants module: the test states what each bug should look
-# like in the attribution matrix of seed 000 §8.
+# like in the attribution matrix.
 EXPECTED_CLASS = {
-    # cache and block table (R23)
+    # cache and block table
     "share_partial_no_cow": "block_table",
     "fork_shares_partial_without_copy": "block_table",
     "no_refcount": "block_table",
@@ -57,7 +57,7 @@ EXPECTED_CLASS = {
     "digest_confirmed_at_root_only": "prefix_key",
     "hits_recounted_on_readmission": "accounting",
     "same_step_join": "prefix_key",
-    # quantized KV (issue 14): only the quantized run diverges
+    # quantized KV: only the quantized run diverges
     "scale_from_previous_generation": "quantized_kv",
     "cow_copies_data_not_scale": "quantized_kv",
     "one_scale_for_all_heads": "quantized_kv",

@@ -1,4 +1,4 @@
-"""What quantized KV costs against unquantized KV (issue 14 §3), measured on gate prompts: int8
+"""What quantized KV costs against unquantized KV, measured on gate prompts: int8
 keeps at least 95% greedy agreement on the built-in models; `auto` measures no drift at all."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A mutant whose bug cannot be expressed on a model's shape is reported not applicable, with the
-reason: not run, neither caught nor missed, and never silently dropped (issue 15). The case in
+reason: not run, neither caught nor missed, and never silently dropped. The case in
 point: one scale for all KV heads is each head's own scale on a model with one KV head."""
 
 from __future__ import annotations

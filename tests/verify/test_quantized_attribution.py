@@ -1,4 +1,4 @@
-"""The fourth row of the attribution matrix (issue 14 §4), decided by the suite: a divergence on a
+"""The fourth row of the attribution matrix, decided by the suite: a divergence on a
 quantized case is quantized_kv only when the same case with unquantized KV matches the reference.
 A cache bug that breaks both keeps its own class even when first seen on an int8 case."""
 

@@ -1,4 +1,4 @@
-"""Traces of a quantized engine (issue 14 §4): every cache view records the stored KV dtype, the
+"""Traces of a quantized engine: every cache view records the stored KV dtype, the
 layout version and, per block, a digest of the scales the step read (one part per layer), lined up
 with the reference's digests for the same tokens."""
 

@@ -1,4 +1,4 @@
-"""R14: the reference path shares no code with paging, prefix lookup or scheduling. Follows the
+"""The reference path shares no code with paging, prefix lookup or scheduling. Follows the
 reference module's own imports (not the top-level package __init__) through kvpage and fails if any of them
 reaches kvpage.cache or kvpage.engine."""
 
