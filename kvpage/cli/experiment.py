@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 def add_parser(sub) -> None:
     exp = sub.add_parser("experiment", help="experiments built on the engine")
     exp_sub = exp.add_subparsers(dest="experiment", required=True)
-    pp = exp_sub.add_parser("passphrase", help="KV sharing contamination study (R26-R28)")
+    pp = exp_sub.add_parser("passphrase", help="KV sharing contamination study")
     pp.add_argument("--runs", type=count, default=100, help="runs per strategy")
     pp.add_argument("--concurrency", type=count, default=2, help="requests sharing a run")
     pp.add_argument("--block-size", type=count, default=16, help="tokens per KV block")

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 def add_parser(sub) -> None:
-    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (R31)")
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_model_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=port, default=8000, help="port to listen on")

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def add_parser(sub) -> None:
-    ver = sub.add_parser("verify", help="release gate: suites + mutation check + report (R24)")
+    ver = sub.add_parser("verify", help="release gate: suites + mutation check + report")
     ver.add_argument("--model", default="builtin:tiny-llama", help="builtin:NAME or a HF dir")
     from kvpage.verify.cases import SUITES
 

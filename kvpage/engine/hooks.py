@@ -52,7 +52,7 @@ SEAMS: dict[str, Seam] = {
         Seam("index", "match", "the prefix lookup's walk down the index"),
         Seam("index", "choose_victim", "which cached block is evicted (LRU leaf)"),
         Seam("sampler", "sample", "the sampler: one token per row"),
-        Seam("runner", "check_batch", "the packed batch's layout guard (cu_seqlens, R10)"),
+        Seam("runner", "check_batch", "the packed batch's layout guard (cu_seqlens)"),
         Seam("engine", "namespace", "the namespace requests are keyed in (salted per tenant)"),
         Seam("engine", "patch_kv_shards", "the KV pool's code on every rank (quantize, copy…)"),
     )
