@@ -97,7 +97,11 @@ class ShardedKVStorage:
         return self.command(ReadScales(list(block_ids)), lambda: self.ops.read_scales(block_ids))
 
     def copy_block(self, src: int, dst: int) -> None:
-        self.command(CopyBlock(src, dst), lambda: self.shard.copy_block(src, dst))
+        # A copy-on-write is applied before the step that writes after it, whose inputs are the
+        # next command: the workers' part rides with it (a step is then one broadcast).
+        if self.ops.group.failed is None:
+            self.defer(CopyBlock(src, dst))
+        self.shard.copy_block(src, dst)
 
     def invalidate(self, block_id: int) -> None:
         # Only a scaled layout keeps anything to invalidate; after a lost group, rank 0 still
