@@ -164,6 +164,11 @@ class LLMEngine:
             raise InvalidRequest(f"sampling_params must be SamplingParams, got {type(params)}")
         if request_id in self.requests:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequest(
+                f"n={params.n} samples run at once, more than max_num_seqs="
+                f"{self.config.max_num_seqs} sequences per step"
+            )
         prompt_ids = self.prompt_ids(prompt)
         self._check_request(prompt_ids, params)
         if timeout_s is not None and not _positive_seconds(timeout_s):

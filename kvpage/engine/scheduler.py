@@ -220,7 +220,7 @@ class Scheduler:
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         pending = self.prefix_wait.pending_keys(plan.scheduled) if self.waiting else None
         for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0 or len(self.running) + _sequences(seq) > self.config.max_num_seqs:
                 return
             if pending and self.prefix_wait.defer(seq, pending):
                 continue  # a chunk of this step computes its prefix: it hits it next step
@@ -287,8 +287,7 @@ class Scheduler:
         """Blocks the sequence may come to hold. A parallel request before its fork (one sequence
         until its first token) becomes n sequences: n times as many."""
         blocks = self.cache.blocks_for(len(seq.prompt_ids) + seq.params.max_tokens)
-        unforked = seq.params.n > 1 and seq.sample_index == 0 and not seq.output_ids
-        return blocks * seq.params.n if unforked else blocks
+        return blocks * _sequences(seq)
 
     def _note_resume(self, seq: Sequence) -> None:
         if seq.resume_pending:
@@ -392,6 +391,7 @@ class Scheduler:
         self.preemptions["recompute"] += 1
         pre.mode = seq.resume_pending = "recompute"
         seq.kv_restored = True
+        seq.num_computed = 0
         if seq.seq_id in self.suspended:
             del self.suspended[seq.seq_id]
         else:
@@ -554,6 +554,13 @@ class Scheduler:
         heads = self.requests.heads
         for request_id in [r for r in self.requests.with_deadline if now > heads[r].deadline]:
             self.abort(request_id, reason="timeout")
+
+
+def _sequences(seq: Sequence) -> int:
+    """Running sequences `seq` becomes once admitted: a parallel request forks into n at its
+    first token, and every one of them then runs in each step (max_num_seqs counts them all)."""
+    unforked = seq.params.n > 1 and seq.sample_index == 0 and not seq.output_ids
+    return seq.params.n if unforked else 1
 
 
 def _prompt_tokens(item: ScheduledSeq) -> int:

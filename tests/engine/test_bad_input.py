@@ -27,6 +27,8 @@ BAD = {
     "negative id": ([5, -1], PARAMS, "vocabulary"),
     "not ints": (["a", "b"], PARAMS, "token ids"),
     "params type": ([5, 6], {"max_tokens": 3}, "SamplingParams"),
+    # 64 samples of one request would run in one step beyond max_num_seqs (64 is the default)
+    "n over max_num_seqs": ([5, 6], SamplingParams(max_tokens=3, n=65), "max_num_seqs"),
 }
 
 
