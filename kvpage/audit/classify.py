@@ -29,6 +29,7 @@ NOISE, DRIFT, ISOLATION, UNCLASSIFIED = "noise", "numeric_drift", "isolation", "
 CLEAN, DRIFT_ONLY, FAILED = "clean", "numeric drift", "isolation failure"
 INCONCLUSIVE = "inconclusive"
 SERVER_ERRORS = "server errors"  # requests failed (5xx) under sharing or concurrency
+SERVER_FAILED = "server failed"  # the server stopped answering (crashed, hung) mid-suite
 
 # Once the batch suite has measured how far the server's logprobs move under batching alone
 # (`drift_scale`), drift is bounded by that scale times DRIFT_FACTOR (never below DRIFT_FLOOR,

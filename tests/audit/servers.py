@@ -91,11 +91,14 @@ class _Overlap:
         return self.met.pop(rid, [])
 
 
-def proxy_app(upstream: str, leak: bool = False, text_only: bool = False) -> FastAPI:
+def proxy_app(
+    upstream: str, leak: bool = False, text_only: bool = False, phantom: int = 0
+) -> FastAPI:
     """`leak`: a completion that overlapped another request gets that request's last 4 prompt
     ids (its canary) written over output tokens 2..5. `text_only`: like `transformers serve`,
     token-id prompts are refused, logprobs and token ids silently dropped, no cached-token
-    usage, no cache_salt effect (the field is dropped)."""
+    usage, no cache_salt effect (the field is dropped). `phantom`: every non-streamed answer
+    reports that many more cached tokens than it was served (the answers are untouched)."""
     app = FastAPI()
     overlap, counter = _Overlap(), iter(range(10**9))
     clients: dict[str, httpx.AsyncClient] = {}  # one upstream pool (made on the server's loop)
@@ -140,6 +143,9 @@ def proxy_app(upstream: str, leak: bool = False, text_only: bool = False) -> Fas
             _write_canary(body, met[0][-4:])
         if text_only and isinstance(body.get("usage"), dict):
             body["usage"].pop("prompt_tokens_details", None)
+        if phantom and isinstance(body.get("usage"), dict):
+            details = body["usage"].setdefault("prompt_tokens_details", {})
+            details["cached_tokens"] = (details.get("cached_tokens") or 0) + phantom
         return JSONResponse(body, resp.status_code)
 
     return app

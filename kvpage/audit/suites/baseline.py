@@ -21,7 +21,7 @@ def run(ctx: SuiteContext) -> SuiteResult:
     result = ctx.start(NAME, "exact")
     if not ctx.cold_refs:
         result.untested.append(
-            "no cache_salt: the repeat may be served from the first run's cache, so the noise "
+            f"{ctx.no_cold}: the repeat may be served from the first run's cache, so the noise "
             "measured includes cache hits"
         )
     for i, length in enumerate(probe_lengths(ctx.cfg.probes, ctx.cfg.block_sizes)):
