@@ -29,6 +29,7 @@ class Capabilities:
     seed: bool = False
     ignore_eos: bool = False
     return_token_ids: bool = False  # the server honours vLLM's `return_token_ids`
+    tokens_as_ids: bool = False  # ... and `return_tokens_as_token_ids` (unique top-k keys)
     logprobs_field: str | None = None  # where its logprobs are (completion.py's shapes)
     token_ids_field: str | None = None  # where its output token ids are (None: not given)
     cache_salt: bool = False  # a per-request cache namespace (vLLM's `cache_salt`) accepted
@@ -71,6 +72,8 @@ def build_body(
             body[name] = 0 if name == "seed" else True
     if caps.return_token_ids:
         body["return_token_ids"] = True
+    if caps.tokens_as_ids:
+        body["return_tokens_as_token_ids"] = True
     if salt is not None:
         body["cache_salt"] = salt
     if stream:
@@ -179,8 +182,21 @@ class Prober:
         self.caps.return_token_ids = out is not None and out.ids_field == IDS_FIELD
         if self.caps.return_token_ids:
             self.caps.token_ids_field = IDS_FIELD
+        if self.caps.logprobs and self.caps.endpoint == "completions":
+            self._tokens_as_ids()
         if self.caps.token_ids_field is None:
             self.caps.notes.append("no output token ids: outputs compared as token strings/text")
+
+    def _tokens_as_ids(self) -> None:
+        """vLLM's `return_tokens_as_token_ids`: top-k keys spelled `token_id:N`, so tokens whose
+        text decodes alike (byte-fallback pieces) are not merged into one key by the server."""
+        extra = {"logprobs": TOP_K, "return_tokens_as_token_ids": True}
+        try:
+            out = self._ask(self._sample_prompt(), extra)
+        except RequestRejected:
+            return
+        keys = [k for top in out.top or [] for k in top] + list(out.tokens or [])
+        self.caps.tokens_as_ids = bool(keys) and all(k.startswith("token_id:") for k in keys)
 
     def _streaming(self) -> None:
         body = self._body(self._sample_prompt(), {"stream": True})

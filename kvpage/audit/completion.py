@@ -173,23 +173,33 @@ def _completions_shape(lp: dict[str, Any]) -> Logprobs:
 
 
 def _chat_shape(content: list[Any]) -> Logprobs:
+    """Entries with ids (llama.cpp) are keyed by id, spelled `token_id:N`: byte-fallback pieces
+    of different tokens often decode to one string, and a top-k keyed by strings would then
+    merge them into false ties."""
     entries = [e for e in content if isinstance(e, dict)]
-    tokens = [str(e.get("token")) for e in entries]
-    lps = _floats([e.get("logprob") for e in entries]) or []
-    top = [_top_entries(e.get("top_logprobs")) for e in entries]
     ids = [e.get("id") for e in entries]
     has_ids = bool(ids) and all(isinstance(i, int) for i in ids)
+    by_id = has_ids and all(_top_ids(e.get("top_logprobs")) for e in entries)
+    tokens = [f"token_id:{e['id']}" if by_id else str(e.get("token")) for e in entries]
+    lps = _floats([e.get("logprob") for e in entries]) or []
+    top = [_top_entries(e.get("top_logprobs"), by_id=by_id) for e in entries]
     return Logprobs(tokens, lps, top, ids if has_ids else None, CHAT_SHAPE)
 
 
-def _top_entries(value: Any) -> dict[str, float]:
+def _top_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, dict) and isinstance(t.get("id"), int) for t in value
+    )
+
+
+def _top_entries(value: Any, by_id: bool = False) -> dict[str, float]:
     """A position's top-k: `{token: lp}` (completions shape), `[{"token", "logprob"}]` (chat
-    shape), or null (SGLang, where it has none)."""
+    shape; `by_id`: keyed `token_id:N`), or null (SGLang, where it has none)."""
     if isinstance(value, dict):
         return {str(k): float(v) for k, v in value.items() if isinstance(v, (int, float))}
     if isinstance(value, list):
         return {
-            str(t.get("token")): float(t["logprob"])
+            f"token_id:{t['id']}" if by_id else str(t.get("token")): float(t["logprob"])
             for t in value
             if isinstance(t, dict) and isinstance(t.get("logprob"), (int, float))
         }

@@ -43,10 +43,18 @@ def test_llama_cpp_completions_come_in_the_chat_shape_with_ids():
         "usage": {"prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 32}},
     }
     out = parse_body(body, chat=False)
-    assert (out.tokens, out.token_ids, out.logprobs) == ([" a", "b"], [301, 9], [-0.25, -0.5])
-    assert out.top[1] == {"b": -0.5, "c": -0.5} and out.gap_at(0) == 1.25
+    assert out.token_ids == [301, 9] and out.logprobs == [-0.25, -0.5]
+    assert out.tokens == ["token_id:301", "token_id:9"]  # keyed by id: pieces may collide
+    assert out.top[1] == {"token_id:9": -0.5, "token_id:12": -0.5} and out.gap_at(0) == 1.25
     assert (out.logprobs_field, out.ids_field) == (CHAT_SHAPE, IDS_IN_LOGPROBS)
     assert out.cached_tokens == 32
+
+
+def test_llama_cpp_byte_pieces_that_decode_alike_stay_apart():
+    alts = [(200, "\ufffd", -1.0), (201, "\ufffd", -1.5)]
+    entry = llama_cpp_entry(200, "\ufffd", -1.0, alts)
+    out = parse_body({"choices": [{"text": "?", "logprobs": {"content": [entry]}}]}, chat=False)
+    assert out.top[0] == {"token_id:200": -1.0, "token_id:201": -1.5} and out.gap_at(0) == 0.5
 
 
 def test_vllm_completions_with_return_token_ids():
