@@ -26,6 +26,11 @@ IDS_FIELD = "choices[].token_ids"
 IDS_IN_LOGPROBS = "choices[].logprobs.content[].id"
 
 
+def token_key(token_id: int) -> str:
+    """A token spelled by its id, as vLLM's return_tokens_as_token_ids spells it."""
+    return f"token_id:{token_id}"
+
+
 @dataclass(slots=True)
 class Completion:
     text: str
@@ -40,6 +45,7 @@ class Completion:
     latency_s: float = 0.0
     shared_bound: int | None = None  # most prompt tokens the audit had shared (accounting.py)
     logprobs_field: str | None = None  # where the logprobs were found (a *_SHAPE above)
+    prompt_ids: tuple[int, ...] | None = None  # the prompt, when sent as ids (for a reference)
     ids_field: str | None = None  # where the output token ids were found
 
     @property
@@ -180,7 +186,7 @@ def _chat_shape(content: list[Any]) -> Logprobs:
     ids = [e.get("id") for e in entries]
     has_ids = bool(ids) and all(isinstance(i, int) for i in ids)
     by_id = has_ids and all(_top_ids(e.get("top_logprobs")) for e in entries)
-    tokens = [f"token_id:{e['id']}" if by_id else str(e.get("token")) for e in entries]
+    tokens = [token_key(e["id"]) if by_id else str(e.get("token")) for e in entries]
     lps = _floats([e.get("logprob") for e in entries]) or []
     top = [_top_entries(e.get("top_logprobs"), by_id=by_id) for e in entries]
     return Logprobs(tokens, lps, top, ids if has_ids else None, CHAT_SHAPE)
@@ -199,7 +205,7 @@ def _top_entries(value: Any, by_id: bool = False) -> dict[str, float]:
         return {str(k): float(v) for k, v in value.items() if isinstance(v, (int, float))}
     if isinstance(value, list):
         return {
-            f"token_id:{t['id']}" if by_id else str(t.get("token")): float(t["logprob"])
+            token_key(t["id"]) if by_id else str(t.get("token")): float(t["logprob"])
             for t in value
             if isinstance(t, dict) and isinstance(t.get("logprob"), (int, float))
         }

@@ -21,6 +21,7 @@ from kvpage.audit.probes import PromptFactory
 from kvpage.audit.session import AuditSession
 from kvpage.audit.stats import block_size_from_cached
 from kvpage.audit.suites import RUNNERS, SuiteContext, SuiteResult
+from kvpage.audit.suites import reference as reference_suite
 from kvpage.audit.suites.base import UNTESTABLE
 from kvpage.audit.suites.timing import SHARED
 
@@ -143,6 +144,7 @@ def run_audit(cfg: AuditConfig) -> AuditResult:
     start = time.perf_counter()
     if cfg.seed is None:  # fresh prompts and salts for every run (reported, to reproduce it)
         cfg = replace(cfg, seed=secrets.randbits(32))
+    reference = _reference(cfg)
     progress = Progress(cfg.progress)
     budget = Budget(cfg.budget_requests, progress)
     try:
@@ -155,6 +157,9 @@ def run_audit(cfg: AuditConfig) -> AuditResult:
             ctx = SuiteContext(planned, caps, AuditSession(planned, client, caps), factory)
             shares = _shares(estimate(planned, cold_refs), budget.remaining)
             results, failure = _run_suites(ctx, progress, budget, shares)
+            if reference is not None:
+                progress.start("reference", budget)
+                results.append(reference_suite.run(ctx, results, reference))
     finally:
         progress.close()
     result = AuditResult(cfg, caps, results, notes, budget.used, time.perf_counter() - start)
@@ -163,6 +168,15 @@ def run_audit(cfg: AuditConfig) -> AuditResult:
     cold_refs = caps.cache_salt and not caps.salt_ignored
     result.plan_notes.append(f"planned requests per suite: {estimate(planned, cold_refs)}")
     return result
+
+
+def _reference(cfg: AuditConfig):
+    """The reference model, loaded before any request (torch is imported only for it)."""
+    if cfg.reference_model is None:
+        return None
+    from kvpage.audit.reference import load
+
+    return load(cfg.reference_model, cfg.reference_dtype)
 
 
 def _probe(cfg: AuditConfig, client: AuditClient) -> Capabilities:

@@ -81,6 +81,7 @@ class AuditSession:
         """The answer, with the most tokens the audit had shared with its prompt (phantom hits
         beyond that are recorded by the accounting)."""
         out.shared_bound = self.client.accounting.check(sent, out.cached_tokens, prompt.describe())
+        out.prompt_ids = prompt.ids
         return out
 
     def concurrently(self, calls: Sequence[Callable[[], T]]) -> list[T]:
