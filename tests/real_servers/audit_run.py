@@ -4,6 +4,7 @@ that carries what a reader needs: the verdicts, the findings and the server's lo
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ class Run:
 
 def audit(served: Served, model: str, report: Path, *extra: str) -> Run:
     args = ["audit", "--base-url", served.url, "--model", model, "--quiet", "--report"]
+    shutil.rmtree(report, ignore_errors=True)  # never read an earlier run's report
     t0 = time.perf_counter()
     code = main([*args, str(report), *ARGS, *extra])
     wall = time.perf_counter() - t0

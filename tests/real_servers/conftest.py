@@ -5,10 +5,22 @@ with KVPAGE_REAL_SERVERS=1. Left out means deselected (reported as such), never 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+
+import pytest
 
 HERE = Path(__file__).parent
 ENABLE = "KVPAGE_REAL_SERVERS"
+REPORTS = "KVPAGE_REAL_SERVERS_REPORTS"  # keep each test's audit report there (default: tmp)
+
+
+@pytest.fixture
+def report_dir(request, tmp_path) -> Path:
+    base = os.environ.get(REPORTS)
+    if not base:
+        return tmp_path / "report"
+    return Path(base) / re.sub(r"[^\w.-]+", "_", request.node.name)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,9 +11,12 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from bench.peers import llama_cpp as peer
+from tests.real_servers.process import Served, free_port, serve_process
 
 TARGET = "llama-server"
 # The bench's flags with the server on; no libcurl (nothing is downloaded at run time).
@@ -56,6 +59,21 @@ def build(jobs: int = 2, log=print) -> Path:
         raise peer.PeerError(f"the build finished but {binary_path()} is missing ({log_path})")
     log(f"llama.cpp: {TARGET} built in {time.perf_counter() - t0:.0f}s")
     return binary_path()
+
+
+READY_S = 180.0
+
+
+@contextmanager
+def llama_server(gguf: Path, name: str, workdir: Path, slots: int = 4) -> Iterator[Served]:
+    """`llama-server` on 127.0.0.1 with its defaults for caching (prompt cache on, one cache for
+    all clients), `slots` parallel sequences of 2048 tokens each, 2 threads."""
+    port = free_port()
+    cmd = [str(build()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--alias", name, "-c", str(2048 * slots), "-np", str(slots), "-t", "2"]
+    url = f"http://127.0.0.1:{port}"
+    with serve_process(cmd, dict(os.environ), url, workdir / "llama-server.log", READY_S) as s:
+        yield s
 
 
 if __name__ == "__main__":

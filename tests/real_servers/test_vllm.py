@@ -21,9 +21,9 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_clean_vllm_is_isolated(model_dir, tmp_path, dtype):
+def test_a_clean_vllm_is_isolated(model_dir, tmp_path, report_dir, dtype):
     with vllm_server(model_dir, NAME, VllmOptions(dtype=dtype), tmp_path) as served:
-        run = audit(served, NAME, tmp_path / "report")
+        run = audit(served, NAME, report_dir)
     assert run.exit_code == 0, run.explain()
     verdicts = run.verdicts()
     assert verdicts["baseline"] in ("exact", "logprob noise"), run.explain()
@@ -35,12 +35,12 @@ def test_a_clean_vllm_is_isolated(model_dir, tmp_path, dtype):
 
 
 @pytest.mark.parametrize("name", sorted(plants.PLANTS))
-def test_a_planted_vllm_bug_is_caught_by_its_suite(model_dir, tmp_path, name):
+def test_a_planted_vllm_bug_is_caught_by_its_suite(model_dir, tmp_path, report_dir, name):
     plant = plants.PLANTS[name]
     core = plants.planted_core(core_package(), plant, tmp_path)
     with vllm_server(model_dir, NAME, VllmOptions(core=core), tmp_path) as served:
         assert "PLANTED" in (core / plant.file).read_text()
-        run = audit(served, NAME, tmp_path / "report")
+        run = audit(served, NAME, report_dir)
     assert run.exit_code == 1 and run.report is not None, run.explain()
     verdicts = run.verdicts()
     if plant.caught_by == "server failed":
