@@ -97,6 +97,7 @@ def proxy_app(
     text_only: bool = False,
     phantom: int = 0,
     wrong_alike: bool = False,
+    fail_after: int = 0,
 ) -> FastAPI:
     """`leak`: a completion that overlapped another request gets that request's last 4 prompt
     ids (its canary) written over output tokens 2..5. `text_only`: like `transformers serve`,
@@ -104,7 +105,8 @@ def proxy_app(
     usage, no cache_salt effect (the field is dropped). `phantom`: every non-streamed answer
     reports that many more cached tokens than it was served (the answers are untouched).
     `wrong_alike`: every non-streamed answer's output token 3 is replaced by another id, the
-    same way every time — cold and warm answers agree, and both are wrong."""
+    same way every time — cold and warm answers agree, and both are wrong. `fail_after` N: every
+    non-streamed request after the Nth answers 500, as an engine that broke would."""
     app = FastAPI()
     overlap, counter = _Overlap(), iter(range(10**9))
     clients: dict[str, httpx.AsyncClient] = {}  # one upstream pool (made on the server's loop)
@@ -136,6 +138,8 @@ def proxy_app(
                 background=BackgroundTask(resp.aclose),
             )
         rid = next(counter)
+        if fail_after and rid >= fail_after:
+            return JSONResponse({"error": {"message": "planted engine failure"}}, 500)
         prompt = data.get("prompt") if isinstance(data, dict) else None
         if leak and isinstance(prompt, list):
             overlap.enter(rid, prompt)

@@ -17,7 +17,7 @@ from kvpage.audit.errors import ServerUnreachable
 from kvpage.audit.runner import run_audit
 from kvpage.cli import main
 from tests.audit.raw_http import closing_front
-from tests.audit.servers import MODEL, kvpage_server
+from tests.audit.servers import MODEL, kvpage_server, proxy_app, serve_app
 
 BODY = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 3, "temperature": 0}
 
@@ -99,3 +99,13 @@ def test_a_server_down_from_the_start_cannot_be_audited(tmp_path, capsys):
 def test_run_audit_counts_no_retries_on_a_well_behaved_server(honest_url):
     result = run_audit(config(honest_url, suites=("baseline",), probes=2))
     assert result.retries == [] and result.to_json()["retries"] == 0
+
+
+def test_5xx_answers_under_sharing_are_a_finding_with_what_preceded_them(honest_url):
+    with serve_app(proxy_app(honest_url, fail_after=40)) as url:
+        result = run_audit(config(url, suites=("baseline", "batch", "prefix"), probes=3))
+    data = result.to_json()
+    assert result.exit_code == 1 and data["verdict"] == "SERVER FAILED UNDER CACHE SHARING"
+    errors = [e for s in data["suites"].values() for e in s["errors"] if e["status"] == 500]
+    assert errors and all(e["preceding_requests"] for e in errors)
+    assert any("failed with a 5xx" in f for f in data["findings"]["found"])

@@ -11,7 +11,11 @@ loudly if vLLM's code moved, and the suite of `kvpage audit` that must report it
   prefix: isolation failure (with the phantom hit as evidence).
 - touch_keeps_free: a hit on a freed cached block leaves it on the free queue -> it is handed
   out again while in use, and the pool's ref-count assertion kills the engine -> the server
-  fails under cache sharing."""
+  fails under cache sharing.
+- miss_counted_as_hit: a lookup whose first block misses counts the pool's null block as a hit
+  -> every request, a fresh one under a fresh salt included, is served 32 "cached" tokens of
+  never-written KV: cold and warm answers agree (both wrong), so only the phantom-hit accounting
+  and `--reference-model` see it -> "reference" (with the accounting anomaly)."""
 
 from __future__ import annotations
 
@@ -77,6 +81,20 @@ PLANTS = {
             "            block.ref_cnt += 1  # PLANTED: a hit block stays on the free queue\n",
             "server failed",
             "a hit on a freed cached block leaves it on the free queue",
+        ),
+        Plant(
+            "miss_counted_as_hit",
+            "single_type_kv_cache_manager.py",
+            "            cached_block = block_pool.get_cached_block(block_hash, kv_cache_group_ids)\n"
+            "            if not cached_block:\n"
+            "                break\n",
+            "            cached_block = block_pool.get_cached_block(block_hash, kv_cache_group_ids)\n"
+            "            if not cached_block and not computed_blocks[0]:  # PLANTED: a miss hits\n"
+            "                cached_block = [block_pool.null_block] * len(kv_cache_group_ids)\n"
+            "            if not cached_block:\n"
+            "                break\n",
+            "reference",
+            "a first-block miss counted as a hit on the null block",
         ),
     )
 }

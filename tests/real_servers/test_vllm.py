@@ -38,12 +38,17 @@ def test_a_clean_vllm_is_isolated(model_dir, tmp_path, report_dir, dtype):
 def test_a_planted_vllm_bug_is_caught_by_its_suite(model_dir, tmp_path, report_dir, name):
     plant = plants.PLANTS[name]
     core = plants.planted_core(core_package(), plant, tmp_path)
+    extra = ["--reference-model", str(model_dir)] if plant.caught_by == "reference" else []
     with vllm_server(model_dir, NAME, VllmOptions(core=core), tmp_path) as served:
         assert "PLANTED" in (core / plant.file).read_text()
-        run = audit(served, NAME, report_dir)
+        run = audit(served, NAME, report_dir, *extra)
     assert run.exit_code == 1 and run.report is not None, run.explain()
     verdicts = run.verdicts()
-    if plant.caught_by == "server failed":
+    if plant.caught_by == "reference":  # cold and warm agree: the self-comparisons are blind
+        assert verdicts["reference"] == "isolation failure", run.explain()
+        fresh = [a for a in run.report["accounting_anomalies"] if a["shared_bound"] < 32]
+        assert fresh, run.explain()  # a fresh prompt was "served" cached tokens
+    elif plant.caught_by == "server failed":
         failure = run.report["server_failure"]
         failed = [n for n, v in verdicts.items() if v in ("server failed", "server errors")]
         assert failure is not None or failed, run.explain()

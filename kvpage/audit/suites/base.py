@@ -18,6 +18,7 @@ from kvpage.audit.probes import Prompt, PromptFactory
 from kvpage.audit.session import AuditSession, Tenant
 
 UNTESTABLE = "untestable"
+PRECEDING = 6  # requests shown before a 5xx
 
 
 @dataclass(slots=True)
@@ -128,9 +129,10 @@ class SuiteContext:
         try:
             fn()
         except RequestRejected as err:
-            result.errors.append(
-                {"scenario": scenario, "status": err.status, "message": err.message}
-            )
+            error = {"scenario": scenario, "status": err.status, "message": err.message}
+            if err.status >= 500:  # a finding: show what led to it
+                error["preceding_requests"] = list(self.session.client.recent)[-PRECEDING:]
+            result.errors.append(error)
             if err.status < 500:
                 result.untested.append(f"{scenario}: refused by the server ({err})")
 
