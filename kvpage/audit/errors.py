@@ -3,8 +3,10 @@ the audit could not be carried out, which says nothing about the server's isolat
 
 from __future__ import annotations
 
+from kvpage.errors import KVPageError
 
-class AuditError(Exception):
+
+class AuditError(KVPageError):
     """Base of every error that stops an audit."""
 
 

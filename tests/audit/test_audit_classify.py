@@ -258,11 +258,25 @@ def test_resolution_is_read_from_ties_and_widens_the_bound_to_one_step():
     assert logprob_resolution([ref, steps]) == 0.03125
     fp32 = answer(["c", "d"], [{"c": -1.0, "y": -1.0001}, {"d": -2.0, "w": -2.3}])
     assert logprob_resolution([fp32, fp32]) == 0.0
-    one_step = answer(["a", "b"], [{"a": -0.5}, {"b": -1.5, "x": -1.53125}])
+    one_step = answer(["a", "b"], [{"a": -0.5}, {"b": -1.5, "x": -1.5625}])  # two steps below
     flipped = answer(["a", "x"], [{"a": -0.5}, {"x": -1.5, "b": -1.5}])
     div = first_divergence(one_step, flipped, TOL.exact)
     tight = Noise(measured=True, drift_scale=1e-5)  # bound 1e-3: a float32-like batch drift
     assert classify(div, tight, TOL).klass == ISOLATION
     coarse = Noise(measured=True, drift_scale=1e-5, resolution=0.03125)
     verdict = classify(div, coarse, TOL)
-    assert verdict.klass == DRIFT and "resolution 0.0312" in verdict.reason
+    assert verdict.klass == DRIFT and "resolution 0.0312 (0.0625)" in verdict.reason
+    three = answer(["a", "b"], [{"a": -0.5}, {"b": -1.5, "x": -1.59375}])
+    div = first_divergence(three, flipped, TOL.exact)
+    assert classify(div, coarse, TOL).klass == ISOLATION  # three steps: not rounding
+
+
+def test_a_logprob_moving_by_a_step_and_a_bit_is_drift_at_that_resolution():
+    """The clean bf16 vLLM false positive: same tokens, |Δ| just over one step (0.015625)."""
+    ref = answer(["a", "b"], [{"a": -0.5}, {"b": -2.0}])
+    cand = answer(["a", "b"], [{"a": -0.5}, {"b": -2.015626}])
+    div = first_divergence(ref, cand, TOL.exact)
+    tight = Noise(measured=True, drift_scale=1e-6)
+    assert classify(div, tight, TOL).klass == ISOLATION  # a float32 server: 0.0156 is not drift
+    coarse = Noise(measured=True, drift_scale=1e-6, resolution=0.015625)
+    assert classify(div, coarse, TOL).klass == DRIFT

@@ -37,7 +37,7 @@ def run(ctx: SuiteContext) -> SuiteResult:
     if ctx.noise.resolution:
         result.summary += (
             f"; logprobs come in steps of {ctx.noise.resolution:.3g} (tied top-k entries: a "
-            "coarse dtype such as bf16), so a flip within one step of the top is drift"
+            "coarse dtype such as bf16), so a change within two steps is drift"
         )
     if result.server_errors or hits:
         result.verdict = result.judged_verdict()
