@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tests.real_servers import plants
 from tests.real_servers.audit_run import audit
-from tests.real_servers.models import build
+from tests.real_servers.models import SPECS, build
 
 NAME = "audit-tiny"
 
@@ -28,10 +28,11 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--reference", action="store_true", help="also --reference-model")
     ap.add_argument("--plant", choices=sorted(plants.PLANTS))
+    ap.add_argument("--model", choices=sorted(SPECS), default="tiny")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model = build(work / "model")
+        model = build(work / "model", SPECS[args.model])
         extra = ["--reference-model", str(model)] if args.reference else []
         with _server(args, model, work) as served:
             for i in range(args.runs):

@@ -26,6 +26,23 @@ class ModelSpec:
     seed: int = 26
 
 
+# The 125M-class model of the issue's measurements (bench/throughput.py's "125m": 12 layers,
+# d=768, 12 heads / 4 KV heads, a 32000-token vocabulary), too slow for CI on 2 cores.
+SPECS = {
+    "tiny": ModelSpec(),
+    "125m": ModelSpec(
+        name="audit-125m",
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        init_std=0.02,
+    ),
+}
+
+
 def build(directory: Path, spec: ModelSpec = ModelSpec()) -> Path:
     """The checkpoint (config.json, model.safetensors, tokenizer) in `directory`, in float32."""
     import torch
