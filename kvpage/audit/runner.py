@@ -224,7 +224,9 @@ def _run_suites(
             results.append(_partial(ctx, name, err))
         except ServerUnreachable as err:
             budget.stop_at = None
-            result, failure = _server_failed(ctx, name, err)
+            result, latest = _server_failed(ctx, name, err)
+            latest["earlier"] = failure  # a server that came back and failed again: both
+            failure = latest
             results.append(result)
     budget.stop_at = None
     return results, failure
@@ -245,7 +247,8 @@ def _server_failed(
         "alive_after": alive,
         "preceding_requests": list(client.recent),
     }
-    result.verdict = result.judged_verdict() if result.judged_verdict() == FAILED else SERVER_FAILED
+    judged = result.judged_verdict()  # an isolation failure seen before the crash stays one
+    result.verdict = FAILED if judged == FAILED else SERVER_FAILED
     state = "answers again" if alive else "no longer answers"
     result.summary = (
         f"the server failed under cache sharing: no answer during {name} ({err}); it {state}; "

@@ -59,3 +59,17 @@ def test_answers_wrong_alike_cold_and_warm_are_caught_only_by_the_reference(hone
 def test_a_reference_that_cannot_load_is_a_usage_error(honest_url, tmp_path):
     with pytest.raises(AuditUsageError, match="--reference-model"):
         run_audit(config(honest_url, str(tmp_path / "nothing"), 264))
+
+
+def test_the_cli_flag_adds_the_reference_suite(honest_url, tmp_path):
+    import json
+
+    from kvpage.cli import main
+
+    report = tmp_path / "r"
+    args = ["audit", "--base-url", honest_url, "--model", MODEL, "--quiet", "--report", str(report)]
+    args += ["--suites", "baseline", "--probes", "2", "--reference-model", MODEL]
+    assert main(args) == 0
+    data = json.loads((report / "report.json").read_text())
+    assert data["suites"]["reference"]["verdict"] == "clean"
+    assert data["suites"]["reference"]["data"]["reference"]["model"] == MODEL
