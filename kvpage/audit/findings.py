@@ -61,11 +61,15 @@ def _found(data: dict[str, Any], suites: list[dict[str, Any]]) -> list[str]:
 
 
 def _not_tested(suites: list[dict[str, Any]]) -> list[str]:
+    """A suite that could not run, or ran reduced: its first reason (the rest are below)."""
     out = []
     for s in suites:
-        if s["verdict"] == "untestable" or "partial" in s["verdict"]:
+        whole = s["verdict"] == "untestable" or "partial" in s["verdict"]
+        if whole or s["untested"]:
             why = s["untested"][0] if s["untested"] else s["summary"]
-            out.append(f"{s['name']}: {why}.")
+            more = len(s["untested"]) - 1
+            extra = f" (+{more} more below)" if more > 0 else ""
+            out.append(f"{s['name']}{'' if whole else ' (in part)'}: {why}{extra}.")
     return out
 
 
