@@ -104,7 +104,7 @@ def _shared_advice(data: dict[str, Any], timing: dict[str, Any]) -> str:
     if how == "another cache_salt" and data["capabilities"].get("cache_salt"):
         return (
             "this server shares one prompt cache among all clients (cache_salt is accepted but "
-            "ignored): do not serve two tenants from one instance."
+            "does not separate caches): do not serve two tenants from one instance."
         )
     if how == "second API key":
         return (
