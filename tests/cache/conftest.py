@@ -33,7 +33,7 @@ class FakeKV:
     def copy_block(self, src: int, dst: int) -> None:
         bs = self.block_size
         self.copies.append((src, dst))
-        self.slots[dst * bs : (dst + 1) * bs] = self.slots[src * bs : (src + 1) * bs]
+        self.slots[dst * bs:(dst + 1) * bs] = self.slots[src * bs:(src + 1) * bs]
 
     def write(self, slots: list[int], namespace: bytes, tokens: list[int], start: int) -> None:
         for i, slot in enumerate(slots):
@@ -42,8 +42,7 @@ class FakeKV:
     def read_ok(self, table: BlockTable, namespace: bytes, tokens: list[int]) -> bool:
         bs = self.block_size
         return all(
-            self.slots[table.block_ids[p // bs] * bs + p % bs]
-            == (namespace, tuple(tokens[: p + 1]))
+            self.slots[table.block_ids[p // bs] * bs + p % bs] == (namespace, tuple(tokens[: p + 1]))
             for p in range(table.num_tokens)
         )
 
@@ -65,13 +64,8 @@ class Harness:
         self.m.copy_block_fn = self.kv.copy_block
         self.ns = ns(block_size=block_size)
 
-    def prefill(
-        self,
-        seq_id: int,
-        tokens: list[int],
-        namespace: CacheNamespace | None = None,
-        publish: bool = True,
-    ) -> Seq:
+    def prefill(self, seq_id: int, tokens: list[int], namespace: CacheNamespace | None = None,
+                publish: bool = True) -> Seq:
         namespace = namespace or self.ns
         table = self.m.new_table(seq_id)
         chain = self.m.new_key_chain(namespace)
@@ -97,10 +91,8 @@ class Harness:
         return slots
 
     def refs(self) -> list[tuple]:
-        return [
-            (b.block_id, b.ref_count, b.state, b.generation, b.valid_len, frozenset(b.owners))
-            for b in self.m.pool.blocks
-        ]
+        return [(b.block_id, b.ref_count, b.state, b.generation, b.valid_len, frozenset(b.owners))
+                for b in self.m.pool.blocks]
 
 
 @pytest.fixture

@@ -14,15 +14,13 @@ S = BlockState
 def test_every_illegal_transition_raises_with_names():
     pool = BlockPool(1, 16)
     b = pool.blocks[0]
-    illegal = [
-        (f, t) for f, t in itertools.product(S, S) if f is not t and t not in LEGAL_TRANSITIONS[f]
-    ]
+    illegal = [(f, t) for f, t in itertools.product(S, S)
+               if f is not t and t not in LEGAL_TRANSITIONS[f]]
     assert len(illegal) == 30 - sum(len(v) for v in LEGAL_TRANSITIONS.values())
     for frm, to in illegal:
         b.state = frm
-        with pytest.raises(
-            InvariantViolation, match=f"block 0: illegal transition {frm.name} -> {to.name}"
-        ):
+        with pytest.raises(InvariantViolation, match=f"block 0: illegal transition "
+                                                     f"{frm.name} -> {to.name}"):
             pool._transition(b, to)
 
 

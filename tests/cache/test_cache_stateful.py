@@ -19,10 +19,8 @@ from kvpage.errors import InvariantViolation, OutOfBlocks
 BS = 4
 NUM_BLOCKS = 10
 BASE = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]  # shared-prefix material
-NAMESPACES = [
-    CacheNamespace("m", "t", block_size=BS),
-    CacheNamespace("m", "t", block_size=BS, cache_salt="other-tenant"),
-]
+NAMESPACES = [CacheNamespace("m", "t", block_size=BS),
+              CacheNamespace("m", "t", block_size=BS, cache_salt="other-tenant")]
 S = BlockState
 
 
@@ -49,7 +47,7 @@ class CacheMachine(RuleBasedStateMachine):
     # --- fake device ---------------------------------------------------------------------
     def _copy(self, src, dst):
         self.copies += 1
-        self.kv[dst * BS : (dst + 1) * BS] = self.kv[src * BS : (src + 1) * BS]
+        self.kv[dst * BS:(dst + 1) * BS] = self.kv[src * BS:(src + 1) * BS]
 
     def _write(self, seq: SeqModel, slots, start):
         digest = NAMESPACES[seq.ns].digest()
@@ -60,14 +58,8 @@ class CacheMachine(RuleBasedStateMachine):
         return (NAMESPACES[seq.ns].digest(), tuple(seq.tokens[: pos + 1]))
 
     def _frozen(self):
-        return (
-            [
-                (b.ref_count, b.state, b.generation, b.valid_len, frozenset(b.owners))
-                for b in self.m.pool.blocks
-            ],
-            list(self.m.pool.free_ids),
-            len(self.m.index),
-        )
+        return ([(b.ref_count, b.state, b.generation, b.valid_len, frozenset(b.owners))
+                 for b in self.m.pool.blocks], list(self.m.pool.free_ids), len(self.m.index))
 
     def _live(self):
         return [s for s in self.seqs.values() if not s.swapped]
@@ -77,11 +69,8 @@ class CacheMachine(RuleBasedStateMachine):
         return pool[i % len(pool)]
 
     # --- rules ---------------------------------------------------------------------------
-    @rule(
-        ns=st.integers(0, 1),
-        shared=st.integers(0, len(BASE)),
-        tail=st.lists(st.integers(0, 2), max_size=6),
-    )
+    @rule(ns=st.integers(0, 1), shared=st.integers(0, len(BASE)),
+          tail=st.lists(st.integers(0, 2), max_size=6))
     def new_seq(self, ns, shared, tail):
         tokens = BASE[:shared] + tail or [0]
         sid, self.next_id = self.next_id, self.next_id + 1
@@ -119,10 +108,8 @@ class CacheMachine(RuleBasedStateMachine):
             if s.ns != ns:
                 continue
             k = 0
-            while (
-                k < min(cap, s.table.num_published)
-                and s.tokens[k * BS : (k + 1) * BS] == tokens[k * BS : (k + 1) * BS]
-            ):
+            while (k < min(cap, s.table.num_published)
+                   and s.tokens[k * BS:(k + 1) * BS] == tokens[k * BS:(k + 1) * BS]):
                 k += 1
             best = max(best, k)
         return best * BS
@@ -262,8 +249,7 @@ class CacheMachine(RuleBasedStateMachine):
             ids = seq.table.block_ids
             for p in range(seq.table.num_tokens):
                 assert self.kv[ids[p // BS] * BS + p % BS] == self._expected(seq, p), (
-                    f"seq {seq.table.seq_id} position {p} reads foreign KV"
-                )
+                    f"seq {seq.table.seq_id} position {p} reads foreign KV")
 
     @invariant()
     def snapshots_see_what_they_saw(self):

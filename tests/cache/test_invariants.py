@@ -50,9 +50,7 @@ def test_stale_index_entry_after_missed_generation_bump(busy):
     h, *_ = busy
     cached = next(b for b in h.m.pool.blocks if b.state is BlockState.CACHED)
     cached.generation += 1
-    broken(
-        h, f"index entry for block {cached.block_id}: generation 0 but block is at 1 \\(freed block"
-    )
+    broken(h, f"index entry for block {cached.block_id}: generation 0 but block is at 1 \\(freed block")
 
 
 def test_table_reaching_a_free_block(busy):

@@ -10,14 +10,9 @@ from kvpage.cache import key_chain as key_chain_mod
 from kvpage.errors import InvalidRequest
 
 BASE = CacheNamespace(
-    model_revision="llama@abc",
-    tokenizer_revision="tok@def",
-    adapter=None,
-    rope_config=canonical_config({"rope_theta": 10000.0}),
-    kv_dtype="float16",
-    kv_layout_version=1,
-    block_size=16,
-    cache_salt=None,
+    model_revision="llama@abc", tokenizer_revision="tok@def", adapter=None,
+    rope_config=canonical_config({"rope_theta": 10000.0}), kv_dtype="float16",
+    kv_layout_version=1, block_size=16, cache_salt=None,
 )
 CHANGES = {
     "model_revision": "llama@abd",
@@ -42,9 +37,8 @@ def test_every_field_changes_the_digest():
 
 
 def test_equal_fields_equal_digest():
-    same = CacheNamespace(
-        **{f.name: getattr(BASE, f.name) for f in dataclasses.fields(CacheNamespace) if f.init}
-    )
+    same = CacheNamespace(**{f.name: getattr(BASE, f.name)
+                             for f in dataclasses.fields(CacheNamespace) if f.init})
     assert same == BASE and same.digest() == BASE.digest() and len(BASE.digest()) == 32
 
 
@@ -60,10 +54,8 @@ def test_no_concatenation_ambiguity():
 
 
 def test_adapter_x_is_not_salt_x():
-    assert (
-        dataclasses.replace(BASE, adapter="X").digest()
-        != dataclasses.replace(BASE, cache_salt="X").digest()
-    )
+    assert (dataclasses.replace(BASE, adapter="X").digest()
+            != dataclasses.replace(BASE, cache_salt="X").digest())
 
 
 def test_int_and_string_fields_do_not_alias():
@@ -91,11 +83,8 @@ def test_chain_keys_cover_the_whole_prefix():
 def test_extend_is_incremental_and_only_hashes_new_full_blocks(monkeypatch):
     calls = []
     real = key_chain_mod.chain_digest
-    monkeypatch.setattr(
-        key_chain_mod,
-        "chain_digest",
-        lambda prev, toks: calls.append(len(toks)) or real(prev, toks),
-    )
+    monkeypatch.setattr(key_chain_mod, "chain_digest",
+                        lambda prev, toks: calls.append(len(toks)) or real(prev, toks))
     tokens = list(range(37))
     whole = BlockKeyChain(BASE.digest(), 4)
     whole.extend(tokens)
@@ -149,9 +138,8 @@ def test_colliding_fast_keys_never_share_a_block(make_harness, make_ns):
     assert len(events) == expected_corruptions
     assert all(e.wanted_digest != e.found_digest for e in events)
     by_block: dict[int, list[int]] = {}
-    for p_tokens, blk in zip(
-        prompts, (h.m.live_tables[i].block_ids[0] for i in range(300)), strict=True
-    ):
+    for p_tokens, blk in zip(prompts, (h.m.live_tables[i].block_ids[0] for i in range(300)),
+                             strict=True):
         by_block.setdefault(blk, []).append(tuple(p_tokens[:bs]))
     for holders in by_block.values():
         assert len(set(holders)) == 1  # a block is only ever shared by identical prefixes

@@ -35,12 +35,7 @@ def test_shared_prefix_of_one_full_block(h):
     ev = h.m.audit[-1]
     assert isinstance(ev, HitEvent)
     assert (ev.seq_id, ev.token_count, ev.blocks_hit, ev.last_block_full, ev.capped) == (
-        2,
-        16,
-        (0,),
-        True,
-        False,
-    )
+        2, 16, (0,), True, False)
     assert ev.prefix_digest == b.chain.keys[0].digest
     assert ev.namespace == h.ns.digest()
 
@@ -196,9 +191,8 @@ def test_namespace_kill_switch(h, make_ns):
 
 def test_namespaces_never_share(h, make_ns):
     h.prefill(1, A50[:40])
-    for i, other in enumerate(
-        [make_ns(cache_salt="x"), make_ns(adapter=""), make_ns(kv_dtype="bfloat16")]
-    ):
+    for i, other in enumerate([make_ns(cache_salt="x"), make_ns(adapter=""),
+                               make_ns(kv_dtype="bfloat16")]):
         s = h.prefill(10 + i, A50[:40], namespace=other)
         assert s.cached == 0
         h.m.free_table(s.table)

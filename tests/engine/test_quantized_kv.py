@@ -54,9 +54,7 @@ def quantized_refs(model):
 @pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
-def test_tokens_equal_quantized_reference(
-    kv_cache_dtype, scenario, block_size, model, quantized_refs
-):
+def test_tokens_equal_quantized_reference(kv_cache_dtype, scenario, block_size, model, quantized_refs):
     prompts = prefix_prompts(block_size, model.config.vocab_size, n=12, seed=3)
     spec = {**SCENARIOS[scenario], "kv_cache_dtype": kv_cache_dtype}
     engine = LLMEngine(_config(MODEL, block_size, prompts, spec), model, ByteTokenizer())
@@ -87,11 +85,8 @@ def test_bfloat16_kv_under_a_float32_model_equals_its_reference(model, quantized
 def test_greedy_forks_copy_scales_on_write(model, quantized_refs):
     """n = 3 greedy samples share the prompt's partial block; each copy-on-write must carry the
     scales: every sample equals the reference."""
-    engine = LLMEngine(
-        EngineConfig(MODEL, block_size=8, num_blocks=32, kv_cache_dtype="int8", debug_checks=True),
-        model,
-        ByteTokenizer(),
-    )
+    engine = LLMEngine(EngineConfig(MODEL, block_size=8, num_blocks=32, kv_cache_dtype="int8",
+                                    debug_checks=True), model, ByteTokenizer())
     prompt = list(range(40, 51))  # 11 tokens: the second block is partial
     params = SamplingParams(n=3, max_tokens=MAX_TOKENS, ignore_eos=True)
     engine.add_request("f", prompt, params)
@@ -114,14 +109,8 @@ def _scales_of_tokens(model, prompt: list[int]) -> torch.Tensor:
 
 def test_scales_die_with_the_block_generation(model):
     """Freed blocks' scales are invalidated (zero); the next owner's blocks hold its own scales."""
-    cfg = EngineConfig(
-        MODEL,
-        block_size=8,
-        num_blocks=3,
-        kv_cache_dtype="int8",
-        enable_prefix_caching=False,
-        debug_checks=True,
-    )
+    cfg = EngineConfig(MODEL, block_size=8, num_blocks=3, kv_cache_dtype="int8",
+                       enable_prefix_caching=False, debug_checks=True)
     engine = LLMEngine(cfg, model, ByteTokenizer())
     pool, scales = engine.cache.pool, engine.storage.scales
     engine.add_request("a", list(range(60, 80)), SamplingParams(max_tokens=4, ignore_eos=True))
@@ -138,9 +127,7 @@ def test_scales_die_with_the_block_generation(model):
     for j, bid in enumerate(table.block_ids):
         n = min(8, len(prompt_b) - 8 * j)
         got = scales[:, :, bid, :n].float()
-        torch.testing.assert_close(
-            got, expected[:, :, 8 * j : 8 * j + n].float(), rtol=1e-3, atol=0
-        )
+        torch.testing.assert_close(got, expected[:, :, 8 * j : 8 * j + n].float(), rtol=1e-3, atol=0)
 
 
 def test_kv_format_is_part_of_the_namespace(model):
@@ -157,9 +144,8 @@ def test_kv_format_is_part_of_the_namespace(model):
     assert engine.namespace.kv_dtype == "float8_e4m3fn"
 
 
-@pytest.mark.parametrize(
-    ("writer", "reader"), [("int8", "auto"), ("auto", "int8"), ("int8", "fp8_e4m3")]
-)
+@pytest.mark.parametrize(("writer", "reader"), [("int8", "auto"), ("auto", "int8"),
+                                                 ("int8", "fp8_e4m3")])
 def test_a_block_of_one_kv_format_is_never_served_to_another(model, writer, reader):
     tok = ByteTokenizer()
     cache = KVCacheManager(16, 8, debug_checks=True)
@@ -188,15 +174,8 @@ def test_debug_checks_refuse_a_read_of_invalidated_scales(model):
     from kvpage.errors import InvariantViolation
     from kvpage.verify.mutants.quantized import swap_in_without_scales
 
-    cfg = EngineConfig(
-        MODEL,
-        block_size=8,
-        num_blocks=32,
-        kv_cache_dtype="int8",
-        preemption_mode="swap",
-        swap_space_blocks=32,
-        debug_checks=True,
-    )
+    cfg = EngineConfig(MODEL, block_size=8, num_blocks=32, kv_cache_dtype="int8",
+                       preemption_mode="swap", swap_space_blocks=32, debug_checks=True)
     engine = LLMEngine(cfg, model, ByteTokenizer())
     engine.patch_kv_shards(swap_in_without_scales)
     engine.add_request("r", list(range(30, 50)), SamplingParams(max_tokens=12, ignore_eos=True))
@@ -230,9 +209,8 @@ def test_cached_blocks_keep_their_scales_until_evicted(model):
     cached = [b.block_id for b in pool.blocks if b.state is BlockState.CACHED]
     assert len(cached) == 2  # the two full prompt blocks; the partial tail was freed
     assert all(bool(scales[:, :, bid].ne(0).all()) for bid in cached)
-    assert all(
-        scales[:, :, b.block_id].abs().sum() == 0 for b in pool.blocks if b.state is BlockState.FREE
-    )
+    assert all(scales[:, :, b.block_id].abs().sum() == 0
+               for b in pool.blocks if b.state is BlockState.FREE)
     evicted = engine.cache.evict(2)
     assert sorted(evicted) == sorted(cached)
     assert all(scales[:, :, bid].abs().sum() == 0 for bid in evicted)

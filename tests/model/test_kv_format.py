@@ -34,10 +34,7 @@ def test_formats():
     auto, bf16 = kv_format("auto", f32), kv_format("bfloat16", f32)
     int8, fp8 = kv_format("int8", f32), kv_format("fp8_e4m3", f32)
     assert (auto.name, auto.layout_version, auto.quantized, auto.cast_only) == (
-        "float32",
-        PLAIN_LAYOUT,
-        False,
-        False,
+        "float32", PLAIN_LAYOUT, False, False
     )
     assert (bf16.name, bf16.layout_version, bf16.cast_only) == ("bfloat16", PLAIN_LAYOUT, True)
     assert (int8.name, int8.layout_version, int8.qmax) == ("int8", SCALED_LAYOUT, 127.0)
@@ -48,14 +45,8 @@ def test_formats():
 
 def test_int8_rounds_half_to_even_with_one_scale_per_head():
     # head 0: max 127 -> scale exactly 1.0, codes are round(x); head 1: max 254 -> scale 2.0
-    x = torch.tensor(
-        [
-            [
-                [0.5, 1.5, 2.5, -0.5, -1.5, 126.6, 127.0, 3.2],
-                [1.0, 3.0, 5.0, -1.0, 2.6, 0.0, 254.0, -254.0],
-            ]
-        ]
-    )  # (1, KVH=2, D=8)
+    x = torch.tensor([[[0.5, 1.5, 2.5, -0.5, -1.5, 126.6, 127.0, 3.2],
+                       [1.0, 3.0, 5.0, -1.0, 2.6, 0.0, 254.0, -254.0]]])  # (1, KVH=2, D=8)
     codes, scales = quantize(x, kv_format("int8", torch.float32))
     assert scales.dtype == torch.float16 and scales.tolist() == [[1.0, 2.0]]
     assert codes.dtype == torch.int8

@@ -122,8 +122,6 @@ def test_appending_to_a_partial_block_never_requantises_its_tokens(name):
     for lo, hi in ((0, 3), (3, 4), (4, 2 * B)):
         pieces.write(0, torch.arange(B + lo, B + hi), k[lo:hi], v[lo:hi])
         if hi < 2 * B:  # what is already there does not move when more arrives
-            assert torch.equal(
-                pieces.data[0, :, 1:3].flatten(1, 2)[:, :hi],
-                whole.data[0, :, 1:3].flatten(1, 2)[:, :hi],
-            )
+            assert torch.equal(pieces.data[0, :, 1:3].flatten(1, 2)[:, :hi],
+                               whole.data[0, :, 1:3].flatten(1, 2)[:, :hi])
     assert torch.equal(pieces.data, whole.data) and torch.equal(pieces.scales, whole.scales)

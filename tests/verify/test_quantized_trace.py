@@ -15,18 +15,16 @@ PROMPT = list(range(40, 61))  # 21 tokens: 2 full blocks of 8 and a partial one
 
 def _traced(kv_cache_dtype: str):
     model, tok = load_model("builtin:tiny-llama")
-    cfg = EngineConfig(
-        "builtin:tiny-llama", block_size=8, num_blocks=16, kv_cache_dtype=kv_cache_dtype
-    )
+    cfg = EngineConfig("builtin:tiny-llama", block_size=8, num_blocks=16,
+                       kv_cache_dtype=kv_cache_dtype)
     engine = LLMEngine(cfg, model, tok)
     engine.add_observer(EngineTracer(engine))
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     engine.add_request("r", PROMPT, params)
     while engine.has_unfinished_requests():
         engine.step()
-    ref = generate(
-        model, PROMPT, params, trace_as="ref", kv_cache_dtype=kv_cache_dtype, scale_span=8
-    )
+    ref = generate(model, PROMPT, params, trace_as="ref", kv_cache_dtype=kv_cache_dtype,
+                   scale_span=8)
     return engine, engine.tracer.records["r"], ref.records
 
 

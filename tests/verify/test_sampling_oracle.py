@@ -57,9 +57,7 @@ def _forbidden(names: set[str]) -> list[str]:
 
 def test_oracle_imports_neither_the_shared_sampler_nor_the_engine():
     assert _forbidden(reached_modules("kvpage.verify.sampling_oracle")) == []
-    assert "kvpage.sampling" in _forbidden(
-        reached_modules("kvpage.verify.reference")
-    )  # the walk works
+    assert "kvpage.sampling" in _forbidden(reached_modules("kvpage.verify.reference"))  # the walk works
 
 
 # --- exact probabilities, by hand ----------------------------------------------------------------
