@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvpage.audit.client import AuditClient
-from kvpage.audit.completion import parse_body
+from kvpage.audit.completion import IDS_FIELD, parse_body
 from kvpage.audit.config import AuditConfig
 from kvpage.audit.errors import AuthFailed, RequestRejected, ServerIncompatible
 from kvpage.audit.probes import PromptFactory
@@ -28,7 +28,10 @@ class Capabilities:
     logprobs: bool = False  # top-k logprobs per output token
     seed: bool = False
     ignore_eos: bool = False
-    return_token_ids: bool = False  # output token ids in each choice
+    return_token_ids: bool = False  # the server honours vLLM's `return_token_ids`
+    tokens_as_ids: bool = False  # ... and `return_tokens_as_token_ids` (unique top-k keys)
+    logprobs_field: str | None = None  # where its logprobs are (completion.py's shapes)
+    token_ids_field: str | None = None  # where its output token ids are (None: not given)
     cache_salt: bool = False  # a per-request cache namespace (vLLM's `cache_salt`) accepted
     salt_ignored: bool = False  # ... but a second salt was served the first one's cache
     cached_tokens: bool = False  # usage.prompt_tokens_details.cached_tokens
@@ -69,6 +72,8 @@ def build_body(
             body[name] = 0 if name == "seed" else True
     if caps.return_token_ids:
         body["return_token_ids"] = True
+    if caps.tokens_as_ids:
+        body["return_tokens_as_token_ids"] = True
     if salt is not None:
         body["cache_salt"] = salt
     if stream:
@@ -158,23 +163,45 @@ class Prober:
             return
         if out.top and len(out.top[0]) >= 2:
             self.caps.logprobs = True
+            self.caps.logprobs_field = out.logprobs_field
+            self.caps.token_ids_field = out.ids_field  # llama.cpp: ids in the logprob entries
         else:
             self.caps.notes.append(
                 "logprobs accepted but not returned: divergences cannot be classed by margin"
             )
 
     def _token_ids(self) -> None:
+        """Ask for output ids where the server offers them (vLLM's `return_token_ids`); ids
+        already in the logprob entries (llama.cpp) need no request field."""
+        if self.caps.token_ids_field is not None:
+            return
         try:
             out = self._ask(self._sample_prompt(), {"return_token_ids": True})
         except RequestRejected:
             out = None
-        self.caps.return_token_ids = out is not None and out.token_ids is not None
-        if not self.caps.return_token_ids:
+        self.caps.return_token_ids = out is not None and out.ids_field == IDS_FIELD
+        if self.caps.return_token_ids:
+            self.caps.token_ids_field = IDS_FIELD
+        if self.caps.logprobs and self.caps.endpoint == "completions":
+            self._tokens_as_ids()
+        if self.caps.token_ids_field is None:
             self.caps.notes.append("no output token ids: outputs compared as token strings/text")
+
+    def _tokens_as_ids(self) -> None:
+        """vLLM's `return_tokens_as_token_ids`: top-k keys spelled `token_id:N`, so tokens whose
+        text decodes alike (byte-fallback pieces) are not merged into one key by the server."""
+        extra = {"logprobs": TOP_K, "return_tokens_as_token_ids": True}
+        try:
+            out = self._ask(self._sample_prompt(), extra)
+        except RequestRejected:
+            return
+        keys = [k for top in out.top or [] for k in top] + list(out.tokens or [])
+        self.caps.tokens_as_ids = bool(keys) and all(k.startswith("token_id:") for k in keys)
 
     def _streaming(self) -> None:
         body = self._body(self._sample_prompt(), {"stream": True})
         for options in ({"stream_options": {"include_usage": True}}, {}):
+            self.client.accounting.register({**body, **options})
             try:
                 timing = self.client.post_stream(
                     self.caps.path, {**body, **options}, self.cfg.api_key
@@ -262,7 +289,9 @@ class Prober:
         return {**body, **extra}
 
     def _ask(self, payload: list[int] | str, extra: dict[str, Any]):
-        body, _ = self.client.post(self.caps.path, self._body(payload, extra), self.cfg.api_key)
+        request = self._body(payload, extra)
+        self.client.accounting.register(request)
+        body, _ = self.client.post(self.caps.path, request, self.cfg.api_key)
         out = parse_body(body, self.caps.endpoint == "chat")
         self.caps.cached_tokens = self.caps.cached_tokens or out.cached_tokens is not None
         return out

@@ -149,6 +149,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
         action="store_true",
         help="judge cross-tenant timing by TTFT alone, not by the server's usage.cached_tokens",
     )
+    p.add_argument(
+        "--reference-model",
+        metavar="DIR",
+        help="the checkpoint the server serves (a Hugging Face folder): every judged answer is "
+        "also compared with kvpage's contiguous reference generator's answer to the same prompt",
+    )
+    p.add_argument(
+        "--reference-dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="the reference's dtype (default float32)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
@@ -174,6 +186,8 @@ def config_from(args: argparse.Namespace) -> AuditConfig:
         timeout_s=args.timeout,
         progress=not args.quiet,
         trust_usage=not args.ignore_usage,
+        reference_model=args.reference_model,
+        reference_dtype=args.reference_dtype,
     )
 
 

@@ -32,9 +32,24 @@ class Divergence:
                 return rank
         return None
 
+    @property
+    def cand_margin(self) -> float | None:
+        """How far below the solo top the new token was in the solo run: top-1 logprob minus
+        the new token's (0: a tie). None when the new token is not in the solo top-k."""
+        if not self.ref_top:
+            return None
+        top = self.ref_top[0][1]
+        return next((top - lp for token, lp in self.ref_top if token == self.cand_token), None)
+
+    @property
+    def margin_floor(self) -> float:
+        """A token outside the solo top-k is at least this far below the top."""
+        return self.ref_top[0][1] - self.ref_top[-1][1] if self.ref_top else 0.0
+
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["cand_rank_in_ref"] = self.cand_rank_in_ref
+        data["cand_margin"] = self.cand_margin
         return data
 
 

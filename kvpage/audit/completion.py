@@ -1,6 +1,18 @@
 """One answer of the server, reduced to what the audit compares: the output as token ids, token
 strings or characters (whatever the server gives), each token's logprob and top-k, usage, timing.
-Parses OpenAI completions and chat-completions bodies (and their stream chunks)."""
+Parses OpenAI completions and chat-completions bodies (and their stream chunks), and the logprob
+shapes real servers put in them, whichever endpoint they answer on:
+
+- completions shape `{"tokens", "token_logprobs", "top_logprobs": [{token: lp}]}`: OpenAI's legacy
+  completions, vLLM, SGLang (whose `top_logprobs` entries may be null), kvpage;
+- chat shape `{"content": [{"token", "logprob", "top_logprobs": [{"token", "logprob"}]}]}`: chat
+  completions everywhere (vLLM, `transformers serve`), and llama.cpp's server on /v1/completions
+  too, whose entries also carry the token `id`.
+
+Output token ids come from `choices[].token_ids` (vLLM's `return_token_ids`), else the ids in
+chat-shaped logprob entries (llama.cpp). Token strings spelled `token_id:N` (kvpage, vLLM for
+undecodable tokens) stay strings: a server spells only some tokens so, and an answer compared as
+ids against one compared as strings would always differ."""
 
 from __future__ import annotations
 
@@ -8,6 +20,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 END = "<end>"  # the token shown where one output stopped and the other went on
+COMPLETIONS_SHAPE = "choices[].logprobs.top_logprobs (completions shape)"
+CHAT_SHAPE = "choices[].logprobs.content[].top_logprobs (chat shape)"
+IDS_FIELD = "choices[].token_ids"
+IDS_IN_LOGPROBS = "choices[].logprobs.content[].id"
+
+
+def token_key(token_id: int) -> str:
+    """A token spelled by its id, as vLLM's return_tokens_as_token_ids spells it."""
+    return f"token_id:{token_id}"
 
 
 @dataclass(slots=True)
@@ -22,6 +43,16 @@ class Completion:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
     ttft_s: float | None = None  # time to the first output chunk (streamed requests only)
     latency_s: float = 0.0
+    shared_bound: int | None = None  # most prompt tokens the audit had shared (accounting.py)
+    logprobs_field: str | None = None  # where the logprobs were found (a *_SHAPE above)
+    prompt_ids: tuple[int, ...] | None = None  # the prompt, when sent as ids (for a reference)
+    ids_field: str | None = None  # where the output token ids were found
+
+    @property
+    def phantom(self) -> bool:
+        """Served more cached tokens than the audit could have put in its namespace."""
+        bound, cached = self.shared_bound, self.cached_tokens
+        return bool(cached) and bound is not None and cached > bound
 
     def units(self) -> tuple[str, list]:
         """The output as the finest comparable sequence: ids, else token strings, else chars."""
@@ -59,6 +90,7 @@ class Completion:
             "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
+            "shared_bound": self.shared_bound,
             "ttft_s": self.ttft_s,
             "latency_s": round(self.latency_s, 6),
         }
@@ -67,16 +99,45 @@ class Completion:
 def parse_body(body: dict[str, Any], chat: bool) -> Completion:
     """A non-streamed completions / chat-completions response body."""
     choice = (body.get("choices") or [{}])[0]
-    if chat:
-        text = ((choice.get("message") or {}).get("content")) or ""
-        tokens, lps, top = _chat_logprobs(choice.get("logprobs"))
-    else:
-        text = choice.get("text") or ""
-        tokens, lps, top = _completion_logprobs(choice.get("logprobs"))
-    out = Completion(text, choice.get("finish_reason"), _ids(choice.get("token_ids")))
-    out.tokens, out.logprobs, out.top = tokens, lps, top
+    message = choice.get("message") or {}
+    text = (message.get("content") if chat else choice.get("text")) or ""
+    out = Completion(text, choice.get("finish_reason"))
+    _fill(out, choice)
     out.prompt_tokens, out.cached_tokens = usage_counts(body.get("usage"))
     return out
+
+
+@dataclass(slots=True)
+class Logprobs:
+    """One choice's logprobs, whatever their shape."""
+
+    tokens: list[str]
+    lps: list[float]
+    top: list[dict[str, float]]
+    ids: list[int] | None
+    shape: str
+
+
+def _fill(out: Completion, choice: dict[str, Any]) -> None:
+    lp = parse_logprobs(choice.get("logprobs"))
+    if lp is not None:
+        out.tokens, out.logprobs, out.top = lp.tokens, lp.lps, lp.top
+        out.logprobs_field = lp.shape
+    ids = _ids(choice.get("token_ids"))
+    if ids is not None:
+        out.token_ids, out.ids_field = ids, IDS_FIELD
+    elif lp is not None and lp.ids is not None:
+        out.token_ids, out.ids_field = lp.ids, IDS_IN_LOGPROBS
+
+
+def parse_logprobs(lp: Any) -> Logprobs | None:
+    if not isinstance(lp, dict):
+        return None
+    if isinstance(lp.get("content"), list):
+        return _chat_shape(lp["content"])
+    if isinstance(lp.get("tokens"), list):
+        return _completions_shape(lp)
+    return None
 
 
 def usage_counts(usage: Any) -> tuple[int | None, int | None]:
@@ -109,25 +170,46 @@ def _ids(value: Any) -> list[int] | None:
     return None
 
 
-def _completion_logprobs(lp: Any) -> tuple[list[str] | None, list[float] | None, list | None]:
-    if not isinstance(lp, dict) or not isinstance(lp.get("tokens"), list):
-        return None, None, None
+def _completions_shape(lp: dict[str, Any]) -> Logprobs:
+    tokens = [str(t) for t in lp["tokens"]]
     top = lp.get("top_logprobs")
-    top = [dict(t or {}) for t in top] if isinstance(top, list) else None
-    return list(lp["tokens"]), _floats(lp.get("token_logprobs")), top
+    top = [_top_entries(t) for t in top] if isinstance(top, list) else []
+    lps = _floats(lp.get("token_logprobs")) or []
+    return Logprobs(tokens, lps, top, None, COMPLETIONS_SHAPE)
 
 
-def _chat_logprobs(lp: Any) -> tuple[list[str] | None, list[float] | None, list | None]:
-    content = lp.get("content") if isinstance(lp, dict) else None
-    if not isinstance(content, list):
-        return None, None, None
-    tokens = [str(e.get("token")) for e in content]
-    lps = _floats([e.get("logprob") for e in content])
-    top = [
-        {str(t.get("token")): t.get("logprob") for t in e.get("top_logprobs") or []}
-        for e in content
-    ]
-    return tokens, lps, top
+def _chat_shape(content: list[Any]) -> Logprobs:
+    """Entries with ids (llama.cpp) are keyed by id, spelled `token_id:N`: byte-fallback pieces
+    of different tokens often decode to one string, and a top-k keyed by strings would then
+    merge them into false ties."""
+    entries = [e for e in content if isinstance(e, dict)]
+    ids = [e.get("id") for e in entries]
+    has_ids = bool(ids) and all(isinstance(i, int) for i in ids)
+    by_id = has_ids and all(_top_ids(e.get("top_logprobs")) for e in entries)
+    tokens = [token_key(e["id"]) if by_id else str(e.get("token")) for e in entries]
+    lps = _floats([e.get("logprob") for e in entries]) or []
+    top = [_top_entries(e.get("top_logprobs"), by_id=by_id) for e in entries]
+    return Logprobs(tokens, lps, top, ids if has_ids else None, CHAT_SHAPE)
+
+
+def _top_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, dict) and isinstance(t.get("id"), int) for t in value
+    )
+
+
+def _top_entries(value: Any, by_id: bool = False) -> dict[str, float]:
+    """A position's top-k: `{token: lp}` (completions shape), `[{"token", "logprob"}]` (chat
+    shape; `by_id`: keyed `token_id:N`), or null (SGLang, where it has none)."""
+    if isinstance(value, dict):
+        return {str(k): float(v) for k, v in value.items() if isinstance(v, (int, float))}
+    if isinstance(value, list):
+        return {
+            token_key(t["id"]) if by_id else str(t.get("token")): float(t["logprob"])
+            for t in value
+            if isinstance(t, dict) and isinstance(t.get("logprob"), (int, float))
+        }
+    return {}
 
 
 def _floats(values: Any) -> list[float] | None:
@@ -164,14 +246,15 @@ def merge_chunks(chunks: list[dict[str, Any]], chat: bool) -> Completion:
 def _merge_choice(out: Completion, choice: dict[str, Any], chat: bool) -> None:
     piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
     out.text += piece or ""
-    ids = _ids(choice.get("token_ids"))
-    if ids is not None:
-        out.token_ids = (out.token_ids or []) + ids
-    parse = _chat_logprobs if chat else _completion_logprobs
-    tokens, lps, top = parse(choice.get("logprobs"))
-    if tokens is not None:
-        out.tokens = (out.tokens or []) + tokens
-        out.logprobs = (out.logprobs or []) + (lps or [])
-        out.top = (out.top or []) + (top or [])
+    part = Completion("")
+    _fill(part, choice)
+    if part.token_ids is not None:
+        out.token_ids = (out.token_ids or []) + part.token_ids
+        out.ids_field = part.ids_field
+    if part.tokens is not None:
+        out.tokens = (out.tokens or []) + part.tokens
+        out.logprobs = (out.logprobs or []) + (part.logprobs or [])
+        out.top = (out.top or []) + (part.top or [])
+        out.logprobs_field = part.logprobs_field
     if choice.get("finish_reason"):
         out.finish_reason = choice["finish_reason"]

@@ -41,6 +41,8 @@ class AuditConfig:
     seed: int | None = None
     timeout_s: float = 60.0  # per request
     trust_usage: bool = True  # False: judge timing by TTFT alone (a server's usage may lie)
+    reference_model: str | None = None  # the served checkpoint, to judge answers against
+    reference_dtype: str = "float32"
     progress: bool = True
 
     def __post_init__(self) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from kvpage.audit.report import DIVERGENCE_HEADER, divergence_rows
+from kvpage.audit.report import DIVERGENCE_HEADER, FINDING_HEADINGS, divergence_rows
 
 ARM_LABELS = {"cold": "cold", "same": "same tenant, warm", "cross": "other tenant"}
 ARM_COLOURS = {"cold": "#777", "same": "#2a7", "cross": "#c33"}
@@ -28,6 +28,13 @@ def html_page(data: dict[str, Any]) -> str:
         f"(exit {data['exit_code']})</p>",
         f"<p>{data['requests']} requests of {data['budget_requests']}; {data['wall_s']:.1f} s; "
         f"inferred block size: {data.get('inferred_block_size') or 'not inferred'}</p>",
+        "<ul>"
+        + "".join(
+            f"<li><b>{e(h)}</b> {e(x)}</li>"
+            for h, k in FINDING_HEADINGS
+            for x in data["findings"][k]
+        )
+        + "</ul>",
         _table(
             ["suite", "verdict", "summary"],
             [[s["name"], s["verdict"], s["summary"]] for s in data["suites"].values()],

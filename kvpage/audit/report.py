@@ -11,6 +11,7 @@ from typing import Any
 from kvpage.audit.runner import AuditResult
 
 TOP_SHOWN = 3  # top-k entries shown per side in the divergence tables
+FINDING_HEADINGS = (("Found:", "found"), ("Not tested:", "not_tested"), ("To do:", "to_do"))
 
 
 def write_reports(result: AuditResult, directory: str | Path) -> dict[str, Any]:
@@ -32,6 +33,10 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
         lines.append(f"{suite['name']:<10} {suite['verdict']:<22} {suite['summary']}")
     block = data.get("inferred_block_size")
     lines.append(f"inferred block size: {block if block else 'not inferred'}")
+    if data.get("retries"):
+        lines.append(f"{data['retries']} request(s) retried on a fresh connection")
+    for heading, key in FINDING_HEADINGS:
+        lines += [f"{heading} {s}" for s in data["findings"][key]]
     lines.append(
         f"verdict: {data['verdict']} (exit {data['exit_code']}); {data['requests']} requests "
         f"of {data['budget_requests']}; {data['wall_s']:.1f} s"
@@ -47,12 +52,14 @@ def markdown(data: dict[str, Any]) -> str:
         f"**Verdict: {data['verdict']}** (exit {data['exit_code']}) — {data['requests']} "
         f"requests of a budget of {data['budget_requests']}, {data['wall_s']:.1f} s.",
         "",
-        "| suite | verdict | summary |",
-        "|---|---|---|",
     ]
+    for heading, key in FINDING_HEADINGS:
+        lines += [f"- **{heading}** {s}" for s in data["findings"][key]]
+    lines += ["", "| suite | verdict | summary |", "|---|---|---|"]
     for suite in data["suites"].values():
         lines.append(f"| {suite['name']} | {suite['verdict']} | {_cell(suite['summary'])} |")
-    lines += ["", *_md_capabilities(data), *_md_untested(data)]
+    lines += ["", *_md_capabilities(data), *_md_connection(data), *_md_accounting(data)]
+    lines += _md_untested(data)
     for suite in data["suites"].values():
         lines += _md_suite(suite)
     return "\n".join(lines) + "\n"
@@ -67,6 +74,50 @@ def _md_capabilities(data: dict[str, Any]) -> list[str]:
     block = data.get("inferred_block_size")
     lines.append(f"Inferred caching block size: {block if block else 'not inferred'}.")
     return lines + [""]
+
+
+def _md_connection(data: dict[str, Any]) -> list[str]:
+    lines = []
+    if data.get("retries"):
+        lines += [
+            f"{data['retries']} request(s) retried on a fresh connection (the server closed a "
+            "kept-alive connection before any byte of the answer; never resent after one):",
+            "",
+            *[f"- {r['path']}: {r['error']}" for r in data["retried_requests"][:10]],
+            "",
+        ]
+    failure = data.get("server_failure")
+    if failure:
+        lines += [
+            "## The server failed under cache sharing",
+            "",
+            f"During {failure['suite']}: {failure['error']}. Afterwards it "
+            f"{'answered again' if failure['alive_after'] else 'no longer answered'}. "
+            "The requests before it (most recent last):",
+            "",
+            "| # | path | prompt | max_tokens | salted | stream | status | error |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in failure["preceding_requests"]:
+            cells = [r.get(k, "") for k in ("n", "path", "prompt", "max_tokens", "salted")]
+            cells += [r.get(k, "") for k in ("stream", "status", "error")]
+            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        lines.append("")
+    return lines
+
+
+def _md_accounting(data: dict[str, Any]) -> list[str]:
+    anomalies = data.get("accounting_anomalies") or []
+    if not anomalies:
+        return []
+    lines = [
+        "## Cache accounting anomalies (phantom hits)",
+        "",
+        "A request may be served from cache at most the longest prefix it shares with a prompt "
+        "sent before in its namespace (a fresh prompt under a fresh salt: 0). These exceeded it:",
+        "",
+    ]
+    return lines + [f"- {a['sentence']}" for a in anomalies] + [""]
 
 
 def _md_untested(data: dict[str, Any]) -> list[str]:

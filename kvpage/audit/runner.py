@@ -9,16 +9,19 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvpage.audit.accounting import Anomaly
 from kvpage.audit.capabilities import Capabilities, Prober
-from kvpage.audit.classify import FAILED, SERVER_ERRORS
+from kvpage.audit.classify import FAILED, SERVER_ERRORS, SERVER_FAILED
 from kvpage.audit.client import AuditClient, Budget
 from kvpage.audit.config import AuditConfig
-from kvpage.audit.errors import AuditUsageError, BudgetExhausted
+from kvpage.audit.errors import AuditUsageError, BudgetExhausted, ServerUnreachable
+from kvpage.audit.findings import findings
 from kvpage.audit.plan import estimate, fit
 from kvpage.audit.probes import PromptFactory
 from kvpage.audit.session import AuditSession
 from kvpage.audit.stats import block_size_from_cached
 from kvpage.audit.suites import RUNNERS, SuiteContext, SuiteResult
+from kvpage.audit.suites import reference as reference_suite
 from kvpage.audit.suites.base import UNTESTABLE
 from kvpage.audit.suites.timing import SHARED
 
@@ -33,10 +36,14 @@ class AuditResult:
     plan_notes: list[str] = field(default_factory=list)
     requests: int = 0
     wall_s: float = 0.0
+    retries: list[dict[str, Any]] = field(default_factory=list)  # resent on a fresh connection
+    failure: dict[str, Any] | None = None  # the server stopped answering: where, after what
+    anomalies: list[Anomaly] = field(default_factory=list)  # phantom cache hits (accounting.py)
 
     @property
     def failed(self) -> bool:
-        return any(s.verdict in (FAILED, SHARED, SERVER_ERRORS) for s in self.suites)
+        bad = (FAILED, SHARED, SERVER_ERRORS, SERVER_FAILED)
+        return bool(self.anomalies) or any(s.verdict in bad for s in self.suites)
 
     @property
     def exit_code(self) -> int:
@@ -44,8 +51,15 @@ class AuditResult:
 
     @property
     def verdict(self) -> str:
-        if self.failed:
+        """The worst finding names it: isolation, then a server failing under sharing, then
+        phantom cache hits."""
+        verdicts = {s.verdict for s in self.suites}
+        if verdicts & {FAILED, SHARED}:
             return "NOT ISOLATED"
+        if self.failure is not None or verdicts & {SERVER_ERRORS, SERVER_FAILED}:
+            return "SERVER FAILED UNDER CACHE SHARING"
+        if self.anomalies:
+            return "CACHE ACCOUNTING ANOMALY"
         if all(s.verdict == UNTESTABLE for s in self.suites):
             return "NOTHING TESTABLE"
         incomplete = [
@@ -70,6 +84,11 @@ class AuditResult:
         return block_size_from_cached(counts)
 
     def to_json(self) -> dict[str, Any]:
+        data = self._data()
+        data["findings"] = findings(data)
+        return data
+
+    def _data(self) -> dict[str, Any]:
         return {
             "server": self.cfg.root,
             "model": self.cfg.model,
@@ -80,6 +99,10 @@ class AuditResult:
             "wall_s": round(self.wall_s, 3),
             "seed": self.cfg.seed,
             "inferred_block_size": self.block_size(),
+            "retries": len(self.retries),
+            "retried_requests": self.retries,
+            "server_failure": self.failure,
+            "accounting_anomalies": [a.to_json() for a in self.anomalies],
             "capabilities": self.caps.to_json(),
             "plan_notes": self.plan_notes,
             "suites": {s.name: s.to_json() for s in self.suites},
@@ -121,23 +144,39 @@ def run_audit(cfg: AuditConfig) -> AuditResult:
     start = time.perf_counter()
     if cfg.seed is None:  # fresh prompts and salts for every run (reported, to reproduce it)
         cfg = replace(cfg, seed=secrets.randbits(32))
+    reference = _reference(cfg)
     progress = Progress(cfg.progress)
     budget = Budget(cfg.budget_requests, progress)
     try:
         with AuditClient(cfg, budget) as client:
             caps = _probe(cfg, client)
             cold_refs = caps.cache_salt and not caps.salt_ignored
+            client.accounting.separate_salts = cold_refs
             planned, notes = fit(cfg, budget.remaining, cold_refs)
             factory = PromptFactory(cfg.seed or 0, caps.id_range, caps.chars_per_token)
             ctx = SuiteContext(planned, caps, AuditSession(planned, client, caps), factory)
             shares = _shares(estimate(planned, cold_refs), budget.remaining)
-            results = _run_suites(ctx, progress, budget, shares)
+            results, failure = _run_suites(ctx, progress, budget, shares)
+            if reference is not None:
+                progress.start("reference", budget)
+                results.append(reference_suite.run(ctx, results, reference))
     finally:
         progress.close()
     result = AuditResult(cfg, caps, results, notes, budget.used, time.perf_counter() - start)
+    result.retries, result.failure = list(client.retries), failure
+    result.anomalies = list(client.accounting.anomalies)
     cold_refs = caps.cache_salt and not caps.salt_ignored
     result.plan_notes.append(f"planned requests per suite: {estimate(planned, cold_refs)}")
     return result
+
+
+def _reference(cfg: AuditConfig):
+    """The reference model, loaded before any request (torch is imported only for it)."""
+    if cfg.reference_model is None:
+        return None
+    from kvpage.audit.reference import load
+
+    return load(cfg.reference_model, cfg.reference_dtype)
 
 
 def _probe(cfg: AuditConfig, client: AuditClient) -> Capabilities:
@@ -166,18 +205,62 @@ def _shares(costs: dict[str, int], remaining: int) -> dict[str, int] | None:
 
 def _run_suites(
     ctx: SuiteContext, progress: Progress, budget: Budget, shares: dict[str, int] | None
-) -> list[SuiteResult]:
+) -> tuple[list[SuiteResult], dict[str, Any] | None]:
+    """The suites in order. A server that stops answering ends its suite as a finding; if it is
+    still down, the suites after it are not run (and say so)."""
     wanted = set(ctx.cfg.suites) | ({"baseline"} if "batch" in ctx.cfg.suites else set())
     results: list[SuiteResult] = []
+    failure: dict[str, Any] | None = None
     for name in (n for n in ORDER if n in wanted):
+        if failure is not None and not failure["alive_after"]:
+            results.append(_not_run(name, failure))
+            continue
         progress.start(name, budget)
+        ctx.session.client.accounting.phase = name
         budget.stop_at = None if shares is None else budget.used + shares[name]
         try:
             results.append(RUNNERS[name](ctx))
         except BudgetExhausted as err:
             results.append(_partial(ctx, name, err))
+        except ServerUnreachable as err:
+            budget.stop_at = None
+            result, latest = _server_failed(ctx, name, err)
+            latest["earlier"] = failure  # a server that came back and failed again: both
+            failure = latest
+            results.append(result)
     budget.stop_at = None
-    return results
+    return results, failure
+
+
+def _server_failed(
+    ctx: SuiteContext, name: str, err: ServerUnreachable
+) -> tuple[SuiteResult, dict[str, Any]]:
+    """The suite's checks so far, the failure as its finding, and the requests before it."""
+    client = ctx.session.client
+    result = ctx.current if ctx.current is not None and ctx.current.name == name else None
+    result = result or SuiteResult(name, SERVER_FAILED)
+    result.errors.append({"scenario": "no answer", "status": 0, "message": str(err)})
+    alive = client.alive()
+    failure = {
+        "suite": name,
+        "error": str(err),
+        "alive_after": alive,
+        "preceding_requests": list(client.recent),
+    }
+    judged = result.judged_verdict()  # an isolation failure seen before the crash stays one
+    result.verdict = FAILED if judged == FAILED else SERVER_FAILED
+    state = "answers again" if alive else "no longer answers"
+    result.summary = (
+        f"the server failed under cache sharing: no answer during {name} ({err}); it {state}; "
+        f"{len(result.checks)} checks judged before"
+    )
+    return result, failure
+
+
+def _not_run(name: str, failure: dict[str, Any]) -> SuiteResult:
+    result = SuiteResult(name, UNTESTABLE, "not run: the server stopped answering")
+    result.untested.append(f"not run: the server stopped answering during {failure['suite']}")
+    return result
 
 
 def _partial(ctx: SuiteContext, name: str, err: BudgetExhausted) -> SuiteResult:

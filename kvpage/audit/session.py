@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+from kvpage.audit.accounting import Sent
 from kvpage.audit.capabilities import Capabilities, build_body
 from kvpage.audit.client import AuditClient
 from kvpage.audit.completion import Completion, merge_chunks, parse_body
@@ -39,10 +40,11 @@ class AuditSession:
         body = build_body(
             self.cfg, self.caps, prompt.payload, max_tokens or self.cfg.max_tokens, tenant.salt
         )
+        sent = self.client.accounting.register(body)
         data, latency = self.client.post(self.caps.path, body, tenant.key)
         out = parse_body(data, self.caps.endpoint == "chat")
         out.latency_s = latency
-        return out
+        return self._accounted(sent, prompt, out)
 
     def first_token(self, prompt: Prompt, tenant: Tenant | None = None) -> Completion:
         """A 1-token request timed to its first output (streamed where the server can)."""
@@ -52,10 +54,11 @@ class AuditSession:
             out.ttft_s = out.latency_s
             return out
         body = build_body(self.cfg, self.caps, prompt.payload, 1, tenant.salt, stream=True)
+        sent = self.client.accounting.register(body)
         timing = self.client.post_stream(self.caps.path, body, tenant.key)
         out = Completion("", ttft_s=timing.ttft_s, latency_s=timing.latency_s)
         out.prompt_tokens, out.cached_tokens = timing.prompt_tokens, timing.cached_tokens
-        return out
+        return self._accounted(sent, prompt, out)
 
     def stream(
         self,
@@ -68,9 +71,17 @@ class AuditSession:
         request can be sent while this one decodes)."""
         tenant = tenant or self.primary
         body = build_body(self.cfg, self.caps, prompt.payload, max_tokens, tenant.salt, True)
+        sent = self.client.accounting.register(body)
         timing = self.client.post_stream(self.caps.path, body, tenant.key, on_first)
         out = merge_chunks(timing.chunks, self.caps.endpoint == "chat")
         out.ttft_s, out.latency_s = timing.ttft_s, timing.latency_s
+        return self._accounted(sent, prompt, out)
+
+    def _accounted(self, sent: Sent, prompt: Prompt, out: Completion) -> Completion:
+        """The answer, with the most tokens the audit had shared with its prompt (phantom hits
+        beyond that are recorded by the accounting)."""
+        out.shared_bound = self.client.accounting.check(sent, out.cached_tokens, prompt.describe())
+        out.prompt_ids = prompt.ids
         return out
 
     def concurrently(self, calls: Sequence[Callable[[], T]]) -> list[T]:

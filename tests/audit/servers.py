@@ -91,11 +91,22 @@ class _Overlap:
         return self.met.pop(rid, [])
 
 
-def proxy_app(upstream: str, leak: bool = False, text_only: bool = False) -> FastAPI:
+def proxy_app(
+    upstream: str,
+    leak: bool = False,
+    text_only: bool = False,
+    phantom: int = 0,
+    wrong_alike: bool = False,
+    fail_after: int = 0,
+) -> FastAPI:
     """`leak`: a completion that overlapped another request gets that request's last 4 prompt
     ids (its canary) written over output tokens 2..5. `text_only`: like `transformers serve`,
     token-id prompts are refused, logprobs and token ids silently dropped, no cached-token
-    usage, no cache_salt effect (the field is dropped)."""
+    usage, no cache_salt effect (the field is dropped). `phantom`: every non-streamed answer
+    reports that many more cached tokens than it was served (the answers are untouched).
+    `wrong_alike`: every non-streamed answer's output token 3 is replaced by another id, the
+    same way every time — cold and warm answers agree, and both are wrong. `fail_after` N: every
+    non-streamed request after the Nth answers 500, as an engine that broke would."""
     app = FastAPI()
     overlap, counter = _Overlap(), iter(range(10**9))
     clients: dict[str, httpx.AsyncClient] = {}  # one upstream pool (made on the server's loop)
@@ -127,6 +138,8 @@ def proxy_app(upstream: str, leak: bool = False, text_only: bool = False) -> Fas
                 background=BackgroundTask(resp.aclose),
             )
         rid = next(counter)
+        if fail_after and rid >= fail_after:
+            return JSONResponse({"error": {"message": "planted engine failure"}}, 500)
         prompt = data.get("prompt") if isinstance(data, dict) else None
         if leak and isinstance(prompt, list):
             overlap.enter(rid, prompt)
@@ -140,6 +153,11 @@ def proxy_app(upstream: str, leak: bool = False, text_only: bool = False) -> Fas
             _write_canary(body, met[0][-4:])
         if text_only and isinstance(body.get("usage"), dict):
             body["usage"].pop("prompt_tokens_details", None)
+        if wrong_alike and resp.status_code == 200:
+            _replace_token(body, 3)
+        if phantom and isinstance(body.get("usage"), dict):
+            details = body["usage"].setdefault("prompt_tokens_details", {})
+            details["cached_tokens"] = (details.get("cached_tokens") or 0) + phantom
         return JSONResponse(body, resp.status_code)
 
     return app
@@ -154,6 +172,17 @@ def _write_canary(body: dict, canary: list[int]) -> None:
     tokens = (choice.get("logprobs") or {}).get("tokens")
     if tokens:
         tokens[2 : 2 + len(canary)] = [f"token_id:{t}" for t in canary]
+
+
+def _replace_token(body: dict, index: int) -> None:
+    choice = body["choices"][0]
+    ids = choice.get("token_ids")
+    if not ids or len(ids) <= index:
+        return
+    ids[index] = 3 + (ids[index] * 7 + 11) % 240  # another byte-level id, deterministically
+    lp = choice.get("logprobs") or {}
+    if lp.get("tokens"):
+        lp["tokens"][index] = f"token_id:{ids[index]}"
 
 
 def batched_logits_in_bfloat16(engine: LLMEngine) -> None:

@@ -11,6 +11,7 @@ from kvpage.audit.classify import (
     UNCLASSIFIED,
     Noise,
     classify,
+    logprob_resolution,
     suite_verdict,
 )
 from kvpage.audit.compare import first_divergence
@@ -221,3 +222,61 @@ def test_a_cache_hit_under_fresh_salts_is_isolation_even_at_a_near_tie():
     check = ctx.judge("s", "p", ref, cand, {}, both_cold=True)
     assert check.klass == ISOLATION and "fresh cache salt" in check.reason
     assert check.evidence() == {}  # no prompt length reported: no absolute position
+
+
+# --- ties (issue 26): bf16 logprobs tie; the order among tied tokens is arbitrary -------------
+def bf16_tie() -> tuple[Completion, Completion]:
+    """The evidence of clean bf16 vLLM's false positives: the solo run's top three share one
+    logprob, and the batched run picked the third of them."""
+    ref = answer(["a", "b"], [{"a": -0.5}, {"b": -1.5, "x": -1.5, "q": -1.5, "r": -1.5625}])
+    cand = answer(["a", "q"], [{"a": -0.5}, {"q": -1.5, "b": -1.5, "x": -1.5, "r": -1.5625}])
+    return ref, cand
+
+
+def test_a_flip_to_a_token_tied_with_the_top_is_drift_whatever_its_rank():
+    ref, cand = bf16_tie()
+    div = first_divergence(ref, cand, TOL.exact)
+    assert div.cand_margin == 0.0
+    verdict = classify(div, Noise(measured=True), TOL)
+    assert verdict.klass == DRIFT and "tie with the solo top" in verdict.reason
+    # the same tie under the tightest batching bound: a tie is never evidence
+    assert classify(div, Noise(measured=True, drift_scale=1e-7), TOL).klass == DRIFT
+
+
+def test_a_third_ranked_token_at_a_clear_margin_is_isolation():
+    ref = answer(["a", "b"], [{"a": -0.5}, {"b": -0.10, "x": -0.12, "q": -0.9}])
+    cand = answer(["a", "q"], [{"a": -0.5}, {"q": -0.2, "b": -0.8}])
+    verdict = classify(first_divergence(ref, cand, TOL.exact), Noise(measured=True), TOL)
+    assert verdict.klass == ISOLATION and "clear margin" in verdict.reason
+    assert "0.8 below the solo top" in verdict.reason and "bound 0.1" in verdict.reason
+
+
+def test_resolution_is_read_from_ties_and_widens_the_bound_to_one_step():
+    ref, cand = bf16_tie()
+    assert logprob_resolution([ref]) == 0.0  # one tied position is not enough evidence
+    steps = answer(["c", "d"], [{"c": -1.0, "y": -1.0, "z": -1.03125}, {"d": -2.0, "w": -2.0}])
+    assert logprob_resolution([ref, steps]) == 0.03125
+    fp32 = answer(["c", "d"], [{"c": -1.0, "y": -1.0001}, {"d": -2.0, "w": -2.3}])
+    assert logprob_resolution([fp32, fp32]) == 0.0
+    one_step = answer(["a", "b"], [{"a": -0.5}, {"b": -1.5, "x": -1.5625}])  # two steps below
+    flipped = answer(["a", "x"], [{"a": -0.5}, {"x": -1.5, "b": -1.5}])
+    div = first_divergence(one_step, flipped, TOL.exact)
+    tight = Noise(measured=True, drift_scale=1e-5)  # bound 1e-3: a float32-like batch drift
+    assert classify(div, tight, TOL).klass == ISOLATION
+    coarse = Noise(measured=True, drift_scale=1e-5, resolution=0.03125)
+    verdict = classify(div, coarse, TOL)
+    assert verdict.klass == DRIFT and "resolution 0.0312 (0.0625)" in verdict.reason
+    three = answer(["a", "b"], [{"a": -0.5}, {"b": -1.5, "x": -1.59375}])
+    div = first_divergence(three, flipped, TOL.exact)
+    assert classify(div, coarse, TOL).klass == ISOLATION  # three steps: not rounding
+
+
+def test_a_logprob_moving_by_a_step_and_a_bit_is_drift_at_that_resolution():
+    """The clean bf16 vLLM false positive: same tokens, |Δ| just over one step (0.015625)."""
+    ref = answer(["a", "b"], [{"a": -0.5}, {"b": -2.0}])
+    cand = answer(["a", "b"], [{"a": -0.5}, {"b": -2.015626}])
+    div = first_divergence(ref, cand, TOL.exact)
+    tight = Noise(measured=True, drift_scale=1e-6)
+    assert classify(div, tight, TOL).klass == ISOLATION  # a float32 server: 0.0156 is not drift
+    coarse = Noise(measured=True, drift_scale=1e-6, resolution=0.015625)
+    assert classify(div, coarse, TOL).klass == DRIFT

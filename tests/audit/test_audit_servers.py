@@ -92,6 +92,9 @@ def test_salt_blind_namespace_is_shared_across_tenants():
     assert timing.verdict == SHARED
     assert all(c and c > 0 for c in timing.data["cached_tokens"]["cross"])
     assert result.exit_code == 1
+    findings = result.to_json()["findings"]
+    assert any("timing: a second tenant was served" in f for f in findings["found"])
+    assert any("across API keys" in f for f in findings["to_do"]), findings["to_do"]
 
 
 def test_timing_alone_sees_the_leak_and_the_isolation(honest_url):

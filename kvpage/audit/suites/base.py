@@ -18,6 +18,7 @@ from kvpage.audit.probes import Prompt, PromptFactory
 from kvpage.audit.session import AuditSession, Tenant
 
 UNTESTABLE = "untestable"
+PRECEDING = 6  # requests shown before a 5xx
 
 
 @dataclass(slots=True)
@@ -110,6 +111,13 @@ class SuiteContext:
         """Can a reference be made cold on demand (a fresh cache salt per request)?"""
         return self.caps.cache_salt and not self.caps.salt_ignored
 
+    @property
+    def no_cold(self) -> str:
+        """Why references cannot be made cold, in a few words (a report's reason)."""
+        if self.caps.cache_salt and self.caps.salt_ignored:
+            return "cache_salt is accepted but does not separate caches"
+        return "the server takes no cache_salt"
+
     def cold(self) -> Tenant:
         """A tenant nobody else is: a fresh salt where the server takes salts."""
         salt = self.factory.salt() if self.cold_refs else None
@@ -121,9 +129,10 @@ class SuiteContext:
         try:
             fn()
         except RequestRejected as err:
-            result.errors.append(
-                {"scenario": scenario, "status": err.status, "message": err.message}
-            )
+            error = {"scenario": scenario, "status": err.status, "message": err.message}
+            if err.status >= 500:  # a finding: show what led to it
+                error["preceding_requests"] = list(self.session.client.recent)[-PRECEDING:]
+            result.errors.append(error)
             if err.status < 500:
                 result.untested.append(f"{scenario}: refused by the server ({err})")
 
@@ -151,6 +160,15 @@ class SuiteContext:
             check.klass = ISOLATION
             check.reason = (
                 f"served {hit} cached tokens under a fresh cache salt, and the answer changed"
+            )
+            return check
+        phantom = next((c for c in (cand, ref) if c.phantom), None)
+        if phantom is not None and foreign_canary is None:
+            side = "the other answer" if phantom is cand else "the solo answer"
+            check.klass = ISOLATION
+            check.reason = (
+                f"{side} was served {phantom.cached_tokens} cached tokens where the audit had "
+                f"shared at most {phantom.shared_bound} (a phantom hit), and the answer changed"
             )
             return check
         verdict = classify(div, self.noise, self.cfg.tolerances, foreign_canary)

@@ -4,7 +4,7 @@ it, so a bug is never excused as "noise" larger than what the server shows alone
 
 from __future__ import annotations
 
-from kvpage.audit.classify import ISOLATION, Noise
+from kvpage.audit.classify import ISOLATION, Noise, logprob_resolution
 from kvpage.audit.compare import max_logprob_delta
 from kvpage.audit.suites.base import SuiteContext, SuiteResult
 
@@ -21,7 +21,7 @@ def run(ctx: SuiteContext) -> SuiteResult:
     result = ctx.start(NAME, "exact")
     if not ctx.cold_refs:
         result.untested.append(
-            "no cache_salt: the repeat may be served from the first run's cache, so the noise "
+            f"{ctx.no_cold}: the repeat may be served from the first run's cache, so the noise "
             "measured includes cache hits"
         )
     for i, length in enumerate(probe_lengths(ctx.cfg.probes, ctx.cfg.block_sizes)):
@@ -34,12 +34,18 @@ def run(ctx: SuiteContext) -> SuiteResult:
         result.summary = f"{hits} probe(s) changed after cached tokens under fresh salts; " + (
             result.summary
         )
+    if ctx.noise.resolution:
+        result.summary += (
+            f"; logprobs come in steps of {ctx.noise.resolution:.3g} (tied top-k entries: a "
+            "coarse dtype such as bf16), so a change within two steps is drift"
+        )
     if result.server_errors or hits:
         result.verdict = result.judged_verdict()
     result.data = {
         "token_flips": ctx.noise.token_flips,
         "logprob_spread": ctx.noise.logprob_spread,
-        "flip_gaps": ctx.noise.flip_gaps,
+        "flip_margins": ctx.noise.flip_gaps,
+        "logprob_resolution": ctx.noise.resolution,
     }
     return result
 
@@ -57,6 +63,7 @@ def measure_noise(result: SuiteResult) -> Noise:
     """The noise of the server alone. A pair already found to be an isolation failure (a cache
     hit under fresh salts) is not noise and does not widen it."""
     noise = Noise(measured=True)
+    noise.resolution = logprob_resolution([a for c in result.checks for a in (c.ref, c.cand)])
     for check in (c for c in result.checks if c.klass != ISOLATION):
         div = check.divergence
         upto = None if div is None or div.logprob_only else div.index
@@ -64,8 +71,9 @@ def measure_noise(result: SuiteResult) -> Noise:
         noise.logprob_spread = max(noise.logprob_spread, spread)
         if div is not None and not div.logprob_only:
             noise.token_flips += 1
-            if div.ref_gap is not None:
-                noise.flip_gaps.append(div.ref_gap)
+            margin = div.cand_margin if div.cand_margin is not None else div.ref_gap
+            if margin is not None:
+                noise.flip_gaps.append(margin)
     for check in result.checks:  # the baseline's own differences are its noise, by definition
         if check.divergence is not None and check.klass != ISOLATION:
             check.klass, check.reason = "noise", "run-to-run difference of the server alone"

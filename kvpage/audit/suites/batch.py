@@ -25,7 +25,7 @@ def run(ctx: SuiteContext) -> SuiteResult:
     ctx.noise.drift_scale = drift_scale(result)
     ctx.attempt(result, "pressure", lambda: _pressure(ctx, result))
     if not ctx.cold_refs:
-        result.untested.append("no cache_salt: concurrency is tested together with cache hits")
+        result.untested.append(f"{ctx.no_cold}: concurrency is tested together with cache hits")
     result.verdict = result.judged_verdict()
     result.summary = _summary(result)
     result.data = {"drift_scale": ctx.noise.drift_scale}

@@ -17,7 +17,7 @@ MIN_TOP_CHARS = 3  # a top-k token string this long inside a foreign canary coun
 
 def run(ctx: SuiteContext) -> SuiteResult:
     result = ctx.start(NAME, UNTESTABLE)
-    if ctx.factory.mode == "ids" and not ctx.caps.return_token_ids:
+    if ctx.factory.mode == "ids" and ctx.caps.token_ids_field is None:
         result.untested.append(
             "token-id prompts but no output token ids: a canary cannot be recognised in output"
         )

@@ -32,7 +32,7 @@ def run(ctx: SuiteContext) -> SuiteResult:
     rows: list[dict] = []
     if not ctx.cold_refs:
         result.untested.append(
-            "no cache_salt: a prompt cannot be made cold once its prefix is cached, so partial "
+            f"{ctx.no_cold}: a prompt cannot be made cold once its prefix is cached, so partial "
             "shares are judged by re-sending the first (cold) prompt after its sharer"
         )
     for block in ctx.cfg.block_sizes:
@@ -50,7 +50,8 @@ def run(ctx: SuiteContext) -> SuiteResult:
         ctx.attempt(result, f"B{block}/ABC", lambda b=block: _abc(ctx, result, b))
     if not ctx.cold_refs:
         result.untested.append(
-            "key chaining (same block after different prefixes): needs cache_salt"
+            f"key chaining (same block after different prefixes): needs a separating "
+            f"cache_salt ({ctx.no_cold})"
         )
     result.verdict = result.judged_verdict()
     cached = [r["warm_cached_tokens"] for r in rows if r["warm_cached_tokens"] is not None]

@@ -197,7 +197,7 @@ def _shared_reason(data: dict, cross_hits: bool, cross_timed: bool) -> str:
         )
     if data["second_tenant"] == "another cache_salt":
         why.append(
-            "tenants were told apart by cache_salt only: the server takes the field but the "
-            "salts share one cache"
+            "tenants were told apart by cache_salt only: the server accepts the field without "
+            "error, yet the salts share one cache (it ignores the field or does not key by it)"
         )
     return "; ".join(why)
