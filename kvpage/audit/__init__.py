@@ -1,4 +1,4 @@
-"""`kvpage audit` (R35): the verifier turned outward. A black-box audit of any OpenAI-compatible
+"""`kvpage audit`: the verifier turned outward. A black-box audit of any OpenAI-compatible
 server through its public API only — capabilities probed first, then baseline determinism, batch
 invariance (and pressure), prefix reuse at block boundaries, canaries and cross-tenant timing —
 with every divergence classed as noise, numeric drift or an isolation failure.

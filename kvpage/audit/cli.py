@@ -71,7 +71,7 @@ _non_negative = _number(float, lambda v: v >= 0, ">= 0")
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "audit",
-        help="black-box audit of any OpenAI-compatible server for cache isolation (R35)",
+        help="black-box audit of any OpenAI-compatible server for cache isolation",
         description=DESCRIPTION,
     )
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from kvpage.audit.report import DIVERGENCE_HEADER, FINDING_HEADINGS, divergence_rows
+from kvpage.audit.tables import DIVERGENCE_HEADER, FINDING_HEADINGS, divergence_rows
 
 ARM_LABELS = {"cold": "cold", "same": "same tenant, warm", "cross": "other tenant"}
 ARM_COLOURS = {"cold": "#777", "same": "#2a7", "cross": "#c33"}

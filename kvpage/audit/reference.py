@@ -1,8 +1,8 @@
-"""The one link from the audit to kvpage's own contiguous reference generator (R14), for
+"""The one link from the audit to kvpage's own contiguous reference generator, for
 `--reference-model DIR`: the checkpoint the server serves, run here greedily for each probe the
 audit judged — one request alone, KV in plain per-layer tensors, no paging and no prefix cache.
 It answers what the server *should* have said, so a bug that makes cold and warm answers wrong
-alike is still caught. (After the layout move, only the imports below change.)"""
+alike is still caught."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from kvpage.audit.completion import Completion, token_key
 from kvpage.audit.errors import AuditUsageError
 from kvpage.errors import KVPageError
 from kvpage.model import load_model
+from kvpage.reference.generator import generate
 from kvpage.sampling_params import SamplingParams
-from kvpage.verify.reference import generate
 
 TOP_K = 5
 

@@ -8,10 +8,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvpage.audit.html import html_page
 from kvpage.audit.runner import AuditResult
-
-TOP_SHOWN = 3  # top-k entries shown per side in the divergence tables
-FINDING_HEADINGS = (("Found:", "found"), ("Not tested:", "not_tested"), ("To do:", "to_do"))
+from kvpage.audit.tables import DIVERGENCE_HEADER, FINDING_HEADINGS, cell, divergence_rows
 
 
 def write_reports(result: AuditResult, directory: str | Path) -> dict[str, Any]:
@@ -20,7 +19,6 @@ def write_reports(result: AuditResult, directory: str | Path) -> dict[str, Any]:
     data = result.to_json()
     (out / "report.json").write_text(json.dumps(data, indent=2, default=str))
     (out / "report.md").write_text(markdown(data))
-    from kvpage.audit.html import html_page  # html.py builds on this module's tables
 
     (out / "report.html").write_text(html_page(data))
     return data
@@ -57,7 +55,7 @@ def markdown(data: dict[str, Any]) -> str:
         lines += [f"- **{heading}** {s}" for s in data["findings"][key]]
     lines += ["", "| suite | verdict | summary |", "|---|---|---|"]
     for suite in data["suites"].values():
-        lines.append(f"| {suite['name']} | {suite['verdict']} | {_cell(suite['summary'])} |")
+        lines.append(f"| {suite['name']} | {suite['verdict']} | {cell(suite['summary'])} |")
     lines += ["", *_md_capabilities(data), *_md_connection(data), *_md_accounting(data)]
     lines += _md_untested(data)
     for suite in data["suites"].values():
@@ -69,7 +67,7 @@ def _md_capabilities(data: dict[str, Any]) -> list[str]:
     caps = data["capabilities"]
     shown = {k: v for k, v in caps.items() if k not in ("notes", "models")}
     lines = ["## What the server offers", "", "| capability | found |", "|---|---|"]
-    lines += [f"| {k} | {_cell(v)} |" for k, v in shown.items()]
+    lines += [f"| {k} | {cell(v)} |" for k, v in shown.items()]
     lines += ["", *[f"- {note}" for note in caps["notes"]], ""]
     block = data.get("inferred_block_size")
     lines.append(f"Inferred caching block size: {block if block else 'not inferred'}.")
@@ -101,7 +99,7 @@ def _md_connection(data: dict[str, Any]) -> list[str]:
         for r in failure["preceding_requests"]:
             cells = [r.get(k, "") for k in ("n", "path", "prompt", "max_tokens", "salted")]
             cells += [r.get(k, "") for k in ("stream", "status", "error")]
-            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+            lines.append("| " + " | ".join(cell(c) for c in cells) + " |")
         lines.append("")
     return lines
 
@@ -136,7 +134,7 @@ def _md_suite(suite: dict[str, Any]) -> list[str]:
     if suite["errors"]:
         lines += ["| scenario | status | message |", "|---|---|---|"]
         lines += [
-            f"| {e['scenario']} | {e['status']} | {_cell(e['message'])} |" for e in suite["errors"]
+            f"| {e['scenario']} | {e['status']} | {cell(e['message'])} |" for e in suite["errors"]
         ]
         lines.append("")
     rows = divergence_rows(suite)
@@ -145,7 +143,7 @@ def _md_suite(suite: dict[str, Any]) -> list[str]:
             "| " + " | ".join(DIVERGENCE_HEADER) + " |",
             "|" + "---|" * len(DIVERGENCE_HEADER),
         ]
-        lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+        lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
         lines.append("")
     return lines
 
@@ -181,73 +179,3 @@ def _md_shares(rows: list[dict[str, Any]]) -> list[str]:
             f"{r['warm_latency_s'] * 1000:.1f} | {r['warm_cached_tokens']} |"
         )
     return lines + [""]
-
-
-DIVERGENCE_HEADER = [
-    "probe",
-    "what was shared",
-    "class",
-    "position",
-    "abs pos / offset in block",
-    "solo token",
-    "other token",
-    "solo top",
-    "other top",
-    "solo top-2 gap",
-    "max |Δ lp| before",
-    "reason",
-]
-
-
-def divergence_rows(suite: dict[str, Any]) -> list[list[str]]:
-    """One row per divergence: the first-divergence table (markdown and HTML alike)."""
-    rows = []
-    for check in suite["checks"]:
-        div = check["divergence"]
-        if div is None:
-            continue
-        ev = check["evidence"]
-        offsets = ", ".join(f"B{b}:{o}" for b, o in ev.get("offset_in_block", {}).items())
-        position = f"{ev['absolute_position']} ({offsets})" if ev else "-"
-        rows.append(
-            [
-                check["name"],
-                _shared(check["context"], check["reference"], check["candidate"]),
-                check["class"] or "-",
-                f"{div['unit']} {div['index']}"
-                + (" (logprobs only)" if div["logprob_only"] else ""),
-                position,
-                repr(div["ref_token"]),
-                repr(div["cand_token"]),
-                _top(div["ref_top"]),
-                _top(div["cand_top"]),
-                _num(div["ref_gap"]),
-                _num(div["prior_delta"]),
-                check["reason"]
-                + (f" (pair {check['pair'][0]} -> {check['pair'][1]})" if check["pair"] else ""),
-            ]
-        )
-    return rows
-
-
-def _shared(context: dict[str, Any], ref: dict[str, Any], cand: dict[str, Any]) -> str:
-    parts = [str(context.get("mode", ""))]
-    if "shared_tokens" in context:
-        parts.append(f"{context['shared_tokens']} tokens shared")
-    if context.get("block_size"):
-        parts.append(f"B={context['block_size']}")
-    if cand.get("cached_tokens") is not None:
-        parts.append(f"cached tokens solo/other {ref.get('cached_tokens')}/{cand['cached_tokens']}")
-    return "; ".join(p for p in parts if p)
-
-
-def _top(entries: list) -> str:
-    return " ".join(f"{tok!r}:{lp:.2f}" for tok, lp in entries[:TOP_SHOWN]) or "-"
-
-
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3g}"
-
-
-def _cell(value: Any) -> str:
-    return str(value).replace("|", "\\|").replace("\n", " ")

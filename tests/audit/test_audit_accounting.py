@@ -1,4 +1,4 @@
-"""Phantom cache hits (issue 26): a cached-token count above what the audit shared in the
+"""Phantom cache hits: a cached-token count above what the audit shared in the
 request's namespace is an accounting anomaly, and isolation evidence when the answer changed."""
 
 from __future__ import annotations

@@ -224,7 +224,7 @@ def test_a_cache_hit_under_fresh_salts_is_isolation_even_at_a_near_tie():
     assert check.evidence() == {}  # no prompt length reported: no absolute position
 
 
-# --- ties (issue 26): bf16 logprobs tie; the order among tied tokens is arbitrary -------------
+# --- ties: bf16 logprobs tie; the order among tied tokens is arbitrary -------------
 def bf16_tie() -> tuple[Completion, Completion]:
     """The evidence of clean bf16 vLLM's false positives: the solo run's top three share one
     logprob, and the batched run picked the third of them."""

@@ -1,4 +1,4 @@
-"""The audit's HTTP client against servers with real servers' connection habits (issue 26): a
+"""The audit's HTTP client against servers with real servers' connection habits: a
 keep-alive connection closed before any answer is retried once on a fresh connection and
 counted; an answer cut off after its first bytes is never resent; a server that dies mid-audit
 is a finding (exit 1) with the partial report written, and exit 2 stays for a server that

@@ -1,4 +1,4 @@
-"""`--reference-model` (issue 26): answers judged against kvpage's contiguous reference generator
+"""`--reference-model`: answers judged against kvpage's contiguous reference generator
 on the served checkpoint. An honest server agrees with it; a server whose answers are wrong the
 same way cold and warm passes every self-comparison and fails against the reference."""
 

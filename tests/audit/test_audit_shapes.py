@@ -1,4 +1,4 @@
-"""The logprob shapes of real servers (issue 26), as they answer: each parsed into the same
+"""The logprob shapes of real servers, as they answer: each parsed into the same
 tokens, logprobs, top-k and output ids, and named by the field they came from."""
 
 from __future__ import annotations

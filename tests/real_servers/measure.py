@@ -1,4 +1,4 @@
-"""Repeated audits of one real server, for the numbers in issue 26's closing note:
+"""Repeated audits of one real server, for the numbers quoted about real servers:
 
     KVPAGE_REAL_SERVERS=1 .venv/bin/python -m tests.real_servers.measure vllm --dtype bfloat16 \\
         --runs 3 [--reference] [--plant NAME]

@@ -1,4 +1,4 @@
-"""`kvpage audit` against llama.cpp's `llama-server` directly, no proxy (issue 26): the audit
+"""`kvpage audit` against llama.cpp's `llama-server` directly, no proxy: the audit
 survives its habit of closing kept-alive connections, reads its chat-shaped logprobs (with
 token ids) on /v1/completions, classes divergences from them, runs the canary suite by id, and
 reports the truth about tenants: llama.cpp keeps one prompt cache for all clients and ignores

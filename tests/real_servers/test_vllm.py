@@ -1,4 +1,4 @@
-"""`kvpage audit` against vLLM's CPU build (0.32.0), a server no one here wrote (issue 26): clean
+"""`kvpage audit` against vLLM's CPU build (0.32.0), a server no one here wrote: clean
 in float32 and in bfloat16 (coarse logits, tied top-k: numeric drift, never isolation), and with
 bugs planted in a copy of its `vllm/v1/core`, each reported by the suite it belongs to."""
 

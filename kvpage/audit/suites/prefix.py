@@ -1,6 +1,6 @@
 """Prefix reuse at block boundaries: fresh random prefixes shared for 0, 1, B-1, B and B+1
 tokens for each candidate block size B, then whole prompts of 2B-1, 2B and 2B+1 tokens repeated,
-sequential and concurrent; and seed 000's A/B/C pattern (A warms a prefix, B shares it, C arrives
+sequential and concurrent; and the A/B/C pattern (A warms a prefix, B shares it, C arrives
 while B decodes, sharing B's partial block). Every warm answer is judged against the same prompt
 answered cold."""
 
