@@ -1,6 +1,6 @@
 """Attention weights of one request's decode steps, captured from the engine's real paged KV (so a
 contaminated pool shows up in the weights). Experiment-only: patches one engine's runner, through
-the named seam `run` (a rename fails loudly, as a mutant's would)."""
+its public `run` (a rename fails loudly, as a mutant's would)."""
 
 from __future__ import annotations
 

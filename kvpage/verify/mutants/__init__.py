@@ -1,6 +1,6 @@
-"""Deliberately broken engines: each mutant patches ONE engine instance through a named
-seam — never a branch in the hot path, never a module-level change — to reproduce one realistic
-bug. The mutation check runs the suites against each and demands that every mutant is caught and
+"""Deliberately broken engines: each mutant patches ONE engine instance through a declared seam
+(kvpage.engine.hooks) or a public method — never a private name, never a branch in the hot path,
+never a module-level change — to reproduce one realistic bug. The mutation check runs the suites against each and demands that every mutant is caught and
 that its first divergence is attributed (kvpage.verify.diff) to the class that matches its bug.
 Mutants are grouped by the class of bug they plant, one module per class."""
 
