@@ -2,9 +2,9 @@
 
 A mistake on the command line (a bad value, a file that cannot be read or written, a device that
 is not there) is one `error: ...` line on stderr and exit status 2, found before the model loads
-wherever it can be.
+wherever it can be."""
 
-One module per command (generate, verify, experiment, serve; audit's parser is kvpage.audit.cli)."""
+# One module per command (generate, verify, experiment, serve); audit's parser is kvpage.audit.cli.
 
 from __future__ import annotations
 
