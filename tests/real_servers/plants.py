@@ -9,9 +9,11 @@ loudly if vLLM's code moved, and the suite of `kvpage audit` that must report it
 - hit_one_block_too_many: a lookup that stops at a miss counts the last hit block once more ->
   cached tokens above what was shared (an accounting anomaly) and wrong KV for that block ->
   prefix: isolation failure (with the phantom hit as evidence).
-- touch_keeps_free: a hit on a freed cached block leaves it on the free queue -> it is handed
-  out again while in use, and the pool's ref-count assertion kills the engine -> the server
-  fails under cache sharing.
+- touch_requeues_held: a hit takes every hit block off the free queue, held or free -> the
+  first hit on a block another running request holds (not on the queue) raises in the engine
+  core, which dies -> the server fails under cache sharing. (A bug that left a hit block *on*
+  the queue crashed only when the pool happened to cycle back to it within one audit: CI saw a
+  run without the crash, so the planted crash is one every concurrent shared prefix reaches.)
 - miss_counted_as_hit: a lookup whose first block misses counts the pool's null block as a hit
   -> every request, a fresh one under a fresh salt included, is served 32 "cached" tokens of
   never-written KV: cold and warm answers agree (both wrong), so only the phantom-hit accounting
@@ -73,14 +75,16 @@ PLANTS = {
             "a cache hit counted one block too many",
         ),
         Plant(
-            "touch_keeps_free",
+            "touch_requeues_held",
             "block_pool.py",
             "            if block.ref_cnt == 0 and not block.is_null:\n"
             "                self.free_block_queue.remove(block)\n"
             "            block.ref_cnt += 1\n",
-            "            block.ref_cnt += 1  # PLANTED: a hit block stays on the free queue\n",
+            "            if not block.is_null:  # PLANTED: held blocks taken off the queue too\n"
+            "                self.free_block_queue.remove(block)\n"
+            "            block.ref_cnt += 1\n",
             "server failed",
-            "a hit on a freed cached block leaves it on the free queue",
+            "a hit takes a block another request holds off the free queue",
         ),
         Plant(
             "miss_counted_as_hit",
