@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -74,11 +74,11 @@ class Choice:
     def _add_logged(
         self, completion: CompletionOutput, new: list[int], final: bool
     ) -> tuple[str, TokenLogprobs]:
-        """Adds the tokens one at a time, so each one's text offset is the count of characters
-        of the choice's text before it, across every earlier delta (OpenAI's `text_offset`)."""
+        """Adds the tokens one at a time, so each one's text offset is where its text starts in
+        the choice's text, across every earlier delta (OpenAI's `text_offset`)."""
         offsets, pieces = [], []
         for i, token in enumerate(new):
-            offsets.append(self._chars_so_far())
+            offsets.append(self.text.offset_of(token))
             pieces.append(self.text.add([token], final=final and i == len(new) - 1))
         if not new:
             pieces.append(self.text.add([], final=final))
@@ -87,11 +87,6 @@ class Choice:
         start = len(completion.logprobs) - len(new)
         chosen = completion.token_logprobs[start:]  # set whenever `logprobs` is
         return "".join(pieces), TokenLogprobs(completion.logprobs[start:], chosen, offsets)
-
-    def _chars_so_far(self) -> int:
-        """Characters decoded so far: those sent plus those held back (they may start a stop
-        string) and sent later, in front of the next token's text."""
-        return len(self.text.text) + len(self.text.held)
 
 
 @dataclass(slots=True)
@@ -104,8 +99,18 @@ class Generation:
     cached_tokens: int = 0
 
     @classmethod
-    def new(cls, request_id, prompt_ids, params, salt, tokenizer: Tokenizer, stop: list[str]):
-        choices = [Choice(i, TextStream(tokenizer, list(stop))) for i in range(params.n)]
+    def new(
+        cls,
+        request_id,
+        prompt_ids,
+        params,
+        salt,
+        tokenizer: Tokenizer,
+        stop: list[str],
+        make_stream: Callable[[Tokenizer, list[str]], TextStream] = TextStream,
+    ):
+        """`make_stream`: the server's text-stream seam (ServerState.text_stream)."""
+        choices = [Choice(i, make_stream(tokenizer, list(stop))) for i in range(params.n)]
         return cls(request_id, prompt_ids, params, salt, choices)
 
     @property
