@@ -67,9 +67,17 @@ class Choice:
         cut = self.text.stopped
         if cut:
             self.finish_reason = "stop"
+            self._clamp_offsets()
         elif final:
             self.finish_reason = completion.finish_reason
         return Delta(self.index, piece, new, logprobs, self.finish_reason, cut)
+
+    def _clamp_offsets(self) -> None:
+        """Tokens of the stop string that arrived before it was complete (their text was held
+        back) start where the text ends too. A stream has sent their offsets already; the
+        whole response (not streamed) says where they are in the text it returns."""
+        end = len(self.text.text)
+        self.logprobs.offsets[:] = [min(o, end) for o in self.logprobs.offsets]
 
     def _add_logged(
         self, completion: CompletionOutput, new: list[int], final: bool
