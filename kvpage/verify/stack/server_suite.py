@@ -71,9 +71,10 @@ class Run:
 
 
 def server_cases(
-    model, tokenizer, model_name: str, seed: int, deadline: float, plant=None
+    model, tokenizer, model_name: str, seed: int, deadline: float, plant=None, first=False
 ) -> list[CaseResult]:
-    """Both apps' cases. `plant(target)`: a server mutant, applied to each app."""
+    """Both apps' cases. `plant(target)`: a server mutant, applied to each app; `first`: stop
+    after the first case that fails."""
     rng = random.Random(seed)
     chat = not (Path(model_name) / "tokenizer_config.json").is_file()  # built-in template only
     refs = References(model)
@@ -82,6 +83,8 @@ def server_cases(
         scenario = make_scenario(rng, tokenizer, with_keys, REQUESTS_PER_APP, chat)
         run = _new_run(scenario, model, tokenizer, model_name, refs, rng.randrange(2**32))
         results.append(_run_case(run, model, tokenizer, model_name, deadline, plant))
+        if first and not results[-1].passed:
+            break
     return results
 
 
