@@ -179,8 +179,9 @@ async def run(state: ServerState, gen: Generation, sink: asyncio.Queue) -> Async
     async with aclosing(_deltas(state, gen, sink)) as deltas:  # closing it aborts the request
         async for delta in deltas:
             yield delta
-    if gen.params.n > 1:  # one request, n samples: its tenant goes with the last of them
-        state.audit.tenants.pop(gen.request_id, None)
+    # Its tenant goes after the engine's last event of it: the aborts queued above (a stop
+    # string, a client gone) emit theirs later, on the engine thread, and name the tenant too.
+    state.loop.run_later(state.audit.tenants.pop, gen.request_id, None)
 
 
 async def _deltas(state: ServerState, gen: Generation, sink: asyncio.Queue) -> AsyncIterator[Delta]:

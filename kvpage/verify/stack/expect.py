@@ -28,20 +28,32 @@ class CacheModel:
 
     block_size: int
     published: dict[Namespace, list[tuple[int, ...]]] = field(default_factory=dict)
+    sent: dict[Namespace, list[tuple[int, ...]]] = field(default_factory=dict)  # switches or not
     caching: bool = True
     off: set[Namespace] = field(default_factory=set)
+    switched: bool = False  # some caching switch has been off in this app
 
     def enabled(self, ns: Namespace) -> bool:
         return self.caching and ns not in self.off
 
-    def hit(self, ns: Namespace, prompt: tuple[int, ...]) -> int:
+    def switch(self, ns: Namespace | None, enabled: bool) -> None:
+        """`ns` None: the global switch."""
+        self.switched |= not enabled
+        if ns is None:
+            self.caching = enabled
+        else:
+            (self.off.discard if enabled else self.off.add)(ns)
+
+    def hit(self, ns: Namespace, prompt: tuple[int, ...], held=None) -> int:
         """Cached tokens if caching were on: the longest shared run of whole blocks with an
         earlier prompt of the namespace, leaving at least one prompt token to compute."""
         bs = self.block_size
-        best = max((_common(prompt, p) for p in self.published.get(ns, [])), default=0)
+        held = self.published if held is None else held
+        best = max((_common(prompt, p) for p in held.get(ns, [])), default=0)
         return min(best // bs, (len(prompt) - 1) // bs) * bs
 
     def admit(self, ns: Namespace, prompt: tuple[int, ...]) -> int:
+        self.sent.setdefault(ns, []).append(prompt)
         if not self.enabled(ns):
             return 0
         hit = self.hit(ns, prompt)
@@ -67,8 +79,8 @@ class Expected:
     choices: list[ExpectedChoice]
     namespace: Namespace
     cached_tokens: int
-    switch_blind_cached: int  # what it would be with every caching switch on
-    switches_off: bool  # a caching switch covered this request
+    unswitched_cached: int  # what it would be had no caching switch ever been off
+    switched: bool  # some caching switch has been off in this app, before or now
 
     @property
     def completion_tokens(self) -> int:
@@ -123,9 +135,9 @@ def expect(
         for i, s in enumerate(samples)
     ]
     ns = namespace_of(req)
-    blind, on = cache.hit(ns, ids), cache.enabled(ns)
+    unswitched = cache.hit(ns, ids, cache.sent)
     cached = cache.admit(ns, ids)
-    return Expected(req, ids, params, stops, choices, ns, cached, blind, not on)
+    return Expected(req, ids, params, stops, choices, ns, cached, unswitched, cache.switched)
 
 
 def _params(req: GenRequest, ids: tuple[int, ...], refs: References) -> SamplingParams:

@@ -179,7 +179,10 @@ def _replay(router: Router, model: RouterModel, events: list[RouteEvent], name: 
             model.forget(event.replica)
             continue
         want = model.choose(event.key, event.loads)
-        decision = router.choose(event.key, event.loads)
+        try:
+            decision = router.choose(event.key, event.loads)
+        except Exception as err:  # a policy that breaks its own invariant is caught too
+            return [_failure(name, step, event, "decision", want, f"raised {err!r}")]
         have = (decision.replica, decision.reason, decision.matched_tokens)
         if have != want:
             return [_failure(name, step, event, "decision", want, have)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from dataclasses import replace as dc_replace
 
 ALPHABET = "abcdefgh ijklm nopqrstuvwxyz,.\n" + "éü€ß中😀"
 TENANTS = ("alice", "bob", "carol")
@@ -68,14 +69,31 @@ def make_scenario(
     docs = [_text(rng, rng.randint(40, 70)) for _ in range(3)]
     events: list[GenRequest | AdminEvent] = []
     prompts: list[tuple[int, ...]] = []
+    focus: list[AdminEvent] = []  # a namespace switched off: the next requests favour it
+    restores: list[tuple[int, AdminEvent]] = []  # (request index, the switch back on)
     for i in range(size):
-        if i and rng.random() < 0.22:
-            events.extend(_admin(rng, with_keys))
-        events.append(
-            _request(rng, f"r{i}", docs, block_size, with_keys, chat_allowed, tokenizer, prompts)
-        )
+        events += [e for due, e in restores if due == i]
+        if i and rng.random() < 0.3:
+            admin = _admin(rng, with_keys)
+            events += admin
+            restores += [
+                (i + rng.randint(2, 5), dc_replace(e, enabled=True))
+                for e in admin
+                if e.kind in ("prefix-caching", "preemption") and not e.enabled
+            ]
+            focus = [e for e in admin if _scoped(e) and not e.enabled] or focus
+        req = _request(rng, f"r{i}", docs, block_size, with_keys, chat_allowed, tokenizer, prompts)
+        if focus and rng.random() < 0.6:
+            req = dc_replace(req, tenant=focus[0].tenant, cache_salt=focus[0].cache_salt)
+        events.append(req)
     events.extend(_closing(with_keys))
     return Scenario(with_keys, block_size, chat_allowed, events)
+
+
+def _scoped(event: AdminEvent) -> bool:
+    return event.kind == "prefix-caching" and (
+        event.tenant is not None or event.cache_salt is not None or event.namespace
+    )
 
 
 def _text(rng: random.Random, chars: int) -> str:
@@ -135,19 +153,21 @@ def _strict_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
 
 
 def _admin(rng: random.Random, with_keys: bool) -> list[AdminEvent]:
-    """A switch turned off or on (`_closing` turns each back on at the end), a drain and its
-    end, or a request the server must refuse."""
-    kind = rng.choice(("prefix-caching", "namespace", "preemption", "drain", "refused"))
+    """A switch turned off (back on a few requests later, and at the end by `_closing`) or on,
+    a drain and its end, or a request the server must refuse."""
+    kind = rng.choice(
+        ("prefix-caching", "namespace", "namespace", "preemption", "drain", "refused")
+    )
+    on = rng.random() < 0.15  # mostly off: on is the default, and it comes back later
     if kind == "prefix-caching":
-        return [AdminEvent("prefix-caching", enabled=rng.random() < 0.5)]
+        return [AdminEvent("prefix-caching", enabled=on)]
     if kind == "namespace":
-        on = rng.random() < 0.5
         if with_keys:
             return [AdminEvent("prefix-caching", on, tenant=rng.choice(TENANTS))]
-        salt = rng.choice(SALTS)
+        salt = rng.choice((*SALTS, "s1", "s2"))
         return [AdminEvent("prefix-caching", on, cache_salt=salt, namespace=salt is None)]
     if kind == "preemption":
-        return [AdminEvent("preemption", enabled=rng.random() < 0.5)]
+        return [AdminEvent("preemption", enabled=on)]
     if kind == "drain":
         return [AdminEvent("drain", True), AdminEvent("drain", False)]
     if with_keys:

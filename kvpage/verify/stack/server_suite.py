@@ -199,7 +199,30 @@ async def _request(run: Run, client: httpx.AsyncClient, req: GenRequest) -> None
         got = parse_stream(response.status_code, response.text, req.chat, req.include_usage)
     else:
         got = parse_body(response.status_code, _json(response), req.chat)
+    run.failures += await _audited(run, client, exp, (got.body or {}).get("id"), where)
     run.failures += compare_response(exp, got, where)
+
+
+async def _audited(run: Run, client, exp: Expected, request_id, where: Where) -> list[Failure]:
+    """The audit log's lines of this request (each engine event) name the namespace its blocks
+    were keyed in and its tenant: the tenant's salted namespace, never another's. (A request a
+    stop string ended may have no line yet: its abort lands after the response.)"""
+    if request_id is None:
+        return []
+    response = await client.get("/admin/audit", headers={"X-Admin-Token": ADMIN_TOKEN})
+    events = response.json().get("events", [])
+    mine = [e for e in events if str(e.get("request_id", "")).split("#")[0] == request_id]
+    req = exp.request
+    salt = _salt(req.tenant) if req.tenant is not None else req.cache_salt
+    want = {"namespace": run.namespace_hex(salt), "tenant": req.tenant}
+    for event in mine:
+        have = {"namespace": event.get("namespace"), "tenant": event.get("tenant")}
+        if have != want:
+            f = where.fields(None, f"audit {event.get('event')}", want, have)
+            f |= {"namespace": repr(exp.namespace), "prompt_tokens": len(exp.prompt_ids)}
+            reason = "the request ran in another namespace than its tenant's"
+            return [failure(where, "server_tenancy", reason, f)]
+    return []
 
 
 def _json(response: httpx.Response) -> dict:
@@ -245,13 +268,13 @@ def _switch_answer(run: Run, event: AdminEvent) -> dict:
         return {"preemption": event.enabled}
     scoped = event.tenant is not None or event.cache_salt is not None or event.namespace
     if not scoped:
-        run.cache.caching = event.enabled
+        run.cache.switch(None, event.enabled)
         return {"prefix_caching": event.enabled, "scope": "global"}
     if event.tenant is not None:
         ns, salt = ("tenant", event.tenant), _salt(event.tenant)
     else:
         ns, salt = ("salt", event.cache_salt), event.cache_salt
-    (run.cache.off.discard if event.enabled else run.cache.off.add)(ns)
+    run.cache.switch(ns, event.enabled)
     answer = {"prefix_caching": event.enabled, "scope": "namespace"}
     return answer | {"namespace": run.namespace_hex(salt), "tenant": event.tenant}
 
