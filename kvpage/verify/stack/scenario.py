@@ -71,10 +71,16 @@ def make_scenario(
     prompts: list[tuple[int, ...]] = []
     focus: list[AdminEvent] = []  # a namespace switched off: the next requests favour it
     restores: list[tuple[int, AdminEvent]] = []  # (request index, the switch back on)
+    last_doc: dict[tuple[str | None, str | None], str] = {}  # (tenant, salt) -> its document
+    scoped_at = rng.randint(size // 3, 2 * size // 3)  # one scoped switch-off at least
     for i in range(size):
-        events += [e for due, e in restores if due == i]
-        if i and rng.random() < 0.3:
-            admin = _admin(rng, with_keys)
+        due = [e for at, e in restores if at == i]
+        events += due
+        focus = [] if any(_scoped(e) for e in due) else focus
+        admin = _admin(rng, with_keys) if i and rng.random() < 0.3 else []
+        if i == scoped_at:
+            admin.append(_scoped_off(rng, with_keys, last_doc))
+        if admin:
             events += admin
             restores += [
                 (i + rng.randint(2, 5), dc_replace(e, enabled=True))
@@ -82,12 +88,28 @@ def make_scenario(
                 if e.kind in ("prefix-caching", "preemption") and not e.enabled
             ]
             focus = [e for e in admin if _scoped(e) and not e.enabled] or focus
-        req = _request(rng, f"r{i}", docs, block_size, with_keys, chat_allowed, tokenizer, prompts)
-        if focus and rng.random() < 0.6:
-            req = dc_replace(req, tenant=focus[0].tenant, cache_salt=focus[0].cache_salt)
-        events.append(req)
+        who = (rng.choice(TENANTS), None) if with_keys else (None, rng.choice(SALTS))
+        doc = rng.choice(docs)
+        if focus and rng.random() < 0.7:  # its next turn, on the document it was reading
+            who = (focus[0].tenant, focus[0].cache_salt)
+            doc = last_doc.get(who, doc)
+        last_doc[who] = doc
+        events.append(
+            _request(rng, f"r{i}", doc, who, block_size, chat_allowed, tokenizer, prompts)
+        )
     events.extend(_closing(with_keys))
     return Scenario(with_keys, block_size, chat_allowed, events)
+
+
+def _scoped_off(rng: random.Random, with_keys: bool, seen: dict) -> AdminEvent:
+    """Caching off for a namespace that has sent requests already (a tenant's, or a client
+    salt's: not the unsalted one, which a switch aimed at the wrong namespace would hit)."""
+    sent = sorted((t or "", s or "") for t, s in seen if (t or s))
+    if with_keys:
+        tenant = rng.choice(sent)[0] if sent else rng.choice(TENANTS)
+        return AdminEvent("prefix-caching", False, tenant=tenant)
+    salt = rng.choice(sent)[1] if sent else "s1"
+    return AdminEvent("prefix-caching", False, cache_salt=salt)
 
 
 def _scoped(event: AdminEvent) -> bool:
@@ -100,8 +122,7 @@ def _text(rng: random.Random, chars: int) -> str:
     return "".join(rng.choice(ALPHABET) for _ in range(chars))
 
 
-def _request(rng, name, docs, block_size, with_keys, chat_allowed, tokenizer, prompts):
-    doc = rng.choice(docs)
+def _request(rng, name, doc, who, block_size, chat_allowed, tokenizer, prompts):
     chat = chat_allowed and rng.random() < 0.2
     as_ids = not chat and rng.random() < 0.6
     for _ in range(20):  # until it is no strict prefix of an earlier prompt, nor one of it
@@ -116,8 +137,8 @@ def _request(rng, name, docs, block_size, with_keys, chat_allowed, tokenizer, pr
         name=name,
         chat=chat,
         prompt=prompt,
-        tenant=rng.choice(TENANTS) if with_keys else None,
-        cache_salt=None if with_keys else rng.choice(SALTS),
+        tenant=who[0],
+        cache_salt=who[1],
         n=n,
         temperature=temperature,
         seed=rng.randint(0, 10_000) if temperature or rng.random() < 0.3 else None,
