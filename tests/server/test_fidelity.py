@@ -187,7 +187,9 @@ def test_text_offset_counts_characters_of_the_returned_text_across_chunks(served
     for chunk in chunks:
         choice = chunk["choices"][0]
         for offset in choice["logprobs"]["text_offset"]:
-            assert offset == len(sent)  # one token per chunk here: it starts where text ends
+            # one token per chunk here: it starts in the text this chunk sends (after bytes
+            # held back as not yet a character, once they turn out to be U+FFFD) or at its end
+            assert len(sent) <= offset <= len(sent) + len(choice["text"])
             offsets.append(offset)
         sent += choice["text"]
     assert offsets[0] == 0 and len(offsets) == 24

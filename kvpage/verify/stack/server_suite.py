@@ -12,6 +12,7 @@ import hmac
 import json
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +65,7 @@ class Run:
     draining: bool = False
     failures: list[Failure] = field(default_factory=list)
     requests: int = 0
+    coverage: Counter = field(default_factory=Counter)  # what the run exercised, by dimension
 
     def switches(self) -> str:
         off = sorted(repr(ns) for ns in self.cache.off)
@@ -110,7 +112,7 @@ def _run_case(run: Run, model, tokenizer, model_name, deadline, plant) -> CaseRe
         plant(target)
     asyncio.run(_drive(run, target, deadline))
     name = "server-tenants" if run.scenario.with_keys else "server-open"
-    stats = target.engine.stats()
+    stats = {**target.engine.stats(), "coverage": dict(sorted(run.coverage.items()))}
     seconds = time.perf_counter() - start
     return CaseResult(name, "server", run.failures, run.requests, run.requests, seconds, stats)
 
@@ -193,6 +195,7 @@ async def _request(run: Run, client: httpx.AsyncClient, req: GenRequest) -> None
     if run.draining:  # the engine never sees it, so neither does the cache model
         return await _refused(client, path, _body(req, [], ()), req, where, run)
     exp = expect(req, run.tokenizer, run.refs, run.cache, run.rng)
+    _cover(run.coverage, exp)
     body = _body(req, exp.stops, exp.params.stop_token_ids)
     response = await client.post(path, json=body, headers=_headers(req))
     if req.stream and response.status_code == 200:
@@ -225,6 +228,24 @@ async def _audited(run: Run, client, exp: Expected, request_id, where: Where) ->
     return []
 
 
+def _cover(coverage: Counter, exp: Expected) -> None:
+    req, cuts = exp.request, [c.stop for c in exp.choices if c.stop is not None]
+    coverage.update(
+        {
+            "requests": 1,
+            "stream": req.stream,
+            "chat": req.chat,
+            "n>1": req.n > 1,
+            "logprobs": req.logprobs is not None,
+            "stop string hit": bool(cuts),
+            "stop string with a multi-byte char hit": any(max(map(ord, s)) > 127 for s in cuts),
+            "stop token id": bool(exp.params.stop_token_ids),
+            "prefix hit": exp.cached_tokens > 0,
+            "caching switched off": exp.unswitched_cached > exp.cached_tokens,
+        }
+    )
+
+
 def _json(response: httpx.Response) -> dict:
     try:
         return response.json()
@@ -246,6 +267,7 @@ async def _refused(client, path: str, body: dict, req: GenRequest, where, run: R
 # --- admin switches and refused requests -------------------------------------------------------
 async def _admin(run: Run, client: httpx.AsyncClient, event: AdminEvent) -> None:
     where = Where(f"admin:{event.kind}", False, run.model_name, run.switches())
+    run.coverage[f"admin {event.kind} {'on' if event.enabled else 'off'}"] += 1
     if event.kind in ("bad-key", "salt-with-key"):
         return await _refusal(run, client, event, where)
     if event.kind == "drain":

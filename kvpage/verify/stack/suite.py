@@ -24,9 +24,13 @@ def run_server_suite(
 ) -> list[CaseResult]:
     """The server cases (two apps) then the router cases. Past `budget_s` the remaining
     generated requests are skipped (each case's `requests` says how many ran); the router
-    cases take well under a second and always run."""
+    cases take well under a second and always run. A model without a tokenizer that gives
+    each token's bytes (the text oracle's input) gets the router cases only."""
     deadline = time.perf_counter() + budget_s
-    return server_cases(model, tokenizer, model_name, seed, deadline) + router_cases(seed)
+    router = router_cases(seed)
+    if not callable(getattr(tokenizer, "token_bytes", None)):
+        return router
+    return server_cases(model, tokenizer, model_name, seed, deadline) + router
 
 
 @dataclass(slots=True)
