@@ -44,6 +44,18 @@ def _stop_within_one_chunk(target: StackTarget) -> None:
     plant_server(target, "text_stream", _NoHoldBack)
 
 
+class _KeepsStopString(TextStream):
+    def stop_at(self, window: str) -> int | None:
+        at = super().stop_at(window)
+        if at is None:
+            return None
+        return at + max(len(s) for s in self.stop if window.startswith(s, at))  # kept in text
+
+
+def _stop_string_kept(target: StackTarget) -> None:
+    plant_server(target, "text_stream", _KeepsStopString)
+
+
 class _CountsPendingBytes(TextStream):
     def offset_of(self, token_id: int) -> int:
         pending = len(self.detok.token_ids) > self.detok.read
@@ -112,6 +124,13 @@ STACK_MUTANTS: tuple[StackMutant, ...] = (
         "server_text",
         "server",
         _stop_within_one_chunk,
+    ),
+    StackMutant(
+        "stop_string_kept_in_text",
+        "the text a stop string ends keeps the stop string (include_stop_str_in_output on)",
+        "server_text",
+        "server",
+        _stop_string_kept,
     ),
     StackMutant(
         "text_offset_counts_pending_bytes",
