@@ -66,39 +66,55 @@ def make_scenario(
     rng: random.Random, tokenizer, with_keys: bool, size: int, chat_allowed: bool
 ) -> Scenario:
     block_size = rng.choice((4, 8, 16))
-    docs = [_text(rng, rng.randint(40, 70)) for _ in range(3)]
+    plan = _Plan(rng, with_keys, [_text(rng, rng.randint(40, 70)) for _ in range(3)])
+    scoped_at = rng.randint(size // 3, 2 * size // 3)  # one scoped switch-off at least
     events: list[GenRequest | AdminEvent] = []
     prompts: list[tuple[int, ...]] = []
-    focus: list[AdminEvent] = []  # a namespace switched off: the next requests favour it
-    restores: list[tuple[int, AdminEvent]] = []  # (request index, the switch back on)
-    last_doc: dict[tuple[str | None, str | None], str] = {}  # (tenant, salt) -> its document
-    scoped_at = rng.randint(size // 3, 2 * size // 3)  # one scoped switch-off at least
     for i in range(size):
-        due = [e for at, e in restores if at == i]
-        events += due
-        focus = [] if any(_scoped(e) for e in due) else focus
-        admin = _admin(rng, with_keys) if i and rng.random() < 0.3 else []
-        if i == scoped_at:
-            admin.append(_scoped_off(rng, with_keys, last_doc))
-        if admin:
-            events += admin
-            restores += [
-                (i + rng.randint(2, 5), dc_replace(e, enabled=True))
-                for e in admin
-                if e.kind in ("prefix-caching", "preemption") and not e.enabled
-            ]
-            focus = [e for e in admin if _scoped(e) and not e.enabled] or focus
-        who = (rng.choice(TENANTS), None) if with_keys else (None, rng.choice(SALTS))
-        doc = rng.choice(docs)
-        if focus and rng.random() < 0.7:  # its next turn, on the document it was reading
-            who = (focus[0].tenant, focus[0].cache_salt)
-            doc = last_doc.get(who, doc)
-        last_doc[who] = doc
+        events += plan.switches(i, i == scoped_at)
+        doc, who = plan.next_sender()
         events.append(
             _request(rng, f"r{i}", doc, who, block_size, chat_allowed, tokenizer, prompts)
         )
     events.extend(_closing(with_keys))
     return Scenario(with_keys, block_size, chat_allowed, events)
+
+
+@dataclass(slots=True)
+class _Plan:
+    """Which switches flip before each request, and who sends it on which document."""
+
+    rng: random.Random
+    with_keys: bool
+    docs: list[str]
+    focus: list[AdminEvent] = field(default_factory=list)  # a namespace switched off
+    restores: list[tuple[int, AdminEvent]] = field(default_factory=list)  # (request, back on)
+    last_doc: dict[tuple[str | None, str | None], str] = field(default_factory=dict)
+
+    def switches(self, i: int, scoped: bool) -> list[AdminEvent]:
+        rng = self.rng
+        due = [e for at, e in self.restores if at == i]
+        if any(_scoped(e) for e in due):
+            self.focus = []
+        admin = _admin(rng, self.with_keys) if i and rng.random() < 0.3 else []
+        if scoped:
+            admin.append(_scoped_off(rng, self.with_keys, self.last_doc))
+        off = [e for e in admin if e.kind in ("prefix-caching", "preemption") and not e.enabled]
+        self.restores += [(i + rng.randint(2, 5), dc_replace(e, enabled=True)) for e in off]
+        self.focus = [e for e in off if _scoped(e)] or self.focus
+        return due + admin
+
+    def next_sender(self) -> tuple[str, tuple[str | None, str | None]]:
+        """While a namespace is switched off, its next turns mostly, on the document it was
+        reading (so they would hit); otherwise anyone on any document."""
+        rng = self.rng
+        who = (rng.choice(TENANTS), None) if self.with_keys else (None, rng.choice(SALTS))
+        doc = rng.choice(self.docs)
+        if self.focus and rng.random() < 0.7:
+            who = (self.focus[0].tenant, self.focus[0].cache_salt)
+            doc = self.last_doc.get(who, doc)
+        self.last_doc[who] = doc
+        return doc, who
 
 
 def _scoped_off(rng: random.Random, with_keys: bool, seen: dict) -> AdminEvent:
