@@ -44,6 +44,7 @@ class StackMutantResult:
     divergence: dict | None
     seconds: float
     cases: list[CaseResult] = field(default_factory=list)
+    not_applicable: str | None = None  # as the gate's MutantResult: every stack mutant applies
 
     @property
     def attributed_class(self) -> str | None:
