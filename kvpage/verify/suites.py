@@ -42,6 +42,7 @@ from kvpage.verify.diff import (
 )
 from kvpage.verify.driver import StepDriver
 from kvpage.verify.mutants.base import MissingSeam
+from kvpage.verify.properties import StepProperties, check_independence, pin_unseeded
 from kvpage.verify.trace import EngineTracer
 
 __all__ = ["SUITES", "CaseResult", "Failure", "Runtime", "build_suites", "run_case"]
@@ -148,17 +149,22 @@ class Runtime:
 def run_case(case: Case, runtime: Runtime) -> CaseResult:
     start = time.perf_counter()
     failures: list[Failure] = []
-    engine = None
+    engine = props = None
     steps = 0
     try:
         case = replace(case, requests=[runtime.resolve(s) for s in case.requests])
         engine = runtime.make_engine(case.engine)
         engine.add_observer(EngineTracer(engine))
+        props = StepProperties(engine)
+        engine.add_observer(props)
         drive = _Drive(engine, case)
         finished, steps = drive.run()
-        failures += drive.liveness  # first: when the engine stalls, the rest follows from it
+        # First: a broken step rule is the cause of what the later checks see.
+        failures += props.failures + check_independence(case, engine.tracer.records)
+        failures += drive.liveness  # when the engine stalls, the rest follows from it
         refs: dict[str, list[StepRecord]] = {}
-        failures += _check_requests(case, runtime, engine, finished, refs)
+        pinned, outputs = pin_unseeded(case, engine.tracer.records, finished)
+        failures += _check_requests(pinned, runtime, engine, outputs, refs)
         failures += check_provenance(engine.tracer, refs)
         failures += check_expectations(case, engine, finished, refs)
         failures += check_baseline(engine)
@@ -170,7 +176,9 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         # What the engine produced before it crashed is still diffed: the first divergence
         # usually says more than the exception that followed it.
         if engine is not None and engine.tracer is not None and not failures:
-            failures += _partial_divergences(case, runtime, engine)
+            failures += props.failures if props is not None else []
+            pinned = pin_unseeded(case, engine.tracer.records, {})[0]
+            failures += _partial_divergences(pinned, runtime, engine)
         failures.append(Failure("crash", f"{type(err).__name__}: {err}"))
     stats = {} if engine is None else engine.stats()
     return CaseResult(
