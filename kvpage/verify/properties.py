@@ -325,7 +325,9 @@ def check_independence(case: Case, records: dict[str, list[StepRecord]]) -> list
         return []
     params = {sid: s.params for s in case.requests for sid in s.sample_ids()}
     threshold = SAMPLING_P_THRESHOLD / len(pairs)
-    scored = [(_pair_p(records.get(a, []), records.get(b, []), params[b]), a, b) for a, b in pairs]
+    scored = [
+        (pair_p_value(records.get(a, []), records.get(b, []), params[b]), a, b) for a, b in pairs
+    ]
     (p_value, agreed), a, b = min(scored, key=lambda s: s[0][0])
     if p_value >= threshold:
         return []
@@ -344,7 +346,7 @@ def check_independence(case: Case, records: dict[str, list[StepRecord]]) -> list
     return [_property_failure("sample_independence", message, fields, b)]
 
 
-def _pair_p(ra: list[StepRecord], rb: list[StepRecord], params) -> tuple[float, int]:
+def pair_p_value(ra: list[StepRecord], rb: list[StepRecord], params) -> tuple[float, int]:
     """(p-value, L) for B agreeing with A on their first L tokens."""
     p, agreed = 1.0, 0
     for a, b in zip(ra, rb, strict=False):
