@@ -346,3 +346,20 @@ def test_a_stop_at_max_tokens_must_finish_as_stop():
     assert _finish("length", [5, 2], 2, ignore_eos=True) == []  # EOS ignored: length is right
     assert _finish("length", [5, 6], 2) == []
     assert _finish("stop", [2], 4) == []  # before max_tokens: not this rule's question
+
+
+@pytest.mark.xfail(strict=True, reason="admission counts a parallel request before its fork as one")
+def test_sequence_cap_holds_while_a_parallel_request_is_still_prefilling(runtime):
+    """Cap 4: a request with n = 4 in a chunked prefill reserves all four sequences, so a
+    request arriving meanwhile waits for the cap. The scheduler counts the unforked request as
+    one running sequence and admits the newcomer: at the fork, five sequences run in a step."""
+    parallel = SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=6, ignore_eos=True)
+    engine = runtime.make_engine(dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=16))
+    watch = StepProperties(engine)
+    engine.add_observer(watch)
+    engine.add_request("A", list(range(3, 43)), parallel)
+    engine.step()
+    engine.add_request("B", list(range(50, 60)), _greedy(6))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert watch.failures == []
