@@ -68,6 +68,7 @@ class StepProperties(EngineObserver):
         self.failures: list[Failure] = []
         self._fired: set[str] = set()
         self._mem = _Memory()
+        self._computing_now: set[bytes] = set()  # this plan's, computed once per plan
 
     def _report(self, cls: str, message: str, fields: dict, request_id: str = "", step=-1):
         if cls not in self._fired:
@@ -76,6 +77,7 @@ class StepProperties(EngineObserver):
 
     # --- hooks -----------------------------------------------------------------------------
     def on_plan(self, plan: StepPlan) -> None:
+        self._computing_now = self._computing(plan)
         self._check_budget(plan)
         self._note_promises()
         self._check_reservation(plan)
@@ -216,7 +218,7 @@ class StepProperties(EngineObserver):
         tokens and sequences left, and no chunk of this step computing a block it could hit
         (then holding it back is the prefix rule, not a refusal)."""
         sched = self.engine.scheduler
-        if plan.preempted or sched.swapped or self._hittable(seq, self._computing(plan)):
+        if plan.preempted or sched.swapped or self._hittable(seq, self._computing_now):
             return False
         tokens = sum(item.num_new_tokens for item in plan.scheduled)
         running = sum(self._unforked_n(s) for s in sched.running)
@@ -251,10 +253,9 @@ class StepProperties(EngineObserver):
         scheduled = {item.seq.seq_id for item in plan.scheduled}
         admitted = scheduled - self._mem.running - {s.seq_id for s in plan.resumed}
         waiting = {s.seq_id for s in sched.waiting}
-        computing = self._computing(plan)
         for held in self._mem.held:
             seq = held.seq
-            if seq.seq_id not in waiting or self._hittable(seq, computing):
+            if seq.seq_id not in waiting or self._hittable(seq, self._computing_now):
                 continue  # admitted, gone, or held again by a block computed in this step
             passed = admitted & (held.behind | (admitted - self._mem.seen))
             first = sched.waiting[0] is seq and self._first_reachable(plan, seq)
@@ -290,11 +291,10 @@ class StepProperties(EngineObserver):
 
     def _remember(self, plan: StepPlan) -> None:
         sched = self.engine.scheduler
-        computing = self._computing(plan)
         order = [s.seq_id for s in sched.waiting]
         held = []
         for i, seq in enumerate(sched.waiting):
-            keys = self._hittable(seq, computing)
+            keys = self._hittable(seq, self._computing_now)
             if keys:
                 held.append(_Held(seq, plan.step, keys, set(order[i + 1 :])))
         self._mem.held = held
