@@ -263,9 +263,14 @@ class StepProperties(EngineObserver):
                 self._held_too_long(plan, held, sorted(passed))
 
     def _first_reachable(self, plan: StepPlan, seq: Sequence) -> bool:
+        """Reachable, and the pool has room for it: for its whole prompt without a hit (then
+        any first chunk fits, hit or not), or for its worst case with preemption off."""
         if not self._reachable(plan, seq):
             return False
-        return self.engine.scheduler.preemption_enabled or self._fits(seq)
+        if not self.engine.scheduler.preemption_enabled:
+            return self._fits(seq)
+        whole = math.ceil(seq.num_tokens / self.config.block_size)
+        return whole <= self.engine.cache.num_free_blocks()
 
     def _held_too_long(self, plan: StepPlan, held: _Held, passed: list[int]) -> None:
         sched = self.engine.scheduler

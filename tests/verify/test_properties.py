@@ -123,11 +123,14 @@ class _Steps(StepProperties):
         super().__init__(engine)
         self.tokens: list[int] = []
         self.waiting: list[int] = []
+        self.first_step: dict[str, int] = {}
 
     def on_plan(self, plan) -> None:
         super().on_plan(plan)
         self.tokens.append(sum(i.num_new_tokens for i in plan.scheduled))
         self.waiting.append(len(self.engine.scheduler.waiting))
+        for item in plan.scheduled:
+            self.first_step.setdefault(item.seq.sample_id, plan.step)
 
 
 def _drive(runtime, engine_args: dict, specs: list[RequestSpec], before=None) -> _Steps:
@@ -137,7 +140,7 @@ def _drive(runtime, engine_args: dict, specs: list[RequestSpec], before=None) ->
     if before is not None:
         before(engine)
     for spec in specs:
-        engine.add_request(spec.request_id, spec.prompt, spec.params)
+        engine.add_request(spec.request_id, spec.prompt, spec.params, cache_salt=spec.cache_salt)
     while engine.has_unfinished_requests():
         engine.step()
     return watch
@@ -158,6 +161,17 @@ def test_preemption_off_case_keeps_requests_waiting_that_do_not_fit(runtime):
     assert max(watch.waiting) > 0
     worst = math.ceil((12 + 18) / 8)
     assert case.engine["num_blocks"] < worst * len(case.requests)
+
+
+def test_same_step_sharers_are_held_once_and_admitted_next_step(runtime):
+    """The writer and the request that shares nothing start at step 1; each sharer of the
+    writer's blocks is held exactly one step."""
+    case = _case("policy/same_step_sharing", runtime)
+    watch = _drive(runtime, case.engine, case.requests)
+    assert watch.failures == []
+    first = watch.first_step
+    assert first["w"] == first["solo"] == first["b.w"] == 1
+    assert [first[f"s{i}"] for i in range(4)] == [2, 2, 2, 2]
 
 
 def test_stop_at_max_tokens_case_draws_stops_on_the_last_token(runtime):
