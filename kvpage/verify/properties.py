@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from itertools import combinations
+from itertools import combinations, takewhile
 
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.events import EngineObserver, Finished
@@ -309,6 +309,43 @@ class StepProperties(EngineObserver):
 
 # --- unseeded samples ----------------------------------------------------------------------
 def check_independence(case: Case, records: dict[str, list[StepRecord]]) -> list[Failure]:
+    """Unseeded samples must not share a generator seed (one random stream for two samples,
+    whatever their prompts), and must not draw in lockstep (`check_lockstep`)."""
+    unseeded = [
+        (spec, sid)
+        for spec in case.requests
+        if spec.params.seed is None and not spec.params.greedy
+        for sid in spec.sample_ids()
+    ]
+    return _shared_seed(unseeded, records) or check_lockstep(unseeded, records)
+
+
+def _shared_seed(unseeded, records) -> list[Failure]:
+    by_seed: dict[int, str] = {}
+    for _, sid in unseeded:
+        seed = _seed(records.get(sid))
+        if seed is None:
+            continue
+        if seed not in by_seed:
+            by_seed[seed] = sid
+            continue
+        other = by_seed[seed]
+        both = zip(records[other], records[sid], strict=False)
+        agreed = sum(1 for _ in takewhile(_same_token, both))
+        fields = {
+            "samples": [other, sid],
+            "seeds": [seed, seed],
+            "agreed_steps": agreed,
+            "p_value": 0.0,  # one stream: dependent by construction
+            "threshold": SAMPLING_P_THRESHOLD,
+            "pairs": 1,
+        }
+        message = f"unseeded samples {other} and {sid} draw from one generator seed ({seed})"
+        return [_property_failure("sample_independence", message, fields, sid)]
+    return []
+
+
+def check_lockstep(unseeded, records: dict[str, list[StepRecord]]) -> list[Failure]:
     """Unseeded samples with the same prompt and sampling parameters draw from the same
     distributions; independent ones agree on their first L tokens with probability
     P = prod_t p_B,t(a_t): B's oracle probability of A's token at each step, from B's own logits,
@@ -316,19 +353,17 @@ def check_independence(case: Case, records: dict[str, list[StepRecord]]) -> list
     "B repeated A for L tokens". Over the K pairs of a case the threshold is
     SAMPLING_P_THRESHOLD / K, so by the union bound an engine whose unseeded samples are
     independent fails a case with probability at most SAMPLING_P_THRESHOLD (1e-4), whatever the
-    dependence between pairs; the seeds are fixed, so a verdict replays. Lockstep samples (one
-    seed, a copied generator) agree on every token and reach p-values far below it."""
+    dependence between pairs; the seeds are fixed, so a verdict replays. Lockstep samples (a
+    copied generator) agree on every token and reach p-values far below it."""
     groups: dict[tuple, list[str]] = {}
-    for spec in case.requests:
+    params = {}
+    for spec, sid in unseeded:
         p = spec.params
-        if p.seed is not None or p.greedy:
-            continue
-        key = (tuple(spec.prompt), p.temperature, p.top_k, p.top_p)
-        groups.setdefault(key, []).extend(spec.sample_ids())
+        groups.setdefault((tuple(spec.prompt), p.temperature, p.top_k, p.top_p), []).append(sid)
+        params[sid] = p
     pairs = [pair for ids in groups.values() for pair in combinations(ids, 2)]
     if not pairs:
         return []
-    params = {sid: s.params for s in case.requests for sid in s.sample_ids()}
     threshold = SAMPLING_P_THRESHOLD / len(pairs)
     scored = [
         (pair_p_value(records.get(a, []), records.get(b, []), params[b]), a, b) for a, b in pairs
@@ -365,6 +400,10 @@ def pair_p_value(ra: list[StepRecord], rb: list[StepRecord], params) -> tuple[fl
         p *= prob if prob > 0.0 else 1.0
         agreed += 1
     return p, agreed
+
+
+def _same_token(pair: tuple[StepRecord, StepRecord]) -> bool:
+    return pair[0].chosen_token == pair[1].chosen_token
 
 
 def _seed(records: list[StepRecord] | None):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+import zlib
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
@@ -199,7 +200,9 @@ def test_unseeded_case_is_far_from_the_threshold_on_the_honest_engine(runtime):
 
 
 # --- the checks' arithmetic -----------------------------------------------------------------
-def _records(sid: str, tokens: list[int], vocab: int, seed: int = 0) -> list[StepRecord]:
+def _records(sid: str, tokens: list[int], vocab: int, seed: int | None = None):
+    """One sample's records with uniform logits over `vocab`; its own seed unless given."""
+    seed = zlib.crc32(sid.encode()) if seed is None else seed
     return [
         StepRecord(
             sid,
@@ -228,7 +231,7 @@ def test_lockstep_p_value_is_the_product_of_the_oracle_probabilities():
     one pair, so the threshold is 1e-4 and it fails, with that p-value."""
     case = _unseeded_case(2)
     tokens = [1, 2, 3, 4, 5, 6]
-    records = {"u#0": _records("u#0", tokens, 8), "u#1": _records("u#1", tokens, 8, seed=1)}
+    records = {"u#0": _records("u#0", tokens, 8), "u#1": _records("u#1", tokens, 8)}
     (failure,) = check_independence(case, records)
     fields = failure.divergence.attribution.fields
     assert fields["agreed_steps"] == 6 and fields["pairs"] == 1
@@ -272,6 +275,18 @@ def test_false_alarms_stay_below_the_nominal_rate():
         rate = sum(p <= level for p in ps) / len(ps)
         assert rate <= level + 3 * math.sqrt(level / len(ps)), (level, rate)
     assert min(ps) >= 4.0**-10
+
+
+def test_unseeded_samples_sharing_a_seed_fail_whatever_their_prompts():
+    unseeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    case = Case("t", "t", [RequestSpec("a", [5], unseeded), RequestSpec("b", [6, 7], unseeded)])
+    records = {"a": _records("a", [1, 2], 8, seed=42), "b": _records("b", [1, 3], 8, seed=42)}
+    (failure,) = check_independence(case, records)
+    fields = failure.divergence.attribution.fields
+    assert fields["samples"] == ["a", "b"] and fields["seeds"] == [42, 42]
+    assert fields["agreed_steps"] == 1 and failure.divergence.attribution.complete
+    records["b"] = _records("b", [1, 3], 8, seed=43)
+    assert check_independence(case, records) == []
 
 
 def test_seeded_and_greedy_samples_are_not_paired():
