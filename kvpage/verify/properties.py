@@ -243,9 +243,9 @@ class StepProperties(EngineObserver):
         return out
 
     def _hittable(self, seq: Sequence, computing: set[bytes]) -> list[str]:
-        """The blocks `seq` could hit (all full blocks but the one holding its last token)
-        that are being computed now."""
-        cap = (seq.num_tokens - 1) // self.config.block_size
+        """The blocks `seq` could hit that are being computed now. What it could hit is the
+        hit cap's to say (a bug there is a prefix_key matter, not a hold that lasts too long)."""
+        cap = self.engine.cache.max_hit_blocks(seq.num_tokens)
         return [k.digest.hex() for k in seq.chain.keys[:cap] if k.digest in computing]
 
     def _check_holds(self, plan: StepPlan) -> None:
