@@ -224,7 +224,7 @@ class Scheduler:
                 return
             if pending and self.prefix_wait.defer(seq, pending):
                 continue  # a chunk of this step computes its prefix: it hits it next step
-            if not self.preemption_enabled and not self._fits_worst_case(seq):
+            if not self.preemption_enabled and not self.fits_worst_case(seq):
                 return
             self.acquire_prefix(seq)
             self._report_corruptions()
@@ -274,9 +274,9 @@ class Scheduler:
         for observer in self.observers:
             observer.on_prefix_hit(seq, seq.num_computed)
 
-    def _fits_worst_case(self, seq: Sequence) -> bool:
+    def fits_worst_case(self, seq: Sequence) -> bool:
         """Without preemption nothing can be taken back, so admit a request only if it and every
-        running request can grow to max_tokens in the blocks that are left."""
+        running request can grow to max_tokens in the blocks that are left (a declared seam)."""
         growth = sum(self._worst_case_blocks(s) - len(s.table.block_ids) for s in self.running)
         # A parallel request whose samples together could outgrow the whole pool is admitted
         # once it has the pool to itself, never left waiting for a pool it cannot get.
