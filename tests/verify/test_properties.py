@@ -377,11 +377,11 @@ def test_a_stop_at_max_tokens_must_finish_as_stop():
     assert _finish("stop", [2], 4) == []  # before max_tokens: not this rule's question
 
 
-@pytest.mark.xfail(strict=True, reason="admission counts a parallel request before its fork as one")
 def test_sequence_cap_holds_while_a_parallel_request_is_still_prefilling(runtime):
     """Cap 4: a request with n = 4 in a chunked prefill reserves all four sequences, so a
-    request arriving meanwhile waits for the cap. The scheduler counts the unforked request as
-    one running sequence and admits the newcomer: at the fork, five sequences run in a step."""
+    request arriving meanwhile waits for the cap. (The scheduler once counted the unforked
+    request as one running sequence and admitted the newcomer: at the fork, five sequences ran
+    in a step.)"""
     parallel = SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=6, ignore_eos=True)
     engine = runtime.make_engine(dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=16))
     watch = StepProperties(engine)
