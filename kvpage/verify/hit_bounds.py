@@ -48,7 +48,7 @@ class HitBounds(EngineObserver):
         self.block_size = engine.config.block_size
         self.plans = 0
         self.switches = _Switches(engine.config.enable_prefix_caching)
-        # sample -> (plan, first token computed, end): the steps that computed its KV
+        # sample -> (plan, first token computed, end) of each step that computed its KV
         self.computed: dict[str, list[tuple[int, int, int]]] = {}
         self.admitted: dict[str, int] = {}  # request id -> plan of its first scheduled step
         self._wrap_switches(engine)
@@ -120,13 +120,15 @@ class HitBounds(EngineObserver):
                 yield sid, other
 
     def _published(self, sid: str, want: list[int], before: int, salt, seq_tokens) -> bool:
-        """Sample `sid` holds `want` at its start and computed its last token (completing the
-        block) in a step that ran before plan `before` while caching was on for `salt`."""
+        """Sample `sid` holds `want` at its start, and ran a step before plan `before`, while
+        caching was on for `salt`, by whose end its KV covered `want`. A step publishes every
+        full block of the sample's table not yet published, so blocks computed while caching
+        was off are published by the sample's first step after it is back on, never sooner."""
         if seq_tokens[: len(want)] != want:
             return False
         return any(
-            plan < before and start < len(want) <= end and self.switches.on(plan, salt)
-            for plan, start, end in self.computed.get(sid, [])
+            plan < before and end >= len(want) and self.switches.on(plan, salt)
+            for plan, _, end in self.computed.get(sid, [])
         )
 
     def _tokens(self, specs) -> dict[str, list[int]]:

@@ -250,7 +250,8 @@ class StepProperties(EngineObserver):
 
     def _check_holds(self, plan: StepPlan) -> None:
         sched = self.engine.scheduler
-        scheduled = {item.seq.seq_id for item in plan.scheduled}
+        # A forked sample (index > 0) is new to the plan but was never waiting: not an admission.
+        scheduled = {item.seq.seq_id for item in plan.scheduled if item.seq.sample_index == 0}
         admitted = scheduled - self._mem.running - {s.seq_id for s in plan.resumed}
         waiting = {s.seq_id for s in sched.waiting}
         for held in self._mem.held:
