@@ -6,6 +6,7 @@ divergence report carries the fields its class needs."""
 from __future__ import annotations
 
 import contextlib
+import math
 import platform
 import sys
 import time
@@ -58,6 +59,7 @@ class GateResult:
     environment: dict = field(default_factory=dict)
     mutants_run: bool = True  # False with --no-mutants
     engine: dict = field(default_factory=dict)  # the configuration under test (Runtime)
+    cases_not_applicable: dict[str, str] = field(default_factory=dict)  # case -> why not run
 
     @property
     def applicable(self) -> list[MutantResult]:
@@ -99,6 +101,7 @@ class GateResult:
             "environment": self.environment,
             "seconds": round(self.seconds, 2),
             "suites": per_suite,
+            "cases_not_applicable": self.cases_not_applicable,
             "mutation_score": self.mutation_score,
             "attribution_score": self.attribution_score,
             "mutation_check": "run" if self.mutants_run else "skipped",
@@ -221,7 +224,7 @@ def _run_gate(plan: GatePlan, progress: bool) -> GateResult:
     start = time.perf_counter()
     model, tokenizer = load_model(plan.model_name, plan.dtype, plan.engine.get("device", "cpu"))
     kv_copies = tuple(d for d in plan.kv_cache_dtypes if d not in ("auto", plan.pool_kv_dtype))
-    cases = _cases(plan, model.config.vocab_size, kv_copies)
+    cases, unfit = _cases(plan, model.config, kv_copies)
     suites = (*plan.suites, *quantized_suite_names(plan.suites, kv_copies))
     mutant_list = [m for m in MUTANTS if plan.wants(m)]
     bar = Progress(len(cases) + len(mutant_list), progress)
@@ -245,17 +248,32 @@ def _run_gate(plan: GatePlan, progress: bool) -> GateResult:
         _environment(model),
         mutants_run=plan.mutants is not False,
         engine=dict(plan.engine),
+        cases_not_applicable=unfit,
     )
 
 
-def _cases(plan: GatePlan, vocab: int, kv_copies: tuple[str, ...]):
-    """The suites' cases; a block size the user verifies that the prefix suite does not already
-    run gets the prefix cases at that size too (every other case keeps its own block size)."""
-    cases = build_suites(vocab, plan.suites, kv_copies)
+def _cases(plan: GatePlan, config, kv_copies: tuple[str, ...]):
+    """The suites' cases that fit the model, and why the others do not. A block size the user
+    verifies that the prefix suite does not already run gets the prefix cases at that size too
+    (every other case keeps its own block size)."""
+    cases = build_suites(config.vocab_size, plan.suites, kv_copies)
     block_size = plan.engine.get("block_size")
     if "prefix" in plan.suites and block_size is not None and block_size not in BLOCK_SIZES:
-        cases += prefix_cases(vocab, block_size)
-    return cases
+        cases += prefix_cases(config.vocab_size, block_size)
+    limit = min(config.max_position_embeddings, plan.engine.get("max_model_len") or math.inf)
+    unfit = {c.full_name: _too_long(c, limit) for c in cases}
+    return [c for c in cases if unfit[c.full_name] is None], {
+        name: why for name, why in unfit.items() if why is not None
+    }
+
+
+def _too_long(case, limit: float) -> str | None:
+    """A case whose request cannot fit the model's context is not applicable to the model (like
+    a mutant its shape cannot express): the engine would refuse it, and rightly."""
+    longest = max((len(s.prompt) + s.params.max_tokens for s in case.requests), default=0)
+    if longest <= limit:
+        return None
+    return f"a request needs {longest} positions, the model has {int(limit)}"
 
 
 def _suite_stage(cases, runtime: Runtime, bar: Progress) -> list[CaseResult]:

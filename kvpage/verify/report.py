@@ -98,6 +98,8 @@ def summary_table(data: dict) -> str:
                 f"{s['cases'] - s['failures']}/{s['cases']} cases",
             )
         )
+    for name, why in data.get("cases_not_applicable", {}).items():
+        rows.append((f"case {name}", "n/a", why))
     for name, m in data["mutants"].items():
         if m.get("not_applicable"):
             rows.append((f"mutant {name}", "n/a", m["not_applicable"]))
