@@ -102,10 +102,20 @@ class Cell:
 MAIN = Cell("builtin:tiny-llama", mutants="all", kv_copies=("int8",))
 QWEN2 = "builtin:tiny-qwen2"
 
+# Suites per cell: those whose cases exercise what the cell varies. Head_dim 64 and biases live
+# in the KV layout and the attention read (prefix hits at offsets, packed batches, preempted and
+# restored KV, forked blocks); 16-bit compute also changes sampling (near-ties on sampled steps);
+# a KV format lives in the pool's writes, reads and copies; TP in the sharded pool and the
+# broadcast step. The scheduler-only suites (failure, stop, resources, namespaces, policy) run on
+# the main cell: they test decisions no model dimension changes.
 DEFAULT: tuple[Cell, ...] = (
     MAIN,
-    Cell(QWEN2),
-    Cell("builtin:tiny-llama", dtype="bfloat16"),
+    Cell(QWEN2, suites=("prefix", "batching", "preemption", "parallel")),
+    Cell(
+        "builtin:tiny-llama",
+        dtype="bfloat16",
+        suites=("prefix", "batching", "sampling", "parallel"),
+    ),
     Cell("builtin:tiny-llama", kv_cache_dtype="fp8_e4m3", suites=("prefix", "batching")),
     Cell("builtin:tiny-llama", kv_cache_dtype="bfloat16", suites=("batching", "preemption")),
     Cell(QWEN2, tensor_parallel_size=2, suites=("batching", "parallel")),
