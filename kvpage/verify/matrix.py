@@ -284,7 +284,11 @@ def _in_processes(cells: list[Cell], engine: dict, jobs: int, progress: bool) ->
     with ProcessPoolExecutor(
         jobs, mp_context=get_context("spawn"), initializer=_limit_threads, initargs=(threads,)
     ) as pool:
-        futures = [pool.submit(run_cell, c, engine) for c in cells]
+        # The main cell's progress bar only: one bar on the terminal, the others print a line
+        # each when done.
+        futures = [
+            pool.submit(run_cell, c, engine, progress and i == 0) for i, c in enumerate(cells)
+        ]
         return [_announce(c, f.result(), progress) for c, f in zip(cells, futures, strict=True)]
 
 
