@@ -17,20 +17,26 @@ in that format ("format" below). The other cells are there for what mutants cann
 paths that exist only at head_dim 64, with biases, in 16-bit compute, in another KV format or
 split over two ranks, each checked against the contiguous reference by every case.
 
-DEFAULT (`make run`) runs these cells, two at a time (two processes: `make run` is sized for a
-2-core machine and every cell is single-threaded Python). Seconds measured on a 2-core machine
-shared with other jobs (load average ~3-4 while it ran), both lanes busy:
+DEFAULT (`make run`) runs these cells, two at a time (`--jobs 2`: two processes, since every cell
+is single-threaded Python and `make run` is sized for a 2-core machine); the main cell starts
+first and the others fill the second lane beside it. Seconds per cell as measured by `make run`
+on a 2-core machine shared with three other agents' jobs (load average 13 while it ran, so each
+lane got well under a core; the same main cell took ~150 s at load ~4):
 
-  tiny-llama  float32   kv auto (+int8 copies)  tp1  all suites, all mutants     ~150 s
-  tiny-qwen2  float32   kv auto                 tp1  all suites                  (see DEFAULT)
-  tiny-llama  bfloat16  kv auto                 tp1  all suites
-  tiny-llama  float32   kv fp8_e4m3             tp1  prefix, batching
-  tiny-llama  float32   kv bfloat16             tp1  batching, preemption
-  tiny-qwen2  float32   kv auto                 tp2  batching, parallel
+  cell                                 suites                                    mutants  seconds
+  tiny-llama/float32/kv-auto+int8/tp1  all ten, + prefix/batching/preemption     all 37       294
+                                       and a CoW case in int8
+  tiny-qwen2/float32/kv-auto/tp1       prefix, batching, preemption, parallel    none          80
+  tiny-llama/bfloat16/kv-auto/tp1      prefix, batching, sampling, parallel      none          94
+  tiny-llama/float32/kv-fp8_e4m3/tp1   prefix, batching                          none          43
+  tiny-llama/float32/kv-bfloat16/tp1   batching, preemption                      none          32
+  tiny-qwen2/float32/kv-auto/tp2       batching, parallel                        none          51
+  total (two lanes: 294 | 80+94+43+32+51 = 300)                                               326
 
 `--matrix full` runs every combination of MODELS x DTYPES x KV_DTYPES x TP_SIZES (a 16-bit model
 with bfloat16 KV is its own auto cell, so dropped), every suite in each, mutants as above: 28
-cells; expect tens of minutes on two cores.
+cells. Not timed end to end; from the per-suite times above, expect roughly half an hour on two
+cores.
 """
 
 from __future__ import annotations
