@@ -114,7 +114,7 @@ def summary_table(data: dict) -> str:
     if data.get("cells"):
         lines += ["", *_cell_table(data)]
     verdict = "PASSED" if data["passed"] else "FAILED"
-    cells = f" over {len(data['cells'])} cells" if data.get("cells") else ""
+    cells = f" over {len(data['cells'])} cells" if len(data.get("cells", [])) > 1 else ""
     lines.append(f"\ngate {verdict}{cells}: {scores(data)}, {data['seconds']:.1f}s")
     return "\n".join(lines)
 
