@@ -19,19 +19,24 @@ split over two ranks, each checked against the contiguous reference by every cas
 
 DEFAULT (`make run`) runs these cells, two at a time (`--jobs 2`: two processes, since every cell
 is single-threaded Python and `make run` is sized for a 2-core machine); the main cell starts
-first and the others fill the second lane beside it. Seconds per cell as measured by `make run`
-on a 2-core machine shared with three other agents' jobs (load average 13 while it ran, so each
-lane got well under a core; the same main cell took ~150 s at load ~4):
+first and the others fill the second lane beside it. Seconds per cell from `time make run` on a
+2-core machine shared with three other agents' jobs (load average 4.2-4.5 while it ran):
 
   cell                                 suites                                    mutants  seconds
-  tiny-llama/float32/kv-auto+int8/tp1  all ten, + prefix/batching/preemption     all 37       294
+  tiny-llama/float32/kv-auto+int8/tp1  all ten, + prefix/batching/preemption     all 37      98.1
                                        and a CoW case in int8
-  tiny-qwen2/float32/kv-auto/tp1       prefix, batching, preemption, parallel    none          80
-  tiny-llama/bfloat16/kv-auto/tp1      prefix, batching, sampling, parallel      none          94
-  tiny-llama/float32/kv-fp8_e4m3/tp1   prefix, batching                          none          43
-  tiny-llama/float32/kv-bfloat16/tp1   batching, preemption                      none          32
-  tiny-qwen2/float32/kv-auto/tp2       batching, parallel                        none          51
-  total (two lanes: 294 | 80+94+43+32+51 = 300)                                               326
+  tiny-qwen2/float32/kv-auto/tp1       prefix, batching, preemption, parallel    none        24.8
+  tiny-llama/bfloat16/kv-auto/tp1      prefix, batching, sampling, parallel      none        32.8
+  tiny-llama/float32/kv-fp8_e4m3/tp1   prefix, batching                          none        14.6
+  tiny-llama/float32/kv-bfloat16/tp1   batching, preemption                      none        10.2
+  tiny-qwen2/float32/kv-auto/tp2       batching, parallel                        none        15.1
+  tiny-qwen2/float32/kv-int8/tp1       prefix, batching, preemption, parallel    none        16.2
+  tiny-qwen2/float32/kv-int8/tp2       batching                                  none         9.2
+  total wall (two lanes)                                                                    120.6
+                                                        (`time make run`: 2m03s, under 3 min)
+
+At load average ~13 the first six of these cells took 326 s: the budget holds on an idle or lightly
+shared 2-core machine, not on a saturated one.
 
 `--matrix full` runs every combination of MODELS x DTYPES x KV_DTYPES x TP_SIZES (a 16-bit model
 with bfloat16 KV is its own auto cell, so dropped), every suite in each, mutants as above: 28
@@ -125,7 +130,13 @@ DEFAULT: tuple[Cell, ...] = (
     Cell("builtin:tiny-llama", kv_cache_dtype="fp8_e4m3", suites=("prefix", "batching")),
     Cell("builtin:tiny-llama", kv_cache_dtype="bfloat16", suites=("batching", "preemption")),
     Cell(QWEN2, tensor_parallel_size=2, suites=("batching", "parallel")),
+    Cell(QWEN2, kv_cache_dtype="int8", suites=("prefix", "batching", "preemption", "parallel")),
+    Cell(QWEN2, kv_cache_dtype="int8", tensor_parallel_size=2, suites=("batching",)),
 )
+# Not in DEFAULT: tiny-qwen2 in bfloat16. Its parallel/forks_tiny_pool_swap case fails the
+# sampling check (a draw "outside the filtered support" at the top-p boundary, where bfloat16
+# logits tie exactly), reproducibly; that is the sampling check's or the sampler's to settle,
+# and until then `--matrix full` shows it.
 
 
 def full_cells() -> tuple[Cell, ...]:
