@@ -13,12 +13,15 @@ Prefix affinity, per request with key (namespace, prompt tokens):
   3. otherwise the least-loaded replica (fewest tree nodes among equals, so new conversations
      spread out) is chosen.
 The prompt is then recorded in the chosen replica's tree, so the next turn of that conversation
-follows it there."""
+follows it there.
+
+`Router.tree_factory` is a declared seam: a verifier's mutant may replace it on one router to
+plant a bug in the trees it builds (through their public methods)."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvpage.serve_replicas.prefix_tree import PrefixTree
@@ -65,6 +68,8 @@ class Router:
 
     config: RouterConfig = field(default_factory=RouterConfig)
     trees: dict[str, PrefixTree] = field(default_factory=dict)
+    # (chunk_tokens, max_nodes) -> a replica's tree; a declared seam
+    tree_factory: Callable[[int, int], PrefixTree] = PrefixTree
     _turn: itertools.count = field(default_factory=itertools.count)
 
     def choose(self, key: RoutingKey, loads: Mapping[str, int]) -> Decision:
@@ -90,7 +95,7 @@ class Router:
         for name in replicas:
             if name not in self.trees:
                 cfg = self.config
-                self.trees[name] = PrefixTree(cfg.chunk_tokens, cfg.max_nodes_per_replica)
+                self.trees[name] = self.tree_factory(cfg.chunk_tokens, cfg.max_nodes_per_replica)
 
     def _by_prefix(
         self, key: RoutingKey, replicas: list[str], loads: Mapping[str, int]

@@ -7,7 +7,9 @@ even for identical tokens). A match is counted in whole chunks, like a cache hit
 
 The tree is bounded: past `max_nodes` it drops least-recently-used leaves. A walk touches nodes
 deepest first, so every parent is more recent than each of its children and the oldest node is
-always a leaf (removing it never strands a subtree)."""
+always a leaf (removing it never strands a subtree).
+
+`touch` is a declared seam: a verifier's mutant may replace it on one tree (the recency rule)."""
 
 from __future__ import annotations
 
@@ -53,10 +55,15 @@ class PrefixTree:
         path = [self._child(self._root, namespace)]
         for edge in self._edges(tokens):
             path.append(self._child(path[-1], edge))
-        for node in reversed(path):  # deepest first: parents end up more recent
+        self.touch(path)
+        self._evict()
+
+    def touch(self, path: list) -> None:
+        """Make `path` (a namespace root, then its chunks in order) the most recently used,
+        deepest first, so every parent ends up more recent than its children."""
+        for node in reversed(path):
             self._lru[node] = None
             self._lru.move_to_end(node)
-        self._evict()
 
     def _edges(self, tokens: Sequence[int]) -> list[Edge]:
         full = len(tokens) - len(tokens) % self.chunk  # a partial chunk is never shared

@@ -232,7 +232,10 @@ async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, cha
     model = state.options.model_name
     shape = new_shape(chat, model, num_logprobs, body.return_token_ids, body.include_usage)
     tokenizer = state.loop.engine.tokenizer
-    gen = Generation.new(shape.request_id, prompt_ids, params, salt, tokenizer, body.stop_strings)
+    stop = body.stop_strings
+    gen = Generation.new(
+        shape.request_id, prompt_ids, params, salt, tokenizer, stop, state.text_stream
+    )
     state.audit.tenants[gen.request_id] = request.state.tenant
     try:
         sink = await submit(state, gen)

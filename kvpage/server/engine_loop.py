@@ -81,6 +81,11 @@ class EngineLoop:
             raise
         return sink
 
+    def run_later(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Fire and forget: fn(*args) on the engine thread, after every command queued before
+        it (an abort included, with the engine events it emits)."""
+        self._commands.put((fn, args, None))
+
     def abort(self, request_id: str) -> None:
         """Fire and forget: the engine frees the request's blocks at its next command drain."""
         self._commands.put((self.engine.abort_request, (request_id,), None))

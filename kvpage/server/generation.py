@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -67,18 +67,26 @@ class Choice:
         cut = self.text.stopped
         if cut:
             self.finish_reason = "stop"
+            self._clamp_offsets()
         elif final:
             self.finish_reason = completion.finish_reason
         return Delta(self.index, piece, new, logprobs, self.finish_reason, cut)
 
+    def _clamp_offsets(self) -> None:
+        """Tokens of the stop string that arrived before it was complete (their text was held
+        back) start where the text ends too. A stream has sent their offsets already; the
+        whole response (not streamed) says where they are in the text it returns."""
+        end = len(self.text.text)
+        self.logprobs.offsets[:] = [min(o, end) for o in self.logprobs.offsets]
+
     def _add_logged(
         self, completion: CompletionOutput, new: list[int], final: bool
     ) -> tuple[str, TokenLogprobs]:
-        """Adds the tokens one at a time, so each one's text offset is the count of characters
-        of the choice's text before it, across every earlier delta (OpenAI's `text_offset`)."""
+        """Adds the tokens one at a time, so each one's text offset is where its text starts in
+        the choice's text, across every earlier delta (OpenAI's `text_offset`)."""
         offsets, pieces = [], []
         for i, token in enumerate(new):
-            offsets.append(self._chars_so_far())
+            offsets.append(self.text.offset_of(token))
             pieces.append(self.text.add([token], final=final and i == len(new) - 1))
         if not new:
             pieces.append(self.text.add([], final=final))
@@ -87,11 +95,6 @@ class Choice:
         start = len(completion.logprobs) - len(new)
         chosen = completion.token_logprobs[start:]  # set whenever `logprobs` is
         return "".join(pieces), TokenLogprobs(completion.logprobs[start:], chosen, offsets)
-
-    def _chars_so_far(self) -> int:
-        """Characters decoded so far: those sent plus those held back (they may start a stop
-        string) and sent later, in front of the next token's text."""
-        return len(self.text.text) + len(self.text.held)
 
 
 @dataclass(slots=True)
@@ -104,8 +107,18 @@ class Generation:
     cached_tokens: int = 0
 
     @classmethod
-    def new(cls, request_id, prompt_ids, params, salt, tokenizer: Tokenizer, stop: list[str]):
-        choices = [Choice(i, TextStream(tokenizer, list(stop))) for i in range(params.n)]
+    def new(
+        cls,
+        request_id,
+        prompt_ids,
+        params,
+        salt,
+        tokenizer: Tokenizer,
+        stop: list[str],
+        make_stream: Callable[[Tokenizer, list[str]], TextStream] = TextStream,
+    ):
+        """`make_stream`: the server's text-stream seam (ServerState.text_stream)."""
+        choices = [Choice(i, make_stream(tokenizer, list(stop))) for i in range(params.n)]
         return cls(request_id, prompt_ids, params, salt, choices)
 
     @property
@@ -166,8 +179,9 @@ async def run(state: ServerState, gen: Generation, sink: asyncio.Queue) -> Async
     async with aclosing(_deltas(state, gen, sink)) as deltas:  # closing it aborts the request
         async for delta in deltas:
             yield delta
-    if gen.params.n > 1:  # one request, n samples: its tenant goes with the last of them
-        state.audit.tenants.pop(gen.request_id, None)
+    # Its tenant goes after the engine's last event of it: the aborts queued above (a stop
+    # string, a client gone) emit theirs later, on the engine thread, and name the tenant too.
+    state.loop.run_later(state.audit.tenants.pop, gen.request_id, None)
 
 
 async def _deltas(state: ServerState, gen: Generation, sink: asyncio.Queue) -> AsyncIterator[Delta]:

@@ -8,12 +8,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpage.model.tokenizer import Tokenizer
 from kvpage.server.audit import AuditLog
 from kvpage.server.chat import Messages
 from kvpage.server.engine_loop import EngineLoop, ServerShutdown
 from kvpage.server.metrics import ServerMetrics
 from kvpage.server.shadow import ShadowChecker
 from kvpage.server.tenants import Tenants
+from kvpage.server.text_stream import TextStream
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,8 @@ class ServerState:
     shadow: ShadowChecker
     chat_template: Callable[[Messages], str]
     draining: bool = False  # refuse new requests, finish running ones (admin switch, shutdown)
+    # A declared seam (kvpage.server.seams): builds each choice's text stream.
+    text_stream: Callable[[Tokenizer, list[str]], TextStream] = TextStream
 
     async def shut_down(self, timeout: float, force: Callable[[], bool] = lambda: False) -> int:
         """Drain: admit nothing more, give the requests in flight up to `timeout` seconds (less

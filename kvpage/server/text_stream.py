@@ -8,7 +8,10 @@ Text ending in U+FFFD is a character still arriving (UTF-8 split across byte tok
 
 Stop strings are looked for in the new text plus what is held back. Text that could still grow
 into a stop string (at most the longest one less a character) is never sent, so a match never
-starts in text already sent and nothing before the held-back tail needs scanning again."""
+starts in text already sent and nothing before the held-back tail needs scanning again.
+
+`stop_at`, `held_back` and `offset_of` are declared seams (kvpage.server.seams): a verifier's
+mutant replaces them on a TextStream subclass, never a private name."""
 
 from __future__ import annotations
 
@@ -50,6 +53,24 @@ class Detokenizer:
     def _decode(self, end: int) -> str:
         return self.tokenizer.decode(self.token_ids[self.prefix : end]) if end > self.prefix else ""
 
+    def start_of(self, token_id: int) -> int:
+        """Where the text of `token_id`, appended next, starts, counted in characters from the
+        end of the text emitted so far. A token that continues a character still arriving
+        (a UTF-8 byte) starts where that character does; one that follows pending text that
+        is already final (an invalid byte, shown as U+FFFD) starts after it."""
+        end = len(self.token_ids)
+        before = self._decode(end)
+        context = len(self._decode(self.read))
+        if not self.tokenizer.decode([token_id]):  # no text of its own: a special token
+            return len(before) - context
+        after = self.tokenizer.decode(self.token_ids[self.prefix :] + [token_id])
+        common = next(
+            (i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), None
+        )
+        if common is None:  # `after` extends `before`, or the token joined its last character
+            common = min(len(before), max(len(after) - 1, 0))
+        return common - context
+
 
 @dataclass(slots=True)
 class TextStream:
@@ -78,18 +99,26 @@ class TextStream:
             return ""
         new = self.detok.add(new_ids, final)
         window = self.held + new
-        cut = self._stop_at(window)
+        cut = self.stop_at(window)
         if cut is not None:
             self.stopped = True
             return self._emit(window[:cut], "")
-        keep = 0 if final else self._partial_stop(window)
+        keep = 0 if final else self.held_back(window)
         return self._emit(window[: len(window) - keep], window[len(window) - keep :])
 
-    def _stop_at(self, window: str) -> int | None:
+    def offset_of(self, token_id: int) -> int:
+        """OpenAI's `text_offset` of `token_id`, appended next: where its text starts in the
+        choice's text (the text's length once a stop string has ended it)."""
+        if self.stopped:
+            return len(self.text)
+        return len(self.text) + len(self.held) + self.detok.start_of(token_id)
+
+    def stop_at(self, window: str) -> int | None:
+        """Where the earliest stop string found in `window` starts (None: none found)."""
         hits = [i for s in self.stop if (i := window.find(s)) >= 0]
         return min(hits) if hits else None
 
-    def _partial_stop(self, window: str) -> int:
+    def held_back(self, window: str) -> int:
         """Length of the longest tail of `window` that a stop string starts with (< longest)."""
         if self.longest < 2:
             return 0

@@ -185,6 +185,36 @@ WHERE_TO_LOOK = {
     "block_table": "in-block offset and last-block valid length in the block table",
 }
 
+# The whole stack (kvpage.verify.stack): the OpenAI app's text-level fields against the text
+# oracle, and the replica router against a brute-force model of its policy.
+_STACK_FIELDS = ("request", "choice", "field", "expected", "actual", "stream")
+REQUIRED_FIELDS.update(
+    {
+        "server_text": (*_STACK_FIELDS, "stop", "token_ids"),
+        "server_logprobs": (*_STACK_FIELDS, "token_ids"),
+        "server_tenancy": (*_STACK_FIELDS, "namespace", "prompt_tokens"),
+        "server_admin": (*_STACK_FIELDS, "switches"),
+        "server_protocol": _STACK_FIELDS,
+        "router_policy": ("event", "field", "expected", "actual", "namespace", "loads"),
+    }
+)
+WHERE_TO_LOOK.update(
+    {
+        "server_text": "the server's text stream: detokenizer windows, stop-string search and "
+        "hold-back, finish reason (kvpage/server/text_stream.py, generation.py)",
+        "server_logprobs": "per-token fields of a choice: token ids, logprobs, text_offset "
+        "(kvpage/server/generation.py, responses.py)",
+        "server_tenancy": "the request's namespace: API key -> tenant -> cache salt, and the "
+        "cached-token count (kvpage/server/tenants.py, app.py)",
+        "server_admin": "the /admin switches and what they change in the engine "
+        "(kvpage/server/admin.py)",
+        "server_protocol": "the response shape: status, envelope, stream framing, usage "
+        "(kvpage/server/app.py, responses.py)",
+        "router_policy": "the replica router: prefix match per namespace, least-loaded and "
+        "imbalance rules, LRU bound of the trees (kvpage/serve_replicas/)",
+    }
+)
+
 
 @dataclass(slots=True)
 class Attribution:

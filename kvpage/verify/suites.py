@@ -42,6 +42,7 @@ from kvpage.verify.diff import (
     quantized_attribution,
 )
 from kvpage.verify.driver import StepDriver
+from kvpage.verify.hit_bounds import HitBounds
 from kvpage.verify.mutants.base import MissingSeam
 from kvpage.verify.trace import EngineTracer
 
@@ -108,14 +109,19 @@ class Runtime:
         sample: int = 0,
         max_tokens: int | None = None,
         kv_cache_dtype: str = "auto",
+        seed: int | None = None,
     ) -> ReferenceOutput:
         """Sample `sample` of the request, run alone on the contiguous reference (with the K/V
         round trip of `kv_cache_dtype`); `max_tokens` cuts it short (the first k steps do not
-        depend on how many follow)."""
+        depend on how many follow). `seed`: the seed an unseeded sample's generator started
+        from in the engine (its draws replay from it; that the engine's seeds are independent
+        of one another is a property checked apart)."""
         fmt = kv_format(kv_cache_dtype, self.model.dtype)
         ns = base_namespace(self.model, self.tokenizer, block_size, self.model_name, fmt)
         ns_hex = ns.with_salt(spec.cache_salt).digest().hex()
         params = spec.params.for_sample(sample)
+        if params.seed is None and seed is not None:
+            params = replace(params, seed=seed)
         if max_tokens is not None and max_tokens < params.max_tokens:
             params = replace(params, max_tokens=max(1, max_tokens))
         span = block_size if fmt.quantized else 0
@@ -162,6 +168,7 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         case = replace(case, requests=[runtime.resolve(s) for s in case.requests])
         engine = runtime.make_engine(case.engine)
         engine.add_observer(EngineTracer(engine))
+        bounds = HitBounds(engine, case)
         drive = _Drive(engine, case)
         finished, steps = drive.run()
         failures += drive.liveness  # first: when the engine stalls, the rest follows from it
@@ -169,6 +176,7 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         failures += _check_requests(case, runtime, engine, finished, refs)
         failures += check_provenance(engine.tracer, refs)
         failures += check_expectations(case, engine, finished, refs)
+        failures += bounds.check(finished, refs)
         failures += check_baseline(engine)
         if engine.kv_format.quantized or engine.kv_format.cast_only:
             _attribute_rounded_kv(case, runtime, failures)
@@ -326,7 +334,9 @@ def _check_requests(
             cand = records.get(sample_id, [])
             completion = _completion(out, sample)
             cut = completion is None or completion.finish_reason not in ("stop", "length")
-            ref = runtime.reference(spec, block_size, sample, len(cand) if cut else None, kv_dtype)
+            seed = _engine_seed(cand)
+            length = len(cand) if cut else None
+            ref = runtime.reference(spec, block_size, sample, length, kv_dtype, seed)
             tie = _tie_step(runtime, spec, sample, ref.records, cand, kv_dtype)
             if tie is not None:  # both sides follow other tokens after it: compare up to it
                 records[sample_id] = cand = cand[:tie]
@@ -359,7 +369,8 @@ def _partial_divergences(case: Case, runtime: Runtime, engine: LLMEngine) -> lis
             if not cand:
                 continue
             kv_dtype = engine.config.kv_cache_dtype
-            ref = runtime.reference(spec, engine.config.block_size, sample, len(cand), kv_dtype)
+            block_size, seed = engine.config.block_size, _engine_seed(cand)
+            ref = runtime.reference(spec, block_size, sample, len(cand), kv_dtype, seed)
             atol = logit_atol(kv_dtype, runtime.model.dtype, logit_scale(ref.records))
             ties = _ties(runtime)
             div = first_divergence(ref.records[: len(cand)], cand, atol, ties_allowed=ties)
@@ -368,6 +379,12 @@ def _partial_divergences(case: Case, runtime: Runtime, engine: LLMEngine) -> lis
                 message = f"{sample_id} diverged at step {div.step} ({div.kind}: {div.detail})"
                 failures.append(Failure("divergence", message, sample_id, div))
     return failures
+
+
+def _engine_seed(cand: list[StepRecord]) -> int | None:
+    """The seed the sample's generator started from in the engine (None for greedy)."""
+    sampler = cand[0].sampler if cand else None
+    return None if sampler is None else sampler["seed"]
 
 
 def _completion(out, sample: int):

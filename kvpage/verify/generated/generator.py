@@ -1,0 +1,271 @@
+"""A seeded generator of whole scenarios: an engine configuration × requests × events, drawn
+so that the places bugs live are hit often — shared prefixes ending on a block boundary or one
+token either side, `max_tokens` that end a block, a pool from just-enough to ample, a token
+budget that chunks prefill, preemption by recompute, by swap or switched off, kill switches
+flipped mid-run, aborts in every request state. Each dimension's value is recorded (`covers`),
+so a run can say what it covered. The same (seed, index) always gives the same scenario."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from kvpage.verify.generated.scenario import (
+    ABORT_STATES,
+    EventScenario,
+    RequestScenario,
+    Scenario,
+)
+
+BLOCK_SIZES = (4, 8, 16, 32)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8_e4m3")
+POOLS = ("tiny", "small", "ample")
+BUDGETS = ("tight", "medium", "large")
+PREEMPTION = ("recompute", "swap", "off")
+SAMPLING = ("greedy", "seeded", "unseeded")
+STOPS = ("none", "reference_token", "eos")  # and "timeout", drawn apart
+SAMPLING_SETTINGS = (  # temperature, top_k, top_p
+    (0.7, -1, 1.0),
+    (1.0, 20, 1.0),
+    (1.0, -1, 0.9),
+    (1.3, 5, 0.95),
+    (0.5, 1, 1.0),
+    (2.0, 50, 0.5),
+)
+SALTS = (None, None, "tenant-a", "tenant-b", "")  # "" is a namespace of its own, not None's
+TIMEOUT_MAX_TOKENS = 600  # a timed-out request must not be able to finish first, even unloaded
+TIMEOUT_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """How big a scenario may get: the generated stage runs many, so each stays small."""
+
+    max_requests: int = 7
+    max_prefix_blocks: int = 3
+    max_tail: int = 9
+    max_events: int = 5
+    max_n: int = 4
+    vocab_low: int = 3  # below: special ids (BOS/EOS of the byte tokenizer sit above 255)
+    vocab_high: int = 256
+
+
+def generate(seed: int, index: int, limits: Limits = Limits()) -> Scenario:
+    """Scenario `index` of the stream `seed`."""
+    rng = random.Random(f"kvpage-scenario:{seed}:{index}")
+    gen = _Draw(rng, limits)
+    block = rng.choice(BLOCK_SIZES)
+    requests = gen.requests(block)
+    engine, covers = gen.engine(block, requests)
+    events = gen.events(requests, covers)
+    covers.update(gen.covers)
+    return Scenario(f"s{seed}-{index}", engine, requests, events, seed, index, covers)
+
+
+class _Draw:
+    def __init__(self, rng: random.Random, limits: Limits) -> None:
+        self.rng, self.limits = rng, limits
+        self.covers: dict[str, object] = {}
+        self.tokens = list(range(limits.vocab_low, limits.vocab_high))
+
+    def take(self, n: int) -> list[int]:
+        return [self.rng.choice(self.tokens) for _ in range(n)]
+
+    # --- requests ------------------------------------------------------------------------------
+    def requests(self, block: int) -> list[RequestScenario]:
+        """A prefix tree: each request extends a root, or an earlier request's prompt, to a
+        shared length on a block boundary or one token either side of it."""
+        rng = self.rng
+        count = rng.randint(1, self.limits.max_requests)
+        roots = [
+            self.take(block * rng.randint(1, self.limits.max_prefix_blocks) + 1)
+            for _ in range(rng.randint(1, 2))
+        ]
+        prompts: list[list[int]] = []
+        offsets = []
+        for _ in range(count):
+            source = rng.choice(roots + prompts)
+            if rng.random() < 0.2:
+                source = self._transplant(source, roots + prompts, block)
+            whole = len(source) // block
+            offset = rng.choice((-1, 0, 1))
+            shared = max(0, min(len(source), block * rng.randint(0, max(whole, 1)) + offset))
+            if rng.random() < 0.15:
+                shared = len(source)  # the whole prompt again: the cap leaves one token
+            offsets.append(offset)
+            prompts.append(
+                source[:shared] + self.take(rng.randint(0 if shared else 1, self.limits.max_tail))
+            )
+        self.covers["shared_offset"] = sorted(set(offsets))
+        arrivals = self._arrivals(count)
+        salts = [rng.choice(SALTS) for _ in range(count)]
+        return [
+            self._request(f"r{i}", p, a, s, block)
+            for i, (p, a, s) in enumerate(zip(prompts, arrivals, salts, strict=True))
+        ]
+
+    def _transplant(self, source: list[int], pool: list[list[int]], block: int) -> list[int]:
+        """Another prompt's first block before `source`'s later blocks: the same block after a
+        different parent, which only a key that chains its parent tells apart."""
+        if len(source) < 2 * block:
+            return source
+        heads = [p[:block] for p in pool if len(p) >= block and p[:block] != source[:block]]
+        head = self.rng.choice(heads) if heads else self.take(block)
+        self.covers["transplanted"] = True
+        return head + source[block:]
+
+    def _arrivals(self, count: int) -> list[int]:
+        spread = self.rng.choice(("together", "spread", "late"))
+        self.covers["arrivals"] = spread
+        if spread == "together":
+            return [0] * count
+        top = 6 if spread == "spread" else 30
+        return sorted(self.rng.randint(0, top) for _ in range(count))
+
+    def _request(self, rid: str, prompt, arrive: int, salt, block: int) -> RequestScenario:
+        rng = self.rng
+        # max_tokens ending a block, one either side, or anything small
+        ends = block - (len(prompt) % block) + block * rng.randint(0, 1)
+        max_tokens = max(1, rng.choice((ends - 1, ends, ends + 1, rng.randint(1, 12))))
+        how = rng.choice(SAMPLING)
+        request = RequestScenario(rid, prompt, arrive, max_tokens, cache_salt=salt)
+        if how != "greedy":
+            request.temperature, request.top_k, request.top_p = rng.choice(SAMPLING_SETTINGS)
+            request.seed = rng.randint(0, 2**31) if how == "seeded" else None
+        request.n = rng.choice((1, 1, 1, 2, 3, 4)) if how != "greedy" else 1
+        stop = rng.choice(STOPS)
+        if stop == "reference_token":
+            request.stop_at_ref_step = rng.randint(0, max_tokens)
+        elif stop == "eos":
+            request.ignore_eos = False
+        if rng.random() < 0.3:
+            request.logprobs = rng.choice((0, 1, 5))
+        if rng.random() < 0.06:
+            # cannot finish before its deadline, even on an idle machine: only the clock stops it
+            request.max_tokens, request.timeout_s, request.n = TIMEOUT_MAX_TOKENS, TIMEOUT_S, 1
+            request.stop_at_ref_step, request.ignore_eos, stop = None, True, "timeout"
+        self._cover(request, how, stop)
+        return request
+
+    def _cover(self, request: RequestScenario, how: str, stop: str) -> None:
+        for key, value in (
+            ("sampling", how),
+            ("n", request.n),
+            ("stop", stop),
+            ("logprobs", request.logprobs is not None),
+            ("cache_salt", repr(request.cache_salt)),
+        ):
+            seen = self.covers.setdefault(key, [])
+            if value not in seen:
+                seen.append(value)
+
+    # --- the engine ------------------------------------------------------------------------------
+    def engine(self, block: int, requests: list[RequestScenario]):
+        rng = self.rng
+        need = [r.n * math.ceil((len(r.prompt) + r.max_tokens) / block) for r in requests]
+        pool = rng.choice(POOLS)
+        # "tiny" fits the largest request alone (worst case, every sample's tail apart) plus one
+        total = sum(need)
+        blocks = {
+            "tiny": max(need) + 1,
+            "small": max(max(need) + 1, total // 2),
+            "ample": total + 8,
+        }[pool]
+        budget = rng.choice(BUDGETS)
+        tokens = {"tight": max(block // 2, 3), "medium": 2 * block + 3, "large": 2048}[budget]
+        preemption = rng.choice(PREEMPTION)
+        max_seqs = max(max(r.n for r in requests), rng.choice((1, 2, 3, 4, 8, 64)))
+        engine = dict(
+            block_size=block,
+            num_blocks=blocks,
+            max_num_batched_tokens=tokens,
+            max_num_seqs=max_seqs,
+            preemption_mode="recompute" if preemption == "off" else preemption,
+            swap_space_blocks=rng.choice((0, total + 8)) if preemption == "swap" else 64,
+            enable_prefix_caching=rng.random() < 0.8,
+            kv_cache_dtype=rng.choice(KV_CACHE_DTYPES),
+        )
+        covers = dict(
+            block_size=block,
+            pool=pool,
+            budget=budget,
+            max_num_seqs=max_seqs,
+            preemption=preemption,
+            prefix_caching=engine["enable_prefix_caching"],
+            kv_cache_dtype=engine["kv_cache_dtype"],
+        )
+        return engine, covers
+
+    # --- events -----------------------------------------------------------------------------------
+    def events(self, requests: list[RequestScenario], covers: dict) -> list[EventScenario]:
+        rng = self.rng
+        events: list[EventScenario] = []
+        if covers["preemption"] == "off":
+            events.append(EventScenario("switch", 0, switch="preemption", enabled=False))
+        kinds = []
+        for _ in range(rng.randint(0, self.limits.max_events)):
+            kind = rng.choice(("abort", "preempt", "switch", "swap_fail", "swap_then_abort"))
+            if kind == "swap_then_abort" and covers["preemption"] != "off":
+                events += self._swap_then_abort(rng.choice(requests))
+            else:
+                events += self._event(kind, requests, covers)
+            kinds.append(kind)
+        covers["events"] = sorted(set(kinds))
+        return events
+
+    def _event(self, kind: str, requests, covers) -> list[EventScenario]:
+        rng = self.rng
+        target = rng.choice(requests)
+        step = rng.randint(0, 8)
+        if kind == "abort":
+            state = rng.choice(ABORT_STATES)
+            if state == "prefill":  # the longest prompt is the one most likely to be chunked
+                target = max(requests, key=lambda r: len(r.prompt))
+            covers.setdefault("abort_state", []).append(state)
+            return [EventScenario("abort", step, target.request_id, state=state)]
+        if kind == "preempt" and covers["preemption"] != "off":
+            mode = rng.choice(("recompute", "swap", None))
+            after = rng.randint(0, max(target.max_tokens - 1, 0))
+            hold = rng.choice((1, 2, 3, 4, 8, 12))
+            event = EventScenario("preempt", step, target.request_id, after_tokens=after)
+            event.resume_after_steps, event.mode = hold, mode
+            return [event]
+        if kind == "switch":
+            return self._switch(step, requests)
+        if kind == "swap_fail":
+            return [EventScenario("swap_fail", step, count=rng.randint(1, 2))]
+        return []
+
+    def _swap_then_abort(self, target: RequestScenario) -> list[EventScenario]:
+        """Park a request in swap for a while (others must still be admitted meanwhile), and
+        most often abort it there, or as soon as it is back."""
+        rng = self.rng
+        after = rng.randint(0, max(target.max_tokens - 1, 0))
+        hold = rng.randint(4, 12)
+        park = EventScenario(
+            "preempt",
+            0,
+            target.request_id,
+            after_tokens=after,
+            resume_after_steps=hold,
+            mode="swap",
+        )
+        state = rng.choice(("swapped", "swapped", "running", None))
+        if state is None:
+            return [park]
+        return [park, EventScenario("abort", 0, target.request_id, state=state)]
+
+    def _switch(self, step: int, requests) -> list[EventScenario]:
+        """A kill switch flipped, and most often flipped back a few steps later: what was
+        computed while it was off must never be served once it is on again."""
+        rng = self.rng
+        which = rng.choice(("prefix_caching", "namespace_caching", "preemption"))
+        salt = (
+            rng.choice([r.cache_salt for r in requests]) if which == "namespace_caching" else None
+        )
+        off = EventScenario("switch", step, switch=which, enabled=False, cache_salt=salt)
+        if rng.random() < 0.25:
+            return [off]
+        back = step + rng.randint(1, 10)
+        return [off, EventScenario("switch", back, switch=which, enabled=True, cache_salt=salt)]

@@ -1,0 +1,196 @@
+"""Every field of a response against what the oracles expect, each mismatch a Failure with the
+attribution class of what it is about:
+
+  text, finish_reason, stop                       -> server_text
+  token ids, logprobs, top logprobs, text_offset  -> server_logprobs
+  cached tokens (namespace reuse)                 -> server_tenancy (more than its own namespace
+                                                     could give: reuse across namespaces), or
+                                                     server_admin (explained within its own
+                                                     namespace once caching switches were used:
+                                                     a switch missed or hit another namespace)
+  status, envelope, stream framing, usage counts  -> server_protocol"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvpage.verify.checks import Failure, finding
+from kvpage.verify.stack.expect import Expected
+from kvpage.verify.stack.responses import GotChoice, GotResponse
+from kvpage.verify.stack.text_oracle import ExpectedChoice, TokenEntry
+
+LOGPROB_ATOL = 1e-3  # the engine's logits agree with the reference's to 1e-4 (the gate's check)
+
+
+@dataclass(frozen=True, slots=True)
+class Where:
+    """Which request and how it was asked for, for every failure's fields."""
+
+    request: str
+    stream: bool
+    model: str
+    switches: str  # the caching switches when it ran
+
+    def fields(self, choice: int | None, name: str, expected, actual) -> dict:
+        return {
+            "request": self.request,
+            "choice": choice if choice is not None else "-",
+            "field": name,
+            "expected": _short(expected),
+            "actual": _short(actual),
+            "stream": self.stream,
+        }
+
+
+def _short(value) -> object:
+    text = repr(value)
+    return value if len(text) <= 300 else text[:300] + "…"
+
+
+def failure(where: Where, cls: str, reason: str, fields: dict) -> Failure:
+    div = finding("server", cls, reason, fields, where.request)
+    return Failure("server", f"{where.request}: {reason}", where.request, div)
+
+
+def compare(exp: Expected, got: GotResponse, where: Where) -> list[Failure]:
+    if got.status != 200:
+        f = where.fields(None, "status", 200, got.status)
+        return [failure(where, "server_protocol", f"status {got.status}: {got.body}", f)]
+    out = _framing(exp, got, where)
+    for ec in exp.choices:
+        gc = got.choices.get(ec.index)
+        if gc is None:
+            f = where.fields(ec.index, "choices", ec.index, sorted(got.choices))
+            out.append(failure(where, "server_protocol", f"choice {ec.index} missing", f))
+            continue
+        out += _choice(exp, ec, gc, where)
+    return out + _usage(exp, got, where)
+
+
+def _framing(exp: Expected, got: GotResponse, where: Where) -> list[Failure]:
+    out = [
+        failure(where, "server_protocol", problem, where.fields(None, "framing", "", problem))
+        for problem in got.framing
+    ]
+    body = got.body or {}
+    chat, stream = exp.request.chat, exp.request.stream
+    want = ("chat.completion" + (".chunk" if stream else "")) if chat else "text_completion"
+    prefix = "chatcmpl-" if chat else "cmpl-"
+    shape = {"object": want, "model": where.model, "id": prefix}
+    have = {
+        "object": body.get("object"),
+        "model": body.get("model"),
+        "id": str(body.get("id", ""))[: len(prefix)],
+    }
+    if have != shape:
+        f = where.fields(None, "envelope", shape, have)
+        out.append(failure(where, "server_protocol", "the response envelope is wrong", f))
+    extra = sorted(set(got.choices) - {c.index for c in exp.choices})
+    if extra:
+        f = where.fields(None, "choices", len(exp.choices), extra)
+        out.append(failure(where, "server_protocol", "choices nobody asked for", f))
+    return out
+
+
+def _choice(exp: Expected, ec: ExpectedChoice, gc: GotChoice, where: Where) -> list[Failure]:
+    text_fields = {"stop": exp.stops, "token_ids": ec.token_ids}
+    for name, want, have in (
+        ("text", ec.text, gc.text),
+        ("finish_reason", ec.finish_reason, gc.finish_reason),
+    ):
+        if want != have:
+            f = where.fields(ec.index, name, want, have) | text_fields
+            return [failure(where, "server_text", f"choice {ec.index}: {name} differs", f)]
+    if where.stream and gc.finishes != 1:
+        f = where.fields(ec.index, "finish_reason chunks", 1, gc.finishes)
+        return [failure(where, "server_protocol", "a choice must finish exactly once", f)]
+    return _per_token(exp, ec, gc, where)
+
+
+def _per_token(exp: Expected, ec: ExpectedChoice, gc: GotChoice, where: Where) -> list[Failure]:
+    req = exp.request
+
+    def fail(name: str, want, have) -> list[Failure]:
+        f = where.fields(ec.index, name, want, have) | {"token_ids": ec.token_ids}
+        f["stop"] = exp.stops
+        return [failure(where, "server_logprobs", f"choice {ec.index}: {name} differs", f)]
+
+    want_ids = ec.token_ids if req.return_token_ids else None
+    if gc.token_ids != want_ids:
+        return fail("token_ids", want_ids, gc.token_ids)
+    if ec.entries is None or gc.entries is None:
+        return (
+            []
+            if ec.entries is None and gc.entries is None
+            else fail("logprobs", ec.entries is not None, gc.entries is not None)
+        )
+    if len(ec.entries) != len(gc.entries):
+        return fail("logprobs length", len(ec.entries), len(gc.entries))
+    for i, (want, have) in enumerate(zip(ec.entries, gc.entries, strict=True)):
+        problem = _entry(want, have, req.chat)
+        if problem is not None:
+            name, w, h = problem
+            return fail(f"logprobs[{i}].{name}", w, h)
+    return []
+
+
+def _entry(want: TokenEntry, have: dict, chat: bool) -> tuple[str, object, object] | None:
+    if have["token"] != want.text:
+        return "token", want.text, have["token"]
+    if not math.isclose(have["logprob"], want.logprob, abs_tol=LOGPROB_ATOL):
+        return "logprob", want.logprob, have["logprob"]
+    if not chat and have["offset"] != want.offset:
+        return "text_offset", want.offset, have["offset"]
+    if chat and have["bytes"] != (list(want.piece) if want.piece else None):
+        return "bytes", list(want.piece), have["bytes"]
+    return _top(want, have, chat)
+
+
+def _top(want: TokenEntry, have: dict, chat: bool) -> tuple[str, object, object] | None:
+    if set(want.top) != set(have["top"]):
+        return "top_logprobs", sorted(want.top), sorted(have["top"])
+    for name, value in want.top.items():
+        if not math.isclose(have["top"][name], value, abs_tol=LOGPROB_ATOL):
+            return f"top_logprobs[{name}]", value, have["top"][name]
+        alt = want.top_bytes[name]
+        if chat and have["top_bytes"][name] != (list(alt) if alt else None):
+            return f"top_logprobs[{name}].bytes", list(alt), have["top_bytes"][name]
+    return None
+
+
+def _usage(exp: Expected, got: GotResponse, where: Where) -> list[Failure]:
+    req = exp.request
+    if req.stream and not req.include_usage:
+        return (
+            []
+            if got.usage is None
+            else [
+                failure(
+                    where,
+                    "server_protocol",
+                    "usage without include_usage",
+                    where.fields(None, "usage", None, got.usage),
+                )
+            ]
+        )
+    usage = got.usage or {}
+    counts = {
+        "prompt_tokens": len(exp.prompt_ids),
+        "completion_tokens": exp.completion_tokens,
+        "total_tokens": len(exp.prompt_ids) + exp.completion_tokens,
+    }
+    have = {k: usage.get(k) for k in counts}
+    if have != counts:
+        f = where.fields(None, "usage", counts, have)
+        return [failure(where, "server_protocol", "usage counts differ", f)]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached == exp.cached_tokens:
+        return []
+    f = where.fields(None, "cached_tokens", exp.cached_tokens, cached)
+    f |= {"namespace": repr(exp.namespace), "prompt_tokens": len(exp.prompt_ids)}
+    if exp.switched and cached is not None and cached <= exp.unswitched_cached:
+        f["switches"] = where.switches
+        reason = "cached tokens follow no switch state (a switch missed, or hit another namespace)"
+        return [failure(where, "server_admin", reason, f)]
+    return [failure(where, "server_tenancy", "cached tokens differ from the namespace model", f)]

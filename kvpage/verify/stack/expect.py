@@ -1,0 +1,154 @@
+"""What each generated request must get back, from the reference and the oracles alone: the
+choices (text oracle), the usage, and the cached-token count (a per-namespace model of the
+prefix cache: block-granular reuse of earlier prompts in the same namespace, none across)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+
+from kvpage.reference.generator import ReferenceOutput, generate
+from kvpage.sampling_params import SamplingParams
+from kvpage.verify.stack.scenario import GenRequest, pick_stops
+from kvpage.verify.stack.text_oracle import ExpectedChoice, expected_choice
+
+Namespace = tuple[str, str | None]  # ("tenant", name) or ("salt", cache salt or None)
+
+
+def chat_prompt(message: str) -> str:
+    """The built-in models' documented chat template, for one user message."""
+    return f"<|user|>\n{message}\n<|assistant|>\n"
+
+
+@dataclass(slots=True)
+class CacheModel:
+    """Which prompts' full blocks each namespace holds. The pool is sized so nothing is ever
+    evicted; while caching is off (everywhere, or for the namespace) a request neither hits
+    nor publishes."""
+
+    block_size: int
+    published: dict[Namespace, list[tuple[int, ...]]] = field(default_factory=dict)
+    sent: dict[Namespace, list[tuple[int, ...]]] = field(default_factory=dict)  # switches or not
+    caching: bool = True
+    off: set[Namespace] = field(default_factory=set)
+    switched: bool = False  # some caching switch has been off in this app
+
+    def enabled(self, ns: Namespace) -> bool:
+        return self.caching and ns not in self.off
+
+    def switch(self, ns: Namespace | None, enabled: bool) -> None:
+        """`ns` None: the global switch."""
+        self.switched |= not enabled
+        if ns is None:
+            self.caching = enabled
+        else:
+            (self.off.discard if enabled else self.off.add)(ns)
+
+    def hit(self, ns: Namespace, prompt: tuple[int, ...], held=None) -> int:
+        """Cached tokens if caching were on: the longest shared run of whole blocks with an
+        earlier prompt of the namespace, leaving at least one prompt token to compute."""
+        bs = self.block_size
+        held = self.published if held is None else held
+        best = max((_common(prompt, p) for p in held.get(ns, [])), default=0)
+        return min(best // bs, (len(prompt) - 1) // bs) * bs
+
+    def admit(self, ns: Namespace, prompt: tuple[int, ...]) -> int:
+        self.sent.setdefault(ns, []).append(prompt)
+        if not self.enabled(ns):
+            return 0
+        hit = self.hit(ns, prompt)
+        self.published.setdefault(ns, []).append(prompt)
+        return hit
+
+
+def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass(frozen=True, slots=True)
+class Expected:
+    request: GenRequest
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    stops: list[str]
+    choices: list[ExpectedChoice]
+    namespace: Namespace
+    cached_tokens: int
+    unswitched_cached: int  # what it would be had no caching switch ever been off
+    switched: bool  # some caching switch has been off in this app, before or now
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+
+@dataclass(slots=True)
+class References:
+    """The contiguous reference per (prompt, sample parameters), computed once."""
+
+    model: object
+    memo: dict[tuple, ReferenceOutput] = field(default_factory=dict)
+
+    def get(self, prompt: tuple[int, ...], params: SamplingParams) -> ReferenceOutput:
+        key = (prompt, params)
+        if key not in self.memo:
+            self.memo[key] = generate(self.model, list(prompt), params)
+        return self.memo[key]
+
+
+def prompt_ids(tokenizer, req: GenRequest) -> tuple[int, ...]:
+    if req.chat:
+        return tuple(tokenizer.encode(chat_prompt(req.prompt)))
+    if isinstance(req.prompt, str):
+        return tuple(tokenizer.encode(req.prompt))
+    return tuple(req.prompt)
+
+
+def namespace_of(req: GenRequest) -> Namespace:
+    return ("tenant", req.tenant) if req.tenant is not None else ("salt", req.cache_salt)
+
+
+def expect(
+    req: GenRequest, tokenizer, refs: References, cache: CacheModel, rng: random.Random
+) -> Expected:
+    ids = prompt_ids(tokenizer, req)
+    params = _params(req, ids, refs)
+    samples = [refs.get(ids, params.for_sample(i) if req.n > 1 else params) for i in range(req.n)]
+    text = b"".join(tokenizer.token_bytes(t) or b"" for t in samples[0].token_ids)
+    stops = pick_stops(rng, text.decode("utf-8", errors="replace"), req.stop_picks)
+    choices = [
+        expected_choice(
+            tokenizer,
+            i,
+            s.token_ids,
+            s.step_logits,
+            s.finish_reason,
+            stops,
+            params.logprobs,
+            req.stream,
+        )
+        for i, s in enumerate(samples)
+    ]
+    ns = namespace_of(req)
+    unswitched = cache.hit(ns, ids, cache.sent)
+    cached = cache.admit(ns, ids)
+    return Expected(req, ids, params, stops, choices, ns, cached, unswitched, cache.switched)
+
+
+def _params(req: GenRequest, ids: tuple[int, ...], refs: References) -> SamplingParams:
+    params = SamplingParams(
+        temperature=req.temperature,
+        max_tokens=req.max_tokens,
+        seed=req.seed,
+        logprobs=req.logprobs,
+        n=req.n,
+    )
+    if req.stop_token_at is None:
+        return params
+    free = refs.get(ids, params.for_sample(0) if req.n > 1 else params).token_ids
+    return replace(params, stop_token_ids=(free[min(req.stop_token_at, len(free) - 1)],))

@@ -1,0 +1,75 @@
+"""Server bugs the whole-stack suite (kvpage.verify.stack) found, each pinned by a test of its own:
+text_offset after bytes that are not a character, a whole response's offsets of a stop string's
+tokens, and audit lines of a request's last engine events naming its tenant."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from kvpage import EngineConfig, LLMEngine
+from kvpage.engine.outputs import CompletionOutput
+from kvpage.model.tokenizer import ByteTokenizer
+from kvpage.server import ServerOptions, create_app
+from kvpage.server.generation import Choice
+from kvpage.server.text_stream import TextStream
+
+TOK = ByteTokenizer()
+
+
+def _offsets(choice: Choice, data: list[int]) -> list[int]:
+    offsets = []
+    for i, token in enumerate(data):
+        out = CompletionOutput(0, [token], "", [{token: -1.0}], None, [-1.0])
+        offsets += choice.advance(out, [token], final=i == len(data) - 1).logprobs.offsets
+    return offsets
+
+
+def test_text_offset_of_a_token_after_an_invalid_byte_counts_its_replacement_character():
+    """ "a", a lone continuation byte (U+FFFD in the text), "b": b starts at 2. A token inside a
+    multi-byte character starts where that character does (é = C3 A9, both at 3)."""
+    choice = Choice(0, TextStream(TOK))
+    offsets = _offsets(choice, [*b"a\x80b", 0xC3, 0xA9, *b"c", TOK.eos_token_id])
+    assert choice.text.text == "a\ufffdbéc"
+    assert offsets == [0, 1, 2, 3, 3, 4, 5]
+
+
+def test_a_whole_response_puts_a_stop_strings_earlier_tokens_where_its_text_ends():
+    """ "sh" was held back (it may start "sh!"); when "!" completes the stop string, the text
+    ends at 2 and so do the offsets of "s" and "h", not only that of "!"."""
+    choice = Choice(0, TextStream(TOK, ["sh!"]))
+    _offsets(choice, list(b"absh!"))
+    assert choice.text.text == "ab" and choice.finish_reason == "stop"
+    assert choice.logprobs.offsets == [0, 1, 2, 2, 2]
+
+
+def test_audit_lines_after_a_stop_string_still_name_the_tenant():
+    """Each sample ended by a stop string is aborted on the engine thread after the response;
+    those engine events are audit lines too, and must name the tenant like the others."""
+    engine = LLMEngine(EngineConfig(model="builtin:tiny-llama", num_blocks=64))
+    options = ServerOptions(api_keys={"k": "alice"}, admin_token="t", shadow_rate=0.0)
+    app = create_app(engine, options)
+    body = {"prompt": [1, 2, 3], "max_tokens": 40, "n": 2, "temperature": 0.0}
+    events = asyncio.run(_stop_then_audit(app, body))
+    assert any(e["event"] == "abort" for e in events), events
+    assert all(e["tenant"] == "alice" for e in events), events
+
+
+async def _stop_then_audit(app, body: dict) -> list[dict]:
+    key, admin = {"Authorization": "Bearer k"}, {"X-Admin-Token": "t"}
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+    async with app.router.lifespan_context(app), client:
+        free = (await client.post("/v1/completions", json=body, headers=key)).json()
+        stop = free["choices"][0]["text"][2:4]  # both samples (greedy) end on it
+        r = await client.post("/v1/completions", json={**body, "stop": stop}, headers=key)
+        rid, mine = r.json()["id"], []
+        for _ in range(100):  # the aborts land on the engine thread, soon after
+            await asyncio.sleep(0.02)
+            events = (await client.get("/admin/audit", headers=admin)).json()["events"]
+            mine = [e for e in events if e["request_id"].split("#")[0] == rid]
+            if any(e["event"] == "abort" for e in mine):
+                break
+        await asyncio.sleep(0.1)  # and any line after the abort's
+        events = (await client.get("/admin/audit", headers=admin)).json()["events"]
+        return [e for e in events if e["request_id"].split("#")[0] == rid]
