@@ -171,6 +171,34 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
         "position_ids_cand",
     ),
     "block_table": ("in_block_offset", "last_block_len", "block_ids", "generations"),
+    # Per-step properties (kvpage.verify.properties), found on the engine's plans and state:
+    "step_budget": (
+        "step",
+        "scheduled_tokens",
+        "max_num_batched_tokens",
+        "scheduled_seqs",
+        "max_num_seqs",
+        "per_seq",
+    ),
+    "sample_independence": ("samples", "seeds", "agreed_steps", "p_value", "threshold", "pairs"),
+    "finish_precedence": (
+        "finish_reason",
+        "expected",
+        "last_token",
+        "stop_token_ids",
+        "num_tokens",
+        "max_tokens",
+    ),
+    "reservation": (
+        "step",
+        "preemption",
+        "violation",
+        "request",
+        "free_blocks",
+        "worst_case_blocks",
+        "running_growth",
+    ),
+    "prefix_hold": ("step", "held_at", "request", "pending_keys", "queues", "budget_left"),
 }
 WHERE_TO_LOOK = {
     "sampling": "the sampler: seed, per-request generator state, temperature / top-k / top-p",
@@ -183,6 +211,11 @@ WHERE_TO_LOOK = {
     "version, the quantiser's rounding",
     "prefix_key": "prefix key (namespace, chained digest) and position ids",
     "block_table": "in-block offset and last-block valid length in the block table",
+    "step_budget": "the scheduler's token and sequence budget per step (chunks, restores, forks)",
+    "sample_independence": "where unseeded requests and forked samples get their generators",
+    "finish_precedence": "the stop rule's order: a stop id at max_tokens is a stop",
+    "reservation": "the worst-case reservation with preemption off: running growth, free pool",
+    "prefix_hold": "the same-step prefix hold-back: which blocks count as being computed now",
 }
 
 # The whole stack (kvpage.verify.stack): the OpenAI app's text-level fields against the text

@@ -67,6 +67,7 @@ class _Draw:
     def __init__(self, rng: random.Random, limits: Limits) -> None:
         self.rng, self.limits = rng, limits
         self.covers: dict[str, object] = {}
+        self.window: tuple[int, int, str | None] | None = None  # caching off from, on at, salt
         self.tokens = list(range(limits.vocab_low, limits.vocab_high))
 
     def take(self, n: int) -> list[int]:
@@ -100,10 +101,30 @@ class _Draw:
         self.covers["shared_offset"] = sorted(set(offsets))
         arrivals = self._arrivals(count)
         salts = [rng.choice(SALTS) for _ in range(count)]
-        return [
+        requests = [
             self._request(f"r{i}", p, a, s, block)
             for i, (p, a, s) in enumerate(zip(prompts, arrivals, salts, strict=True))
         ]
+        if rng.random() < 0.3:
+            requests += self._after_an_off_window(requests, block)
+        return requests
+
+    def _after_an_off_window(self, requests, block: int) -> list[RequestScenario]:
+        """A writer runs while caching is off (globally or for its namespace) and a reader of
+        its prefix comes after caching is back on: what was computed while off must not be
+        served. The switch events follow from `self.window`."""
+        writers = [r for r in requests if len(r.prompt) >= block and r.timeout_s is None]
+        if not writers:
+            return []
+        w = self.rng.choice(writers)
+        shared = block * self.rng.randint(1, len(w.prompt) // block)
+        arrive = w.arrive_step + self.rng.randint(4, 14)
+        prompt = w.prompt[:shared] + self.take(self.rng.randint(1, 5))
+        reader = RequestScenario(f"r{len(requests)}", prompt, arrive, self.rng.randint(1, 6))
+        reader.cache_salt = w.cache_salt
+        self.window = (w.arrive_step, arrive - 1, w.cache_salt)
+        self.covers["off_window"] = True
+        return [reader]
 
     def _transplant(self, source: list[int], pool: list[list[int]], block: int) -> list[int]:
         """Another prompt's first block before `source`'s later blocks: the same block after a
@@ -203,6 +224,12 @@ class _Draw:
         events: list[EventScenario] = []
         if covers["preemption"] == "off":
             events.append(EventScenario("switch", 0, switch="preemption", enabled=False))
+        if self.window is not None:
+            off, on, salt = self.window
+            which = rng.choice(("prefix_caching", "namespace_caching"))
+            salt = salt if which == "namespace_caching" else None
+            events.append(EventScenario("switch", off, switch=which, cache_salt=salt))
+            events.append(EventScenario("switch", on, switch=which, enabled=True, cache_salt=salt))
         kinds = []
         for _ in range(rng.randint(0, self.limits.max_events)):
             kind = rng.choice(("abort", "preempt", "switch", "swap_fail", "swap_then_abort"))
