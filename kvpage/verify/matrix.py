@@ -20,29 +20,30 @@ split over two ranks, each checked against the contiguous reference by every cas
 DEFAULT (`make run`) runs these cells, two at a time (`--jobs 2`: two processes, since every cell
 is single-threaded Python and `make run` is sized for a 2-core machine); the main cell starts
 first and the others fill the second lane beside it. Seconds per cell from `time make run` on a
-2-core machine shared with three other agents' jobs (load average 3.3-4.4 while it ran):
+2-core machine shared with three other agents' jobs (load average 1.8-2.6 while it ran):
 
   cell                                 suites                                    mutants  seconds
-  tiny-llama/float32/kv-auto+int8/tp1  all ten, + prefix/batching/preemption     all 37      62.9
+  tiny-llama/float32/kv-auto+int8/tp1  all ten, + prefix/batching/preemption     all 45      54.3
                                        and a CoW case in int8
-  tiny-qwen2/float32/kv-auto/tp1       prefix, batching, preemption, parallel    none        16.3
-  tiny-llama/bfloat16/kv-auto/tp1      prefix, batching, sampling, parallel      none        22.9
-  tiny-llama/float32/kv-fp8_e4m3/tp1   prefix, batching                          none         5.8
-  tiny-llama/float32/kv-bfloat16/tp1   batching, preemption                      none         7.2
-  tiny-qwen2/float32/kv-auto/tp2       batching, parallel                        none        14.1
-  tiny-qwen2/float32/kv-int8/tp1       prefix, batching, preemption, parallel    none        25.4
-  tiny-qwen2/float32/kv-int8/tp2       batching                                  none        10.6
-  total wall (two lanes)                                                                     93.7
-                                                        (`time make run`: 1m37s, under 3 min)
+  tiny-qwen2/float32/kv-auto/tp1       prefix, batching, preemption, parallel    none        18.5
+  tiny-llama/bfloat16/kv-auto/tp1      prefix, batching, sampling, parallel      none        15.3
+  tiny-llama/float32/kv-fp8_e4m3/tp1   prefix, batching                          none         4.4
+  tiny-llama/float32/kv-bfloat16/tp1   batching, preemption                      none         3.3
+  tiny-qwen2/float32/kv-auto/tp2       batching, parallel                        none         8.1
+  tiny-qwen2/float32/kv-int8/tp1       prefix, batching, preemption, parallel    none        10.6
+  tiny-qwen2/float32/kv-int8/tp2       batching                                  none         5.7
+  total wall (two lanes)                                                                     65.2
+                                                        (`time make run`: 1m07s, under 3 min)
 
-Timings move with the load: at load ~4.5 the same run took 2m03s (main cell 98 s).
+Timings move with the load: at load 3.3-4.4 the same run took 1m37s (main cell 63 s, 37
+mutants then), at ~4.5 2m03s.
 At load average ~13 the first six of these cells took 326 s: the budget holds on an idle or lightly
 shared 2-core machine, not on a saturated one.
 
 `--matrix full` runs every combination of MODELS x DTYPES x KV_DTYPES x TP_SIZES (a 16-bit model
 with bfloat16 KV is its own auto cell, so dropped), every suite in each, mutants as above: 28
-cells. Not timed end to end; from the per-suite times above, expect roughly half an hour on two
-cores.
+cells. Not timed end to end; from the per-suite times above (every suite of a cell ~30-60 s,
+int8 and TP 2 cells up to twice that), expect 10-30 minutes on two cores, by load.
 """
 
 from __future__ import annotations
