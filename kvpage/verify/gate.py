@@ -6,9 +6,11 @@ divergence report carries the fields its class needs."""
 from __future__ import annotations
 
 import contextlib
+import math
 import platform
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -16,7 +18,8 @@ import torch
 from kvpage.config import EngineConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.model import load_model
-from kvpage.verify.cases import quantized_suite_names
+from kvpage.verify.cases import BLOCK_SIZES, quantized_suite_names
+from kvpage.verify.cases.prefix import prefix_cases
 from kvpage.verify.mutants import MUTANTS, Mutant
 from kvpage.verify.suites import SUITES, CaseResult, Runtime, build_suites, run_case
 
@@ -55,6 +58,8 @@ class GateResult:
     seconds: float
     environment: dict = field(default_factory=dict)
     mutants_run: bool = True  # False with --no-mutants
+    engine: dict = field(default_factory=dict)  # the configuration under test (Runtime)
+    cases_not_applicable: dict[str, str] = field(default_factory=dict)  # case -> why not run
 
     @property
     def applicable(self) -> list[MutantResult]:
@@ -92,9 +97,11 @@ class GateResult:
         return {
             "passed": self.passed,
             "model": self.model,
+            "engine": self.engine,
             "environment": self.environment,
             "seconds": round(self.seconds, 2),
             "suites": per_suite,
+            "cases_not_applicable": self.cases_not_applicable,
             "mutation_score": self.mutation_score,
             "attribution_score": self.attribution_score,
             "mutation_check": "run" if self.mutants_run else "skipped",
@@ -157,21 +164,51 @@ class Progress:
 def run_gate(
     model_name: str = "builtin:tiny-llama",
     suites: tuple[str, ...] = SUITES,
-    mutants: bool = True,
+    mutants: bool | Collection[str] = True,
     progress: bool = True,
     kv_cache_dtypes: tuple[str, ...] = DEFAULT_GATE_KV_DTYPES,
     dtype: str = "float32",
     tensor_parallel_size: int = 1,
+    engine: dict | None = None,
 ) -> GateResult:
     """`kv_cache_dtypes`: quantized KV formats whose copies of the prefix, batching and
     preemption suites (and a CoW fork case) run too; a mutant bound to a KV format runs only
-    when its format is among them. `dtype`: the model's (and so the reference's) compute dtype.
-    `tensor_parallel_size` > 1: every engine (case, mutant) runs split over that many
-    processes, one set of workers reused by all of them."""
-    with _tensor_parallel_workers(tensor_parallel_size):
-        return _run_gate(
-            model_name, suites, mutants, progress, kv_cache_dtypes, dtype, tensor_parallel_size
-        )
+    when its format is among them or is the pool's. `dtype`: the model's (and so the
+    reference's) compute dtype. `tensor_parallel_size` > 1: every engine (case, mutant) runs
+    split over that many processes, one set of workers reused by all of them. `mutants`: all
+    (True), none (False), or only the named ones. `engine`: EngineConfig fields of the
+    configuration under test, the base of every case's engine (Runtime: a case's own fields
+    win); its `dtype` and `tensor_parallel_size`, when present, win over the arguments."""
+    engine = dict(engine or {})
+    dtype = engine.pop("dtype", dtype)
+    tp = engine.pop("tensor_parallel_size", tensor_parallel_size)
+    plan = GatePlan(model_name, suites, mutants, kv_cache_dtypes, dtype, tp, engine)
+    with _tensor_parallel_workers(tp):
+        return _run_gate(plan, progress)
+
+
+@dataclass(frozen=True, slots=True)
+class GatePlan:
+    """What one gate run covers; each stage reads what it needs from it."""
+
+    model_name: str
+    suites: tuple[str, ...]
+    mutants: bool | Collection[str]
+    kv_cache_dtypes: tuple[str, ...]
+    dtype: str
+    tensor_parallel_size: int
+    engine: dict
+
+    @property
+    def pool_kv_dtype(self) -> str:
+        return self.engine.get("kv_cache_dtype", "auto")
+
+    def wants(self, mutant: Mutant) -> bool:
+        if self.mutants is False:
+            return False
+        if self.mutants is not True and mutant.name not in self.mutants:
+            return False
+        return mutant.kv_cache_dtype in (None, *self.kv_cache_dtypes, self.pool_kv_dtype)
 
 
 def _tensor_parallel_workers(tensor_parallel_size: int):
@@ -182,42 +219,84 @@ def _tensor_parallel_workers(tensor_parallel_size: int):
     return shared_workers()
 
 
-def _run_gate(
-    model_name, suites, mutants, progress, kv_cache_dtypes, dtype: str, tp: int
-) -> GateResult:
+def _run_gate(plan: GatePlan, progress: bool) -> GateResult:
+    """The stages in order, on one model and one set of references: suites, then mutants."""
     start = time.perf_counter()
-    model, tokenizer = load_model(model_name, dtype)
-    kv_cache_dtypes = tuple(d for d in kv_cache_dtypes if d != "auto")
-    cases = build_suites(model.config.vocab_size, suites, kv_cache_dtypes)
-    suites = (*suites, *quantized_suite_names(suites, kv_cache_dtypes))
-    mutant_list = (
-        tuple(m for m in MUTANTS if m.kv_cache_dtype in (None, *kv_cache_dtypes)) if mutants else ()
-    )
+    model, tokenizer = load_model(plan.model_name, plan.dtype, plan.engine.get("device", "cpu"))
+    kv_copies = tuple(d for d in plan.kv_cache_dtypes if d not in ("auto", plan.pool_kv_dtype))
+    cases, unfit = _cases(plan, model.config, kv_copies)
+    suites = (*plan.suites, *quantized_suite_names(plan.suites, kv_copies))
+    mutant_list = [m for m in MUTANTS if plan.wants(m)]
     bar = Progress(len(cases) + len(mutant_list), progress)
-    runtime = Runtime(model, tokenizer, model_name, debug_checks=True, tensor_parallel_size=tp)
-    case_results = []
-    for case in cases:
-        case_results.append(run_case(case, runtime))
-        bar.step(f"{case.full_name}: {'ok' if case_results[-1].passed else 'FAIL'}")
-    mutant_results = []
-    for mutant in mutant_list:
-        reason = mutant.not_applicable(model.config)
-        if reason is not None:
-            mutant_results.append(MutantResult(mutant, False, [], None, None, 0.0, reason))
-            bar.step(f"mutant {mutant.name}: not applicable")
-            continue
-        mutant_results.append(run_mutant(mutant, model, tokenizer, model_name, cases, runtime))
-        bar.step(f"mutant {mutant.name}: {'caught' if mutant_results[-1].caught else 'MISSED'}")
+    runtime = Runtime(
+        model,
+        tokenizer,
+        plan.model_name,
+        debug_checks=True,
+        tensor_parallel_size=plan.tensor_parallel_size,
+        engine=plan.engine,
+    )
+    case_results = _suite_stage(cases, runtime, bar)
+    mutant_results = _mutant_stage(mutant_list, cases, runtime, bar)
     bar.close()
     return GateResult(
-        model_name,
+        plan.model_name,
         suites,
         case_results,
         mutant_results,
         time.perf_counter() - start,
         _environment(model),
-        mutants_run=mutants,
+        mutants_run=plan.mutants is not False,
+        engine=dict(plan.engine),
+        cases_not_applicable=unfit,
     )
+
+
+def _cases(plan: GatePlan, config, kv_copies: tuple[str, ...]):
+    """The suites' cases that fit the model, and why the others do not. A block size the user
+    verifies that the prefix suite does not already run gets the prefix cases at that size too
+    (every other case keeps its own block size)."""
+    cases = build_suites(config.vocab_size, plan.suites, kv_copies)
+    block_size = plan.engine.get("block_size")
+    if "prefix" in plan.suites and block_size is not None and block_size not in BLOCK_SIZES:
+        cases += prefix_cases(config.vocab_size, block_size)
+    limit = min(config.max_position_embeddings, plan.engine.get("max_model_len") or math.inf)
+    unfit = {c.full_name: _too_long(c, limit) for c in cases}
+    return [c for c in cases if unfit[c.full_name] is None], {
+        name: why for name, why in unfit.items() if why is not None
+    }
+
+
+def _too_long(case, limit: float) -> str | None:
+    """A case whose request cannot fit the model's context is not applicable to the model (like
+    a mutant its shape cannot express): the engine would refuse it, and rightly."""
+    longest = max((len(s.prompt) + s.params.max_tokens for s in case.requests), default=0)
+    if longest <= limit:
+        return None
+    return f"a request needs {longest} positions, the model has {int(limit)}"
+
+
+def _suite_stage(cases, runtime: Runtime, bar: Progress) -> list[CaseResult]:
+    results = []
+    for case in cases:
+        results.append(run_case(case, runtime))
+        bar.step(f"{case.full_name}: {'ok' if results[-1].passed else 'FAIL'}")
+    return results
+
+
+def _mutant_stage(mutant_list, cases, runtime: Runtime, bar: Progress) -> list[MutantResult]:
+    results = []
+    for mutant in mutant_list:
+        reason = mutant.not_applicable(runtime.model.config)
+        if reason is not None:
+            results.append(MutantResult(mutant, False, [], None, None, 0.0, reason))
+            bar.step(f"mutant {mutant.name}: not applicable")
+            continue
+        results.append(
+            run_mutant(mutant, runtime.model, runtime.tokenizer, runtime.model_name, cases, runtime)
+        )
+        bar.step(f"mutant {mutant.name}: {'caught' if results[-1].caught else 'MISSED'}")
+    return results
 
 
 def run_mutant(mutant: Mutant, model, tokenizer, model_name: str, cases, base: Runtime):
@@ -236,6 +315,7 @@ def run_mutant(mutant: Mutant, model, tokenizer, model_name: str, cases, base: R
         debug_checks=False,
         engine_factory=factory,
         tensor_parallel_size=base.tensor_parallel_size,
+        engine=base.engine_overrides,
     )
     runtime._refs = base._refs  # the references do not depend on the engine
     start = time.perf_counter()

@@ -37,6 +37,7 @@ from kvpage.verify.diff import (
     RequestContext,
     first_divergence,
     logit_atol,
+    logit_scale,
     numeric_tie_step,
     quantized_attribution,
 )
@@ -69,7 +70,14 @@ class CaseResult:
 
 
 class Runtime:
-    """The model, its reference memo, and how to build an engine (mutants override it)."""
+    """The model, its reference memo, and how to build an engine (mutants override it).
+
+    `engine`: the user's EngineConfig fields (`kvpage verify --block-size ...`), the base of
+    every case's engine. A case's own overrides win over them: a case sets a field only when
+    the case is built around it (prompt lengths at its block size +-1, a pool small enough to
+    force preemption, unquantized KV for the quantized-path control run), and under another
+    value it would test nothing. Fields no case sets (dtype, KV format, tensor-parallel size,
+    usually the token budget and preemption mode) run as the user gave them."""
 
     def __init__(
         self,
@@ -79,20 +87,20 @@ class Runtime:
         debug_checks: bool = True,
         engine_factory: Callable[[EngineConfig], LLMEngine] | None = None,
         tensor_parallel_size: int = 1,
+        engine: dict | None = None,
     ) -> None:
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
         self.debug_checks = debug_checks
         self.tensor_parallel_size = tensor_parallel_size
+        self.engine_overrides = dict(engine or {})
         self.engine_factory = engine_factory or (lambda cfg: LLMEngine(cfg, model, tokenizer))
         self._refs: dict[tuple, ReferenceOutput] = {}
 
     def make_engine(self, overrides: dict) -> LLMEngine:
-        args = dict(
-            model=self.model_name,
-            debug_checks=self.debug_checks,
-            tensor_parallel_size=self.tensor_parallel_size,
-        )
-        args.update(overrides)
+        args = dict(model=self.model_name, tensor_parallel_size=self.tensor_parallel_size)
+        args.update(self.engine_overrides)  # the configuration under test
+        args.update(overrides)  # the case's own fields: the point of the case
+        args["debug_checks"] = self.debug_checks  # the gate's choice, never the user's
         return self.engine_factory(EngineConfig(**args))
 
     def reference(
@@ -344,7 +352,8 @@ def _check_requests(
                 failures.append(Failure("divergence", message, sample_id, div))
             failures += check_sampling(spec, sample, ref.records, cand, completion)
     canaries = {sid: s.canary for s in case.requests if s.canary for sid in s.sample_ids()}
-    margin = max(TOPK_MARGIN, logit_atol(kv_dtype, runtime.model.dtype))
+    scale = logit_scale([r for recs in refs.values() for r in recs])
+    margin = max(TOPK_MARGIN, logit_atol(kv_dtype, runtime.model.dtype, scale))
     for leak in find_foreign_canaries(canaries, records, refs, margin):
         failures.append(Failure("canary", str(leak), leak.victim))
     if case.check_sampling:
@@ -362,7 +371,8 @@ def _partial_divergences(case: Case, runtime: Runtime, engine: LLMEngine) -> lis
                 continue
             kv_dtype = engine.config.kv_cache_dtype
             ref = runtime.reference(spec, engine.config.block_size, sample, len(cand), kv_dtype)
-            atol, ties = logit_atol(kv_dtype, runtime.model.dtype), _ties(runtime)
+            atol = logit_atol(kv_dtype, runtime.model.dtype, logit_scale(ref.records))
+            ties = _ties(runtime)
             div = first_divergence(ref.records[: len(cand)], cand, atol, ties_allowed=ties)
             if div is not None:
                 div.request_id = sample_id
@@ -380,7 +390,8 @@ def _tie_step(runtime: Runtime, spec, sample: int, ref, cand, kv_dtype: str) -> 
     if not _ties(runtime):
         return None
     greedy = spec.params.for_sample(sample).temperature == 0.0
-    return numeric_tie_step(ref, cand, logit_atol(kv_dtype, runtime.model.dtype), greedy)
+    atol = logit_atol(kv_dtype, runtime.model.dtype, logit_scale(ref))
+    return numeric_tie_step(ref, cand, atol, greedy)
 
 
 def _ties(runtime: Runtime) -> bool:
@@ -403,5 +414,5 @@ def _diff_sample(
         finish_cand,
         tuple(sorted(stop_token_ids(runtime.model, params))),
     )
-    atol = logit_atol(kv_dtype, runtime.model.dtype)
+    atol = logit_atol(kv_dtype, runtime.model.dtype, logit_scale(ref.records))
     return first_divergence(ref_records, cand, atol, context=context, ties_allowed=_ties(runtime))
