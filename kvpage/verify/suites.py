@@ -177,7 +177,7 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         failures += _check_requests(pinned, runtime, engine, outputs, refs)
         failures += check_provenance(engine.tracer, refs)
         failures += check_expectations(case, engine, finished, refs)
-        failures += bounds.check(finished, refs)
+        failures += bounds.check(finished, refs, drive.driver.switch_log)
         failures += check_baseline(engine)
         if engine.kv_format.quantized or engine.kv_format.cast_only:
             _attribute_rounded_kv(case, runtime, failures)
