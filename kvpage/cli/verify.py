@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from kvpage.cli.common import CliError, add_engine_args, count, engine_fields
+from kvpage.cli.common import CliError, add_engine_args, count, engine_fields, number
 
 # The engine flags that are a dimension of the matrix: given without --model, they fix that
 # dimension in every cell; the other engine flags are the base of every cell's engine.
@@ -39,11 +39,36 @@ def add_parser(sub) -> None:
     ver.add_argument(
         "--suite",
         default="all",
-        help=f"comma-separated suite names, or all; one of {', '.join(SUITES)}. The mutation "
+        help=f"comma-separated suite names, or all; one of {', '.join(SUITES)}, or the parts "
+        "generated (the generated stage) and stack (server and router). The mutation "
         "check runs against the chosen suites only, so a subset misses mutants of other "
         "classes: add --no-mutants for a quick partial run",
     )
     ver.add_argument("--no-mutants", action="store_true", help="skip the mutation check")
+    ver.add_argument(
+        "--generated",
+        type=count,
+        default=None,
+        metavar="N",
+        help="scenarios of the generated stage (a seeded generator of engine configurations x "
+        "requests x events, each run as a case against the reference); default "
+        "60 in the matrix's generated cell",
+    )
+    ver.add_argument("--seed", type=int, default=0, help="the generated stage's seed")
+    ver.add_argument(
+        "--time-budget",
+        type=number(float, 0.0),
+        default=None,
+        metavar="SEC",
+        help="stop the generated stage after SEC seconds (the report says how many ran)",
+    )
+    ver.add_argument(
+        "--replay",
+        default=None,
+        metavar="FILE",
+        help="run one scenario file (a reproducer the generated stage wrote) and exit: 0 when "
+        "it passes, 1 when it fails",
+    )
     ver.add_argument(
         "--jobs",
         type=count,
@@ -56,16 +81,28 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpage.verify.matrix import run_matrix
+    from kvpage.verify.generated.stage import GeneratedStage
+    from kvpage.verify.matrix import DEFAULT_SCENARIOS, run_matrix
     from kvpage.verify.report import summary_table, write_reports
 
+    if args.replay is not None:
+        return _replay(args)
     suites = _suites(args.suite)
     if suites is None:
         return 2
     engine = engine_fields(args)
     cells = _cells(args, engine, suites)
     base = {k: v for k, v in engine.items() if k not in ("model", *CELL_FIELDS)}
-    result = run_matrix(cells, base, jobs=args.jobs, progress=not args.quiet)
+    count = args.generated if args.generated is not None else DEFAULT_SCENARIOS
+    stage = GeneratedStage(seed=args.seed, count=count, budget_s=args.time_budget)
+    result = run_matrix(
+        cells,
+        base,
+        jobs=args.jobs,
+        progress=not args.quiet,
+        generated=stage,
+        report_dir=args.report,
+    )
     data = write_reports(result, args.report)
     print(summary_table(data))
     print(f"reports: {args.report}/report.json, report.md, report.html")
@@ -73,14 +110,37 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _suites(text: str) -> tuple[str, ...] | None:
+    from kvpage.verify.matrix import PARTS
     from kvpage.verify.suites import SUITES
 
-    suites = SUITES if text == "all" else tuple(text.split(","))
-    unknown = set(suites) - set(SUITES)
+    known = (*SUITES, *PARTS)
+    suites = known if text == "all" else tuple(text.split(","))
+    unknown = set(suites) - set(known)
     if unknown:
-        print(f"error: unknown suite(s) {sorted(unknown)}; choose from {SUITES}", file=sys.stderr)
+        print(f"error: unknown suite(s) {sorted(unknown)}; choose from {known}", file=sys.stderr)
         return None
     return suites
+
+
+def _replay(args: argparse.Namespace) -> int:
+    """One scenario on the configured model (the honest engine, debug checks on)."""
+    from kvpage.model import load_model
+    from kvpage.verify.generated import Scenario, run_scenario
+    from kvpage.verify.suites import Runtime
+
+    try:
+        scenario = Scenario.read(args.replay)
+    except (OSError, ValueError, TypeError) as err:
+        raise CliError(f"--replay {args.replay}: {err}") from err
+    engine = engine_fields(args)
+    model_name = engine.pop("model", None) or "builtin:tiny-llama"
+    model, tokenizer = load_model(model_name, engine.pop("dtype", "float32"))
+    result = run_scenario(scenario, Runtime(model, tokenizer, model_name, engine=engine))
+    verdict = "passed" if result.passed else "FAILED"
+    print(f"scenario {scenario.name}: {verdict} ({result.steps} steps, {result.seconds:.1f}s)")
+    for failure in result.failures:
+        print(f"  {failure.kind}: {failure.message}")
+    return 0 if result.passed else 1
 
 
 def _cells(args: argparse.Namespace, engine: dict, suites: tuple[str, ...]):

@@ -15,13 +15,18 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvpage.config import EngineConfig
+from kvpage.config import KV_CACHE_DTYPES, EngineConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.model import load_model
 from kvpage.verify.cases import BLOCK_SIZES, quantized_suite_names
 from kvpage.verify.cases.prefix import prefix_cases
+from kvpage.verify.generated.alone import alone_summary, generated_alone
+from kvpage.verify.generated.stage import GeneratedResult, GeneratedStage, run_stage
 from kvpage.verify.mutants import MUTANTS, Mutant
+from kvpage.verify.stack import STACK_MUTANTS, run_server_mutant, run_server_suite
 from kvpage.verify.suites import SUITES, CaseResult, Runtime, build_suites, run_case
+
+STACK_SUITES = ("server", "router")
 
 # The KV formats the gate runs the prefix, batching and preemption suites in besides the model's.
 DEFAULT_GATE_KV_DTYPES = ("int8",)
@@ -60,6 +65,8 @@ class GateResult:
     mutants_run: bool = True  # False with --no-mutants
     engine: dict = field(default_factory=dict)  # the configuration under test (Runtime)
     cases_not_applicable: dict[str, str] = field(default_factory=dict)  # case -> why not run
+    generated: GeneratedResult | None = None  # the generated stage, when it ran
+    generated_alone: dict | None = None  # alone_summary() of the mutants against it alone
 
     @property
     def applicable(self) -> list[MutantResult]:
@@ -81,8 +88,11 @@ class GateResult:
 
     @property
     def passed(self) -> bool:
-        return all(c.passed for c in self.cases) and all(
-            m.caught and m.attribution_ok for m in self.applicable
+        generated_ok = self.generated is None or self.generated.passed
+        return (
+            generated_ok
+            and all(c.passed for c in self.cases)
+            and all(m.caught and m.attribution_ok for m in self.applicable)
         )
 
     def to_dict(self) -> dict:
@@ -106,7 +116,13 @@ class GateResult:
             "attribution_score": self.attribution_score,
             "mutation_check": "run" if self.mutants_run else "skipped",
             "mutants": {m.mutant.name: _mutant_dict(m) for m in self.mutants},
+            "generated": self._generated_dict(),
         }
+
+    def _generated_dict(self) -> dict | None:
+        if self.generated is None:
+            return None
+        return {**self.generated.to_dict(), "alone": self.generated_alone}
 
 
 def _case_dict(c: CaseResult) -> dict:
@@ -170,6 +186,9 @@ def run_gate(
     dtype: str = "float32",
     tensor_parallel_size: int = 1,
     engine: dict | None = None,
+    generated: GeneratedStage | None = None,
+    stack: bool = False,
+    report_dir: str | None = None,
 ) -> GateResult:
     """`kv_cache_dtypes`: quantized KV formats whose copies of the prefix, batching and
     preemption suites (and a CoW fork case) run too; a mutant bound to a KV format runs only
@@ -178,16 +197,23 @@ def run_gate(
     split over that many processes, one set of workers reused by all of them. `mutants`: all
     (True), none (False), or only the named ones. `engine`: EngineConfig fields of the
     configuration under test, the base of every case's engine (Runtime: a case's own fields
-    win); its `dtype` and `tensor_parallel_size`, when present, win over the arguments."""
+    win); its `dtype` and `tensor_parallel_size`, when present, win over the arguments.
+    `generated`: the generated stage to run after the suites (its failures' reproducers go
+    under `report_dir`), and with mutants, every mutant against it alone (the generality
+    figure, reported apart from the mutation check). `stack`: the whole-stack suite (server
+    and router) and, with mutants, its own mutants, which count in the mutation check."""
     engine = dict(engine or {})
     dtype = engine.pop("dtype", dtype)
     tp = engine.pop("tensor_parallel_size", tensor_parallel_size)
-    plan = GatePlan(model_name, suites, mutants, kv_cache_dtypes, dtype, tp, engine)
+    plan = GatePlan(
+        model_name, suites, mutants, kv_cache_dtypes, dtype, tp, engine, generated, stack
+    )
+    plan.report_dir = report_dir
     with _tensor_parallel_workers(tp):
         return _run_gate(plan, progress)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class GatePlan:
     """What one gate run covers; each stage reads what it needs from it."""
 
@@ -198,17 +224,22 @@ class GatePlan:
     dtype: str
     tensor_parallel_size: int
     engine: dict
+    generated: GeneratedStage | None = None
+    stack: bool = False
+    report_dir: str | None = None
 
     @property
     def pool_kv_dtype(self) -> str:
         return self.engine.get("kv_cache_dtype", "auto")
 
-    def wants(self, mutant: Mutant) -> bool:
+    def wants(self, mutant: Mutant, formats: tuple[str, ...] | None = None) -> bool:
+        """`formats`: the KV formats the cases run in (default: the pool's and the copies')."""
         if self.mutants is False:
             return False
         if self.mutants is not True and mutant.name not in self.mutants:
             return False
-        return mutant.kv_cache_dtype in (None, *self.kv_cache_dtypes, self.pool_kv_dtype)
+        formats = (*self.kv_cache_dtypes, self.pool_kv_dtype) if formats is None else formats
+        return mutant.kv_cache_dtype in (None, *formats)
 
 
 def _tensor_parallel_workers(tensor_parallel_size: int):
@@ -227,7 +258,8 @@ def _run_gate(plan: GatePlan, progress: bool) -> GateResult:
     cases, unfit = _cases(plan, model.config, kv_copies)
     suites = (*plan.suites, *quantized_suite_names(plan.suites, kv_copies))
     mutant_list = [m for m in MUTANTS if plan.wants(m)]
-    bar = Progress(len(cases) + len(mutant_list), progress)
+    scenarios = 0 if plan.generated is None else plan.generated.count or 0
+    bar = Progress(len(cases) + len(mutant_list) + scenarios, progress)
     runtime = Runtime(
         model,
         tokenizer,
@@ -237,7 +269,22 @@ def _run_gate(plan: GatePlan, progress: bool) -> GateResult:
         engine=plan.engine,
     )
     case_results = _suite_stage(cases, runtime, bar)
-    mutant_results = _mutant_stage(mutant_list, cases, runtime, bar)
+    generated = _generated_stage(plan, runtime, bar)
+    # Engine mutants need the suites' cases; without any (a generated-only run) they run
+    # against the generated scenarios alone, below.
+    mutant_results = _mutant_stage(mutant_list, cases, runtime, bar) if cases else []
+    alone = None
+    if generated is not None and mutant_list:
+        # the scenarios draw every KV format (unless one is fixed): format-bound mutants too
+        mutant_list = [m for m in MUTANTS if plan.wants(m, formats=_drawn_formats(plan))]
+        alone = alone_summary(
+            generated_alone(mutant_list, *_model_of(runtime), generated, runtime, run_mutant)
+        )
+    if plan.stack:
+        stack_cases, stack_mutants = _stack_stage(plan, runtime)
+        case_results += stack_cases
+        mutant_results += stack_mutants
+        suites = (*suites, *STACK_SUITES)
     bar.close()
     return GateResult(
         plan.model_name,
@@ -249,7 +296,42 @@ def _run_gate(plan: GatePlan, progress: bool) -> GateResult:
         mutants_run=plan.mutants is not False,
         engine=dict(plan.engine),
         cases_not_applicable=unfit,
+        generated=generated,
+        generated_alone=alone,
     )
+
+
+def _drawn_formats(plan: GatePlan) -> tuple[str, ...]:
+    fixed = plan.engine.get("kv_cache_dtype")
+    return (fixed,) if fixed else KV_CACHE_DTYPES
+
+
+def _model_of(runtime: Runtime):
+    return runtime.model, runtime.tokenizer, runtime.model_name
+
+
+def _generated_stage(plan: GatePlan, runtime: Runtime, bar: Progress) -> GeneratedResult | None:
+    if plan.generated is None:
+        return None
+
+    def show(scenario, result) -> None:
+        bar.step(f"generated {scenario.name}: {'ok' if result.passed else 'FAIL'}")
+
+    # What the user fixed (`kvpage verify --block-size ...`) every scenario keeps.
+    stage = replace(plan.generated, fixed={**plan.engine, **plan.generated.fixed})
+    return run_stage(stage, runtime, plan.report_dir, show)
+
+
+def _stack_stage(plan: GatePlan, runtime: Runtime):
+    """The server and router cases, then (with mutants) each stack mutant against them."""
+    model, tokenizer, name = _model_of(runtime)
+    cases = run_server_suite(model, tokenizer, name)
+    wanted = [
+        m
+        for m in STACK_MUTANTS
+        if plan.mutants is True or (plan.mutants is not False and m.name in plan.mutants)
+    ]
+    return cases, [run_server_mutant(m, model, tokenizer, name) for m in wanted]
 
 
 def _cases(plan: GatePlan, config, kv_copies: tuple[str, ...]):

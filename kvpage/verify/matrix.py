@@ -58,6 +58,7 @@ from multiprocessing import get_context
 
 from kvpage.verify.cases import SUITES
 from kvpage.verify.gate import run_gate
+from kvpage.verify.generated.stage import GeneratedStage
 from kvpage.verify.mutants import MUTANTS
 
 MODELS = ("builtin:tiny-llama", "builtin:tiny-qwen2")
@@ -65,6 +66,9 @@ DTYPES = ("float32", "bfloat16")
 KV_DTYPES = ("auto", "bfloat16", "int8", "fp8_e4m3")
 TP_SIZES = (1, 2)
 MUTANT_PARTS = ("all", "format", "none")
+# Scenarios of the default generated stage: the generality figure is measured over the same
+# ones on every machine (a time budget alone would make it depend on the machine's speed).
+DEFAULT_SCENARIOS = 60
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +85,8 @@ class Cell:
     suites: tuple[str, ...] = SUITES
     mutants: str = "none"
     kv_copies: tuple[str, ...] = ()
+    generated: bool = False  # the generated stage (and, with mutants, the generality figure)
+    stack: bool = False  # the whole-stack suite: server and router (and their mutants)
 
     def __post_init__(self) -> None:
         if self.mutants not in MUTANT_PARTS:
@@ -90,9 +96,11 @@ class Cell:
     def name(self) -> str:
         model = self.model.removeprefix("builtin:")
         copies = "".join(f"+{d}" for d in self.kv_copies)
-        return (
-            f"{model}/{self.dtype}/kv-{self.kv_cache_dtype}{copies}/tp{self.tensor_parallel_size}"
+        parts = "".join(
+            f"+{p}" for p, on in (("generated", self.generated), ("stack", self.stack)) if on
         )
+        dims = f"{self.dtype}/kv-{self.kv_cache_dtype}{copies}/tp{self.tensor_parallel_size}"
+        return f"{model}/{dims}{parts}"
 
     def engine(self, base: dict) -> dict:
         """The user's engine fields with the cell's dimensions over them."""
@@ -113,6 +121,13 @@ class Cell:
 
 
 MAIN = Cell("builtin:tiny-llama", mutants="all", kv_copies=("int8",))
+# Generated scenarios draw their own engine configurations (block size, pool, budget, KV format,
+# preemption); the stack drives the server in-process. Each is a cell of its own, so the two
+# lanes of `make run` stay even.
+GENERATED = Cell("builtin:tiny-llama", suites=(), mutants="all", generated=True)
+STACK = Cell("builtin:tiny-llama", suites=(), mutants="all", stack=True)
+# What `--suite` may name besides the hand-written suites.
+PARTS = ("generated", "stack")
 QWEN2 = "builtin:tiny-qwen2"
 
 # Suites per cell: those whose cases exercise what the cell varies. Head_dim 64 and biases live
@@ -134,6 +149,8 @@ DEFAULT: tuple[Cell, ...] = (
     Cell(QWEN2, tensor_parallel_size=2, suites=("batching", "parallel")),
     Cell(QWEN2, kv_cache_dtype="int8", suites=("prefix", "batching", "preemption", "parallel")),
     Cell(QWEN2, kv_cache_dtype="int8", tensor_parallel_size=2, suites=("batching",)),
+    GENERATED,
+    STACK,
 )
 # Not in DEFAULT: tiny-qwen2 in bfloat16. Its parallel/forks_tiny_pool_swap case fails the
 # sampling check, reproducibly: a draw at rank 17 "outside the filtered support of 18 tokens"
@@ -152,9 +169,9 @@ def full_cells() -> tuple[Cell, ...]:
                     continue  # the model's own dtype: the auto cell
                 for tp in TP_SIZES:
                     cell = Cell(model, dtype, kv, tp, mutants=_full_mutants(model, dtype, kv, tp))
-                    if (cell.model, cell.dtype, cell.kv_cache_dtype, tp) != _key(MAIN):
+                    if _key(cell) != _key(MAIN):
                         cells.append(cell)
-    return tuple(cells)
+    return (*cells, GENERATED, STACK)
 
 
 def _full_mutants(model: str, dtype: str, kv: str, tp: int) -> str:
@@ -163,7 +180,14 @@ def _full_mutants(model: str, dtype: str, kv: str, tp: int) -> str:
 
 
 def _key(cell: Cell) -> tuple:
-    return (cell.model, cell.dtype, cell.kv_cache_dtype, cell.tensor_parallel_size)
+    return (
+        cell.model,
+        cell.dtype,
+        cell.kv_cache_dtype,
+        cell.tensor_parallel_size,
+        cell.generated,
+        cell.stack,
+    )
 
 
 MATRICES = {"default": lambda: DEFAULT, "full": full_cells}
@@ -183,8 +207,13 @@ def pin(
     out, seen = [], set()
     for cell in cells:
         kept = tuple(s for s in cell.suites if s in suites)
-        cell = replace(cell, **dims, suites=kept, mutants=cell.mutants if mutants else "none")
-        if kept and _key(cell) not in seen:
+        generated, stack = (
+            cell.generated and "generated" in suites,
+            cell.stack and "stack" in suites,
+        )
+        mode = cell.mutants if mutants else "none"
+        cell = replace(cell, **dims, suites=kept, mutants=mode, generated=generated, stack=stack)
+        if (kept or generated or stack) and _key(cell) not in seen:
             seen.add(_key(cell))
             out.append(cell)
     return out
@@ -198,8 +227,10 @@ def single_cell(model: str, engine: dict, suites: tuple[str, ...], mutants: bool
         dtype=engine.get("dtype", "float32"),
         kv_cache_dtype=engine.get("kv_cache_dtype", "auto"),
         tensor_parallel_size=engine.get("tensor_parallel_size", 1),
-        suites=suites,
+        suites=tuple(s for s in suites if s not in PARTS),
         mutants="all" if mutants else "none",
+        generated="generated" in suites,
+        stack="stack" in suites,
     )
 
 
@@ -233,6 +264,8 @@ class MatrixResult:
             "attribution_score": _share(run, "attribution_ok") if ran and run else None,
             "mutation_check": "run" if ran else "skipped",
             "mutants": mutants,
+            # the generated stage runs in one cell (the generated cell, or a --model run)
+            "generated": next((r["generated"] for r in self.results if r.get("generated")), None),
             "cells": [_cell_dict(c, r) for c, r in zip(self.cells, self.results, strict=True)],
         }
 
@@ -258,7 +291,13 @@ def _cell_dict(cell: Cell, result: dict) -> dict:
         "kv_cache_dtype": cell.kv_cache_dtype,
         "kv_copies": list(cell.kv_copies),
         "tensor_parallel_size": cell.tensor_parallel_size,
-        "parts": {"suites": list(cell.suites), "mutants": cell.mutants},
+        "parts": {
+            "suites": list(cell.suites),
+            "mutants": cell.mutants,
+            "generated": cell.generated,
+            "stack": cell.stack,
+        },
+        "scenarios": (result.get("generated") or {}).get("scenarios", 0),
         "passed": result["passed"],
         "cases": sum(s["cases"] for s in suites.values()),
         "case_failures": sum(s["failures"] for s in suites.values()),
@@ -271,8 +310,16 @@ def _cell_dict(cell: Cell, result: dict) -> dict:
     }
 
 
-def run_cell(cell: Cell, engine: dict, progress: bool = False) -> dict:
-    """One cell's gate, as the report's dict (what crosses a process boundary)."""
+def run_cell(
+    cell: Cell,
+    engine: dict,
+    progress: bool = False,
+    generated: GeneratedStage | None = None,
+    report_dir: str | None = None,
+) -> dict:
+    """One cell's gate, as the report's dict (what crosses a process boundary). `generated`:
+    the stage a generated cell runs (the default seed, count and budget when None)."""
+    stage = (generated or GeneratedStage(count=DEFAULT_SCENARIOS)) if cell.generated else None
     result = run_gate(
         cell.model,
         cell.suites,
@@ -280,26 +327,38 @@ def run_cell(cell: Cell, engine: dict, progress: bool = False) -> dict:
         progress=progress,
         kv_cache_dtypes=cell.kv_copies,
         engine=cell.engine(engine),
+        generated=stage,
+        stack=cell.stack,
+        report_dir=report_dir,
     )
     return result.to_dict()
 
 
 def run_matrix(
-    cells: Iterable[Cell], engine: dict | None = None, jobs: int = 1, progress: bool = True
+    cells: Iterable[Cell],
+    engine: dict | None = None,
+    jobs: int = 1,
+    progress: bool = True,
+    generated: GeneratedStage | None = None,
+    report_dir: str | None = None,
 ) -> MatrixResult:
     """Every cell, `jobs` at a time (separate processes when > 1: each cell is single-threaded
     Python, so two cores run two cells in the time of one). Cells start in the given order,
-    the main (longest) first, so the others fill the second lane beside it."""
+    the main (longest) first, so the others fill the second lane beside it. `generated`: the
+    stage of the generated cells; `report_dir`: where their reproducers go."""
     cells, engine = list(cells), dict(engine or {})
     start = time.perf_counter()
+    extra = dict(generated=generated, report_dir=report_dir)
     if jobs <= 1 or len(cells) == 1:
-        results = [_announce(c, run_cell(c, engine, progress), progress) for c in cells]
+        results = [_announce(c, run_cell(c, engine, progress, **extra), progress) for c in cells]
     else:
-        results = _in_processes(cells, engine, jobs, progress)
+        results = _in_processes(cells, engine, jobs, progress, extra)
     return MatrixResult(cells, results, time.perf_counter() - start, engine)
 
 
-def _in_processes(cells: list[Cell], engine: dict, jobs: int, progress: bool) -> list[dict]:
+def _in_processes(
+    cells: list[Cell], engine: dict, jobs: int, progress: bool, extra: dict
+) -> list[dict]:
     threads = max(1, (os.cpu_count() or 1) // jobs)
     with ProcessPoolExecutor(
         jobs, mp_context=get_context("spawn"), initializer=_limit_threads, initargs=(threads,)
@@ -307,7 +366,8 @@ def _in_processes(cells: list[Cell], engine: dict, jobs: int, progress: bool) ->
         # The main cell's progress bar only: one bar on the terminal, the others print a line
         # each when done.
         futures = [
-            pool.submit(run_cell, c, engine, progress and i == 0) for i, c in enumerate(cells)
+            pool.submit(run_cell, c, engine, progress and i == 0, **extra)
+            for i, c in enumerate(cells)
         ]
         return [_announce(c, f.result(), progress) for c, f in zip(cells, futures, strict=True)]
 

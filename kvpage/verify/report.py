@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 
 from kvpage.verify.diff import WHERE_TO_LOOK
+from kvpage.verify.generated.report import markdown_lines as generated_markdown_lines
+from kvpage.verify.generated.report import summary_lines as generated_summary_lines
 
 # The per-step fields shown for reference and candidate at a first divergence.
 STEP_FIELDS = (
@@ -64,11 +66,14 @@ def cell_rows(data: dict) -> list[tuple[str, ...]]:
             if c["mutation_score"] is None
             else f"{c['mutation_score']:.0%} of {c['mutants_run']}"
         )
+        cases = f"{c['cases'] - c['case_failures']}/{c['cases']} cases"
+        if c.get("scenarios"):
+            cases = f"{c['scenarios']} scenarios"
         rows.append(
             (
                 c["cell"],
                 "PASS" if c["passed"] else "FAIL",
-                f"{c['cases'] - c['case_failures']}/{c['cases']} cases",
+                cases,
                 f"mutants {c['parts']['mutants']}: {mutants}",
                 f"{c['seconds']:.1f}s",
             )
@@ -113,6 +118,9 @@ def summary_table(data: dict) -> str:
     lines.insert(1, "  ".join("-" * w for w in width))
     if data.get("cells"):
         lines += ["", *_cell_table(data)]
+    generated = generated_summary_lines(data.get("generated"))
+    if generated:
+        lines += ["", *generated]
     verdict = "PASSED" if data["passed"] else "FAILED"
     cells = f" over {len(data['cells'])} cells" if len(data.get("cells", [])) > 1 else ""
     lines.append(f"\ngate {verdict}{cells}: {scores(data)}, {data['seconds']:.1f}s")
@@ -131,6 +139,8 @@ def markdown(data: dict) -> str:
         "```",
         "",
         *_md_cells(data),
+        *generated_markdown_lines(data.get("generated")),
+        "",
     ]
     for suite, s in data["suites"].items():
         lines += [
@@ -278,6 +288,10 @@ def html_page(data: dict) -> str:
         f"<p>Model <code>{e(data['model'])}</code>, {data['seconds']:.1f}s, {e(scores(data))}.</p>",
         f"<pre>{e(summary_table(data))}</pre>",
     ]
+    generated = data.get("generated")
+    if generated:
+        parts.append("<h2>Generated scenarios</h2>")
+        parts.append(f"<pre>{e(chr(10).join(generated_markdown_lines(generated)[3:]))}</pre>")
     if data.get("cells"):
         parts.append("<h2>Cells</h2>")
         parts.append(_html_table(list(CELL_HEADER), [list(r) for r in cell_rows(data)]))
