@@ -80,7 +80,7 @@ class Cell:
 
     model: str
     dtype: str = "float32"
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str | None = "auto"  # None: each case's own (generated scenarios draw it)
     tensor_parallel_size: int = 1
     suites: tuple[str, ...] = SUITES
     mutants: str = "none"
@@ -99,15 +99,18 @@ class Cell:
         parts = "".join(
             f"+{p}" for p, on in (("generated", self.generated), ("stack", self.stack)) if on
         )
-        dims = f"{self.dtype}/kv-{self.kv_cache_dtype}{copies}/tp{self.tensor_parallel_size}"
+        kv = self.kv_cache_dtype or "drawn"
+        dims = f"{self.dtype}/kv-{kv}{copies}/tp{self.tensor_parallel_size}"
         return f"{model}/{dims}{parts}"
 
     def engine(self, base: dict) -> dict:
-        """The user's engine fields with the cell's dimensions over them."""
+        """The user's engine fields with the cell's dimensions over them (a KV format of None
+        is left to the cases: the generated scenarios draw theirs)."""
+        kv = {} if self.kv_cache_dtype is None else {"kv_cache_dtype": self.kv_cache_dtype}
         return {
             **base,
             "dtype": self.dtype,
-            "kv_cache_dtype": self.kv_cache_dtype,
+            **kv,
             "tensor_parallel_size": self.tensor_parallel_size,
         }
 
@@ -124,7 +127,9 @@ MAIN = Cell("builtin:tiny-llama", mutants="all", kv_copies=("int8",))
 # Generated scenarios draw their own engine configurations (block size, pool, budget, KV format,
 # preemption); the stack drives the server in-process. Each is a cell of its own, so the two
 # lanes of `make run` stay even.
-GENERATED = Cell("builtin:tiny-llama", suites=(), mutants="all", generated=True)
+GENERATED = Cell(
+    "builtin:tiny-llama", kv_cache_dtype=None, suites=(), mutants="all", generated=True
+)
 STACK = Cell("builtin:tiny-llama", suites=(), mutants="all", stack=True)
 # What `--suite` may name besides the hand-written suites.
 PARTS = ("generated", "stack")

@@ -72,7 +72,7 @@ def test_the_generator_reaches_every_value_it_draws():
         "n": (1, 2, 3, 4),
         "prefix_caching": (True, False),
         "abort_state": ("waiting", "prefill", "running", "swapped"),
-        "events": ("abort", "preempt", "switch", "swap_fail", "swap_then_abort"),
+        "events": gen.EVENTS,
     }
     for dimension, values in expected.items():
         assert set(map(str, values)) <= set(table[dimension]), dimension

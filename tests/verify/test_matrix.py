@@ -19,7 +19,7 @@ FORMAT_BOUND = {m.name for m in MUTANTS if m.kv_cache_dtype == "int8"}
 
 
 def _formats(cell: Cell) -> set[str]:
-    return {cell.kv_cache_dtype, *cell.kv_copies}
+    return {cell.kv_cache_dtype, *cell.kv_copies} - {None}
 
 
 def test_default_matrix_covers_every_value_of_every_dimension():
@@ -30,11 +30,23 @@ def test_default_matrix_covers_every_value_of_every_dimension():
     assert {c.tensor_parallel_size for c in DEFAULT} == set(matrix.TP_SIZES)
     qwen = [c for c in DEFAULT if c.model == "builtin:tiny-qwen2"]
     assert {c.tensor_parallel_size for c in qwen} == {1, 2}  # biases sharded, not only local
-    assert [c.mutants for c in DEFAULT].count("all") == 1  # the mutation check runs once
+    # the hand-written mutation check runs once; the generated and stack cells run their own
+    assert [c.mutants for c in DEFAULT if c.suites].count("all") == 1
+    assert [c for c in DEFAULT if not c.suites] == [matrix.GENERATED, matrix.STACK]
+    assert matrix.GENERATED.generated and matrix.STACK.stack
+
+
+def test_pin_keeps_the_generated_and_stack_cells_only_when_their_part_is_asked_for():
+    names = [c.name for c in pin(DEFAULT, {}, (*SUITES, *matrix.PARTS))]
+    assert any(n.endswith("+generated") for n in names) and any(n.endswith("+stack") for n in names)
+    only = pin(DEFAULT, {}, ("generated",))
+    assert [(c.generated, c.stack, c.suites) for c in only] == [(True, False, ())]
+    assert not any(c.generated or c.stack for c in pin(DEFAULT, {}, SUITES))
 
 
 def test_full_matrix_is_every_combination_once():
-    cells = full_cells()
+    cells = [c for c in full_cells() if not (c.generated or c.stack)]
+    assert full_cells()[-2:] == (matrix.GENERATED, matrix.STACK)
     keys = [(c.model, c.dtype, c.kv_cache_dtype, c.tensor_parallel_size) for c in cells]
     assert len(keys) == len(set(keys))
     expected = {

@@ -33,6 +33,15 @@ SAMPLING_SETTINGS = (  # temperature, top_k, top_p
     (0.5, 1, 1.0),
     (2.0, 50, 0.5),
 )
+EVENTS = (
+    "abort",
+    "preempt",
+    "switch",
+    "swap_fail",
+    "swap_then_abort",
+    "swap_mid_prefill",
+    "park_first",
+)
 SALTS = (None, None, "tenant-a", "tenant-b", "")  # "" is a namespace of its own, not None's
 TIMEOUT_MAX_TOKENS = 600  # a timed-out request must not be able to finish first, even unloaded
 TIMEOUT_S = 0.05
@@ -129,7 +138,9 @@ class _Draw:
         ]
         if rng.random() < 0.2:
             requests += self._aligned_again(requests, block)
-        if rng.random() < 0.3:
+        if rng.random() < 0.1:
+            requests += self._siblings(block, len(requests))
+        if rng.random() < 0.4:
             requests += self._after_an_off_window(requests, block)
         return requests
 
@@ -160,6 +171,21 @@ class _Draw:
             shared = len(source)  # the whole prompt again: the cap leaves one token
         tail = self.take(rng.randint(0 if shared else 1, self.limits.max_tail))
         return source[:shared] + tail, offset
+
+    def _siblings(self, block: int, first: int) -> list[RequestScenario]:
+        """One shared first block under many distinct second blocks, in two waves: with narrow
+        fast keys, siblings collide, and only a digest confirmed at every depth tells them
+        apart."""
+        rng = self.rng
+        head, salt = self.take(block), rng.choice(SALTS)
+        out = []
+        for i in range(rng.randint(16, 24)):
+            prompt = head + self.take(block) + self.take(rng.randint(1, 3))
+            r = RequestScenario(f"r{first + i}", prompt, 0 if i < 10 else 6, rng.randint(1, 2))
+            r.cache_salt = salt
+            out.append(r)
+        self.covers["siblings"] = True
+        return out
 
     def _aligned_again(self, requests, block: int) -> list[RequestScenario]:
         """A prompt of whole blocks, and later the very same prompt: every block is a hit, yet
@@ -193,7 +219,8 @@ class _Draw:
     def _request(self, rid: str, prompt, arrive: int, salt, block: int) -> RequestScenario:
         rng = self.rng
         # max_tokens ending a block, one either side, or anything small
-        ends = block - (len(prompt) % block) + block * rng.randint(0, 1)
+        # (a second block boundary only for small blocks: long outputs are what a stage pays for)
+        ends = block - (len(prompt) % block) + (block * rng.randint(0, 1) if block <= 8 else 0)
         max_tokens = max(1, rng.choice((ends - 1, ends, ends + 1, rng.randint(1, 12))))
         how = rng.choice(SAMPLING)
         request = RequestScenario(rid, prompt, arrive, max_tokens, cache_salt=salt)
@@ -278,9 +305,10 @@ class _Draw:
             events.append(EventScenario("switch", on, switch=which, enabled=True, cache_salt=salt))
         kinds = []
         for _ in range(rng.randint(0, self.limits.max_events)):
-            kind = rng.choice(("abort", "preempt", "switch", "swap_fail", "swap_then_abort"))
-            if kind == "swap_then_abort" and covers["preemption"] != "off":
-                events += self._swap_then_abort(rng.choice(requests))
+            kind = rng.choice(EVENTS)
+            if kind in ("swap_then_abort", "swap_mid_prefill", "park_first"):
+                if covers["preemption"] != "off":
+                    events += self._swap_pattern(kind, requests)
             else:
                 events += self._event(kind, requests, covers)
             kinds.append(kind)
@@ -310,9 +338,25 @@ class _Draw:
             return [EventScenario("swap_fail", step, count=rng.randint(1, 2))]
         return []
 
+    def _swap_pattern(self, kind: str, requests) -> list[EventScenario]:
+        """swap_then_abort: park a request in swap and most often abort it there (or as soon
+        as it is back). swap_mid_prefill: swap out the longest prompt in its first chunk (it
+        must come back a chunk at a time, within the step's budget). park_first: park the
+        first arrival for long, while the later ones must still be admitted."""
+        rng = self.rng
+        if kind == "swap_mid_prefill":
+            target = max(requests, key=lambda r: len(r.prompt))
+            event = EventScenario("preempt", 0, target.request_id, mode="swap")
+            event.resume_after_steps = rng.randint(1, 3)
+            return [event]
+        if kind == "park_first":
+            target = min(requests, key=lambda r: r.arrive_step)
+            event = EventScenario("preempt", 0, target.request_id, after_tokens=1, mode="swap")
+            event.resume_after_steps = rng.randint(8, 16)
+            return [event]
+        return self._swap_then_abort(rng.choice(requests))
+
     def _swap_then_abort(self, target: RequestScenario) -> list[EventScenario]:
-        """Park a request in swap for a while (others must still be admitted meanwhile), and
-        most often abort it there, or as soon as it is back."""
         rng = self.rng
         after = rng.randint(0, max(target.max_tokens - 1, 0))
         hold = rng.randint(4, 12)
