@@ -53,7 +53,11 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 #   float32 compute, rounded KV    r (against the KV step) = 0.019 bfloat16, 0.039 int8,
 #                                  0.003 fp8_e4m3 on tiny-llama (prefix, batching,
 #                                  preemption, parallel; 3,738 pairs each; max drift 6.4e-4,
-#                                  1.5e-3, 1.6e-3)                    -> KV_FACTOR 0.125
+#                                  1.5e-3, 1.6e-3); then the generated stage found r = 0.134
+#                                  for int8 (drift 4.3e-3 at logits ~8.3: an 8-token prompt
+#                                  prefilled in chunks of 3 or 5 into 4-token blocks, so other
+#                                  matmul shapes than any suite's; honest: per-token scales, the
+#                                  same with chunks of 4 or 8)       -> KV_FACTOR 0.375
 #
 # Why the kinds differ:
 # - float32 compute: summation order differs (batched vs one-request matmuls, paged vs
@@ -68,14 +72,14 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 # - a rounded KV format: both sides round the same K/V the same way, and differ only where their
 #   float32 K/V (~1e-7 apart) fall on two sides of a rounding boundary: one code step, on a few
 #   values, diluted by attention over the rest. A coarser format crosses boundaries less often:
-#   fp8's r is 13x below int8's, so its bound (0.10 at logits ~13) is loose, the price of one
+#   fp8's r is 13x below int8's, so its bound (0.30 at logits ~13) is loose, the price of one
 #   rule for every format; its tokens are still compared exactly, and a read of other K/V
 #   moves logits by O(1).
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 KV_ROUNDOFF = {"auto": 0.0, "bfloat16": 2.0**-8, "int8": 1 / 254, "fp8_e4m3": 2.0**-4}
 FULL_PRECISION_FACTOR = 1024.0
 HALF_PRECISION_FACTOR = 8.0
-KV_FACTOR = 0.125
+KV_FACTOR = 0.375
 
 
 def compute_factor(model_dtype: torch.dtype) -> float:
@@ -95,7 +99,7 @@ def logit_atol(
     compute dtype's and the KV format's rounding, relative to the logits, times a measured
     factor (the rule, its argument and the measurements: the comment above UNIT_ROUNDOFF).
     E.g. float32 on tiny-llama's logits (~13): 7.9e-4; on passphrase-mini's (~30): 1.8e-3;
-    bfloat16: 0.41 at ~13; int8 KV under float32: 6.4e-3 at ~13."""
+    bfloat16: 0.41 at ~13; int8 KV under float32: 1.9e-2 at ~13."""
     u = UNIT_ROUNDOFF.get(model_dtype, UNIT_ROUNDOFF[torch.float32])
     compute = compute_factor(model_dtype) * u * max(scale, 1.0)
     return max(compute, kv_atol(kv_cache_dtype, scale))
