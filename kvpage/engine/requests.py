@@ -68,6 +68,7 @@ class Requests:
             cache_salt=req.cache_salt,
             logprobs=[] if req.params.logprobs is not None else None,
             token_logprobs=[] if req.params.logprobs is not None else None,
+            prompt_logprobs=None if req.params.prompt_logprobs is None else [None],
         )
         self.heads[req.request_id] = seq
         self.samples[req.request_id] = [seq]
