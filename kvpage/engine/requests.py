@@ -96,6 +96,9 @@ class Requests:
             cache_salt=parent.cache_salt,
             logprobs=[] if params.logprobs is not None else None,
             token_logprobs=[] if params.logprobs is not None else None,
+            # The prompt's rows are complete at the fork (it follows the prefill) and never
+            # change again: shared, so each sample's first output can carry them.
+            prompt_logprobs=parent.prompt_logprobs,
             status=SeqStatus.RUNNING,
             num_computed=parent.num_computed,
             num_cached_tokens=parent.num_cached_tokens,

@@ -37,6 +37,7 @@ from kvpage.server.protocol import (
 )
 from kvpage.server.responses import (
     chunk_body,
+    echo_of,
     final_body,
     new_shape,
     role_chunk,
@@ -185,7 +186,7 @@ async def completions(
     state = _admit(request, body, authorization)
     prompt = body.single_prompt()
     prompt_ids = _encode(state, prompt) if isinstance(prompt, str) else list(prompt)
-    max_tokens = body.max_tokens or _room(state, prompt_ids)
+    max_tokens = _room(state, prompt_ids) if body.max_tokens is None else body.max_tokens
     return await _serve(request, state, body, prompt_ids, max_tokens, body.logprobs, chat=False)
 
 
@@ -227,15 +228,27 @@ def _room(state: ServerState, prompt_ids: list[int]) -> int:
 
 
 async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, chat) -> Response:
-    params = sampling_params(body, max_tokens, num_logprobs)
+    # max_tokens 0 (echo only): one token is drawn, since the prompt's rows come with a step,
+    # and dropped (Generation.echo_only).
+    params = sampling_params(body, max(max_tokens, 1), num_logprobs)
     salt = state.tenants.cache_salt(request.state.tenant, body.cache_salt)
     model = state.options.model_name
-    shape = new_shape(chat, model, num_logprobs, body.return_token_ids, body.include_usage)
+    echo = not chat and body.echo
+    shape = new_shape(
+        chat,
+        model,
+        num_logprobs,
+        body.return_token_ids,
+        body.include_usage,
+        echo,
+        body.prompt_logprobs,
+    )
     tokenizer = state.loop.engine.tokenizer
     stop = body.stop_strings
     gen = Generation.new(
         shape.request_id, prompt_ids, params, salt, tokenizer, stop, state.text_stream
     )
+    gen.echo_only = max_tokens == 0
     state.audit.tenants[gen.request_id] = request.state.tenant
     try:
         sink = await submit(state, gen)
@@ -267,11 +280,17 @@ async def _stream_events(state, shape, gen, sink, include_usage: bool) -> AsyncI
     if shape.chat:
         for index in range(len(gen.choices)):
             yield sse(role_chunk(shape, index))
+    started: set[int] = set()  # choices that have had a chunk (the first carries the echo)
+    echo = None  # made at the first delta: the prompt's logprobs come with the first output
     try:
         async with aclosing(run(state, gen, sink)) as deltas:
             async for delta in deltas:
-                if delta.text or delta.finish_reason is not None or not quiet:
-                    yield sse(chunk_body(shape, delta, tokenizer))
+                first = delta.index not in started
+                if first or delta.text or delta.finish_reason is not None or not quiet:
+                    started.add(delta.index)
+                    if shape.echo and echo is None:
+                        echo = echo_of(gen, tokenizer, shape.num_logprobs is not None)
+                    yield sse(chunk_body(shape, delta, tokenizer, echo, first, gen))
     except EngineFailure as err:
         yield sse({"error": {"message": str(err), "type": "server_error", "param": None}})
     if include_usage:

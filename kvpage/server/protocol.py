@@ -116,7 +116,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "include_stop_str_in_output": (False,),
     "allowed_token_ids": (),
     "bad_words": ([],),
-    "prompt_logprobs": (),
     "truncate_prompt_tokens": (),
     "guided_json": (),
     "guided_regex": (),
@@ -211,6 +210,7 @@ class _Common(_Strict):
     frequency_penalty: float = 0.0
     cache_salt: str | None = None
     return_token_ids: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
 
     def check_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -247,7 +247,7 @@ class _Common(_Strict):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt is scored alone
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -266,12 +266,25 @@ class CompletionRequest(_Common):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise ApiError("echo is not supported", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError("max_tokens must be >= 1 unless echo is true", "max_tokens")
         if self.suffix:
             raise ApiError("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
             raise ApiError("best_of must be 1", "best_of")
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """The echoed prompt carries logprobs: OpenAI scores it whenever logprobs are asked."""
+        return self.echo and self.logprobs is not None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top k the engine computes per prompt token: vLLM's field, or the echo's k."""
+        wanted = [k for k in (self.prompt_logprobs,) if k is not None]
+        if self.echo_logprobs:
+            wanted.append(self.logprobs)
+        return max(wanted) if wanted else None
 
 
 class ContentPart(_Strict):
@@ -301,6 +314,10 @@ class ChatCompletionRequest(_Common):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
@@ -323,6 +340,7 @@ def sampling_params(
             stop_token_ids=tuple(req.stop_token_ids),
             logprobs=num_logprobs,
             n=req.n,  # sample i draws with seed + i (SamplingParams.for_sample)
+            prompt_logprobs=req.num_prompt_logprobs,
         )
     except InvalidRequest as err:
         raise ApiError(str(err), _field_named(str(err))) from err
