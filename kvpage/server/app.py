@@ -22,6 +22,13 @@ from kvpage.engine.engine import LLMEngine
 from kvpage.errors import InvalidRequest
 from kvpage.model.tokenizer import encode_text
 from kvpage.server.audit import AuditLog, AuditObserver
+from kvpage.server.batch import (
+    MAX_PROMPTS,
+    batch_body,
+    batch_events,
+    deltas_of_all,
+    submit_all,
+)
 from kvpage.server.chat import load_chat_template
 from kvpage.server.engine_loop import EngineFailure, EngineLoop
 from kvpage.server.generation import Generation, run, submit
@@ -184,10 +191,80 @@ async def completions(
     body: CompletionRequest, request: Request, authorization: str | None = Header(default=None)
 ) -> Response:
     state = _admit(request, body, authorization)
-    prompt = body.single_prompt()
-    prompt_ids = _encode(state, prompt) if isinstance(prompt, str) else list(prompt)
+    prompts = body.prompts()
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
+    all_ids = [_encode(state, p) if isinstance(p, str) else list(p) for p in prompts]
+    if len(all_ids) > 1:
+        return await _serve_batch(request, state, body, all_ids)
+    prompt_ids = all_ids[0]
     max_tokens = _room(state, prompt_ids) if body.max_tokens is None else body.max_tokens
     return await _serve(request, state, body, prompt_ids, max_tokens, body.logprobs, chat=False)
+
+
+async def _serve_batch(request, state, body, all_ids: list[list[int]]) -> Response:
+    """A list of prompts: one engine request each (kvpage.server.batch)."""
+    salt = state.tenants.cache_salt(request.state.tenant, body.cache_salt)
+    shape = new_shape(
+        False,
+        state.options.model_name,
+        body.logprobs,
+        body.return_token_ids,
+        body.include_usage,
+        body.echo,
+        body.prompt_logprobs,
+    )
+    tokenizer = state.loop.engine.tokenizer
+    gens = []
+    for i, ids in enumerate(all_ids):
+        max_tokens = _room(state, ids) if body.max_tokens is None else body.max_tokens
+        params = sampling_params(body, max(max_tokens, 1), body.logprobs)
+        rid = f"{shape.request_id}-{i}"
+        gen = Generation.new(
+            rid, ids, params, salt, tokenizer, body.stop_strings, state.text_stream
+        )
+        gen.echo_only = max_tokens == 0
+        gens.append(gen)
+    sinks = await submit_all(state, gens, request.state.tenant)
+    path = request.url.path
+    if body.stream:
+        return StreamingResponse(
+            _counted(batch_events(state, shape, gens, sinks), state, path),
+            media_type="text/event-stream",
+        )
+    response = await _complete_batch(request, state, shape, gens, sinks)
+    state.metrics.requests.labels(path, str(response.status_code)).inc()
+    return response
+
+
+async def _counted(events: AsyncIterator[str], state, path: str) -> AsyncIterator[str]:
+    status = "499"
+    try:
+        async for event in events:
+            yield event
+        status = "200"
+    finally:
+        state.metrics.requests.labels(path, status).inc()
+
+
+async def _complete_batch(request, state, shape, gens, sinks) -> Response:
+    async def collect() -> None:
+        async with aclosing(deltas_of_all(state, gens, sinks)) as deltas:
+            async for _ in deltas:
+                pass
+
+    task = asyncio.create_task(collect())
+    gone = asyncio.create_task(_disconnected(request))
+    await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if not task.done():
+        task.cancel()  # every prompt's run aborts its request on the way out
+        return Response(status_code=499)
+    try:
+        task.result()
+    except EngineFailure as err:
+        raise ApiError(str(err), None, err.status, "server_error") from err
+    return JSONResponse(batch_body(shape, gens, state.loop.engine.tokenizer))
 
 
 async def chat_completions(

@@ -253,16 +253,19 @@ class CompletionRequest(_Common):
     suffix: str | None = None
     best_of: int | None = None
 
-    def single_prompt(self) -> str | list[int]:
-        """One prompt: a string, a token-id list, or a batch of exactly one of them."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one string or token-id list, or a batch (a list of either)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ApiError("only one prompt per request is served (no batches)", "prompt")
-            p = p[0]
-        if not p:
-            raise ApiError("prompt is empty", "prompt")
-        return p
+        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        for i, one in enumerate(batch):
+            if not one:
+                where = "prompt is empty" if len(batch) == 1 else f"prompt {i} is empty"
+                raise ApiError(where, "prompt")
+        return batch
+
+    def single_prompt(self) -> str | list[int]:
+        """The first prompt (a router's affinity key: a batch goes where its first one does)."""
+        return self.prompts()[0]
 
     def check_unsupported(self) -> None:
         super().check_unsupported()

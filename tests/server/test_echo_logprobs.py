@@ -190,3 +190,46 @@ def test_completion_top_logprobs_include_the_sampled_token(served):
     assert all(
         list(top) == [t] for t, top in zip(zero["tokens"], zero["top_logprobs"], strict=True)
     )
+
+
+def test_batched_prompts_give_prompts_times_n_choices_in_openai_order(served):
+    url, _, _ = served
+    prompts = [_ids(12, 9), _ids(17, 10), _ids(12, 9)[:7]]
+    common = {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "n": 2}
+    alone = [_post(url, "/v1/completions", {**common, "prompt": p, "n": 1}).json() for p in prompts]
+    r = _post(url, "/v1/completions", {**common, "prompt": prompts, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    for c in body["choices"]:
+        assert c["text"] == alone[c["index"] // 2]["choices"][0]["text"]
+    assert body["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
+    assert body["usage"]["completion_tokens"] == 6 * 3
+    chunks = _stream(url, {**common, "prompt": prompts, "stream_options": {"include_usage": True}})
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert texts == {c["index"]: c["text"] for c in body["choices"]}
+    assert chunks[-1]["usage"]["completion_tokens"] == 18
+    words = _post(url, "/v1/completions", {**common, "prompt": ["hello", "a b c"], "n": 1})
+    assert [c["index"] for c in words.json()["choices"]] == [0, 1]
+
+
+def test_batched_echo_scores_each_prompt(served):
+    url, hf, _ = served
+    prompts = [_ids(10, 11), _ids(21, 12)]
+    body = {"prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 1}
+    choices = _post(url, "/v1/completions", body).json()["choices"]
+    for ids, c in zip(prompts, choices, strict=True):
+        assert _echo_errors(hf, ids, c["logprobs"]) <= TOL
+
+
+def test_a_bad_prompt_in_a_batch_is_400_naming_it_and_the_server_keeps_serving(served):
+    url, _, engine = served
+    r = _post(url, "/v1/completions", {"prompt": [[1, 300], [1, 99999]], "max_tokens": 2})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "prompt" and error["message"].startswith("prompt 1:")
+    ok = _post(url, "/v1/completions", {"prompt": [[1, 300], [1, 301]], "max_tokens": 2})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2

@@ -254,7 +254,6 @@ UNSUPPORTED = [  # (path, field, a value that would change the output)
     (COMPLETIONS, "allowed_token_ids", [65, 66]),
     (COMPLETIONS, "bad_words", ["x"]),
     (COMPLETIONS, "include_stop_str_in_output", True),
-    (COMPLETIONS, "prompt_logprobs", 1),
     (COMPLETIONS, "skip_special_tokens", False),
     (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
     (CHAT, "tool_choice", "required"),
