@@ -75,7 +75,9 @@ def progress_output(seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         new_token_ids=new_tokens,
         error=seq.error,
         # On a sample's first output, so a stream can send the prompt's rows before its tokens
-        prompt_logprobs=None if offset or seq.prompt_logprobs is None else list(seq.prompt_logprobs),
+        prompt_logprobs=None
+        if offset or seq.prompt_logprobs is None
+        else list(seq.prompt_logprobs),
     )
 
 

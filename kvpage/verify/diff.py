@@ -116,6 +116,7 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
         "position_ids_cand",
     ),
     "block_table": ("in_block_offset", "last_block_len", "block_ids", "generations"),
+    "prompt_logprobs": ("position", "token", "expected", "actual", "num_cached_tokens"),
 }
 WHERE_TO_LOOK = {
     "sampling": "the sampler: seed, per-request generator state, temperature / top-k / top-p",
@@ -128,6 +129,8 @@ WHERE_TO_LOOK = {
     "version, the quantiser's rounding",
     "prefix_key": "prefix key (namespace, chained digest) and position ids",
     "block_table": "in-block offset and last-block valid length in the block table",
+    "prompt_logprobs": "prompt logprob rows: which positions a prefill scores, the hit cap of "
+    "a request that wants them, row-to-token alignment (kvpage/engine/runner.py, engine.py)",
 }
 
 # The whole stack (kvpage.verify.stack): the OpenAI app's text-level fields against the text
