@@ -29,7 +29,7 @@ from kvpage.server.batch import (
     deltas_of_all,
     submit_all,
 )
-from kvpage.server.chat import load_chat_template
+from kvpage.server.chat import load_chat_template, simple_template
 from kvpage.server.engine_loop import EngineFailure, EngineLoop
 from kvpage.server.generation import Generation, run, submit
 from kvpage.server.metrics import ServerMetrics, engine_snapshot
@@ -37,6 +37,8 @@ from kvpage.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     error_response,
     invalid_request,
     sampling_params,
@@ -49,6 +51,7 @@ from kvpage.server.responses import (
     new_shape,
     role_chunk,
     sse,
+    token_text,
     usage_chunk,
 )
 from kvpage.server.shadow import ShadowChecker
@@ -148,6 +151,8 @@ def _routes() -> APIRouter:
     router.add_api_route("/v1/models/{model_id:path}", model_card, methods=["GET"])
     router.add_api_route("/v1/completions", completions, methods=["POST"])
     router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    router.add_api_route("/tokenize", tokenize, methods=["POST"])
+    router.add_api_route("/detokenize", detokenize, methods=["POST"])
     return router
 
 
@@ -168,7 +173,7 @@ async def metrics(request: Request) -> Response:
 async def models(request: Request, authorization: str | None = Header(default=None)) -> dict:
     state: ServerState = request.app.state.server
     state.tenants.authenticate(authorization)
-    return {"object": "list", "data": [_card(state)]}
+    return {"object": "list", "data": [_card(state, name) for name in state.model_names]}
 
 
 async def model_card(
@@ -176,14 +181,68 @@ async def model_card(
 ) -> dict:
     state: ServerState = request.app.state.server
     state.tenants.authenticate(authorization)
-    if model_id != state.options.model_name:
+    if model_id not in state.model_names:
         message = f"The model {model_id!r} does not exist"
         raise ApiError(message, "model", 404, "not_found_error")
-    return _card(state)
+    return _card(state, model_id)
 
 
-def _card(state: ServerState) -> dict:
-    return {"id": state.options.model_name, "object": "model", "created": 0, "owned_by": "kvpage"}
+def _card(state: ServerState, name: str) -> dict:
+    return {
+        "id": name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "kvpage",
+        "root": state.loop.engine.config.model,
+        "max_model_len": state.loop.engine.max_model_len,
+    }
+
+
+# --- tokenizer endpoints (vLLM's shapes) -----------------------------------------------------
+async def tokenize(
+    body: TokenizeRequest, request: Request, authorization: str | None = Header(default=None)
+) -> dict:
+    state = _check_model(request, body.model, authorization)
+    body.check()
+    if body.messages is not None:
+        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        specials = body.add_special_tokens
+        if specials is None:  # as chat does: a model's own template spells its specials
+            specials = state.chat_template is simple_template
+        ids = _encode(state, state.chat_template(messages), add_special_tokens=specials)
+    else:
+        add = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = _encode(state, body.prompt, add_special_tokens=add)
+    engine = state.loop.engine
+    strs = [token_text(engine.tokenizer, t) for t in ids] if body.return_token_strs else None
+    return {
+        "count": len(ids),
+        "max_model_len": engine.max_model_len,
+        "tokens": ids,
+        "token_strs": strs,
+    }
+
+
+async def detokenize(
+    body: DetokenizeRequest, request: Request, authorization: str | None = Header(default=None)
+) -> dict:
+    state = _check_model(request, body.model, authorization)
+    engine = state.loop.engine
+    vocab = engine.model.config.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise ApiError(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+    if engine.tokenizer is None:
+        raise ApiError(f"{engine.config.model} has no tokenizer to decode with", "tokens")
+    return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+
+def _check_model(request: Request, model: str, authorization: str | None) -> ServerState:
+    state: ServerState = request.app.state.server
+    request.state.tenant = state.tenants.authenticate(authorization)
+    if model and model not in state.model_names:
+        raise ApiError(f"model {model!r} is not served here", "model", 404, "not_found_error")
+    return state
 
 
 # --- generation endpoints --------------------------------------------------------------------
@@ -272,7 +331,10 @@ async def chat_completions(
 ) -> Response:
     state = _admit(request, body, authorization)
     messages = [{"role": m.role, "content": m.text} for m in body.messages]
-    prompt_ids = _encode(state, state.chat_template(messages))
+    # A model's own (Jinja) template spells BOS and the other specials itself; encoding its text
+    # with special tokens would add them twice. The built-in template has none.
+    specials = state.chat_template is simple_template
+    prompt_ids = _encode(state, state.chat_template(messages), add_special_tokens=specials)
     max_tokens = body.max_completion_tokens or body.max_tokens or _room(state, prompt_ids)
     return await _serve(request, state, body, prompt_ids, max_tokens, body.num_logprobs, chat=True)
 
@@ -283,15 +345,17 @@ def _admit(request: Request, body, authorization: str | None) -> ServerState:
     request.state.tenant = state.tenants.authenticate(authorization)
     if state.draining:
         raise ApiError("the server is draining; retry elsewhere", None, 503, "service_unavailable")
-    if body.model and body.model != state.options.model_name:
+    if body.model and body.model not in state.model_names:
         raise ApiError(f"model {body.model!r} is not served here", "model", 404, "not_found_error")
     body.check_unsupported()
     return state
 
 
-def _encode(state: ServerState, text: str) -> list[int]:
+def _encode(state: ServerState, text: str, add_special_tokens: bool = True) -> list[int]:
     engine = state.loop.engine
     try:
+        if not add_special_tokens and engine.tokenizer is not None:
+            return engine.tokenizer.encode(text, add_special_tokens=False)
         return encode_text(engine.tokenizer, text, engine.config.model)
     except InvalidRequest as err:
         raise ApiError(str(err), "prompt") from err

@@ -327,6 +327,28 @@ class ChatCompletionRequest(_Common):
             raise ApiError("top_logprobs needs logprobs set to true", "top_logprobs")
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str = ""
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # None: True for a prompt, as chat does for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ApiError("send exactly one of prompt and messages", "prompt")
+        if self.add_generation_prompt is not True:
+            raise ApiError("add_generation_prompt false is not supported", "add_generation_prompt")
+
+
+class DetokenizeRequest(_Strict):
+    model: str = ""
+    tokens: list[int] = Field(max_length=1_000_000)
+
+
 def sampling_params(
     req: CompletionRequest | ChatCompletionRequest, max_tokens: int, num_logprobs: int | None
 ) -> SamplingParams:
