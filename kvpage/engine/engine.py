@@ -195,6 +195,15 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if not prompt_ids:
             raise InvalidRequest("prompt is empty: at least one token is needed")
+        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad_stops:
+            raise InvalidRequest(
+                f"stop_token_ids {bad_stops[:5]} are outside the vocabulary [0, {vocab})"
+            )
+        if params.top_k > vocab:
+            raise InvalidRequest(
+                f"top_k {params.top_k} is more than the vocabulary's {vocab} tokens"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > vocab:

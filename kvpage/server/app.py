@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 
@@ -105,11 +106,28 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's own errors (no such route, wrong method, unreadable body) in OpenAI's shape."""
     where = f"{request.method} {request.url.path}"
     message = {404: f"Invalid URL ({where})", 405: f"Method not allowed ({where})"}
-    text = message.get(exc.status_code, f"{exc.detail} ({where})")
+    text = message.get(exc.status_code) or _parse_failure(exc) or f"{exc.detail} ({where})"
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     err = ApiError(text, None, exc.status_code, kind)
     _count(request, err.status)
     return error_response(err, exc.headers)
+
+
+def _parse_failure(exc: HTTPException) -> str | None:
+    """What failed when FastAPI could not parse a body (it says only "There was an error parsing
+    the body"; the parser's own exception is the cause)."""
+    cause = exc.__cause__
+    if exc.status_code != 400 or cause is None:
+        return None
+    if isinstance(cause, RecursionError):
+        return "the request body nests too deeply to parse (arrays or objects inside each other)"
+    if isinstance(cause, UnicodeDecodeError):
+        bad = cause.object[cause.start : cause.start + 1].hex()
+        return f"the request body is not valid UTF-8 (byte 0x{bad} at offset {cause.start})"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        limit = sys.get_int_max_str_digits()
+        return f"a number in the request body has too many digits (more than {limit})"
+    return f"the request body could not be parsed: {type(cause).__name__}: {cause}"
 
 
 def _count(request: Request, status: int) -> None:
@@ -395,13 +413,22 @@ async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, cha
         sink = await submit(state, gen)
     except InvalidRequest as err:
         state.audit.tenants.pop(gen.request_id, None)
-        raise invalid_request(err) from err
+        raise _named_as_sent(invalid_request(err), body, chat) from err
     if body.stream:
         events = _stream(state, shape, gen, sink, body.include_usage, request.url.path)
         return StreamingResponse(events, media_type="text/event-stream")
     response = await _complete(request, state, shape, gen, sink)
     state.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
     return response
+
+
+def _named_as_sent(err: ApiError, body, chat: bool) -> ApiError:
+    """The engine names its limit max_tokens; a chat request that sent max_completion_tokens
+    is told about the field it sent."""
+    if chat and err.param == "max_tokens" and body.max_completion_tokens is not None:
+        message = err.message.replace("max_tokens", "max_completion_tokens", 1)
+        return ApiError(message, "max_completion_tokens")
+    return err
 
 
 async def _stream(state, shape, gen, sink, include_usage: bool, path: str) -> AsyncIterator[str]:

@@ -16,6 +16,7 @@ from kvpage.sampling_params import SamplingParams
 MAX_LOGPROBS = 20
 MAX_N = 16  # parallel samples per request: each one is a sequence of its own after prefill
 MAX_STOP = 16  # stop strings per request: each one is searched for on every token
+MAX_STOP_TOKEN_IDS = 1024  # each one is a set lookup per token; more is a mistake or an attack
 MAX_STOP_CHARS = 256  # per stop string: the text held back from a stream is one less than this
 
 
@@ -201,7 +202,7 @@ class _Common(_Strict):
     top_k: int = -1
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     n: int = 1
     stream: bool = False
