@@ -39,6 +39,8 @@ def prompt_logprob_cases(vocab: int) -> list[Case]:
         ],
         engine={"block_size": 8, "num_blocks": 48},
         expect_hit=("after",),
+        # A request that wants prompt logprobs must compute every position: no hit.
+        expect_hit_tokens={"A": 0, "B": 0},
     )
     chunked = Case(
         SUITE,
