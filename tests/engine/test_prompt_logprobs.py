@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpage import EngineConfig, LLMEngine, SamplingParams
+from kvpage import LLM, EngineConfig, LLMEngine, SamplingParams
 from kvpage.errors import InvalidRequest
 
 from ..model.hf_models import VOCAB, save_hf
@@ -142,3 +142,16 @@ def test_bad_prompt_logprobs_are_refused(hf):
     with pytest.raises(InvalidRequest, match="prompt_logprobs"):
         engine.add_request("x", [3, 4, 5], SamplingParams(prompt_logprobs=VOCAB + 1))
     assert not engine.has_unfinished_requests()
+
+
+def test_llm_generate_returns_prompt_logprobs(hf):
+    """The offline API, vLLM's way: LLM.generate with SamplingParams(prompt_logprobs=k)."""
+    hf_model, directory = hf
+
+    llm = LLM(directory, num_blocks=32)
+    prompts = [_prompt(18, 40), _prompt(18, 40)[:9] + _prompt(9, 41)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=2, prompt_logprobs=1))
+    for ids, out in zip(prompts, outs, strict=True):
+        assert _max_error(hf_model, ids, out.prompt_logprobs, 1) <= TOL
+    plain = llm.generate(prompts[0], SamplingParams(max_tokens=2))[0]
+    assert plain.prompt_logprobs is None
