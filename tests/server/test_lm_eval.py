@@ -88,8 +88,9 @@ metric_list:
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Local JSONL only: the datasets library must not look for a hub (none can be reached).
+    saved = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
+    os.environ.update(dict.fromkeys(saved, "1"))
     root = tmp_path_factory.mktemp("lm-eval")
     directory = build(root / "model", SPEC)
     tasks = root / "tasks"
@@ -108,6 +109,11 @@ def harness(tmp_path_factory):
     engine.add_request = spy  # records what the engine was asked, nothing else
     with BackgroundServer(create_app(engine, ServerOptions(model_name=NAME))) as bg:
         yield bg.url, directory, tasks, hf, engine, received
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def _evaluate(url, directory, tasks):
