@@ -1,5 +1,6 @@
 """What every command's parser shares: one-line usage errors, checked argument types, the model
-and tensor-parallel flags."""
+and tensor-parallel flags, and the engine flags `serve` and `verify` both take (defined once
+here, so the configuration a user verifies is spelled exactly as the one they serve)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import argparse
 from collections.abc import Callable
 from typing import NoReturn
 
-from kvpage.config import DEVICE_SYNTAX, MODEL_DTYPES
+from kvpage.config import DEVICE_SYNTAX, KV_CACHE_DTYPES, MODEL_DTYPES, PREEMPTION_MODES
 from kvpage.errors import KVPageError
 
 ADMIN_TOKEN_ENV = "KVPAGE_ADMIN_TOKEN"
@@ -89,19 +90,112 @@ def device(text: str) -> str:
     return text
 
 
-def add_model_args(p: argparse.ArgumentParser, model: str = "builtin:tiny-llama") -> None:
+def add_model_args(
+    p: argparse.ArgumentParser,
+    model: str | None = "builtin:tiny-llama",
+    dtype: str | None = "float32",
+    device_name: str | None = "cpu",
+) -> None:
     p.add_argument("--model", default=model, help="builtin:NAME or a Hugging Face directory")
-    p.add_argument("--dtype", default="float32", choices=MODEL_DTYPES, help="weights and KV")
-    p.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default=dtype, choices=MODEL_DTYPES, help="weights and KV")
+    p.add_argument("--device", type=device, default=device_name, help="cpu, cuda or cuda:N")
 
 
-def add_tensor_parallel(p: argparse.ArgumentParser) -> None:
+def add_tensor_parallel(p: argparse.ArgumentParser, default: int | None = 1) -> None:
     p.add_argument(
         "--tensor-parallel-size",
         type=count,
-        default=1,
+        default=default,
         help="processes the model is split across (gloo; 1: this process only)",
     )
+
+
+# --- the engine flags of `serve` and `verify` ----------------------------------------------
+# Each flag's dest -> the EngineConfig field it sets (`--no-prefix-caching` sets the negation).
+ENGINE_FLAGS = {
+    "model": "model",
+    "dtype": "dtype",
+    "device": "device",
+    "block_size": "block_size",
+    "num_blocks": "num_blocks",
+    "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "no_prefix_caching": "enable_prefix_caching",
+    "kv_cache_dtype": "kv_cache_dtype",
+    "preemption_mode": "preemption_mode",
+    "tensor_parallel_size": "tensor_parallel_size",
+}
+# serve's defaults (the engine's); `verify` leaves every flag unset unless given.
+ENGINE_DEFAULTS = {
+    "model": "builtin:tiny-llama",
+    "dtype": "float32",
+    "device": "cpu",
+    "block_size": 16,
+    "num_blocks": None,
+    "max_num_seqs": 64,
+    "max_num_batched_tokens": 2048,
+    "no_prefix_caching": False,
+    "kv_cache_dtype": "auto",
+    "preemption_mode": "recompute",
+    "tensor_parallel_size": 1,
+}
+
+
+def add_engine_args(p: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """The flags that shape the engine. `defaults=False`: every flag defaults to None, so the
+    command can tell what the user gave (`verify` verifies that and chooses the rest)."""
+
+    def default(dest: str):
+        return ENGINE_DEFAULTS[dest] if defaults else None
+
+    add_model_args(p, default("model"), default("dtype"), default("device"))
+    p.add_argument(
+        "--block-size", type=count, default=default("block_size"), help="tokens per KV block"
+    )
+    p.add_argument(
+        "--num-blocks",
+        type=count,
+        default=None,
+        help="KV pool blocks (default: sized from the model and --max-num-seqs)",
+    )
+    p.add_argument(
+        "--max-num-seqs", type=count, default=default("max_num_seqs"), help="requests per step"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=count,
+        default=default("max_num_batched_tokens"),
+        help="per step",
+    )
+    p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        default=default("no_prefix_caching"),
+        help="never share KV blocks",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=default("kv_cache_dtype"),
+        help="how the KV pool stores K/V (auto: the model dtype; int8/fp8_e4m3: quantized)",
+    )
+    p.add_argument(
+        "--preemption-mode",
+        choices=PREEMPTION_MODES,
+        default=default("preemption_mode"),
+        help="what happens to a preempted request's KV",
+    )
+    add_tensor_parallel(p, default("tensor_parallel_size"))
+
+
+def engine_fields(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields the engine flags set (an unset flag, None, sets nothing)."""
+    fields = {}
+    for dest, name in ENGINE_FLAGS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            fields[name] = not value if dest == "no_prefix_caching" else value
+    return fields
 
 
 def reason(err: Exception) -> str:

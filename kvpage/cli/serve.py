@@ -17,15 +17,14 @@ from kvpage.audit import faults as audit_faults
 from kvpage.cli.common import (
     ADMIN_TOKEN_ENV,
     CliError,
-    add_model_args,
-    add_tensor_parallel,
+    add_engine_args,
     count,
+    engine_fields,
     fraction,
     number,
     port,
     reason,
 )
-from kvpage.config import KV_CACHE_DTYPES, PREEMPTION_MODES
 from kvpage.serve_replicas.prefix_router import ROUTERS
 
 if TYPE_CHECKING:
@@ -35,31 +34,9 @@ if TYPE_CHECKING:
 
 def add_parser(sub) -> None:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_model_args(srv)
+    add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=port, default=8000, help="port to listen on")
-    srv.add_argument("--block-size", type=count, default=16, help="tokens per KV block")
-    srv.add_argument(
-        "--num-blocks",
-        type=count,
-        default=None,
-        help="KV pool blocks (default: sized from the model and --max-num-seqs)",
-    )
-    srv.add_argument("--max-num-seqs", type=count, default=64, help="requests per step")
-    srv.add_argument("--max-num-batched-tokens", type=count, default=2048, help="per step")
-    srv.add_argument("--no-prefix-caching", action="store_true", help="never share KV blocks")
-    srv.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        default="auto",
-        help="how the KV pool stores K/V (auto: the model dtype; int8/fp8_e4m3: quantized)",
-    )
-    srv.add_argument(
-        "--preemption-mode",
-        choices=PREEMPTION_MODES,
-        default="recompute",
-        help="what happens to a preempted request's KV",
-    )
     srv.add_argument(
         "--api-keys",
         help="file of API keys: JSON {key: tenant} or lines `key tenant` "
@@ -104,7 +81,6 @@ def add_parser(sub) -> None:
         help="seconds in-flight requests get on shutdown; then streams end with an error event",
     )
     audit_faults.add_serve_args(srv)
-    add_tensor_parallel(srv)
     _add_replicas(srv)
     srv.set_defaults(func=run)
 
@@ -163,20 +139,7 @@ def run(args: argparse.Namespace) -> int:
 def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     from kvpage.config import EngineConfig
 
-    return EngineConfig(
-        model=args.model,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        preemption_mode=args.preemption_mode,
-        kv_cache_dtype=args.kv_cache_dtype,
-        dtype=args.dtype,
-        device=args.device,
-        tensor_parallel_size=args.tensor_parallel_size,
-        **overrides,
-    )
+    return EngineConfig(**{**engine_fields(args), **overrides})
 
 
 def check_replica_args(args: argparse.Namespace) -> None:

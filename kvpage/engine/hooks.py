@@ -42,6 +42,7 @@ SEAMS: dict[str, Seam] = {
         Seam("scheduler", "choose_victim", "which running request is preempted for room"),
         Seam("scheduler", "restore_chunk", "how many tokens a swapped request comes back with"),
         Seam("scheduler", "may_admit", "whether waiting requests may be admitted this step"),
+        Seam("scheduler", "fits_worst_case", "the reservation with preemption off (worst case)"),
         Seam("scheduler", "acquire_prefix", "the admission's prefix lookup (what it shares)"),
         Seam("scheduler", "count_lookup", "which admissions count as prefix queries and hits"),
         Seam("scheduler", "prompt_hit_blocks", "the hit cap of a prompt-logprob request"),

@@ -179,8 +179,9 @@ class Scheduler:
 
     def _restore_swapped(self, plan: StepPlan, budget: int) -> int:
         """Swapped requests come back before any new admission, oldest first."""
+        running = sum(_sequences(s) for s in self.running)  # an unforked n-request counts n
         for seq in list(self.swapped):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0 or running + _sequences(seq) > self.config.max_num_seqs:
                 break
             n = self.restore_chunk(seq, budget)
             if n is None or self.cache.blocks_for(seq.swapped_tokens + n) > (
@@ -188,6 +189,7 @@ class Scheduler:
             ):
                 break
             self._swap_in(seq, plan)
+            running += _sequences(seq)
             plan.scheduled.append(ScheduledSeq(seq, n, self._append(seq, n, plan)))
             budget -= n
         return budget
@@ -219,12 +221,13 @@ class Scheduler:
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         pending = self.prefix_wait.pending_keys(plan.scheduled) if self.waiting else None
+        running = sum(_sequences(s) for s in self.running)  # an unforked n-request counts n
         for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) + _sequences(seq) > self.config.max_num_seqs:
+            if budget <= 0 or running + _sequences(seq) > self.config.max_num_seqs:
                 return
             if pending and self.prefix_wait.defer(seq, pending):
                 continue  # a chunk of this step computes its prefix: it hits it next step
-            if not self.preemption_enabled and not self._fits_worst_case(seq):
+            if not self.preemption_enabled and not self.fits_worst_case(seq):
                 return
             self.acquire_prefix(seq)
             self._report_corruptions()
@@ -234,6 +237,7 @@ class Scheduler:
                 seq.num_computed = 0
                 return
             self._admit(seq)
+            running += _sequences(seq)
             plan.scheduled.append(ScheduledSeq(seq, n, self._append(seq, n, plan)))
             budget -= n
             if pending is not None:
@@ -281,9 +285,9 @@ class Scheduler:
         for observer in self.observers:
             observer.on_prefix_hit(seq, seq.num_computed)
 
-    def _fits_worst_case(self, seq: Sequence) -> bool:
+    def fits_worst_case(self, seq: Sequence) -> bool:
         """Without preemption nothing can be taken back, so admit a request only if it and every
-        running request can grow to max_tokens in the blocks that are left."""
+        running request can grow to max_tokens in the blocks that are left (a declared seam)."""
         growth = sum(self._worst_case_blocks(s) - len(s.table.block_ids) for s in self.running)
         # A parallel request whose samples together could outgrow the whole pool is admitted
         # once it has the pool to itself, never left waiting for a pool it cannot get.

@@ -8,6 +8,8 @@ from kvpage.config import MODEL_DTYPES
 from kvpage.errors import ModelLoadError, UnknownModel
 from kvpage.model.base import CausalLM
 from kvpage.model.builtin import (
+    BIAS_STD,
+    BUILTIN_BIAS_STD,
     BUILTIN_CONFIGS,
     BUILTIN_PREFIX,
     SHIPPED_MODELS,
@@ -49,7 +51,7 @@ def _load_builtin(name: str, dtype: torch.dtype, device: str) -> tuple[CausalLM,
     if name not in BUILTIN_CONFIGS:
         raise UnknownModel(f"unknown builtin model {name!r} (available: {builtin_names()})")
     model = build_model(BUILTIN_CONFIGS[name])
-    init_seeded_(model)
+    init_seeded_(model, bias_std=BUILTIN_BIAS_STD.get(name, BIAS_STD))
     return model.to(device=device, dtype=dtype).eval(), ByteTokenizer()
 
 

@@ -30,7 +30,8 @@ from kvpage.verify.sampling_oracle import (
 
 @dataclass(slots=True)
 class Failure:
-    kind: str  # divergence | sampling | canary | provenance | expectation | baseline | liveness | crash
+    kind: str  # divergence | sampling | canary | provenance | expectation | baseline | liveness
+    # | property (kvpage.verify.properties) | crash
     message: str
     request_id: str | None = None
     divergence: Divergence | None = None

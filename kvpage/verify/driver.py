@@ -37,6 +37,9 @@ class StepDriver(EngineObserver):
         self.failing_writes = 0
         self.last_plan: StepPlan | None = None
         self._store = None  # the swap space's own store, once writes are made to fail
+        # (steps run before the call, cache salt or None for the global switch, is global,
+        # enabled): the caching switches a case set, as it asked for them
+        self.switch_log: list[tuple[int, str | None, bool, bool]] = []
         engine.add_observer(self)
 
     # --- what a case asks for --------------------------------------------------------------
@@ -65,6 +68,14 @@ class StepDriver(EngineObserver):
             self.failing_writes -= 1
             raise SwapError(f"injected swap-write failure for seq {seq_id}")
         self._store(seq_id, blocks)
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        self.switch_log.append((self.engine.step_count, None, True, bool(enabled)))
+        self.engine.set_prefix_caching(enabled)
+
+    def set_namespace_caching(self, cache_salt: str | None, enabled: bool) -> None:
+        self.switch_log.append((self.engine.step_count, cache_salt, False, bool(enabled)))
+        self.engine.set_namespace_caching(cache_salt, enabled)
 
     @property
     def seqs(self) -> dict[str, Sequence]:

@@ -6,19 +6,27 @@ divergence report carries the fields its class needs."""
 from __future__ import annotations
 
 import contextlib
+import math
 import platform
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvpage.config import EngineConfig
+from kvpage.config import KV_CACHE_DTYPES, EngineConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.model import load_model
-from kvpage.verify.cases import quantized_suite_names
+from kvpage.verify.cases import BLOCK_SIZES, quantized_suite_names
+from kvpage.verify.cases.prefix import prefix_cases
+from kvpage.verify.generated.alone import alone_summary, generated_alone
+from kvpage.verify.generated.stage import GeneratedResult, GeneratedStage, run_stage
 from kvpage.verify.mutants import MUTANTS, Mutant
+from kvpage.verify.stack import STACK_MUTANTS, run_server_mutant, run_server_suite
 from kvpage.verify.suites import SUITES, CaseResult, Runtime, build_suites, run_case
+
+STACK_SUITES = ("server", "router")
 
 # The KV formats the gate runs the prefix, batching and preemption suites in besides the model's.
 DEFAULT_GATE_KV_DTYPES = ("int8",)
@@ -55,6 +63,10 @@ class GateResult:
     seconds: float
     environment: dict = field(default_factory=dict)
     mutants_run: bool = True  # False with --no-mutants
+    engine: dict = field(default_factory=dict)  # the configuration under test (Runtime)
+    cases_not_applicable: dict[str, str] = field(default_factory=dict)  # case -> why not run
+    generated: GeneratedResult | None = None  # the generated stage, when it ran
+    generated_alone: dict | None = None  # alone_summary() of the mutants against it alone
 
     @property
     def applicable(self) -> list[MutantResult]:
@@ -76,8 +88,11 @@ class GateResult:
 
     @property
     def passed(self) -> bool:
-        return all(c.passed for c in self.cases) and all(
-            m.caught and m.attribution_ok for m in self.applicable
+        generated_ok = self.generated is None or self.generated.passed
+        return (
+            generated_ok
+            and all(c.passed for c in self.cases)
+            and all(m.caught and m.attribution_ok for m in self.applicable)
         )
 
     def to_dict(self) -> dict:
@@ -92,14 +107,22 @@ class GateResult:
         return {
             "passed": self.passed,
             "model": self.model,
+            "engine": self.engine,
             "environment": self.environment,
             "seconds": round(self.seconds, 2),
             "suites": per_suite,
+            "cases_not_applicable": self.cases_not_applicable,
             "mutation_score": self.mutation_score,
             "attribution_score": self.attribution_score,
             "mutation_check": "run" if self.mutants_run else "skipped",
             "mutants": {m.mutant.name: _mutant_dict(m) for m in self.mutants},
+            "generated": self._generated_dict(),
         }
+
+    def _generated_dict(self) -> dict | None:
+        if self.generated is None:
+            return None
+        return {**self.generated.to_dict(), "alone": self.generated_alone}
 
 
 def _case_dict(c: CaseResult) -> dict:
@@ -157,21 +180,66 @@ class Progress:
 def run_gate(
     model_name: str = "builtin:tiny-llama",
     suites: tuple[str, ...] = SUITES,
-    mutants: bool = True,
+    mutants: bool | Collection[str] = True,
     progress: bool = True,
     kv_cache_dtypes: tuple[str, ...] = DEFAULT_GATE_KV_DTYPES,
     dtype: str = "float32",
     tensor_parallel_size: int = 1,
+    engine: dict | None = None,
+    generated: GeneratedStage | None = None,
+    stack: bool = False,
+    report_dir: str | None = None,
 ) -> GateResult:
     """`kv_cache_dtypes`: quantized KV formats whose copies of the prefix, batching and
     preemption suites (and a CoW fork case) run too; a mutant bound to a KV format runs only
-    when its format is among them. `dtype`: the model's (and so the reference's) compute dtype.
-    `tensor_parallel_size` > 1: every engine (case, mutant) runs split over that many
-    processes, one set of workers reused by all of them."""
-    with _tensor_parallel_workers(tensor_parallel_size):
-        return _run_gate(
-            model_name, suites, mutants, progress, kv_cache_dtypes, dtype, tensor_parallel_size
-        )
+    when its format is among them or is the pool's. `dtype`: the model's (and so the
+    reference's) compute dtype. `tensor_parallel_size` > 1: every engine (case, mutant) runs
+    split over that many processes, one set of workers reused by all of them. `mutants`: all
+    (True), none (False), or only the named ones. `engine`: EngineConfig fields of the
+    configuration under test, the base of every case's engine (Runtime: a case's own fields
+    win); its `dtype` and `tensor_parallel_size`, when present, win over the arguments.
+    `generated`: the generated stage to run after the suites (its failures' reproducers go
+    under `report_dir`), and with mutants, every mutant against it alone (the generality
+    figure, reported apart from the mutation check). `stack`: the whole-stack suite (server
+    and router) and, with mutants, its own mutants, which count in the mutation check."""
+    engine = dict(engine or {})
+    dtype = engine.pop("dtype", dtype)
+    tp = engine.pop("tensor_parallel_size", tensor_parallel_size)
+    plan = GatePlan(
+        model_name, suites, mutants, kv_cache_dtypes, dtype, tp, engine, generated, stack
+    )
+    plan.report_dir = report_dir
+    with _tensor_parallel_workers(tp):
+        return _run_gate(plan, progress)
+
+
+@dataclass(slots=True)
+class GatePlan:
+    """What one gate run covers; each stage reads what it needs from it."""
+
+    model_name: str
+    suites: tuple[str, ...]
+    mutants: bool | Collection[str]
+    kv_cache_dtypes: tuple[str, ...]
+    dtype: str
+    tensor_parallel_size: int
+    engine: dict
+    generated: GeneratedStage | None = None
+    stack: bool = False
+    report_dir: str | None = None
+
+    @property
+    def pool_kv_dtype(self) -> str:
+        return self.engine.get("kv_cache_dtype", "auto")
+
+    def wants(self, mutant: Mutant, formats: tuple[str, ...] | None = None) -> bool:
+        """`formats`: the KV formats the cases run in (default: the pool's and the copies')."""
+        if self.mutants is False:
+            return False
+        if self.mutants is not True and mutant.name not in self.mutants:
+            return False
+        formats = (*self.kv_cache_dtypes, self.pool_kv_dtype) if formats is None else formats
+        return mutant.kv_cache_dtype in (None, *formats)
 
 
 def _tensor_parallel_workers(tensor_parallel_size: int):
@@ -182,42 +250,135 @@ def _tensor_parallel_workers(tensor_parallel_size: int):
     return shared_workers()
 
 
-def _run_gate(
-    model_name, suites, mutants, progress, kv_cache_dtypes, dtype: str, tp: int
-) -> GateResult:
+def _run_gate(plan: GatePlan, progress: bool) -> GateResult:
+    """The stages in order, on one model and one set of references: suites, then mutants."""
     start = time.perf_counter()
-    model, tokenizer = load_model(model_name, dtype)
-    kv_cache_dtypes = tuple(d for d in kv_cache_dtypes if d != "auto")
-    cases = build_suites(model.config.vocab_size, suites, kv_cache_dtypes)
-    suites = (*suites, *quantized_suite_names(suites, kv_cache_dtypes))
-    mutant_list = (
-        tuple(m for m in MUTANTS if m.kv_cache_dtype in (None, *kv_cache_dtypes)) if mutants else ()
+    model, tokenizer = load_model(plan.model_name, plan.dtype, plan.engine.get("device", "cpu"))
+    kv_copies = tuple(d for d in plan.kv_cache_dtypes if d not in ("auto", plan.pool_kv_dtype))
+    cases, unfit = _cases(plan, model.config, kv_copies)
+    suites = (*plan.suites, *quantized_suite_names(plan.suites, kv_copies))
+    mutant_list = [m for m in MUTANTS if plan.wants(m)]
+    scenarios = 0 if plan.generated is None else plan.generated.count or 0
+    bar = Progress(len(cases) + len(mutant_list) + scenarios, progress)
+    runtime = Runtime(
+        model,
+        tokenizer,
+        plan.model_name,
+        debug_checks=True,
+        tensor_parallel_size=plan.tensor_parallel_size,
+        engine=plan.engine,
     )
-    bar = Progress(len(cases) + len(mutant_list), progress)
-    runtime = Runtime(model, tokenizer, model_name, debug_checks=True, tensor_parallel_size=tp)
-    case_results = []
-    for case in cases:
-        case_results.append(run_case(case, runtime))
-        bar.step(f"{case.full_name}: {'ok' if case_results[-1].passed else 'FAIL'}")
-    mutant_results = []
-    for mutant in mutant_list:
-        reason = mutant.not_applicable(model.config)
-        if reason is not None:
-            mutant_results.append(MutantResult(mutant, False, [], None, None, 0.0, reason))
-            bar.step(f"mutant {mutant.name}: not applicable")
-            continue
-        mutant_results.append(run_mutant(mutant, model, tokenizer, model_name, cases, runtime))
-        bar.step(f"mutant {mutant.name}: {'caught' if mutant_results[-1].caught else 'MISSED'}")
+    case_results = _suite_stage(cases, runtime, bar)
+    generated = _generated_stage(plan, runtime, bar)
+    # Engine mutants need the suites' cases; without any (a generated-only run) they run
+    # against the generated scenarios alone, below.
+    mutant_results = _mutant_stage(mutant_list, cases, runtime, bar) if cases else []
+    alone = None
+    if generated is not None and mutant_list:
+        # the scenarios draw every KV format (unless one is fixed): format-bound mutants too
+        mutant_list = [m for m in MUTANTS if plan.wants(m, formats=_drawn_formats(plan))]
+        alone = alone_summary(
+            generated_alone(mutant_list, *_model_of(runtime), generated, runtime, run_mutant)
+        )
+    if plan.stack:
+        stack_cases, stack_mutants = _stack_stage(plan, runtime)
+        case_results += stack_cases
+        mutant_results += stack_mutants
+        suites = (*suites, *STACK_SUITES)
     bar.close()
     return GateResult(
-        model_name,
+        plan.model_name,
         suites,
         case_results,
         mutant_results,
         time.perf_counter() - start,
         _environment(model),
-        mutants_run=mutants,
+        mutants_run=plan.mutants is not False,
+        engine=dict(plan.engine),
+        cases_not_applicable=unfit,
+        generated=generated,
+        generated_alone=alone,
     )
+
+
+def _drawn_formats(plan: GatePlan) -> tuple[str, ...]:
+    fixed = plan.engine.get("kv_cache_dtype")
+    return (fixed,) if fixed else KV_CACHE_DTYPES
+
+
+def _model_of(runtime: Runtime):
+    return runtime.model, runtime.tokenizer, runtime.model_name
+
+
+def _generated_stage(plan: GatePlan, runtime: Runtime, bar: Progress) -> GeneratedResult | None:
+    if plan.generated is None:
+        return None
+
+    def show(scenario, result) -> None:
+        bar.step(f"generated {scenario.name}: {'ok' if result.passed else 'FAIL'}")
+
+    # What the user fixed (`kvpage verify --block-size ...`) every scenario keeps.
+    stage = replace(plan.generated, fixed={**plan.engine, **plan.generated.fixed})
+    return run_stage(stage, runtime, plan.report_dir, show)
+
+
+def _stack_stage(plan: GatePlan, runtime: Runtime):
+    """The server and router cases, then (with mutants) each stack mutant against them."""
+    model, tokenizer, name = _model_of(runtime)
+    cases = run_server_suite(model, tokenizer, name)
+    wanted = [
+        m
+        for m in STACK_MUTANTS
+        if plan.mutants is True or (plan.mutants is not False and m.name in plan.mutants)
+    ]
+    return cases, [run_server_mutant(m, model, tokenizer, name) for m in wanted]
+
+
+def _cases(plan: GatePlan, config, kv_copies: tuple[str, ...]):
+    """The suites' cases that fit the model, and why the others do not. A block size the user
+    verifies that the prefix suite does not already run gets the prefix cases at that size too
+    (every other case keeps its own block size)."""
+    cases = build_suites(config.vocab_size, plan.suites, kv_copies)
+    block_size = plan.engine.get("block_size")
+    if "prefix" in plan.suites and block_size is not None and block_size not in BLOCK_SIZES:
+        cases += prefix_cases(config.vocab_size, block_size)
+    limit = min(config.max_position_embeddings, plan.engine.get("max_model_len") or math.inf)
+    unfit = {c.full_name: _too_long(c, limit) for c in cases}
+    return [c for c in cases if unfit[c.full_name] is None], {
+        name: why for name, why in unfit.items() if why is not None
+    }
+
+
+def _too_long(case, limit: float) -> str | None:
+    """A case whose request cannot fit the model's context is not applicable to the model (like
+    a mutant its shape cannot express): the engine would refuse it, and rightly."""
+    longest = max((len(s.prompt) + s.params.max_tokens for s in case.requests), default=0)
+    if longest <= limit:
+        return None
+    return f"a request needs {longest} positions, the model has {int(limit)}"
+
+
+def _suite_stage(cases, runtime: Runtime, bar: Progress) -> list[CaseResult]:
+    results = []
+    for case in cases:
+        results.append(run_case(case, runtime))
+        bar.step(f"{case.full_name}: {'ok' if results[-1].passed else 'FAIL'}")
+    return results
+
+
+def _mutant_stage(mutant_list, cases, runtime: Runtime, bar: Progress) -> list[MutantResult]:
+    results = []
+    for mutant in mutant_list:
+        reason = mutant.not_applicable(runtime.model.config)
+        if reason is not None:
+            results.append(MutantResult(mutant, False, [], None, None, 0.0, reason))
+            bar.step(f"mutant {mutant.name}: not applicable")
+            continue
+        results.append(
+            run_mutant(mutant, runtime.model, runtime.tokenizer, runtime.model_name, cases, runtime)
+        )
+        bar.step(f"mutant {mutant.name}: {'caught' if results[-1].caught else 'MISSED'}")
+    return results
 
 
 def run_mutant(mutant: Mutant, model, tokenizer, model_name: str, cases, base: Runtime):
@@ -236,6 +397,7 @@ def run_mutant(mutant: Mutant, model, tokenizer, model_name: str, cases, base: R
         debug_checks=False,
         engine_factory=factory,
         tensor_parallel_size=base.tensor_parallel_size,
+        engine=base.engine_overrides,
     )
     runtime._refs = base._refs  # the references do not depend on the engine
     start = time.perf_counter()

@@ -8,8 +8,8 @@ computed, for the logits).
 
 The model is built from what the verifier saw, not from the engine's cache: the plans (which
 tokens each sample computed in which step), the tokens each sample drew (the tracer), and the
-switch calls made on the engine's public methods (wrapped here, so the switches' intended
-settings are logged whatever the engine does with them). It is an upper bound: eviction and
+caching switches the case set through the test driver (logged as asked for, whatever the engine
+does with them). It is an upper bound: eviction and
 the same-step wait only ever make a real hit smaller, so an honest engine never exceeds it."""
 
 from __future__ import annotations
@@ -24,16 +24,17 @@ from kvpage.verify.checks import Failure, _hit_divergence
 
 @dataclass(slots=True)
 class _Switches:
-    """Caching switch settings over time: (plan index from which it holds, salt or None for
-    the global switch, enabled)."""
+    """Caching switch settings over time: the driver's log, (steps run before the call, salt
+    or None for the global switch, is global, enabled)."""
 
     initial: bool
     changes: list[tuple[int, str | None, bool, bool]] = field(default_factory=list)
 
-    def on(self, plan: int, salt: str | None) -> bool:
+    def on(self, step: int, salt: str | None) -> bool:
+        """Whether caching was on for `salt` in engine step `step` (1-based)."""
         enabled_global, enabled_ns = self.initial, True
         for at, key, is_global, enabled in self.changes:
-            if at > plan:
+            if at >= step:
                 break
             if is_global:
                 enabled_global = enabled
@@ -46,39 +47,25 @@ class HitBounds(EngineObserver):
     def __init__(self, engine, case: Case) -> None:
         self.engine, self.case = engine, case
         self.block_size = engine.config.block_size
-        self.plans = 0
-        self.switches = _Switches(engine.config.enable_prefix_caching)
-        # sample -> (plan, first token computed, end): the steps that computed its KV
+        self.initial = engine.config.enable_prefix_caching
+        # sample -> (step, first token computed, end) of each step that computed its KV
         self.computed: dict[str, list[tuple[int, int, int]]] = {}
-        self.admitted: dict[str, int] = {}  # request id -> plan of its first scheduled step
-        self._wrap_switches(engine)
+        self.admitted: dict[str, int] = {}  # request id -> the step it was first scheduled in
         engine.add_observer(self)
 
-    def _wrap_switches(self, engine) -> None:
-        set_global, set_namespace = engine.set_prefix_caching, engine.set_namespace_caching
-
-        def set_prefix_caching(enabled: bool) -> None:
-            self.switches.changes.append((self.plans, None, True, bool(enabled)))
-            set_global(enabled)
-
-        def set_namespace_caching(cache_salt, enabled: bool) -> None:
-            self.switches.changes.append((self.plans, cache_salt, False, bool(enabled)))
-            set_namespace(cache_salt, enabled)
-
-        engine.set_prefix_caching = set_prefix_caching
-        engine.set_namespace_caching = set_namespace_caching
-
     def on_plan(self, plan: StepPlan) -> None:
+        step = self.engine.step_count
         for item in plan.scheduled:
             seq = item.seq
             start = seq.num_computed
-            span = (self.plans, start, start + item.num_new_tokens)
+            span = (step, start, start + item.num_new_tokens)
             self.computed.setdefault(seq.sample_id, []).append(span)
-            self.admitted.setdefault(seq.request_id, self.plans)
-        self.plans += 1
+            self.admitted.setdefault(seq.request_id, step)
 
     # --- after the case ----------------------------------------------------------------------
-    def check(self, finished, refs) -> list[Failure]:
+    def check(self, finished, refs, switch_log) -> list[Failure]:
+        """`switch_log`: the test driver's (kvpage.verify.driver.StepDriver.switch_log)."""
+        self.switches = _Switches(self.initial, list(switch_log))
         failures = []
         specs = {s.request_id: s for s in self.case.requests}
         tokens = self._tokens(specs)
@@ -120,13 +107,15 @@ class HitBounds(EngineObserver):
                 yield sid, other
 
     def _published(self, sid: str, want: list[int], before: int, salt, seq_tokens) -> bool:
-        """Sample `sid` holds `want` at its start and computed its last token (completing the
-        block) in a step that ran before plan `before` while caching was on for `salt`."""
+        """Sample `sid` holds `want` at its start, and ran a step before step `before`, while
+        caching was on for `salt`, by whose end its KV covered `want`. A step publishes every
+        full block of the sample's table not yet published, so blocks computed while caching
+        was off are published by the sample's first step after it is back on, never sooner."""
         if seq_tokens[: len(want)] != want:
             return False
         return any(
-            plan < before and start < len(want) <= end and self.switches.on(plan, salt)
-            for plan, start, end in self.computed.get(sid, [])
+            step < before and end >= len(want) and self.switches.on(step, salt)
+            for step, _, end in self.computed.get(sid, [])
         )
 
     def _tokens(self, specs) -> dict[str, list[int]]:

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 
 from kvpage.verify.diff import WHERE_TO_LOOK
+from kvpage.verify.generated.report import markdown_lines as generated_markdown_lines
+from kvpage.verify.generated.report import summary_lines as generated_summary_lines
 
 # The per-step fields shown for reference and candidate at a first divergence.
 STEP_FIELDS = (
@@ -24,6 +26,7 @@ STEP_FIELDS = (
 
 
 def write_reports(result, directory: str | Path) -> dict:
+    """`result`: a GateResult or a MatrixResult (its to_dict() has `cells`)."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     data = result.to_dict()
@@ -54,7 +57,43 @@ def _caught(m: dict) -> str:
     return "caught" if m["caught"] else "MISSED"
 
 
+def cell_rows(data: dict) -> list[tuple[str, ...]]:
+    """One row per matrix cell: configuration, parts run, verdict, cases, mutants, seconds."""
+    rows = []
+    for c in data.get("cells", []):
+        mutants = (
+            "-"
+            if c["mutation_score"] is None
+            else f"{c['mutation_score']:.0%} of {c['mutants_run']}"
+        )
+        cases = f"{c['cases'] - c['case_failures']}/{c['cases']} cases"
+        if c.get("scenarios"):
+            cases = f"{c['scenarios']} scenarios"
+        rows.append(
+            (
+                c["cell"],
+                "PASS" if c["passed"] else "FAIL",
+                cases,
+                f"mutants {c['parts']['mutants']}: {mutants}",
+                f"{c['seconds']:.1f}s",
+            )
+        )
+    return rows
+
+
+CELL_HEADER = ("cell", "result", "cases", "mutants", "seconds")
+
+
+def _cell_table(data: dict) -> list[str]:
+    rows = [CELL_HEADER, *cell_rows(data)]
+    width = [max(len(r[i]) for r in rows) for i in range(len(CELL_HEADER))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in width))
+    return lines
+
+
 def summary_table(data: dict) -> str:
+    """The main cell's suites and mutants, then (a matrix) one line per cell."""
     rows = [("suite / mutant", "result", "detail")]
     for suite, s in data["suites"].items():
         rows.append(
@@ -64,6 +103,8 @@ def summary_table(data: dict) -> str:
                 f"{s['cases'] - s['failures']}/{s['cases']} cases",
             )
         )
+    for name, why in data.get("cases_not_applicable", {}).items():
+        rows.append((f"case {name}", "n/a", why))
     for name, m in data["mutants"].items():
         if m.get("not_applicable"):
             rows.append((f"mutant {name}", "n/a", m["not_applicable"]))
@@ -75,8 +116,14 @@ def summary_table(data: dict) -> str:
     width = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in width))
+    if data.get("cells"):
+        lines += ["", *_cell_table(data)]
+    generated = generated_summary_lines(data.get("generated"))
+    if generated:
+        lines += ["", *generated]
     verdict = "PASSED" if data["passed"] else "FAILED"
-    lines.append(f"\ngate {verdict}: {scores(data)}, {data['seconds']:.1f}s")
+    cells = f" over {len(data['cells'])} cells" if len(data.get("cells", [])) > 1 else ""
+    lines.append(f"\ngate {verdict}{cells}: {scores(data)}, {data['seconds']:.1f}s")
     return "\n".join(lines)
 
 
@@ -90,6 +137,9 @@ def markdown(data: dict) -> str:
         "```",
         summary_table(data),
         "```",
+        "",
+        *_md_cells(data),
+        *generated_markdown_lines(data.get("generated")),
         "",
     ]
     for suite, s in data["suites"].items():
@@ -126,6 +176,31 @@ def markdown(data: dict) -> str:
         if m["first_divergence"]:
             lines += _md_divergence(f"mutant {name}", m["first_divergence"])
     return "\n".join(lines) + "\n"
+
+
+def _md_cells(data: dict) -> list[str]:
+    """The matrix: a table of cells, then the failures of cells other than the main one (the
+    main cell's suites and mutants follow in full)."""
+    if not data.get("cells"):
+        return []
+    lines = ["## Cells", "", "| " + " | ".join(CELL_HEADER) + " |", "|---" * len(CELL_HEADER) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in cell_rows(data)]
+    lines.append("")
+    for cell, case, message in _cell_failures(data):
+        lines.append(f"- cell `{cell}`, {case}: {message}")
+    return lines + [""]
+
+
+def _cell_failures(data: dict):
+    """(cell, case or mutant, message) of every failure outside the main cell."""
+    for c in data.get("cells", [])[1:]:
+        for s in c["suites"].values():
+            for r in s["results"]:
+                for f in r["failures"]:
+                    yield c["cell"], r["case"], f["message"]
+        for name, m in c["mutants"].items():
+            if m.get("not_applicable") is None and not (m["caught"] and m["attribution_ok"]):
+                yield c["cell"], f"mutant {name}", m["first_failure"] or "MISSED"
 
 
 def _md_divergence(title: str, d: dict) -> list[str]:
@@ -213,6 +288,16 @@ def html_page(data: dict) -> str:
         f"<p>Model <code>{e(data['model'])}</code>, {data['seconds']:.1f}s, {e(scores(data))}.</p>",
         f"<pre>{e(summary_table(data))}</pre>",
     ]
+    generated = data.get("generated")
+    if generated:
+        parts.append("<h2>Generated scenarios</h2>")
+        parts.append(f"<pre>{e(chr(10).join(generated_markdown_lines(generated)[3:]))}</pre>")
+    if data.get("cells"):
+        parts.append("<h2>Cells</h2>")
+        parts.append(_html_table(list(CELL_HEADER), [list(r) for r in cell_rows(data)]))
+        failures = [[c, case, msg] for c, case, msg in _cell_failures(data)]
+        if failures:
+            parts.append(_html_table(["cell", "case / mutant", "failure"], failures))
     for suite, s in data["suites"].items():
         parts.append(f"<h2>Suite {e(suite)}</h2>")
         parts.append(

@@ -37,12 +37,14 @@ from kvpage.verify.diff import (
     RequestContext,
     first_divergence,
     logit_atol,
+    logit_scale,
     numeric_tie_step,
     quantized_attribution,
 )
 from kvpage.verify.driver import StepDriver
 from kvpage.verify.hit_bounds import HitBounds
 from kvpage.verify.mutants.base import MissingSeam
+from kvpage.verify.properties import StepProperties, check_independence, pin_unseeded
 from kvpage.verify.trace import EngineTracer
 
 __all__ = ["SUITES", "CaseResult", "Failure", "Runtime", "build_suites", "run_case"]
@@ -68,7 +70,14 @@ class CaseResult:
 
 
 class Runtime:
-    """The model, its reference memo, and how to build an engine (mutants override it)."""
+    """The model, its reference memo, and how to build an engine (mutants override it).
+
+    `engine`: the user's EngineConfig fields (`kvpage verify --block-size ...`), the base of
+    every case's engine. A case's own overrides win over them: a case sets a field only when
+    the case is built around it (prompt lengths at its block size +-1, a pool small enough to
+    force preemption, unquantized KV for the quantized-path control run), and under another
+    value it would test nothing. Fields no case sets (dtype, KV format, tensor-parallel size,
+    usually the token budget and preemption mode) run as the user gave them."""
 
     def __init__(
         self,
@@ -78,20 +87,20 @@ class Runtime:
         debug_checks: bool = True,
         engine_factory: Callable[[EngineConfig], LLMEngine] | None = None,
         tensor_parallel_size: int = 1,
+        engine: dict | None = None,
     ) -> None:
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
         self.debug_checks = debug_checks
         self.tensor_parallel_size = tensor_parallel_size
+        self.engine_overrides = dict(engine or {})
         self.engine_factory = engine_factory or (lambda cfg: LLMEngine(cfg, model, tokenizer))
         self._refs: dict[tuple, ReferenceOutput] = {}
 
     def make_engine(self, overrides: dict) -> LLMEngine:
-        args = dict(
-            model=self.model_name,
-            debug_checks=self.debug_checks,
-            tensor_parallel_size=self.tensor_parallel_size,
-        )
-        args.update(overrides)
+        args = dict(model=self.model_name, tensor_parallel_size=self.tensor_parallel_size)
+        args.update(self.engine_overrides)  # the configuration under test
+        args.update(overrides)  # the case's own fields: the point of the case
+        args["debug_checks"] = self.debug_checks  # the gate's choice, never the user's
         return self.engine_factory(EngineConfig(**args))
 
     def reference(
@@ -101,19 +110,14 @@ class Runtime:
         sample: int = 0,
         max_tokens: int | None = None,
         kv_cache_dtype: str = "auto",
-        seed: int | None = None,
     ) -> ReferenceOutput:
         """Sample `sample` of the request, run alone on the contiguous reference (with the K/V
         round trip of `kv_cache_dtype`); `max_tokens` cuts it short (the first k steps do not
-        depend on how many follow). `seed`: the seed an unseeded sample's generator started
-        from in the engine (its draws replay from it; that the engine's seeds are independent
-        of one another is a property checked apart)."""
+        depend on how many follow)."""
         fmt = kv_format(kv_cache_dtype, self.model.dtype)
         ns = base_namespace(self.model, self.tokenizer, block_size, self.model_name, fmt)
         ns_hex = ns.with_salt(spec.cache_salt).digest().hex()
         params = spec.params.for_sample(sample)
-        if params.seed is None and seed is not None:
-            params = replace(params, seed=seed)
         if max_tokens is not None and max_tokens < params.max_tokens:
             params = replace(params, max_tokens=max(1, max_tokens))
         span = block_size if fmt.quantized else 0
@@ -154,21 +158,26 @@ class Runtime:
 def run_case(case: Case, runtime: Runtime) -> CaseResult:
     start = time.perf_counter()
     failures: list[Failure] = []
-    engine = None
+    engine = props = None
     steps = 0
     try:
         case = replace(case, requests=[runtime.resolve(s) for s in case.requests])
         engine = runtime.make_engine(case.engine)
         engine.add_observer(EngineTracer(engine))
+        props = StepProperties(engine)
+        engine.add_observer(props)
         bounds = HitBounds(engine, case)
         drive = _Drive(engine, case)
         finished, steps = drive.run()
-        failures += drive.liveness  # first: when the engine stalls, the rest follows from it
+        # First: a broken step rule is the cause of what the later checks see.
+        failures += props.failures + check_independence(case, engine.tracer.records)
+        failures += drive.liveness  # when the engine stalls, the rest follows from it
         refs: dict[str, list[StepRecord]] = {}
-        failures += _check_requests(case, runtime, engine, finished, refs)
+        pinned, outputs = pin_unseeded(case, engine.tracer.records, finished)
+        failures += _check_requests(pinned, runtime, engine, outputs, refs)
         failures += check_provenance(engine.tracer, refs)
         failures += check_expectations(case, engine, finished, refs)
-        failures += bounds.check(finished, refs)
+        failures += bounds.check(finished, refs, drive.driver.switch_log)
         failures += check_baseline(engine)
         if engine.kv_format.quantized or engine.kv_format.cast_only:
             _attribute_rounded_kv(case, runtime, failures)
@@ -178,7 +187,9 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         # What the engine produced before it crashed is still diffed: the first divergence
         # usually says more than the exception that followed it.
         if engine is not None and engine.tracer is not None and not failures:
-            failures += _partial_divergences(case, runtime, engine)
+            failures += props.failures if props is not None else []
+            pinned = pin_unseeded(case, engine.tracer.records, {})[0]
+            failures += _partial_divergences(pinned, runtime, engine)
         failures.append(Failure("crash", f"{type(err).__name__}: {err}"))
     stats = {} if engine is None else engine.stats()
     return CaseResult(
@@ -326,9 +337,7 @@ def _check_requests(
             cand = records.get(sample_id, [])
             completion = _completion(out, sample)
             cut = completion is None or completion.finish_reason not in ("stop", "length")
-            seed = _engine_seed(cand)
-            length = len(cand) if cut else None
-            ref = runtime.reference(spec, block_size, sample, length, kv_dtype, seed)
+            ref = runtime.reference(spec, block_size, sample, len(cand) if cut else None, kv_dtype)
             tie = _tie_step(runtime, spec, sample, ref.records, cand, kv_dtype)
             if tie is not None:  # both sides follow other tokens after it: compare up to it
                 records[sample_id] = cand = cand[:tie]
@@ -343,7 +352,8 @@ def _check_requests(
                 failures.append(Failure("divergence", message, sample_id, div))
             failures += check_sampling(spec, sample, ref.records, cand, completion)
     canaries = {sid: s.canary for s in case.requests if s.canary for sid in s.sample_ids()}
-    margin = max(TOPK_MARGIN, logit_atol(kv_dtype, runtime.model.dtype))
+    scale = logit_scale([r for recs in refs.values() for r in recs])
+    margin = max(TOPK_MARGIN, logit_atol(kv_dtype, runtime.model.dtype, scale))
     for leak in find_foreign_canaries(canaries, records, refs, margin):
         failures.append(Failure("canary", str(leak), leak.victim))
     if case.check_sampling:
@@ -360,21 +370,15 @@ def _partial_divergences(case: Case, runtime: Runtime, engine: LLMEngine) -> lis
             if not cand:
                 continue
             kv_dtype = engine.config.kv_cache_dtype
-            block_size, seed = engine.config.block_size, _engine_seed(cand)
-            ref = runtime.reference(spec, block_size, sample, len(cand), kv_dtype, seed)
-            atol, ties = logit_atol(kv_dtype, runtime.model.dtype), _ties(runtime)
+            ref = runtime.reference(spec, engine.config.block_size, sample, len(cand), kv_dtype)
+            atol = logit_atol(kv_dtype, runtime.model.dtype, logit_scale(ref.records))
+            ties = _ties(runtime)
             div = first_divergence(ref.records[: len(cand)], cand, atol, ties_allowed=ties)
             if div is not None:
                 div.request_id = sample_id
                 message = f"{sample_id} diverged at step {div.step} ({div.kind}: {div.detail})"
                 failures.append(Failure("divergence", message, sample_id, div))
     return failures
-
-
-def _engine_seed(cand: list[StepRecord]) -> int | None:
-    """The seed the sample's generator started from in the engine (None for greedy)."""
-    sampler = cand[0].sampler if cand else None
-    return None if sampler is None else sampler["seed"]
 
 
 def _completion(out, sample: int):
@@ -386,7 +390,8 @@ def _tie_step(runtime: Runtime, spec, sample: int, ref, cand, kv_dtype: str) -> 
     if not _ties(runtime):
         return None
     greedy = spec.params.for_sample(sample).temperature == 0.0
-    return numeric_tie_step(ref, cand, logit_atol(kv_dtype, runtime.model.dtype), greedy)
+    atol = logit_atol(kv_dtype, runtime.model.dtype, logit_scale(ref))
+    return numeric_tie_step(ref, cand, atol, greedy)
 
 
 def _ties(runtime: Runtime) -> bool:
@@ -409,5 +414,5 @@ def _diff_sample(
         finish_cand,
         tuple(sorted(stop_token_ids(runtime.model, params))),
     )
-    atol = logit_atol(kv_dtype, runtime.model.dtype)
+    atol = logit_atol(kv_dtype, runtime.model.dtype, logit_scale(ref.records))
     return first_divergence(ref_records, cand, atol, context=context, ties_allowed=_ties(runtime))

@@ -67,8 +67,8 @@ def _tenant_switch(t: Tokens) -> Case:
         for rid, salt, prompt, at, _ in plan
     ]
     actions = [
-        Action("tenant a off", _at(6), lambda e: e.engine.set_namespace_caching("a", False)),
-        Action("tenant a on", _at(18), lambda e: e.engine.set_namespace_caching("a", True)),
+        Action("tenant a off", _at(6), lambda e: e.set_namespace_caching("a", False)),
+        Action("tenant a on", _at(18), lambda e: e.set_namespace_caching("a", True)),
     ]
     return Case(
         "namespaces",
@@ -96,8 +96,8 @@ def _global_switch(t: Tokens) -> Case:
         for rid, salt, prompt, at, _ in plan
     ]
     actions = [
-        Action("caching off", _at(6), lambda e: e.engine.set_prefix_caching(False)),
-        Action("caching on", _at(18), lambda e: e.engine.set_prefix_caching(True)),
+        Action("caching off", _at(6), lambda e: e.set_prefix_caching(False)),
+        Action("caching on", _at(18), lambda e: e.set_prefix_caching(True)),
     ]
     return Case(
         "namespaces",

@@ -23,6 +23,7 @@ def resource_cases(vocab: int) -> list[Case]:
         ]
     cases.append(_timeout_while_swapped(Tokens(vocab, seed=709)))
     cases.append(_parked_swap_does_not_block(Tokens(vocab, seed=710)))
+    cases.append(_reservation_preemption_off(Tokens(vocab, seed=711)))
     return cases
 
 
@@ -151,4 +152,25 @@ def _parked_swap_does_not_block(t: Tokens) -> Case:
         actions=[park],
         expect_counters={"swap_ins": 1},
         hold_steps=30,
+    )
+
+
+def _reservation_preemption_off(t: Tokens) -> Case:
+    """Preemption switched off before the first step, on a pool that holds the worst case of
+    five of the eight requests at once (4 blocks each of 22): admission must reserve every
+    running request's growth (none may stall for a block) and still admit a request whenever
+    its worst case fits what is left."""
+    specs = [
+        RequestSpec(f"r{i}", t.take(10 + i % 3), greedy(18), arrive_step=i // 4) for i in range(8)
+    ]
+    switch_off = Action(
+        "switch preemption off", lambda e, s: s == 0, lambda e: e.engine.set_preemption(False)
+    )
+    return Case(
+        "resources",
+        "reservation_preemption_off",
+        specs,
+        _engine("recompute", num_blocks=22),
+        actions=[switch_off],
+        expect_finish={s.request_id: "length" for s in specs},
     )

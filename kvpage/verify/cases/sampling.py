@@ -6,6 +6,8 @@ together must follow the oracle's distribution (kvpage.verify.sampling_oracle)."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvpage.sampling_params import SamplingParams
 from kvpage.verify.case import Action, Case, RequestSpec, Tokens
 
@@ -24,6 +26,7 @@ def sampling_cases(vocab: int) -> list[Case]:
     t = Tokens(vocab, seed=808)
     cases = [_seeded_batch(t)]
     cases += [_seeded_preempted(t, mode) for mode in ("recompute", "swap")]
+    cases.append(_unseeded(Tokens(vocab, seed=809)))
     return cases
 
 
@@ -78,4 +81,26 @@ def _seeded_preempted(t: Tokens, mode: str) -> Case:
         expect_preemption=True,
         check_sampling=True,
         hold_steps=6,
+    )
+
+
+def _unseeded(t: Tokens) -> Case:
+    """Unseeded requests with one prompt: two with n = 4 and two with n = 1, submitted in
+    different steps. Each sample must draw independently of every other (the engine seeds
+    each sequence itself); each is diffed against the reference replaying its own seed, and
+    all draws together must follow the oracle."""
+    prompt = t.take(13)
+    unseeded = SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True)
+    specs = [
+        RequestSpec("u4a", prompt, replace(unseeded, n=4)),
+        RequestSpec("u1a", prompt, unseeded),
+        RequestSpec("u4b", prompt, replace(unseeded, n=4), arrive_step=2),
+        RequestSpec("u1b", prompt, unseeded, arrive_step=3),
+    ]
+    return Case(
+        "sampling",
+        "unseeded_independent",
+        specs,
+        dict(block_size=B, num_blocks=96),
+        check_sampling=True,
     )

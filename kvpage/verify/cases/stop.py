@@ -11,7 +11,7 @@ B = 8
 
 
 def stop_cases(vocab: int) -> list[Case]:
-    return [_stop_tokens(vocab), _eos(vocab), _length_boundaries(vocab)]
+    return [_stop_tokens(vocab), _eos(vocab), _length_boundaries(vocab), _stop_at_max_tokens(vocab)]
 
 
 def _stop_tokens(vocab: int) -> Case:
@@ -63,4 +63,24 @@ def _length_boundaries(vocab: int) -> Case:
         specs,
         dict(block_size=B, num_blocks=32),
         expect_finish={s.request_id: "length" for s in specs},
+    )
+
+
+def _stop_at_max_tokens(vocab: int) -> Case:
+    """The stop token is the one the reference draws as the last token max_tokens allows (the
+    first, on a block boundary, inside a block): both rules end the request there, and the
+    finish reason must be "stop"."""
+    t = Tokens(vocab, seed=407)
+    specs = []
+    for i, k in enumerate((0, B - 4, B - 1, 2 * B - 3)):
+        prompt = t.take(B + 3 + i)
+        specs.append(RequestSpec(f"greedy.max{k + 1}", prompt, greedy(k + 1), stop_at_ref_step=k))
+        sampled = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=k + 1, seed=60 + i)
+        specs.append(RequestSpec(f"sampled.max{k + 1}", prompt, sampled, stop_at_ref_step=k))
+    return Case(
+        "stop",
+        "stop_at_max_tokens",
+        specs,
+        dict(block_size=B, num_blocks=64),
+        expect_finish={s.request_id: "stop" for s in specs},
     )

@@ -51,13 +51,35 @@ class Limits:
     vocab_high: int = 256
 
 
-def generate(seed: int, index: int, limits: Limits = Limits()) -> Scenario:
-    """Scenario `index` of the stream `seed`."""
+# Engine fields a user may fix (`kvpage verify --block-size 16 ...`): a scenario then draws
+# everything else around them. The pool stays the scenario's: its size is what makes a scenario
+# tight or ample for its own requests.
+FIXABLE = (
+    "block_size",
+    "kv_cache_dtype",
+    "preemption_mode",
+    "enable_prefix_caching",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+)
+
+
+def generate(seed: int, index: int, limits: Limits = Limits(), fixed: dict | None = None):
+    """Scenario `index` of the stream `seed`; `fixed`: engine fields (FIXABLE) it must keep."""
+    fixed = {k: v for k, v in (fixed or {}).items() if k in FIXABLE and v is not None}
     rng = random.Random(f"kvpage-scenario:{seed}:{index}")
     gen = _Draw(rng, limits)
-    block = rng.choice(BLOCK_SIZES)
+    block = fixed.get("block_size", rng.choice(BLOCK_SIZES))
     requests = gen.requests(block)
+    for r in requests:  # a request of more samples than the fixed cap would be refused
+        r.n = min(r.n, fixed.get("max_num_seqs", r.n))
     engine, covers = gen.engine(block, requests)
+    engine.update(fixed)
+    covers.update({k: v for k, v in fixed.items() if k in covers})
+    if "enable_prefix_caching" in fixed:
+        covers["prefix_caching"] = fixed["enable_prefix_caching"]
+    if "preemption_mode" in fixed and covers["preemption"] != "off":
+        covers["preemption"] = fixed["preemption_mode"]
     events = gen.events(requests, covers)
     covers.update(gen.covers)
     return Scenario(f"s{seed}-{index}", engine, requests, events, seed, index, covers)
@@ -67,6 +89,7 @@ class _Draw:
     def __init__(self, rng: random.Random, limits: Limits) -> None:
         self.rng, self.limits = rng, limits
         self.covers: dict[str, object] = {}
+        self.window: tuple[int, int, str | None] | None = None  # caching off from, on at, salt
         self.tokens = list(range(limits.vocab_low, limits.vocab_high))
 
     def take(self, n: int) -> list[int]:
@@ -82,34 +105,78 @@ class _Draw:
             self.take(block * rng.randint(1, self.limits.max_prefix_blocks) + 1)
             for _ in range(rng.randint(1, 2))
         ]
-        prompts: list[list[int]] = []
-        offsets = []
-        for _ in range(count):
-            source = rng.choice(roots + prompts)
-            if rng.random() < 0.2:
-                source = self._transplant(source, roots + prompts, block)
-            whole = len(source) // block
-            offset = rng.choice((-1, 0, 1))
-            shared = max(0, min(len(source), block * rng.randint(0, max(whole, 1)) + offset))
-            if rng.random() < 0.15:
-                shared = len(source)  # the whole prompt again: the cap leaves one token
+        # a prompt's namespace: most often its source's (sharing needs one), else any
+        sources = [(root, rng.choice(SALTS)) for root in roots]
+        prompts, salts, late, offsets = [], [], [], []
+        for i in range(count):
+            source, salt = rng.choice(sources)
+            salt = salt if rng.random() < 0.7 else rng.choice(SALTS)
+            if rng.random() < 0.2 and len(source) >= 2 * block:
+                source = self._transplant(source, [p for p, _ in sources], block)
+                late.append(i)  # after both of its parents are cached
+            prompt, offset = self._extend(source, block)
             offsets.append(offset)
-            prompts.append(
-                source[:shared] + self.take(rng.randint(0 if shared else 1, self.limits.max_tail))
-            )
+            prompts.append(prompt)
+            salts.append(salt)
+            sources.append((prompt, salt))
         self.covers["shared_offset"] = sorted(set(offsets))
         arrivals = self._arrivals(count)
-        salts = [rng.choice(SALTS) for _ in range(count)]
-        return [
+        for i in late:
+            arrivals[i] = max(arrivals) + rng.randint(3, 10)
+        requests = [
             self._request(f"r{i}", p, a, s, block)
             for i, (p, a, s) in enumerate(zip(prompts, arrivals, salts, strict=True))
         ]
+        if rng.random() < 0.2:
+            requests += self._aligned_again(requests, block)
+        if rng.random() < 0.3:
+            requests += self._after_an_off_window(requests, block)
+        return requests
+
+    def _after_an_off_window(self, requests, block: int) -> list[RequestScenario]:
+        """A writer runs while caching is off (globally or for its namespace) and a reader of
+        its prefix comes after caching is back on: what was computed while off must not be
+        served. The switch events follow from `self.window`."""
+        writers = [r for r in requests if len(r.prompt) >= block and r.timeout_s is None]
+        if not writers:
+            return []
+        w = self.rng.choice(writers)
+        shared = block * self.rng.randint(1, len(w.prompt) // block)
+        arrive = w.arrive_step + self.rng.randint(4, 14)
+        prompt = w.prompt[:shared] + self.take(self.rng.randint(1, 5))
+        reader = RequestScenario(f"r{len(requests)}", prompt, arrive, self.rng.randint(1, 6))
+        reader.cache_salt = w.cache_salt
+        self.window = (w.arrive_step, arrive - 1, w.cache_salt)
+        self.covers["off_window"] = True
+        return [reader]
+
+    def _extend(self, source: list[int], block: int) -> tuple[list[int], int]:
+        """`source` cut on a block boundary or one token either side, then a private tail."""
+        rng = self.rng
+        whole = len(source) // block
+        offset = rng.choice((-1, 0, 1))
+        shared = max(0, min(len(source), block * rng.randint(0, max(whole, 1)) + offset))
+        if rng.random() < 0.15:
+            shared = len(source)  # the whole prompt again: the cap leaves one token
+        tail = self.take(rng.randint(0 if shared else 1, self.limits.max_tail))
+        return source[:shared] + tail, offset
+
+    def _aligned_again(self, requests, block: int) -> list[RequestScenario]:
+        """A prompt of whole blocks, and later the very same prompt: every block is a hit, yet
+        one token must still be computed for the logits."""
+        r = self.rng.choice(requests)
+        if len(r.prompt) < block:
+            return []
+        prompt = r.prompt[: block * (len(r.prompt) // block)]
+        first = RequestScenario(f"r{len(requests)}", prompt, r.arrive_step, self.rng.randint(1, 6))
+        again = RequestScenario(f"r{len(requests) + 1}", list(prompt), r.arrive_step + 3, 3)
+        first.cache_salt = again.cache_salt = r.cache_salt
+        self.covers["aligned_again"] = True
+        return [first, again]
 
     def _transplant(self, source: list[int], pool: list[list[int]], block: int) -> list[int]:
         """Another prompt's first block before `source`'s later blocks: the same block after a
         different parent, which only a key that chains its parent tells apart."""
-        if len(source) < 2 * block:
-            return source
         heads = [p[:block] for p in pool if len(p) >= block and p[:block] != source[:block]]
         head = self.rng.choice(heads) if heads else self.take(block)
         self.covers["transplanted"] = True
@@ -203,6 +270,12 @@ class _Draw:
         events: list[EventScenario] = []
         if covers["preemption"] == "off":
             events.append(EventScenario("switch", 0, switch="preemption", enabled=False))
+        if self.window is not None:
+            off, on, salt = self.window
+            which = rng.choice(("prefix_caching", "namespace_caching"))
+            salt = salt if which == "namespace_caching" else None
+            events.append(EventScenario("switch", off, switch=which, cache_salt=salt))
+            events.append(EventScenario("switch", on, switch=which, enabled=True, cache_salt=salt))
         kinds = []
         for _ in range(rng.randint(0, self.limits.max_events)):
             kind = rng.choice(("abort", "preempt", "switch", "swap_fail", "swap_then_abort"))

@@ -194,12 +194,11 @@ def _in_prefill(driver: StepDriver, rid: str) -> bool:
 
 
 def _toggle(driver: StepDriver, event: EventScenario) -> None:
-    engine = driver.engine
     if event.switch == "prefix_caching":
-        engine.set_prefix_caching(event.enabled)
+        driver.set_prefix_caching(event.enabled)
     elif event.switch == "namespace_caching":
-        engine.set_namespace_caching(event.cache_salt, event.enabled)
+        driver.set_namespace_caching(event.cache_salt, event.enabled)
     elif event.switch == "preemption":
-        engine.set_preemption(event.enabled)
+        driver.engine.set_preemption(event.enabled)
     else:
         raise ValueError(f"unknown switch {event.switch!r} (one of {SWITCHES})")

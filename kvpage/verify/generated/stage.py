@@ -27,11 +27,12 @@ class GeneratedStage:
     budget_s: float | None = None
     shrink_budget_s: float = 60.0
     limits: Limits = field(default_factory=Limits)
+    fixed: dict = field(default_factory=dict)  # engine fields every scenario keeps (FIXABLE)
 
     def scenarios(self):
         index = 0
         while self.count is None or index < self.count:
-            yield generate(self.seed, index, self.limits)
+            yield generate(self.seed, index, self.limits, self.fixed)
             index += 1
 
 
