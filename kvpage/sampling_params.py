@@ -26,6 +26,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     n: int = 1  # parallel samples of one prompt (forked after prefill)
+    # Per prompt token after the first: its logprob and the top k at its position (vLLM's name)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -46,6 +48,14 @@ class SamplingParams:
             raise InvalidRequest(f"n must be an int >= 1, got {self.n!r}")
         if self.logprobs is not None and self.logprobs < 0:
             raise InvalidRequest(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int)
+            or isinstance(self.prompt_logprobs, bool)
+            or self.prompt_logprobs < 0
+        ):
+            raise InvalidRequest(
+                f"prompt_logprobs must be None or an int >= 0, got {self.prompt_logprobs!r}"
+            )
         self._check_seed()
 
     def _check_seed(self) -> None:

@@ -81,7 +81,15 @@ class KVCacheManager:
         return BlockKeyChain(namespace.digest(), self.block_size, self.fast_key_bits)
 
     # --- prefix hits -----------------------------------------------------------------------
-    def acquire_prefix(self, table: BlockTable, chain: BlockKeyChain, prompt_len: int) -> int:
+    def acquire_prefix(
+        self,
+        table: BlockTable,
+        chain: BlockKeyChain,
+        prompt_len: int,
+        max_blocks: int | None = None,
+    ) -> int:
+        """Take the cached full blocks the prompt starts with (at most `max_blocks` when given)
+        and return the tokens they hold."""
         if table.block_ids or table.num_tokens:
             raise InvariantViolation(f"seq {table.seq_id}: acquire_prefix on a non-empty table")
         if not 0 < prompt_len <= chain.num_tokens:
@@ -94,6 +102,8 @@ class KVCacheManager:
         if not self._caching_on(chain.namespace_digest):
             return 0
         cap = self.max_hit_blocks(prompt_len)
+        if max_blocks is not None:
+            cap = min(cap, max_blocks)
         hits = self.index.match(chain, cap)
         for found in self.index.take_corruptions():  # the index knows keys, not sequences
             self._corruptions.append((table.seq_id, found))

@@ -52,6 +52,14 @@ def add_parser(sub) -> None:
         "--admin-token-file",
         help=f"file holding the admin token (else ${ADMIN_TOKEN_ENV}; with neither, /admin is off)",
     )
+    srv.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model's names in the API (as vLLM: requests may use any, responses and "
+        "/v1/models give the first; default: the model argument)",
+    )
     srv.add_argument("--shadow-rate", type=fraction, default=0.01, help="cache hits re-checked")
     srv.add_argument(
         "--audit-log",
@@ -116,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     check_replica_args(args)
     if args.replicas > 1:
         return _cmd_serve_replicas(args)
-    options = _server_options(args)  # every file and the address, before the model loads
+    options = server_options(args)  # every file and the address, before the model loads
     fault = audit_faults.chosen(args)
     _check_listen(args.host, args.port)
     engine = LLMEngine(_engine_config(args, **audit_faults.config_overrides(fault)))
@@ -154,7 +162,7 @@ def _cmd_serve_replicas(args: argparse.Namespace) -> int:
 
     from kvpage.serve_replicas.prefix_router import RouterConfig
 
-    options = _server_options(args)
+    options = server_options(args)
     if options.audit_log is not None:  # the replicas' working directory is Ray's, not ours
         options = replace(options, audit_log=str(Path(options.audit_log).resolve()))
     # One secret for all replicas (and their replacements): a tenant's salt is the same on each.
@@ -192,7 +200,7 @@ def _wait_for_stop_signal() -> None:
             pass
 
 
-def _server_options(args: argparse.Namespace) -> ServerOptions:
+def server_options(args: argparse.Namespace) -> ServerOptions:
     from kvpage.server import ServerOptions
     from kvpage.server.tenants import load_api_keys
 
@@ -205,8 +213,12 @@ def _server_options(args: argparse.Namespace) -> ServerOptions:
         _check_writable(audit_log)
     else:
         _audit_to_stderr()
+    names = tuple(args.served_model_name or (args.model,))
+    if any(not name for name in names):
+        raise CliError("--served-model-name: names must be non-empty")
     return ServerOptions(
-        model_name=args.model,
+        model_name=names[0],
+        served_model_names=names,
         api_keys=api_keys,
         admin_token=_admin_token(args),
         shadow_rate=args.shadow_rate,

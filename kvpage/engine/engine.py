@@ -195,6 +195,19 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if not prompt_ids:
             raise InvalidRequest("prompt is empty: at least one token is needed")
+        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad_stops:
+            raise InvalidRequest(
+                f"stop_token_ids {bad_stops[:5]} are outside the vocabulary [0, {vocab})"
+            )
+        if params.top_k > vocab:
+            raise InvalidRequest(
+                f"top_k {params.top_k} is more than the vocabulary's {vocab} tokens"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:
+                raise InvalidRequest(f"{name} {k} is more than the vocabulary's {vocab} tokens")
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(
@@ -346,6 +359,8 @@ class LLMEngine:
                 observer.on_step_ran(batch)
         finally:
             self.executor.release(batch)
+        if batch.prompt_logits is not None:
+            self._score_prompts(batch)
         self.scheduler.commit(plan)
         sampled = self._sample(batch, logits)
         outputs = self.scheduler.update(plan, sampled)
@@ -356,6 +371,38 @@ class LLMEngine:
         for observer in self._observers:
             observer.on_sampled(batch, logits, tokens)
         return outputs
+
+    def _score_prompts(self, batch: StepBatch) -> None:
+        at = 0
+        for rows in batch.prompt_rows:
+            seq, p = rows.seq, rows.first_position
+            scored = seq.prompt_ids[p + 1 : p + 1 + rows.count]
+            logits = batch.prompt_logits[at : at + rows.count]
+            seq.prompt_logprobs += self.prompt_logprob_rows(
+                logits, scored, seq.params.prompt_logprobs
+            )
+            at += rows.count
+
+    def prompt_logprob_rows(
+        self, logits: torch.Tensor, token_ids: list[int], k: int
+    ) -> list[dict[int, float]]:
+        """Row i of `logits` (R, V) scores token_ids[i] (the prompt token after its position):
+        the top k and that token itself, k + 1 entries when it is outside the top k (vLLM's
+        prompt_logprobs). A declared seam (kvpage.engine.hooks)."""
+        logprobs = torch.log_softmax(logits, dim=-1)  # (R, V)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+        chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+        if k:
+            top_vals, top_ids = torch.topk(logprobs, k, dim=-1)
+            tops = zip(top_ids.tolist(), top_vals.tolist(), strict=True)
+        else:
+            tops = (([], []) for _ in token_ids)
+        rows = []
+        for token, lp, (t_ids, t_vals) in zip(token_ids, chosen, tops, strict=True):
+            row = dict(zip(t_ids, t_vals, strict=True))
+            row[token] = lp
+            rows.append(row)
+        return rows
 
     def _validate(self, batch: StepBatch) -> None:
         """Debug checks: every table entry the step reads is the incarnation it snapshotted,

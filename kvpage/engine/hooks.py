@@ -45,6 +45,7 @@ SEAMS: dict[str, Seam] = {
         Seam("scheduler", "fits_worst_case", "the reservation with preemption off (worst case)"),
         Seam("scheduler", "acquire_prefix", "the admission's prefix lookup (what it shares)"),
         Seam("scheduler", "count_lookup", "which admissions count as prefix queries and hits"),
+        Seam("scheduler", "prompt_hit_blocks", "the hit cap of a prompt-logprob request"),
         Seam("scheduler", "stop_reason", "the stop rule after each appended token"),
         Seam("cache", "cow_needed", "the copy-on-write decision"),
         Seam("cache", "max_hit_blocks", "how much of a prompt a prefix hit may cover"),
@@ -55,6 +56,7 @@ SEAMS: dict[str, Seam] = {
         Seam("sampler", "sample", "the sampler: one token per row"),
         Seam("runner", "check_batch", "the packed batch's layout guard (cu_seqlens)"),
         Seam("engine", "namespace", "the namespace requests are keyed in (salted per tenant)"),
+        Seam("engine", "prompt_logprob_rows", "prompt logits rows -> prompt logprobs"),
         Seam("engine", "patch_kv_shards", "the KV pool's code on every rank (quantize, copy…)"),
     )
 }

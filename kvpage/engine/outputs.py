@@ -46,6 +46,9 @@ class RequestOutput:
     metrics: RequestMetrics
     new_token_ids: list[int] = field(default_factory=list)  # produced by the step that made this
     error: str | None = None  # why, when a sample ended with finish_reason "error"
+    # vLLM's shape: None for the first prompt token, then per token {id: logprob} (the top k and
+    # the token itself); on the finished output of a request that asked for them
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 Decode = Callable[[list[int]], str] | None  # the tokenizer's decode, if the model has one
@@ -71,6 +74,10 @@ def progress_output(seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         metrics(seq, seq.num_preemptions),
         new_token_ids=new_tokens,
         error=seq.error,
+        # On a sample's first output, so a stream can send the prompt's rows before its tokens
+        prompt_logprobs=None
+        if offset or seq.prompt_logprobs is None
+        else list(seq.prompt_logprobs),
     )
 
 
@@ -94,6 +101,7 @@ def final_output(samples: list[Sequence], new_tokens: list[int], decode: Decode)
         metrics(head, preemptions),
         new_token_ids=new_tokens,
         error=error,
+        prompt_logprobs=None if head.prompt_logprobs is None else list(head.prompt_logprobs),
     )
 
 

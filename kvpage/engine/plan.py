@@ -76,6 +76,17 @@ class BlockOpsDone:
 
 
 @dataclass(slots=True)
+class PromptRows:
+    """Rows of a step's batch whose logits give prompt logprobs: rows first_row.. at positions
+    first_position.., each scoring the prompt token after it."""
+
+    seq: Sequence
+    first_row: int
+    first_position: int
+    count: int
+
+
+@dataclass(slots=True)
 class StepBatch:
     """The model's input for one step: what a tracer observes and what the runner consumes."""
 
@@ -87,6 +98,10 @@ class StepBatch:
     sample_rows: list[int]  # last row of each sequence whose pending tokens are all computed
     sample_seqs: list[ScheduledSeq]
     context_lens: list[int]  # per scheduled sequence: tokens its attention reads, chunk included
+    # Only for requests that asked for prompt logprobs (empty otherwise: no extra logits).
+    prompt_rows: list[PromptRows] = field(default_factory=list)
+    # (sum of counts, V) float32: set by the run, one row per prompt row, in prompt_rows' order
+    prompt_logits: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -68,6 +68,7 @@ class Requests:
             cache_salt=req.cache_salt,
             logprobs=[] if req.params.logprobs is not None else None,
             token_logprobs=[] if req.params.logprobs is not None else None,
+            prompt_logprobs=None if req.params.prompt_logprobs is None else [None],
         )
         self.heads[req.request_id] = seq
         self.samples[req.request_id] = [seq]
@@ -95,6 +96,9 @@ class Requests:
             cache_salt=parent.cache_salt,
             logprobs=[] if params.logprobs is not None else None,
             token_logprobs=[] if params.logprobs is not None else None,
+            # The prompt's rows are complete at the fork (it follows the prefill) and never
+            # change again: shared, so each sample's first output can carry them.
+            prompt_logprobs=parent.prompt_logprobs,
             status=SeqStatus.RUNNING,
             num_computed=parent.num_computed,
             num_cached_tokens=parent.num_cached_tokens,

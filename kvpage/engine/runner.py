@@ -8,7 +8,7 @@ import torch
 
 from kvpage.cache.block_table import TableSnapshot
 from kvpage.cache.manager import KVCacheManager
-from kvpage.engine.plan import ScheduledSeq, StepBatch
+from kvpage.engine.plan import PromptRows, ScheduledSeq, StepBatch
 from kvpage.kv.storage import KVStorage
 from kvpage.model.base import CausalLM
 from kvpage.model.paged_attention import (
@@ -48,8 +48,13 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs: list[ScheduledSeq] = []
         context_lens: list[int] = []
+        prompt_rows: list[PromptRows] = []
         for item in scheduled:
             seq, start, n = item.seq, item.seq.num_computed, item.num_new_tokens
+            if seq.needs_prompt_rows:
+                rows = prompt_rows_of(seq, start, n, len(ids))
+                if rows is not None:
+                    prompt_rows.append(rows)
             ids += seq.token_at(start, start + n)
             positions += range(start, start + n)
             cu.append(cu[-1] + n)
@@ -60,7 +65,15 @@ class ModelRunner:
         self.check_batch(cu, len(ids))
         snaps = [self.cache.snapshot(item.seq.table) for item in scheduled]
         return StepBatch(
-            scheduled, ids, positions, cu, snaps, sample_rows, sample_seqs, context_lens
+            scheduled,
+            ids,
+            positions,
+            cu,
+            snaps,
+            sample_rows,
+            sample_seqs,
+            context_lens,
+            prompt_rows,
         )
 
     def check_batch(self, cu_seqlens: list[int], num_tokens: int) -> None:
@@ -76,10 +89,17 @@ class ModelRunner:
             (batch.input_ids, batch.positions), dtype=torch.long, device=self.device
         )  # (2, N): one host-to-tensor copy for both
         hidden = self.forward(ids_pos, meta)  # (N, C)
+        if batch.prompt_rows:
+            batch.prompt_logits = self._prompt_logits(hidden, batch.prompt_rows)
         if batch.sample_rows != list(range(hidden.shape[0])):  # a decode step samples every row
             rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
             hidden = hidden[rows]
         return self.model.compute_logits(hidden).float()  # (M, V)
+
+    def _prompt_logits(self, hidden: torch.Tensor, prompt_rows: list[PromptRows]) -> torch.Tensor:
+        rows = [r for p in prompt_rows for r in range(p.first_row, p.first_row + p.count)]
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[index]).float()  # (R, V)
 
     def forward(self, ids_pos: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
         """Hidden states (N, C); under tensor parallelism every worker runs the same inputs."""
@@ -158,3 +178,19 @@ class ModelRunner:
         lens_t = torch.tensor(lens, dtype=torch.long, device=self.device)
         mask = self._rows(width * self.block_size)[None, :] < lens_t[:, None]
         return padded, mask[:, None, None, :], lens_t
+
+
+def prompt_rows_of(seq, start: int, n: int, first_row: int) -> PromptRows | None:
+    """The chunk's rows [start, start + n) whose logits score a prompt token not scored yet:
+    position p scores token p + 1, for the prompt's tokens 1..L-1 (rows scored before a
+    recompute preemption are not scored again)."""
+    done = len(seq.prompt_logprobs) - 1  # rows scored so far
+    if start > done:
+        # A prefix hit skipped rows never scored: appending these would shift every row by the
+        # gap, so the list stays short (the scheduler's hit cap keeps this from happening).
+        return None
+    lo = max(start, done)
+    hi = min(start + n, len(seq.prompt_ids) - 1)
+    if lo >= hi:
+        return None
+    return PromptRows(seq, first_row + lo - start, lo, hi - lo)

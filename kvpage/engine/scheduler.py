@@ -270,8 +270,15 @@ class Scheduler:
     def acquire_prefix(self, seq: Sequence) -> None:
         """The admission's prefix lookup (a declared seam): the cached blocks it takes, before
         any allocation. Tracers see every lookup's result (a retry's too)."""
-        seq.num_computed = self.cache.acquire_prefix(seq.table, seq.chain, seq.num_tokens)
+        cap = self.prompt_hit_blocks(seq)
+        seq.num_computed = self.cache.acquire_prefix(seq.table, seq.chain, seq.num_tokens, cap)
         self.note_prefix(seq)
+
+    def prompt_hit_blocks(self, seq: Sequence) -> int | None:
+        """The most cached blocks the request may take, beyond the cache's own cap (a declared
+        seam): none while it still needs prompt logprobs, since a hit's positions would have no
+        logits to score the prompt with; no limit (None) otherwise."""
+        return 0 if seq.needs_prompt_rows else None
 
     def note_prefix(self, seq: Sequence) -> None:
         """Tell tracers the tokens the next step skips for `seq` (its num_computed)."""

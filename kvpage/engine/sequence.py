@@ -48,6 +48,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     token_logprobs: list[float] | None = None  # the chosen token's, when logprobs are wanted
+    # Per prompt token, None first (no logits precede it): the token's logprob and the top k
+    # of the logits row before it. Filled as prefill chunks compute the rows, in order.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # leading tokens whose KV is in the pool
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
@@ -79,6 +82,11 @@ class Sequence:
         if start >= n_prompt:
             return self.output_ids[start - n_prompt : end - n_prompt]
         return self.prompt_ids[start:] + self.output_ids[: end - n_prompt]
+
+    @property
+    def needs_prompt_rows(self) -> bool:
+        """Prompt logprobs were asked for and some are not computed yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def num_uncomputed(self) -> int:

@@ -17,7 +17,7 @@ class Tokenizer(Protocol):
     eos_token_id: int | None
     vocab_size: int
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -35,8 +35,9 @@ class ByteTokenizer:
         self.eos_token_id = self.NUM_BYTES + 1
         self.vocab_size = self.NUM_BYTES + 2
 
-    def encode(self, text: str) -> list[int]:
-        return [self.bos_token_id, *text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        body = list(text.encode("utf-8"))
+        return [self.bos_token_id, *body] if add_special_tokens else body
 
     def decode(self, ids: list[int]) -> str:
         for i in ids:
@@ -66,8 +67,10 @@ class HFTokenizer:
         self.bos_token_id = bos_token_id if bos_token_id is not None else special.get("bos")
         self.eos_token_id = eos_token_id if eos_token_id is not None else special.get("eos")
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`add_special_tokens=False` for text that spells its special tokens itself (a
+        rendered chat template): the post-processor would add a second BOS."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

@@ -133,3 +133,21 @@ def check_prompt(model: CausalLM, prompt_ids: list[int], params: SamplingParams)
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
             f"exceeds the model's {cfg.max_position_embeddings} positions"
         )
+
+
+@torch.inference_mode()
+def prompt_logprobs(
+    model: CausalLM, prompt_ids: list[int], k: int
+) -> list[dict[int, float] | None]:
+    """Prompt logprobs from one forward pass over the whole prompt, no cache: None for the first
+    token, then per token the top k of the logits before it and the token itself."""
+    logprobs = torch.log_softmax(model.forward_full(prompt_ids).float(), dim=-1)  # (L, V)
+    rows: list[dict[int, float] | None] = [None]
+    for p, token in enumerate(prompt_ids[1:]):
+        row = {}
+        if k:
+            values, ids = torch.topk(logprobs[p], k)
+            row = dict(zip(ids.tolist(), values.tolist(), strict=True))
+        row[token] = float(logprobs[p, token])
+        rows.append(row)
+    return rows

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 
@@ -22,7 +23,14 @@ from kvpage.engine.engine import LLMEngine
 from kvpage.errors import InvalidRequest
 from kvpage.model.tokenizer import encode_text
 from kvpage.server.audit import AuditLog, AuditObserver
-from kvpage.server.chat import load_chat_template
+from kvpage.server.batch import (
+    MAX_PROMPTS,
+    batch_body,
+    batch_events,
+    deltas_of_all,
+    submit_all,
+)
+from kvpage.server.chat import load_chat_template, simple_template
 from kvpage.server.engine_loop import EngineFailure, EngineLoop
 from kvpage.server.generation import Generation, run, submit
 from kvpage.server.metrics import ServerMetrics, engine_snapshot
@@ -30,6 +38,8 @@ from kvpage.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     error_response,
     invalid_request,
     sampling_params,
@@ -37,10 +47,12 @@ from kvpage.server.protocol import (
 )
 from kvpage.server.responses import (
     chunk_body,
+    echo_of,
     final_body,
     new_shape,
     role_chunk,
     sse,
+    token_text,
     usage_chunk,
 )
 from kvpage.server.shadow import ShadowChecker
@@ -94,11 +106,28 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's own errors (no such route, wrong method, unreadable body) in OpenAI's shape."""
     where = f"{request.method} {request.url.path}"
     message = {404: f"Invalid URL ({where})", 405: f"Method not allowed ({where})"}
-    text = message.get(exc.status_code, f"{exc.detail} ({where})")
+    text = message.get(exc.status_code) or _parse_failure(exc) or f"{exc.detail} ({where})"
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     err = ApiError(text, None, exc.status_code, kind)
     _count(request, err.status)
     return error_response(err, exc.headers)
+
+
+def _parse_failure(exc: HTTPException) -> str | None:
+    """What failed when FastAPI could not parse a body (it says only "There was an error parsing
+    the body"; the parser's own exception is the cause)."""
+    cause = exc.__cause__
+    if exc.status_code != 400 or cause is None:
+        return None
+    if isinstance(cause, RecursionError):
+        return "the request body nests too deeply to parse (arrays or objects inside each other)"
+    if isinstance(cause, UnicodeDecodeError):
+        bad = cause.object[cause.start : cause.start + 1].hex()
+        return f"the request body is not valid UTF-8 (byte 0x{bad} at offset {cause.start})"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        limit = sys.get_int_max_str_digits()
+        return f"a number in the request body has too many digits (more than {limit})"
+    return f"the request body could not be parsed: {type(cause).__name__}: {cause}"
 
 
 def _count(request: Request, status: int) -> None:
@@ -140,6 +169,8 @@ def _routes() -> APIRouter:
     router.add_api_route("/v1/models/{model_id:path}", model_card, methods=["GET"])
     router.add_api_route("/v1/completions", completions, methods=["POST"])
     router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    router.add_api_route("/tokenize", tokenize, methods=["POST"])
+    router.add_api_route("/detokenize", detokenize, methods=["POST"])
     return router
 
 
@@ -160,7 +191,7 @@ async def metrics(request: Request) -> Response:
 async def models(request: Request, authorization: str | None = Header(default=None)) -> dict:
     state: ServerState = request.app.state.server
     state.tenants.authenticate(authorization)
-    return {"object": "list", "data": [_card(state)]}
+    return {"object": "list", "data": [_card(state, name) for name in state.model_names]}
 
 
 async def model_card(
@@ -168,14 +199,68 @@ async def model_card(
 ) -> dict:
     state: ServerState = request.app.state.server
     state.tenants.authenticate(authorization)
-    if model_id != state.options.model_name:
+    if model_id not in state.model_names:
         message = f"The model {model_id!r} does not exist"
         raise ApiError(message, "model", 404, "not_found_error")
-    return _card(state)
+    return _card(state, model_id)
 
 
-def _card(state: ServerState) -> dict:
-    return {"id": state.options.model_name, "object": "model", "created": 0, "owned_by": "kvpage"}
+def _card(state: ServerState, name: str) -> dict:
+    return {
+        "id": name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "kvpage",
+        "root": state.loop.engine.config.model,
+        "max_model_len": state.loop.engine.max_model_len,
+    }
+
+
+# --- tokenizer endpoints (vLLM's shapes) -----------------------------------------------------
+async def tokenize(
+    body: TokenizeRequest, request: Request, authorization: str | None = Header(default=None)
+) -> dict:
+    state = _check_model(request, body.model, authorization)
+    body.check()
+    if body.messages is not None:
+        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        specials = body.add_special_tokens
+        if specials is None:  # as chat does: a model's own template spells its specials
+            specials = state.chat_template is simple_template
+        ids = _encode(state, state.chat_template(messages), add_special_tokens=specials)
+    else:
+        add = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = _encode(state, body.prompt, add_special_tokens=add)
+    engine = state.loop.engine
+    strs = [token_text(engine.tokenizer, t) for t in ids] if body.return_token_strs else None
+    return {
+        "count": len(ids),
+        "max_model_len": engine.max_model_len,
+        "tokens": ids,
+        "token_strs": strs,
+    }
+
+
+async def detokenize(
+    body: DetokenizeRequest, request: Request, authorization: str | None = Header(default=None)
+) -> dict:
+    state = _check_model(request, body.model, authorization)
+    engine = state.loop.engine
+    vocab = engine.model.config.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise ApiError(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+    if engine.tokenizer is None:
+        raise ApiError(f"{engine.config.model} has no tokenizer to decode with", "tokens")
+    return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+
+def _check_model(request: Request, model: str, authorization: str | None) -> ServerState:
+    state: ServerState = request.app.state.server
+    request.state.tenant = state.tenants.authenticate(authorization)
+    if model and model not in state.model_names:
+        raise ApiError(f"model {model!r} is not served here", "model", 404, "not_found_error")
+    return state
 
 
 # --- generation endpoints --------------------------------------------------------------------
@@ -183,10 +268,80 @@ async def completions(
     body: CompletionRequest, request: Request, authorization: str | None = Header(default=None)
 ) -> Response:
     state = _admit(request, body, authorization)
-    prompt = body.single_prompt()
-    prompt_ids = _encode(state, prompt) if isinstance(prompt, str) else list(prompt)
-    max_tokens = body.max_tokens or _room(state, prompt_ids)
+    prompts = body.prompts()
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
+    all_ids = [_encode(state, p) if isinstance(p, str) else list(p) for p in prompts]
+    if len(all_ids) > 1:
+        return await _serve_batch(request, state, body, all_ids)
+    prompt_ids = all_ids[0]
+    max_tokens = _room(state, prompt_ids) if body.max_tokens is None else body.max_tokens
     return await _serve(request, state, body, prompt_ids, max_tokens, body.logprobs, chat=False)
+
+
+async def _serve_batch(request, state, body, all_ids: list[list[int]]) -> Response:
+    """A list of prompts: one engine request each (kvpage.server.batch)."""
+    salt = state.tenants.cache_salt(request.state.tenant, body.cache_salt)
+    shape = new_shape(
+        False,
+        state.options.model_name,
+        body.logprobs,
+        body.return_token_ids,
+        body.include_usage,
+        body.echo,
+        body.prompt_logprobs,
+    )
+    tokenizer = state.loop.engine.tokenizer
+    gens = []
+    for i, ids in enumerate(all_ids):
+        max_tokens = _room(state, ids) if body.max_tokens is None else body.max_tokens
+        params = sampling_params(body, max(max_tokens, 1), body.logprobs)
+        rid = f"{shape.request_id}-{i}"
+        gen = Generation.new(
+            rid, ids, params, salt, tokenizer, body.stop_strings, state.text_stream
+        )
+        gen.echo_only = max_tokens == 0
+        gens.append(gen)
+    sinks = await submit_all(state, gens, request.state.tenant)
+    path = request.url.path
+    if body.stream:
+        return StreamingResponse(
+            _counted(batch_events(state, shape, gens, sinks), state, path),
+            media_type="text/event-stream",
+        )
+    response = await _complete_batch(request, state, shape, gens, sinks)
+    state.metrics.requests.labels(path, str(response.status_code)).inc()
+    return response
+
+
+async def _counted(events: AsyncIterator[str], state, path: str) -> AsyncIterator[str]:
+    status = "499"
+    try:
+        async for event in events:
+            yield event
+        status = "200"
+    finally:
+        state.metrics.requests.labels(path, status).inc()
+
+
+async def _complete_batch(request, state, shape, gens, sinks) -> Response:
+    async def collect() -> None:
+        async with aclosing(deltas_of_all(state, gens, sinks)) as deltas:
+            async for _ in deltas:
+                pass
+
+    task = asyncio.create_task(collect())
+    gone = asyncio.create_task(_disconnected(request))
+    await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if not task.done():
+        task.cancel()  # every prompt's run aborts its request on the way out
+        return Response(status_code=499)
+    try:
+        task.result()
+    except EngineFailure as err:
+        raise ApiError(str(err), None, err.status, "server_error") from err
+    return JSONResponse(batch_body(shape, gens, state.loop.engine.tokenizer))
 
 
 async def chat_completions(
@@ -194,7 +349,10 @@ async def chat_completions(
 ) -> Response:
     state = _admit(request, body, authorization)
     messages = [{"role": m.role, "content": m.text} for m in body.messages]
-    prompt_ids = _encode(state, state.chat_template(messages))
+    # A model's own (Jinja) template spells BOS and the other specials itself; encoding its text
+    # with special tokens would add them twice. The built-in template has none.
+    specials = state.chat_template is simple_template
+    prompt_ids = _encode(state, state.chat_template(messages), add_special_tokens=specials)
     max_tokens = body.max_completion_tokens or body.max_tokens or _room(state, prompt_ids)
     return await _serve(request, state, body, prompt_ids, max_tokens, body.num_logprobs, chat=True)
 
@@ -205,15 +363,17 @@ def _admit(request: Request, body, authorization: str | None) -> ServerState:
     request.state.tenant = state.tenants.authenticate(authorization)
     if state.draining:
         raise ApiError("the server is draining; retry elsewhere", None, 503, "service_unavailable")
-    if body.model and body.model != state.options.model_name:
+    if body.model and body.model not in state.model_names:
         raise ApiError(f"model {body.model!r} is not served here", "model", 404, "not_found_error")
     body.check_unsupported()
     return state
 
 
-def _encode(state: ServerState, text: str) -> list[int]:
+def _encode(state: ServerState, text: str, add_special_tokens: bool = True) -> list[int]:
     engine = state.loop.engine
     try:
+        if not add_special_tokens and engine.tokenizer is not None:
+            return engine.tokenizer.encode(text, add_special_tokens=False)
         return encode_text(engine.tokenizer, text, engine.config.model)
     except InvalidRequest as err:
         raise ApiError(str(err), "prompt") from err
@@ -227,27 +387,48 @@ def _room(state: ServerState, prompt_ids: list[int]) -> int:
 
 
 async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, chat) -> Response:
-    params = sampling_params(body, max_tokens, num_logprobs)
+    # max_tokens 0 (echo only): one token is drawn, since the prompt's rows come with a step,
+    # and dropped (Generation.echo_only).
+    params = sampling_params(body, max(max_tokens, 1), num_logprobs)
     salt = state.tenants.cache_salt(request.state.tenant, body.cache_salt)
     model = state.options.model_name
-    shape = new_shape(chat, model, num_logprobs, body.return_token_ids, body.include_usage)
+    echo = not chat and body.echo
+    shape = new_shape(
+        chat,
+        model,
+        num_logprobs,
+        body.return_token_ids,
+        body.include_usage,
+        echo,
+        body.prompt_logprobs,
+    )
     tokenizer = state.loop.engine.tokenizer
     stop = body.stop_strings
     gen = Generation.new(
         shape.request_id, prompt_ids, params, salt, tokenizer, stop, state.text_stream
     )
+    gen.echo_only = max_tokens == 0
     state.audit.tenants[gen.request_id] = request.state.tenant
     try:
         sink = await submit(state, gen)
     except InvalidRequest as err:
         state.audit.tenants.pop(gen.request_id, None)
-        raise invalid_request(err) from err
+        raise _named_as_sent(invalid_request(err), body, chat) from err
     if body.stream:
         events = _stream(state, shape, gen, sink, body.include_usage, request.url.path)
         return StreamingResponse(events, media_type="text/event-stream")
     response = await _complete(request, state, shape, gen, sink)
     state.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
     return response
+
+
+def _named_as_sent(err: ApiError, body, chat: bool) -> ApiError:
+    """The engine names its limit max_tokens; a chat request that sent max_completion_tokens
+    is told about the field it sent."""
+    if chat and err.param == "max_tokens" and body.max_completion_tokens is not None:
+        message = err.message.replace("max_tokens", "max_completion_tokens", 1)
+        return ApiError(message, "max_completion_tokens")
+    return err
 
 
 async def _stream(state, shape, gen, sink, include_usage: bool, path: str) -> AsyncIterator[str]:
@@ -267,11 +448,17 @@ async def _stream_events(state, shape, gen, sink, include_usage: bool) -> AsyncI
     if shape.chat:
         for index in range(len(gen.choices)):
             yield sse(role_chunk(shape, index))
+    started: set[int] = set()  # choices that have had a chunk (the first carries the echo)
+    echo = None  # made at the first delta: the prompt's logprobs come with the first output
     try:
         async with aclosing(run(state, gen, sink)) as deltas:
             async for delta in deltas:
-                if delta.text or delta.finish_reason is not None or not quiet:
-                    yield sse(chunk_body(shape, delta, tokenizer))
+                first = delta.index not in started
+                if first or delta.text or delta.finish_reason is not None or not quiet:
+                    started.add(delta.index)
+                    if shape.echo and echo is None:
+                        echo = echo_of(gen, tokenizer, shape.num_logprobs is not None)
+                    yield sse(chunk_body(shape, delta, tokenizer, echo, first, gen))
     except EngineFailure as err:
         yield sse({"error": {"message": str(err), "type": "server_error", "param": None}})
     if include_usage:

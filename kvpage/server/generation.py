@@ -105,6 +105,10 @@ class Generation:
     salt: str | None
     choices: list[Choice]
     cached_tokens: int = 0
+    # max_tokens 0 with echo: the engine draws one token (the prompt's rows need a step) and
+    # every choice drops it, ending with "length" and no completion tokens.
+    echo_only: bool = False
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # from the first output
 
     @classmethod
     def new(
@@ -133,14 +137,24 @@ class Generation:
     def advance(self, out: RequestOutput) -> list[Delta]:
         """The deltas of one engine output. Outputs of a choice already ended are dropped."""
         self.cached_tokens = out.metrics.num_cached_tokens
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished and self.params.n > 1:
             return self._close(out)  # the request's final output: every sample at once
         completion = out.outputs[0]
         choice = self.choices[completion.index]
         if choice.finish_reason is not None:
             return []
-        final = out.finished or completion.finish_reason is not None
-        return [choice.advance(completion, list(out.new_token_ids), final)]
+        final = out.finished or completion.finish_reason is not None or self.echo_only
+        new = [] if self.echo_only else list(out.new_token_ids)
+        return self._echo_only([choice.advance(completion, new, final)])
+
+    def _echo_only(self, deltas: list[Delta]) -> list[Delta]:
+        """With max_tokens 0 the prompt reached its length before any completion token."""
+        if self.echo_only:
+            for delta in deltas:
+                delta.finish_reason = self.choices[delta.index].finish_reason = "length"
+        return deltas
 
     def _close(self, out: RequestOutput) -> list[Delta]:
         """Progress outputs already ended the choices whose samples finished on their own; the
@@ -148,12 +162,15 @@ class Generation:
         deltas = []
         for choice, completion in zip(self.choices, out.outputs, strict=True):
             if choice.finish_reason is None:
-                new = completion.token_ids[len(choice.token_ids) :]
+                new = [] if self.echo_only else completion.token_ids[len(choice.token_ids) :]
                 deltas.append(choice.advance(completion, new, final=True))
-        return deltas
+        return self._echo_only(deltas)
 
     def shadow_jobs(self) -> list[ShadowJob]:
-        """One job per sample, each with the parameters it replays with alone."""
+        """One job per sample, each with the parameters it replays with alone (none when the
+        tokens drawn were dropped: nothing served to compare)."""
+        if self.echo_only:
+            return []
         if self.params.n == 1:
             return [self._job(self.request_id, self.params, self.choices[0])]
         return [

@@ -16,6 +16,7 @@ from kvpage.sampling_params import SamplingParams
 MAX_LOGPROBS = 20
 MAX_N = 16  # parallel samples per request: each one is a sequence of its own after prefill
 MAX_STOP = 16  # stop strings per request: each one is searched for on every token
+MAX_STOP_TOKEN_IDS = 1024  # each one is a set lookup per token; more is a mistake or an attack
 MAX_STOP_CHARS = 256  # per stop string: the text held back from a stream is one less than this
 
 
@@ -116,7 +117,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "include_stop_str_in_output": (False,),
     "allowed_token_ids": (),
     "bad_words": ([],),
-    "prompt_logprobs": (),
     "truncate_prompt_tokens": (),
     "guided_json": (),
     "guided_regex": (),
@@ -202,7 +202,7 @@ class _Common(_Strict):
     top_k: int = -1
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     n: int = 1
     stream: bool = False
@@ -211,6 +211,7 @@ class _Common(_Strict):
     frequency_penalty: float = 0.0
     cache_salt: str | None = None
     return_token_ids: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
 
     def check_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -247,31 +248,47 @@ class _Common(_Strict):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt is scored alone
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
-    def single_prompt(self) -> str | list[int]:
-        """One prompt: a string, a token-id list, or a batch of exactly one of them."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one string or token-id list, or a batch (a list of either)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ApiError("only one prompt per request is served (no batches)", "prompt")
-            p = p[0]
-        if not p:
-            raise ApiError("prompt is empty", "prompt")
-        return p
+        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        for i, one in enumerate(batch):
+            if not one:
+                where = "prompt is empty" if len(batch) == 1 else f"prompt {i} is empty"
+                raise ApiError(where, "prompt")
+        return batch
+
+    def single_prompt(self) -> str | list[int]:
+        """The first prompt (a router's affinity key: a batch goes where its first one does)."""
+        return self.prompts()[0]
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise ApiError("echo is not supported", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError("max_tokens must be >= 1 unless echo is true", "max_tokens")
         if self.suffix:
             raise ApiError("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
             raise ApiError("best_of must be 1", "best_of")
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """The echoed prompt carries logprobs: OpenAI scores it whenever logprobs are asked."""
+        return self.echo and self.logprobs is not None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top k the engine computes per prompt token: vLLM's field, or the echo's k."""
+        wanted = [k for k in (self.prompt_logprobs,) if k is not None]
+        if self.echo_logprobs:
+            wanted.append(self.logprobs)
+        return max(wanted) if wanted else None
 
 
 class ContentPart(_Strict):
@@ -301,10 +318,36 @@ class ChatCompletionRequest(_Common):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError("top_logprobs needs logprobs set to true", "top_logprobs")
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str = ""
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # None: True for a prompt, as chat does for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ApiError("send exactly one of prompt and messages", "prompt")
+        if self.add_generation_prompt is not True:
+            raise ApiError("add_generation_prompt false is not supported", "add_generation_prompt")
+
+
+class DetokenizeRequest(_Strict):
+    model: str = ""
+    tokens: list[int] = Field(max_length=1_000_000)
 
 
 def sampling_params(
@@ -323,6 +366,7 @@ def sampling_params(
             stop_token_ids=tuple(req.stop_token_ids),
             logprobs=num_logprobs,
             n=req.n,  # sample i draws with seed + i (SamplingParams.for_sample)
+            prompt_logprobs=req.num_prompt_logprobs,
         )
     except InvalidRequest as err:
         raise ApiError(str(err), _field_named(str(err))) from err

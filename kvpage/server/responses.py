@@ -11,6 +11,7 @@ from typing import Any
 from kvpage.model.tokenizer import Tokenizer
 from kvpage.server.generation import Delta, Generation, TokenLogprobs
 from kvpage.server.protocol import usage
+from kvpage.server.text_stream import TextStream
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,8 @@ class Shape:
     return_token_ids: bool
     created: int = 0
     include_usage: bool = False  # stream chunks carry `usage` (null until the last one)
+    echo: bool = False  # completions: each choice starts with the prompt (and its logprobs)
+    prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` field, with this top k
 
     @property
     def object(self) -> str:
@@ -36,12 +39,70 @@ def sse(body: dict[str, Any] | str) -> str:
 
 
 def new_shape(
-    chat: bool, model: str, num_logprobs: int | None, token_ids: bool, include_usage: bool = False
+    chat: bool,
+    model: str,
+    num_logprobs: int | None,
+    token_ids: bool,
+    include_usage: bool = False,
+    echo: bool = False,
+    prompt_logprobs: int | None = None,
 ) -> Shape:
     prefix = "chatcmpl" if chat else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     created = int(time.time())
-    return Shape(chat, request_id, model, num_logprobs, token_ids, created, include_usage)
+    return Shape(
+        chat,
+        request_id,
+        model,
+        num_logprobs,
+        token_ids,
+        created,
+        include_usage,
+        echo,
+        prompt_logprobs,
+    )
+
+
+@dataclass(slots=True)
+class Echo:
+    """The prompt as the start of every choice (completions' `echo`): its text, its tokens
+    and, when logprobs were asked for, theirs (None for the first token: nothing precedes it)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: TokenLogprobs | None
+
+    def before(self, text: str, token_ids: list[int], lp: TokenLogprobs | None):
+        """A choice's (or its first delta's) text, tokens and logprobs after the prompt."""
+        if lp is not None and self.logprobs is not None:
+            shift = len(self.text)
+            lp = TokenLogprobs(
+                self.logprobs.top + lp.top,
+                self.logprobs.chosen + lp.chosen,
+                self.logprobs.offsets + [o + shift for o in lp.offsets],
+            )
+        return self.text + text, self.token_ids + list(token_ids), lp
+
+
+def echo_of(gen: Generation, tok: Tokenizer, with_logprobs: bool) -> Echo:
+    """The prompt decoded token by token, so each token's offset is where its text starts."""
+    ids = list(gen.prompt_ids)
+    stream, offsets = TextStream(tok, []), []
+    for i, token in enumerate(ids):
+        offsets.append(stream.offset_of(token))
+        stream.add([token], final=i == len(ids) - 1)
+    if not with_logprobs or gen.prompt_logprobs is None:
+        return Echo(stream.text, ids, None)
+    rows = gen.prompt_logprobs
+    chosen = [None] + [row[t] for row, t in zip(rows[1:], ids[1:], strict=True)]
+    return Echo(stream.text, ids, TokenLogprobs([None, *rows[1:]], chosen, offsets))
+
+
+def shift_offsets(lp: TokenLogprobs | None, by: int) -> TokenLogprobs | None:
+    """A later delta's logprobs when the choice's text starts with an echoed prompt."""
+    if lp is None or not by:
+        return lp
+    return TokenLogprobs(lp.top, lp.chosen, [o + by for o in lp.offsets])
 
 
 def _envelope(shape: Shape, choices: list[dict], chunk: bool) -> dict[str, Any]:
@@ -58,28 +119,74 @@ def _envelope(shape: Shape, choices: list[dict], chunk: bool) -> dict[str, Any]:
 def final_body(shape: Shape, gen: Generation, tok: Tokenizer) -> dict[str, Any]:
     """One choice per sample, by index; usage counts the tokens of all of them."""
     choices = []
+    echo = echo_of(gen, tok, shape.num_logprobs is not None) if shape.echo else None
     for c in gen.choices:
         lps = c.logprobs if shape.num_logprobs is not None else None
-        choices.append(
-            _choice(shape, c.index, c.text.text, c.token_ids, lps, c.finish_reason, tok, False)
-        )
+        text, ids = c.text.text, c.token_ids
+        if echo is not None:
+            text, ids, lps = echo.before(text, ids, lps)
+        choice = _choice(shape, c.index, text, ids, lps, c.finish_reason, tok, False)
+        choices.append(_with_prompt_logprobs(shape, choice, gen, tok))
     body = _envelope(shape, choices, chunk=False)
+    if shape.chat and shape.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_field(gen, shape.prompt_logprobs, tok)
     body["usage"] = usage(len(gen.prompt_ids), gen.num_tokens, gen.cached_tokens)
     return body
 
 
-def chunk_body(shape: Shape, delta: Delta, tok: Tokenizer) -> dict[str, Any]:
-    choice = _choice(
-        shape,
-        delta.index,
-        delta.text,
-        delta.token_ids,
-        delta.logprobs,
-        delta.finish_reason,
-        tok,
-        True,
-    )
-    return _stream_envelope(shape, [choice])
+def chunk_body(
+    shape: Shape,
+    delta: Delta,
+    tok: Tokenizer,
+    echo: Echo | None = None,
+    first: bool = False,
+    gen: Generation | None = None,
+) -> dict[str, Any]:
+    """One delta as a chunk. With echo, a choice's first chunk starts with the prompt and
+    every offset counts the prompt's text; a choice's first chunk carries prompt_logprobs."""
+    text, ids, lps = delta.text, delta.token_ids, delta.logprobs
+    if echo is not None:
+        if first:
+            text, ids, lps = echo.before(text, ids, lps)
+        else:
+            lps = shift_offsets(lps, len(echo.text))
+    choice = _choice(shape, delta.index, text, ids, lps, delta.finish_reason, tok, True)
+    if first and gen is not None:
+        choice = _with_prompt_logprobs(shape, choice, gen, tok)
+    body = _stream_envelope(shape, [choice])
+    if first and gen is not None and shape.chat and shape.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_field(gen, shape.prompt_logprobs, tok)
+    return body
+
+
+def _with_prompt_logprobs(shape: Shape, choice: dict, gen: Generation, tok: Tokenizer) -> dict:
+    if not shape.chat and shape.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs_field(gen, shape.prompt_logprobs, tok)
+    return choice
+
+
+def prompt_logprobs_field(gen: Generation, k: int, tok: Tokenizer) -> list | None:
+    """vLLM's shape: None for the first prompt token, then per token {token id (a string, as
+    JSON keys are): {logprob, rank, decoded_token}}: the top k (rank 1..k) and the prompt token
+    itself, whose rank is null when it is outside the top k (its rank is not computed)."""
+    rows = gen.prompt_logprobs
+    if rows is None:
+        return None
+    out: list[dict | None] = [None]
+    for row, token in zip(rows[1:], gen.prompt_ids[1:], strict=True):
+        top = _top(row, k)
+        entry = {
+            str(t): {"logprob": v, "rank": r, "decoded_token": token_text(tok, t)}
+            for r, (t, v) in enumerate(top, start=1)
+        }
+        if str(token) not in entry:
+            entry[str(token)] = {
+                "logprob": row[token],
+                "rank": None,
+                "decoded_token": token_text(tok, token),
+            }
+        out.append(entry)
+    return out
 
 
 def role_chunk(shape: Shape, index: int = 0) -> dict[str, Any]:
@@ -128,9 +235,19 @@ def _logprobs(
     return {
         "tokens": [token_text(tok, t) for t in token_ids],
         "token_logprobs": list(lp.chosen),
-        "top_logprobs": [{token_text(tok, i): v for i, v in _top(top, k)} for top in lp.top],
+        "top_logprobs": [_top_with_chosen(t, c, top, k, tok) for t, c, top in per_token],
         "text_offset": list(lp.offsets),
     }
+
+
+def _top_with_chosen(token_id, chosen, top, k: int, tok: Tokenizer) -> dict[str, float] | None:
+    """The top k and the chosen token, k + 1 entries when it is outside them (OpenAI and vLLM);
+    None for an echoed prompt's first token."""
+    if top is None:
+        return None
+    entries = {token_text(tok, i): v for i, v in _top(top, k)}
+    entries.setdefault(token_text(tok, token_id), chosen)
+    return entries
 
 
 def _chat_entry(

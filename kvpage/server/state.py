@@ -21,6 +21,8 @@ from kvpage.server.text_stream import TextStream
 @dataclass(frozen=True, slots=True)
 class ServerOptions:
     model_name: str = "builtin:tiny-llama"  # what /v1/models lists and responses echo
+    # Every name a request may use (vLLM's --served-model-name); empty: model_name alone
+    served_model_names: tuple[str, ...] = ()
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant; empty: open server
     admin_token: str | None = None  # None: /admin is disabled
     shadow_rate: float = 0.01
@@ -47,6 +49,11 @@ class ServerState:
     draining: bool = False  # refuse new requests, finish running ones (admin switch, shutdown)
     # A declared seam (kvpage.server.seams): builds each choice's text stream.
     text_stream: Callable[[Tokenizer, list[str]], TextStream] = TextStream
+    created: int = field(default_factory=lambda: int(time.time()))  # /v1/models' `created`
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return self.options.served_model_names or (self.options.model_name,)
 
     async def shut_down(self, timeout: float, force: Callable[[], bool] = lambda: False) -> int:
         """Drain: admit nothing more, give the requests in flight up to `timeout` seconds (less

@@ -175,6 +175,7 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
         "position_ids_cand",
     ),
     "block_table": ("in_block_offset", "last_block_len", "block_ids", "generations"),
+    "prompt_logprobs": ("position", "token", "expected", "actual", "num_cached_tokens"),
     # Per-step properties (kvpage.verify.properties), found on the engine's plans and state:
     "step_budget": (
         "step",
@@ -215,6 +216,8 @@ WHERE_TO_LOOK = {
     "version, the quantiser's rounding",
     "prefix_key": "prefix key (namespace, chained digest) and position ids",
     "block_table": "in-block offset and last-block valid length in the block table",
+    "prompt_logprobs": "prompt logprob rows: which positions a prefill scores, the hit cap of "
+    "a request that wants them, row-to-token alignment (kvpage/engine/runner.py, engine.py)",
     "step_budget": "the scheduler's token and sequence budget per step (chunks, restores, forks)",
     "sample_independence": "where unseeded requests and forked samples get their generators",
     "finish_precedence": "the stop rule's order: a stop id at max_tokens is a stop",

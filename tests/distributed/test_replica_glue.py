@@ -44,6 +44,12 @@ def test_key_is_the_tenant_and_the_prompt_the_engine_will_see():
     assert ids.tokens == (5, 6, 7)
 
 
+def test_a_batch_of_prompts_goes_where_its_first_prompt_does():
+    keys, tok = _keys(KEYS), ByteTokenizer()
+    key = keys.key("/v1/completions", "Bearer key-bob", _body(prompt=["hello", "other"]))
+    assert (key.namespace, key.tokens) == ("tenant:bob", tuple(tok.encode("hello")))
+
+
 def test_open_server_partitions_by_cache_salt():
     keys = _keys({})
     salted = keys.key("/v1/completions", None, _body(prompt="x", cache_salt="s1"))
@@ -56,7 +62,7 @@ def test_open_server_partitions_by_cache_salt():
     [
         ("/v1/completions", "Bearer key-mallory", _body(prompt="x")),  # 401 at the replica
         ("/v1/completions", "Bearer key-alice", b"{not json"),
-        ("/v1/completions", "Bearer key-alice", _body(prompt=["a", "b"])),  # a batch: 400 there
+        ("/v1/completions", "Bearer key-alice", _body(prompt=["a", ""])),  # an empty prompt
         ("/v1/chat/completions", "Bearer key-alice", _body(messages=[])),
         ("/v1/models", "Bearer key-alice", b""),
     ],

@@ -23,10 +23,12 @@ BAD = [  # (path, body, field named)
     ("/v1/completions", {"prompt": "x", "logprobs": 99}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 99}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
     ("/v1/completions", {"prompt": [1, 99999]}, "prompt"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", ""]}, "prompt"),  # a batch with an empty prompt
+    ("/v1/completions", {"prompt": [[1, 2], [1, 99999]]}, "prompt"),  # its second outside
     ("/v1/completions", {"prompt": "x" * 1100}, "prompt"),  # more KV blocks than the pool
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
     ("/v1/completions", {"prompt": "x", "seed": "abc"}, "seed"),

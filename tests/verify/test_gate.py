@@ -63,6 +63,8 @@ EXPECTED_CLASS = {
     "one_scale_for_all_heads": "quantized_kv",
     "swap_in_without_scales": "quantized_kv",
     "int8_round_toward_zero": "quantized_kv",
+    # prompt logprobs: a hit for a request that needs every position's logits
+    "prompt_rows_under_a_hit": "prefix_key",
 }
 STEP_PAIR_CLASSES = {"block_table", "prefix_key", "restore", "sampling", "quantized_kv"}
 SUITES = {
@@ -76,6 +78,7 @@ SUITES = {
     "namespaces",
     "policy",
     "parallel",
+    "prompt_logprobs",
     # the gate's default --kv-cache-dtype int8 copies
     "prefix:int8",
     "batching:int8",

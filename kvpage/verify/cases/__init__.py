@@ -10,6 +10,7 @@ from kvpage.verify.cases.parallel import parallel_cases
 from kvpage.verify.cases.policy import policy_cases
 from kvpage.verify.cases.preemption import preemption_cases
 from kvpage.verify.cases.prefix import prefix_cases
+from kvpage.verify.cases.prompt_logprobs import prompt_logprob_cases
 from kvpage.verify.cases.quantized import REQUANTIZED_SUITES, cow_case, quantized_copies
 from kvpage.verify.cases.resources import resource_cases
 from kvpage.verify.cases.sampling import sampling_cases
@@ -26,6 +27,7 @@ SUITES = (
     "namespaces",
     "policy",
     "parallel",
+    "prompt_logprobs",
 )
 BLOCK_SIZES = (8, 16)
 
@@ -52,6 +54,7 @@ def build_suites(
         "namespaces": namespace_cases,
         "policy": policy_cases,
         "parallel": parallel_cases,
+        "prompt_logprobs": prompt_logprob_cases,
     }
     for name, build in builders.items():
         if name in suites:

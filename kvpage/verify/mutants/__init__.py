@@ -9,6 +9,7 @@ from kvpage.verify.mutants.cache import CACHE_MUTANTS
 from kvpage.verify.mutants.generations import GENERATION_MUTANTS
 from kvpage.verify.mutants.namespaces import NAMESPACE_MUTANTS
 from kvpage.verify.mutants.policy import POLICY_MUTANTS
+from kvpage.verify.mutants.prompt_logprobs import PROMPT_LOGPROB_MUTANTS
 from kvpage.verify.mutants.properties import PROPERTY_MUTANTS
 from kvpage.verify.mutants.quantized import QUANTIZED_MUTANTS
 from kvpage.verify.mutants.resources import RESOURCE_MUTANTS
@@ -24,6 +25,7 @@ MUTANTS: tuple[Mutant, ...] = (
     *NAMESPACE_MUTANTS,
     *POLICY_MUTANTS,
     *QUANTIZED_MUTANTS,
+    *PROMPT_LOGPROB_MUTANTS,
     *PROPERTY_MUTANTS,
 )
 

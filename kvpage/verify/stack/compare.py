@@ -148,12 +148,15 @@ def _entry(want: TokenEntry, have: dict, chat: bool) -> tuple[str, object, objec
 
 
 def _top(want: TokenEntry, have: dict, chat: bool) -> tuple[str, object, object] | None:
-    if set(want.top) != set(have["top"]):
-        return "top_logprobs", sorted(want.top), sorted(have["top"])
-    for name, value in want.top.items():
+    # Completions (OpenAI, vLLM) list the chosen token too when it is outside the top k; chat's
+    # top_logprobs are the top k alone.
+    top = want.top if chat else {want.text: want.logprob, **want.top}
+    if set(top) != set(have["top"]):
+        return "top_logprobs", sorted(top), sorted(have["top"])
+    for name, value in top.items():
         if not math.isclose(have["top"][name], value, abs_tol=LOGPROB_ATOL):
             return f"top_logprobs[{name}]", value, have["top"][name]
-        alt = want.top_bytes[name]
+        alt = want.top_bytes.get(name)
         if chat and have["top_bytes"][name] != (list(alt) if alt else None):
             return f"top_logprobs[{name}].bytes", list(alt), have["top_bytes"][name]
     return None

@@ -1,0 +1,205 @@
+"""lm-evaluation-harness (pinned in the test extra) against a real `kvpage serve` app: a
+multiple-choice loglikelihood task, generate_until with batch_size 4 and loglikelihood_rolling,
+from local JSONL tasks, on a small random-weight Llama with a real BPE tokenizer. Every item's
+loglikelihood equals transformers' on the same weights and the same token ids (the ones the
+engine received), with prefix caching on, on a first run and on a second one served from the
+cache."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from kvpage import EngineConfig, LLMEngine
+from kvpage.server import ServerOptions, create_app
+from kvpage.server.background import BackgroundServer
+
+from ..real_servers.models import ModelSpec, build
+
+pytestmark = pytest.mark.lm_eval
+
+TOL = 1e-4  # fp32 on both sides
+DATA = Path(__file__).parent / "lm_eval_data"
+SPEC = replace(
+    ModelSpec(),
+    name="lm-eval-tiny",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    init_std=0.15,
+)
+NAME = "tiny"
+
+TASKS = {
+    "kv_mc": f"""
+task: kv_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {DATA / "mc.jsonl"}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+""",
+    "kv_gen": f"""
+task: kv_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {DATA / "gen.jsonl"}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{target}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+""",
+    "kv_rolling": f"""
+task: kv_rolling
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {DATA / "rolling.jsonl"}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    # Local JSONL only: the datasets library must not look for a hub (none can be reached).
+    saved = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
+    os.environ.update(dict.fromkeys(saved, "1"))
+    root = tmp_path_factory.mktemp("lm-eval")
+    directory = build(root / "model", SPEC)
+    tasks = root / "tasks"
+    tasks.mkdir()
+    for name, text in TASKS.items():
+        (tasks / f"{name}.yaml").write_text(text)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory).float().eval()
+    engine = LLMEngine(EngineConfig(model=str(directory), num_blocks=128, block_size=16))
+    received: list[list[int]] = []
+    add = engine.add_request
+
+    def spy(request_id, prompt, *args, **kwargs):
+        received.append(list(engine.prompt_ids(prompt)))
+        return add(request_id, prompt, *args, **kwargs)
+
+    engine.add_request = spy  # records what the engine was asked, nothing else
+    with BackgroundServer(create_app(engine, ServerOptions(model_name=NAME))) as bg:
+        yield bg.url, directory, tasks, hf, engine, received
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _evaluate(url, directory, tasks):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    args = (
+        f"model={NAME},base_url={url}/v1/completions,tokenizer_backend=huggingface,"
+        f"tokenizer={directory},num_concurrent=1,max_retries=1,tokenized_requests=True,"
+        "max_length=256"
+    )
+    return lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=args,
+        tasks=list(TASKS),
+        task_manager=TaskManager(include_path=str(tasks)),
+        batch_size=4,
+        log_samples=True,
+        bootstrap_iters=0,
+    )
+
+
+def _loglikelihood(hf, context: list[int], continuation: list[int]) -> float:
+    ids = context + continuation
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return sum(logprobs[p - 1, ids[p]].item() for p in range(len(context), len(ids)))
+
+
+def _lm(directory):
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    return LocalCompletionsAPI(
+        base_url="http://unused/v1/completions",
+        tokenizer_backend="huggingface",
+        tokenizer=str(directory),
+        model=NAME,
+    )
+
+
+def test_lm_eval_tasks_match_transformers_cold_and_from_the_cache(harness):
+    url, directory, tasks, hf, engine, received = harness
+    lm = _lm(directory)
+    worst, runs, compared = 0.0, [], 0
+    for run in range(2):
+        before = engine.stats()["prefix_hits"]
+        results = _evaluate(url, directory, tasks)
+        samples = results["samples"]
+        runs.append(samples)
+        # multiple choice: each choice's loglikelihood of its continuation
+        for doc in samples["kv_mc"]:
+            for (context, continuation), resp in zip(doc["arguments"], doc["resps"], strict=True):
+                ctx, cont = lm._encode_pair(context, continuation)
+                assert ctx + cont in received  # the very ids lm-eval sent
+                got = resp[0][0]
+                worst = max(worst, abs(got - _loglikelihood(hf, ctx, cont)))
+                compared += 1
+        # rolling: one window per (short) text, after the prefix token
+        for doc in samples["kv_rolling"]:
+            text = doc["arguments"][0][0]
+            tokens = lm.tok_encode(text)
+            got = doc["resps"][0][0]
+            worst = max(worst, abs(got - _loglikelihood(hf, [lm.prefix_token_id], tokens)))
+            compared += 1
+        gens = [doc["resps"][0][0] for doc in samples["kv_gen"]]
+        assert len(gens) == 6 and all(isinstance(g, str) and "\n" not in g for g in gens)
+        if run == 1:  # everything asked before: the cache serves what it may
+            assert engine.stats()["prefix_hits"] > before
+    assert compared == 2 * (13 + 3)  # every choice of the 5 questions, every text, twice
+    assert worst <= TOL, worst
+    print(f"max |loglikelihood - transformers'| over {compared} items: {worst:.3g}")
+    # the second run, served from the cache, answers exactly as the first
+    for task in TASKS:
+        first = [doc["resps"] for doc in runs[0][task]]
+        second = [doc["resps"] for doc in runs[1][task]]
+        if task == "kv_gen":
+            assert first == second
+        else:
+            a, b = _numbers(first), _numbers(second)
+            assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) <= TOL
+
+
+def _numbers(value) -> list[float]:
+    """The loglikelihoods in lm-eval's nested responses, in order (is_greedy flags left out)."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, float | int):
+        return [float(value)]
+    return [x for item in value for x in _numbers(item)]
