@@ -22,6 +22,7 @@ from kvpage.sampling_params import SamplingParams
 from kvpage.verify.canary import TOPK_MARGIN, find_foreign_canaries
 from kvpage.verify.case import Case, RequestSpec
 from kvpage.verify.cases import SUITES, build_suites
+from kvpage.verify.cases.prompt_logprobs import check_prompt_logprobs
 from kvpage.verify.checks import (
     Failure,
     check_baseline,
@@ -178,6 +179,7 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         failures += check_provenance(engine.tracer, refs)
         failures += check_expectations(case, engine, finished, refs)
         failures += bounds.check(finished, refs, drive.driver.switch_log)
+        failures += check_prompt_logprobs(case, runtime.model, finished)
         failures += check_baseline(engine)
         if engine.kv_format.quantized or engine.kv_format.cast_only:
             _attribute_rounded_kv(case, runtime, failures)

@@ -58,7 +58,7 @@ def _planned(monkeypatch, argv: list[str]) -> tuple[list, dict]:
     """What `kvpage verify ARGV` would run: its cells and the base engine (nothing runs)."""
     seen = {}
 
-    def fake_run(cells, base, jobs, progress):
+    def fake_run(cells, base, jobs, progress, **stages):
         seen.update(cells=list(cells), base=base)
         raise SystemExit(0)
 

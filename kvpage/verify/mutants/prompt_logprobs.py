@@ -2,10 +2,9 @@
 prompt logprobs served a prefix hit (the hit's positions never get logits: vLLM's bug of prompt
 logprobs that go wrong with cached prefixes). Each replaces a declared seam.
 
-The row check (kvpage.verify.cases.prompt_logprobs.check_prompt_logprobs) catches both and
-attributes them to prompt_logprobs. The gate runs only its own checks, so it holds the mutants it
-can catch: the hit, by the case's expected cached tokens (0), a prefix_key finding.
-`ROW_CHECK_MUTANTS` are caught by the row check alone (its tests run them).
+The row check (kvpage.verify.cases.prompt_logprobs.check_prompt_logprobs, run on every case)
+catches both and attributes them to prompt_logprobs; in the gate the hit shows first as the
+case's expected cached tokens (0), a prefix_key finding.
 
 The engine keeps no per-block row store (a request that wants rows takes no hit, so every row is
 computed), so the bugs of such a store (rows from another namespace, rows outliving their
@@ -43,8 +42,6 @@ PROMPT_LOGPROB_MUTANTS: tuple[Mutant, ...] = (
         hit_for_prompt_rows,
         suites=("prompt_logprobs",),
     ),
-)
-ROW_CHECK_MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "prompt_rows_offset_by_one",
         "prompt logprob rows scored from the next position's logits",
