@@ -331,7 +331,10 @@ def _fake_engine(max_tokens=10, max_seqs=3, to_fork=(), eos=(2,), sample=None):
 
 def _seq(seq_id: int, n: int = 1, sid: str | None = None):
     return SimpleNamespace(
-        seq_id=seq_id, sample_id=sid or f"r{seq_id}", params=SamplingParams(n=n, max_tokens=4)
+        seq_id=seq_id,
+        sample_id=sid or f"r{seq_id}",
+        sample_index=0,
+        params=SamplingParams(n=n, max_tokens=4),
     )
 
 
