@@ -76,6 +76,8 @@ def test_the_generator_reaches_every_value_it_draws():
     }
     for dimension, values in expected.items():
         assert set(map(str, values)) <= set(table[dimension]), dimension
+    patterns = ("off_window", "siblings", "aligned_again", "transplanted", "prompt_logprobs")
+    assert set(patterns) <= set(table)
 
 
 def test_the_honest_engine_passes_generated_scenarios(runtime):

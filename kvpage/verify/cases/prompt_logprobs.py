@@ -86,6 +86,8 @@ def check_prompt_logprobs(case: Case, model, finished: dict[str, RequestOutput])
         if k is None or spec.request_id not in finished:
             continue
         out = finished[spec.request_id]
+        if any(c.finish_reason not in ("stop", "length") for c in out.outputs):
+            continue  # aborted, timed out or failed: its prompt may never have been scored
         expected = prompt_logprobs(model, spec.prompt, k)
         problem = _first_difference(expected, out.prompt_logprobs, spec.prompt)
         if problem is not None:

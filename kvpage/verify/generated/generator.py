@@ -77,7 +77,7 @@ def generate(seed: int, index: int, limits: Limits = Limits(), fixed: dict | Non
     """Scenario `index` of the stream `seed`; `fixed`: engine fields (FIXABLE) it must keep."""
     fixed = {k: v for k, v in (fixed or {}).items() if k in FIXABLE and v is not None}
     rng = random.Random(f"kvpage-scenario:{seed}:{index}")
-    gen = _Draw(rng, limits)
+    gen = _Draw(rng, limits, random.Random(f"kvpage-scenario:{seed}:{index}:side"))
     block = fixed.get("block_size", rng.choice(BLOCK_SIZES))
     requests = gen.requests(block)
     for r in requests:  # a request of more samples than the fixed cap would be refused
@@ -95,8 +95,8 @@ def generate(seed: int, index: int, limits: Limits = Limits(), fixed: dict | Non
 
 
 class _Draw:
-    def __init__(self, rng: random.Random, limits: Limits) -> None:
-        self.rng, self.limits = rng, limits
+    def __init__(self, rng: random.Random, limits: Limits, side: random.Random) -> None:
+        self.rng, self.limits, self.side = rng, limits, side
         self.covers: dict[str, object] = {}
         self.window: tuple[int, int, str | None] | None = None  # caching off from, on at, salt
         self.tokens = list(range(limits.vocab_low, limits.vocab_high))
@@ -280,6 +280,11 @@ class _Draw:
             enable_prefix_caching=rng.random() < 0.8,
             kv_cache_dtype=rng.choice(KV_CACHE_DTYPES),
         )
+        if engine["kv_cache_dtype"] == "auto":  # the row check's reference has no KV round trip
+            for r in requests:  # a side stream: the scenarios drawn before it stay the same
+                if r.timeout_s is None and self.side.random() < 0.25:
+                    r.prompt_logprobs = self.side.choice((0, 1, 3))
+                    self.covers["prompt_logprobs"] = True
         covers = dict(
             block_size=block,
             pool=pool,

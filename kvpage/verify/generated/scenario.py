@@ -36,6 +36,7 @@ class RequestScenario:
     logprobs: int | None = None
     cache_salt: str | None = None
     timeout_s: float | None = None
+    prompt_logprobs: int | None = None
 
     def params(self) -> SamplingParams:
         return SamplingParams(
@@ -48,6 +49,7 @@ class RequestScenario:
             stop_token_ids=tuple(self.stop_token_ids),
             logprobs=self.logprobs,
             n=self.n,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def spec(self) -> RequestSpec:
