@@ -64,6 +64,7 @@ class Sequence:
     kv_restored: bool = True  # False from swap-out until the restored KV has been copied back
     sample_index: int = 0  # which of the request's n parallel samples this sequence is
     num_draws: int = 0  # random draws taken from `generator` so far (its offset)
+    rows_offered: int = 0  # leading full blocks whose prompt rows went to the row store
 
     @property
     def sample_id(self) -> str:

@@ -84,6 +84,11 @@ class EngineTracer:
         pend.resume_mode = mode
         pend.restore_complete = pend.restore_complete and restore_complete
 
+    def on_prompt_rows(self, seq, sources: list) -> None:
+        """A hit served prompt rows kept for these (block, generation)s: they must be rows of
+        seq's own KV at those logical blocks, as if read."""
+        self.provenance.on_prompt_rows(seq, sources)
+
     def on_kv_copy(self, src: int, dst: int) -> None:
         """A copy-on-write copied block `src` into `dst` (KV written outside a step)."""
         self.provenance.on_kv_copy(src, dst)
