@@ -24,10 +24,7 @@ def parse_hf_config(cfg: dict[str, Any], revision: str = "") -> ModelConfig:
 
 
 def _parse_llama_like(cfg: dict[str, Any], model_type: str, revision: str) -> ModelConfig:
-    if cfg.get("use_sliding_window"):
-        raise UnsupportedModel(
-            "sliding-window attention (use_sliding_window=true) is not supported"
-        )
+    _refuse_unsupported_fields(cfg, model_type)
     hidden = cfg["hidden_size"]
     heads = cfg["num_attention_heads"]
     is_qwen2 = model_type == "qwen2"
@@ -53,6 +50,33 @@ def _parse_llama_like(cfg: dict[str, Any], model_type: str, revision: str) -> Mo
         eos_token_ids=_id_tuple(cfg.get("eos_token_id")),
         revision=revision,
     )
+
+
+def _refuse_unsupported_fields(cfg: dict[str, Any], model_type: str) -> None:
+    """Fields that change what the model computes and that this architecture does not
+    implement: refused by name, never silently run as if absent."""
+    problems = []
+    window = cfg.get("sliding_window")
+    # Mistral applies `sliding_window` whenever it is set; Qwen2 only with use_sliding_window.
+    windowed = cfg.get("use_sliding_window") if model_type == "qwen2" else model_type == "mistral"
+    if windowed and window is not None and window < cfg.get("max_position_embeddings", 2**31):
+        problems.append(f"sliding_window={window} (sliding-window attention)")
+    if model_type == "qwen2" and cfg.get("use_sliding_window") and window is None:
+        problems.append("use_sliding_window=true (sliding-window attention)")
+    kinds = set(cfg.get("layer_types") or ()) - {"full_attention"}
+    if kinds:
+        problems.append(f"layer_types with {sorted(kinds)} (only full_attention is supported)")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        problems.append(f"hidden_act={act!r} (supported: 'silu')")
+    partial = cfg.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        problems.append(f"partial_rotary_factor={partial} (only full rotary is supported)")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(name) is not None:
+            problems.append(f"{name}={cfg[name]}")
+    if problems:
+        raise UnsupportedModel(f"{model_type} config: not supported: " + "; ".join(problems))
 
 
 def _parse_gpt2(cfg: dict[str, Any], revision: str) -> ModelConfig:

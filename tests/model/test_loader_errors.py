@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -70,6 +71,30 @@ def test_unsupported_rope_type(llama_dir):
     _edit_config(llama_dir, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
     with pytest.raises(UnsupportedModel, match="rope type 'yarn'"):
         load_model(str(llama_dir))
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"model_type": "mistral", "sliding_window": 24}, "sliding_window=24"),
+        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16}, "sliding_window=16"),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+    ],
+)
+def test_fields_that_change_the_computation_are_refused_by_name(llama_dir, changes, named):
+    _edit_config(llama_dir, **changes)
+    with pytest.raises(UnsupportedModel, match=re.escape(named)):
+        load_model(str(llama_dir))
+
+
+def test_a_window_no_prompt_can_reach_is_accepted(llama_dir):
+    """Mistral's window at or past max_position_embeddings never masks anything."""
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    _edit_config(llama_dir, model_type="mistral", sliding_window=cfg["max_position_embeddings"])
+    load_model(str(llama_dir))
 
 
 def test_missing_tensor(llama_dir):
