@@ -51,6 +51,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k, before RoPE
     scale_attn_by_inverse_layer_idx: bool = False  # GPT-2 option
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # any of them ends generation unless ignore_eos

@@ -8,7 +8,7 @@ from typing import Any
 from kvpage.config import ModelConfig, RopeConfig
 from kvpage.errors import UnsupportedModel
 
-LLAMA_LIKE = ("llama", "qwen2", "mistral")
+LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "gpt2")
 
 
@@ -46,6 +46,7 @@ def _parse_llama_like(cfg: dict[str, Any], model_type: str, revision: str) -> Mo
         qkv_bias=is_qwen2 or attention_bias,
         o_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
         bos_token_id=_single_id(cfg.get("bos_token_id")),
         eos_token_ids=_id_tuple(cfg.get("eos_token_id")),
         revision=revision,
@@ -57,11 +58,12 @@ def _refuse_unsupported_fields(cfg: dict[str, Any], model_type: str) -> None:
     implement: refused by name, never silently run as if absent."""
     problems = []
     window = cfg.get("sliding_window")
-    # Mistral applies `sliding_window` whenever it is set; Qwen2 only with use_sliding_window.
-    windowed = cfg.get("use_sliding_window") if model_type == "qwen2" else model_type == "mistral"
+    # Mistral applies `sliding_window` whenever it is set; Qwen2/3 only with use_sliding_window.
+    qwen = model_type in ("qwen2", "qwen3")
+    windowed = cfg.get("use_sliding_window") if qwen else model_type == "mistral"
     if windowed and window is not None and window < cfg.get("max_position_embeddings", 2**31):
         problems.append(f"sliding_window={window} (sliding-window attention)")
-    if model_type == "qwen2" and cfg.get("use_sliding_window") and window is None:
+    if qwen and cfg.get("use_sliding_window") and window is None:
         problems.append("use_sliding_window=true (sliding-window attention)")
     kinds = set(cfg.get("layer_types") or ()) - {"full_attention"}
     if kinds:

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Mistral without sliding window): RMSNorm, RoPE, SwiGLU,
-MHA/GQA/MQA. Parameter names mirror the Hugging Face checkpoint so loading is a name lookup."""
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral without sliding window): RMSNorm, RoPE,
+SwiGLU, MHA/GQA/MQA, Qwen3's per-head q/k norm. Parameter names mirror the Hugging Face checkpoint so loading is a name lookup."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_bias)
         self.qkv = Projection(self.q_proj, self.k_proj, self.v_proj)
         self.out = Projection(self.o_proj)
+        if cfg.qk_norm:  # one weight over head_dim, shared by every head (replicated under TP)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
@@ -39,6 +43,8 @@ class LlamaAttention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)  # (N, H, D)
         k = k.view(n, self.num_kv_heads, self.head_dim)  # (N, KVH, D)
         v = v.view(n, self.num_kv_heads, self.head_dim)  # (N, KVH, D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
         out = attn.attend(self.layer, q, k, v, self.scale)  # (N, H, D)
         return self.out(out.reshape(n, -1))[0]  # (N, C)

@@ -43,6 +43,24 @@ def _qwen2():
     )
 
 
+def _qwen3(**kw):
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,  # Qwen3 sets head_dim apart from hidden_size / heads
+        max_position_embeddings=512,
+        initializer_range=INIT_STD,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    base.update(kw)
+    return transformers.Qwen3Config(**base)
+
+
 def _gpt2():
     return transformers.GPT2Config(
         vocab_size=VOCAB,
@@ -75,6 +93,8 @@ HF_CONFIGS = {
     ),
     "llama-tied": lambda: _llama(tie_word_embeddings=True),
     "qwen2-bias": _qwen2,
+    "qwen3": _qwen3,
+    "qwen3-tied": lambda: _qwen3(tie_word_embeddings=True),
     "gpt2": _gpt2,
 }
 
@@ -83,7 +103,21 @@ def _build_hf(name: str):
     torch.manual_seed(1234)
     cfg = HF_CONFIGS[name]()
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    if name in PERTURBED_NORMS:
+        _perturb_norms(model)
     return model.float().eval()
+
+
+# Norm weights start at 1 everywhere; for these, each gets its own values, so a norm applied in
+# the wrong place (q's to k, before instead of after a reshape) changes the logits.
+PERTURBED_NORMS = ("qwen3", "qwen3-tied")
+
+
+def _perturb_norms(model) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.3 * torch.randn_like(param))
 
 
 def save_hf(name: str, directory, **save_kw):
