@@ -22,8 +22,14 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # Rotate only the first fraction of each head's dims, the rest pass through (Phi-3/4).
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise UnsupportedModel(
+                f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}"
+            )
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModel(
                 f"rope type {self.rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
@@ -52,6 +58,7 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k, before RoPE
+    checkpoint_family: str = ""  # the HF model_type: how its checkpoint names (and fuses) tensors
     scale_attn_by_inverse_layer_idx: bool = False  # GPT-2 option
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # any of them ends generation unless ignore_eos
@@ -73,9 +80,12 @@ class ModelConfig:
         if self.rope is None:
             return f"learned-abs:{self.max_position_embeddings}"
         r = self.rope
+        # Written only when partial, so a full-rotary model keeps the namespace it always had.
+        partial = "" if r.partial_rotary_factor == 1.0 else f":partial={r.partial_rotary_factor}"
         return (
             f"rope:{r.rope_type}:theta={r.theta}:factor={r.factor}:low={r.low_freq_factor}"
             f":high={r.high_freq_factor}:orig={r.original_max_position_embeddings}:dim={self.head_dim}"
+            + partial
         )
 
 

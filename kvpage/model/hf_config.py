@@ -8,7 +8,7 @@ from typing import Any
 from kvpage.config import ModelConfig, RopeConfig
 from kvpage.errors import UnsupportedModel
 
-LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral")
+LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "gpt2")
 
 
@@ -47,6 +47,7 @@ def _parse_llama_like(cfg: dict[str, Any], model_type: str, revision: str) -> Mo
         o_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=model_type == "qwen3",
+        checkpoint_family=model_type,
         bos_token_id=_single_id(cfg.get("bos_token_id")),
         eos_token_ids=_id_tuple(cfg.get("eos_token_id")),
         revision=revision,
@@ -60,7 +61,7 @@ def _refuse_unsupported_fields(cfg: dict[str, Any], model_type: str) -> None:
     window = cfg.get("sliding_window")
     # Mistral applies `sliding_window` whenever it is set; Qwen2/3 only with use_sliding_window.
     qwen = model_type in ("qwen2", "qwen3")
-    windowed = cfg.get("use_sliding_window") if qwen else model_type == "mistral"
+    windowed = cfg.get("use_sliding_window") if qwen else model_type in ("mistral", "phi3")
     if windowed and window is not None and window < cfg.get("max_position_embeddings", 2**31):
         problems.append(f"sliding_window={window} (sliding-window attention)")
     if qwen and cfg.get("use_sliding_window") and window is None:
@@ -71,9 +72,8 @@ def _refuse_unsupported_fields(cfg: dict[str, Any], model_type: str) -> None:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         problems.append(f"hidden_act={act!r} (supported: 'silu')")
-    partial = cfg.get("partial_rotary_factor", 1.0)
-    if partial != 1.0:
-        problems.append(f"partial_rotary_factor={partial} (only full rotary is supported)")
+    if model_type != "phi3" and _partial_rotary(cfg) != 1.0:
+        problems.append(f"partial_rotary_factor={_partial_rotary(cfg)} (in {model_type})")
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(name) is not None:
             problems.append(f"{name}={cfg[name]}")
@@ -114,6 +114,11 @@ def _parse_gpt2(cfg: dict[str, Any], revision: str) -> ModelConfig:
     )
 
 
+def _partial_rotary(cfg: dict[str, Any]) -> float:
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+
+
 def parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     params = cfg.get("rope_parameters")
     if params is None:  # older dialect
@@ -132,6 +137,7 @@ def parse_rope(cfg: dict[str, Any]) -> RopeConfig:
             params.get("original_max_position_embeddings")
             or cfg.get("max_position_embeddings", 8192)
         ),
+        partial_rotary_factor=_partial_rotary(cfg),
     )
 
 

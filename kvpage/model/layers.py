@@ -52,10 +52,16 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
+    """How many leading dims of each head RoPE rotates (all but with a partial rotary factor)."""
+    return int(head_dim * rope.partial_rotary_factor)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim), persistent=False)
+        dim = rotary_dim(rope, head_dim)
+        self.register_buffer("inv_freq", rope_inv_freq(rope, dim), persistent=False)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -69,7 +75,12 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: (N, H, D), k: (N, KVH, D); cos, sin: (N, 1, D)."""
+    """q: (N, H, D), k: (N, KVH, D); cos, sin: (N, 1, R) for the first R <= D dims (R < D with
+    a partial rotary factor: the other dims pass through)."""
+    r = cos.shape[-1]
+    if r < q.shape[-1]:
+        q_rot, k_rot = apply_rotary(q[..., :r], k[..., :r], cos, sin)
+        return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

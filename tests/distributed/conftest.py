@@ -11,7 +11,7 @@ from kvpage.config import EngineConfig
 from kvpage.engine.engine import LLMEngine
 from tests.model.hf_models import save_hf
 
-TP_MODELS = ("llama-gqa-8q-2kv", "llama-mha", "gpt2", "qwen3")
+TP_MODELS = ("llama-gqa-8q-2kv", "llama-mha", "gpt2", "qwen3", "phi3-partial-tied")
 
 
 @pytest.fixture(scope="session")

@@ -61,6 +61,25 @@ def _qwen3(**kw):
     return transformers.Qwen3Config(**base)
 
 
+def _phi3(**kw):
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        original_max_position_embeddings=512,
+        initializer_range=INIT_STD,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    base.update(kw)
+    return transformers.Phi3Config(**base)
+
+
 def _gpt2():
     return transformers.GPT2Config(
         vocab_size=VOCAB,
@@ -95,6 +114,9 @@ HF_CONFIGS = {
     "qwen2-bias": _qwen2,
     "qwen3": _qwen3,
     "qwen3-tied": lambda: _qwen3(tie_word_embeddings=True),
+    # Phi-3: fused qkv_proj / gate_up_proj checkpoints; Phi-4-mini's partial rotary, tied head.
+    "phi3": _phi3,
+    "phi3-partial-tied": lambda: _phi3(partial_rotary_factor=0.5, tie_word_embeddings=True),
     "gpt2": _gpt2,
 }
 

@@ -82,6 +82,7 @@ def test_unsupported_rope_type(llama_dir):
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
         ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+        ({"model_type": "phi3", "sliding_window": 100}, "sliding_window=100"),
     ],
 )
 def test_fields_that_change_the_computation_are_refused_by_name(llama_dir, changes, named):
@@ -95,6 +96,14 @@ def test_a_window_no_prompt_can_reach_is_accepted(llama_dir):
     cfg = json.loads((llama_dir / "config.json").read_text())
     _edit_config(llama_dir, model_type="mistral", sliding_window=cfg["max_position_embeddings"])
     load_model(str(llama_dir))
+
+
+def test_a_fused_tensor_too_small_for_its_parts_names_it(tmp_path):
+    save_hf("phi3", tmp_path)
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    _edit_weights(tmp_path, lambda t: t.update({name: t[name][:-8]}))
+    with pytest.raises(WeightShapeMismatch, match=re.escape(name)):
+        load_model(str(tmp_path))
 
 
 def test_missing_tensor(llama_dir):
