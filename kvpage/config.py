@@ -59,6 +59,9 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k, before RoPE
     checkpoint_family: str = ""  # the HF model_type: how its checkpoint names (and fuses) tensors
+    # Per layer, the sliding window (a query at p sees keys p - W + 1 .. p) or None (global);
+    # empty: every layer global.
+    layer_windows: tuple[int | None, ...] = ()
     scale_attn_by_inverse_layer_idx: bool = False  # GPT-2 option
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # any of them ends generation unless ignore_eos
@@ -73,6 +76,16 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise UnsupportedModel(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise UnsupportedModel(
+                f"{len(self.layer_windows)} layer windows for {self.num_layers} layers"
+            )
+        if any(w is not None and w < 1 for w in self.layer_windows):
+            raise UnsupportedModel(f"a sliding window must be >= 1, got {self.layer_windows}")
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, None for a global layer."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     def position_signature(self) -> str:
         """What the KV of a token depends on besides the tokens: part of the cache namespace, so that

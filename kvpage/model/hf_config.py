@@ -48,6 +48,7 @@ def _parse_llama_like(cfg: dict[str, Any], model_type: str, revision: str) -> Mo
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=model_type == "qwen3",
         checkpoint_family=model_type,
+        layer_windows=layer_windows(cfg, model_type),
         bos_token_id=_single_id(cfg.get("bos_token_id")),
         eos_token_ids=_id_tuple(cfg.get("eos_token_id")),
         revision=revision,
@@ -58,17 +59,9 @@ def _refuse_unsupported_fields(cfg: dict[str, Any], model_type: str) -> None:
     """Fields that change what the model computes and that this architecture does not
     implement: refused by name, never silently run as if absent."""
     problems = []
-    window = cfg.get("sliding_window")
-    # Mistral applies `sliding_window` whenever it is set; Qwen2/3 only with use_sliding_window.
-    qwen = model_type in ("qwen2", "qwen3")
-    windowed = cfg.get("use_sliding_window") if qwen else model_type in ("mistral", "phi3")
-    if windowed and window is not None and window < cfg.get("max_position_embeddings", 2**31):
-        problems.append(f"sliding_window={window} (sliding-window attention)")
-    if qwen and cfg.get("use_sliding_window") and window is None:
-        problems.append("use_sliding_window=true (sliding-window attention)")
-    kinds = set(cfg.get("layer_types") or ()) - {"full_attention"}
+    kinds = set(cfg.get("layer_types") or ()) - set(LAYER_KINDS)
     if kinds:
-        problems.append(f"layer_types with {sorted(kinds)} (only full_attention is supported)")
+        problems.append(f"layer_types with {sorted(kinds)} (supported: {LAYER_KINDS})")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         problems.append(f"hidden_act={act!r} (supported: 'silu')")
@@ -79,6 +72,29 @@ def _refuse_unsupported_fields(cfg: dict[str, Any], model_type: str) -> None:
             problems.append(f"{name}={cfg[name]}")
     if problems:
         raise UnsupportedModel(f"{model_type} config: not supported: " + "; ".join(problems))
+
+
+LAYER_KINDS = ("full_attention", "sliding_attention")
+
+
+def layer_windows(cfg: dict[str, Any], model_type: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: global), as transformers applies them: `layer_types`
+    when the config has them; else Mistral and Phi-3 window every layer when `sliding_window`
+    is set, Qwen2/3 the layers from `max_window_layers` on when `use_sliding_window`. A window
+    no position can outgrow (>= max_position_embeddings) is no window. Empty: all global."""
+    n, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
+    kinds = cfg.get("layer_types")
+    if window is not None and not kinds:
+        if model_type in ("mistral", "phi3"):
+            kinds = ["sliding_attention"] * n
+        elif model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+            first = cfg.get("max_window_layers", n)
+            kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if not kinds or window is None or window >= cfg.get("max_position_embeddings", 2**31):
+        if kinds and "sliding_attention" in kinds and window is None:
+            raise UnsupportedModel(f"{model_type} config: sliding layers but no sliding_window")
+        return ()
+    return tuple(window if kind == "sliding_attention" else None for kind in kinds)
 
 
 def _parse_gpt2(cfg: dict[str, Any], revision: str) -> ModelConfig:

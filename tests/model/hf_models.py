@@ -28,7 +28,7 @@ def _llama(**kw):
     return transformers.LlamaConfig(**base)
 
 
-def _qwen2():
+def _qwen2(**kw):
     return transformers.Qwen2Config(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -40,6 +40,23 @@ def _qwen2():
         initializer_range=INIT_STD,
         bos_token_id=1,
         eos_token_id=2,
+        **kw,
+    )
+
+
+def _mistral(**kw):
+    return transformers.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=INIT_STD,
+        bos_token_id=1,
+        eos_token_id=2,
+        **kw,
     )
 
 
@@ -112,6 +129,10 @@ HF_CONFIGS = {
     ),
     "llama-tied": lambda: _llama(tie_word_embeddings=True),
     "qwen2-bias": _qwen2,
+    # Sliding windows shorter than the test prompts: every layer (Mistral), or the layers from
+    # max_window_layers on (Qwen2: layer 0 global, layer 1 windowed).
+    "mistral-window": lambda: _mistral(sliding_window=24),
+    "qwen2-window": lambda: _qwen2(use_sliding_window=True, sliding_window=16, max_window_layers=1),
     "qwen3": _qwen3,
     "qwen3-tied": lambda: _qwen3(tie_word_embeddings=True),
     # Phi-3: fused qkv_proj / gate_up_proj checkpoints; Phi-4-mini's partial rotary, tied head.

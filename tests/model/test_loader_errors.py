@@ -76,13 +76,11 @@ def test_unsupported_rope_type(llama_dir):
 @pytest.mark.parametrize(
     ("changes", "named"),
     [
-        ({"model_type": "mistral", "sliding_window": 24}, "sliding_window=24"),
-        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16}, "sliding_window=16"),
-        ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention"),
+        ({"layer_types": ["chunked_attention", "full_attention"]}, "chunked_attention"),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, "no sliding_window"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
         ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
-        ({"model_type": "phi3", "sliding_window": 100}, "sliding_window=100"),
     ],
 )
 def test_fields_that_change_the_computation_are_refused_by_name(llama_dir, changes, named):
