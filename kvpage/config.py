@@ -42,7 +42,7 @@ class RopeConfig:
 class ModelConfig:
     """Architecture facts kvpage needs, independent of the checkpoint dialect they came from."""
 
-    model_type: str  # "llama" (also Qwen2, Mistral-style) or "gpt2"
+    model_type: str  # "llama" (also Qwen2/3, Phi-3, Mistral), "gemma3" or "gpt2"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -62,6 +62,10 @@ class ModelConfig:
     # Per layer, the sliding window (a query at p sees keys p - W + 1 .. p) or None (global);
     # empty: every layer global.
     layer_windows: tuple[int | None, ...] = ()
+    # Gemma 3: scores scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5), and the
+    # sliding-window layers' own RoPE (None: `rope` for every layer).
+    query_pre_attn_scalar: float | None = None
+    local_rope: RopeConfig | None = None
     scale_attn_by_inverse_layer_idx: bool = False  # GPT-2 option
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # any of them ends generation unless ignore_eos
@@ -95,10 +99,12 @@ class ModelConfig:
         r = self.rope
         # Written only when partial, so a full-rotary model keeps the namespace it always had.
         partial = "" if r.partial_rotary_factor == 1.0 else f":partial={r.partial_rotary_factor}"
+        local = "" if self.local_rope is None else f":local-theta={self.local_rope.theta}"
         return (
             f"rope:{r.rope_type}:theta={r.theta}:factor={r.factor}:low={r.low_freq_factor}"
             f":high={r.high_freq_factor}:orig={r.original_max_position_embeddings}:dim={self.head_dim}"
             + partial
+            + local
         )
 
 

@@ -60,8 +60,12 @@ def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
 class RotaryEmbedding(nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int) -> None:
         super().__init__()
-        dim = rotary_dim(rope, head_dim)
-        self.register_buffer("inv_freq", rope_inv_freq(rope, dim), persistent=False)
+        self.rope, self.dim = rope, rotary_dim(rope, head_dim)
+        self.register_buffer("inv_freq", self.fresh_inv_freq(), persistent=False)
+
+    def fresh_inv_freq(self) -> torch.Tensor:
+        """The inverse frequencies from the config (to_empty() leaves the buffer uninitialised)."""
+        return rope_inv_freq(self.rope, self.dim)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype

@@ -14,6 +14,7 @@ from kvpage.config import ModelConfig
 from kvpage.errors import ConfigNotFound, MissingWeight, UnknownModel, WeightShapeMismatch
 from kvpage.model.base import CausalLM
 from kvpage.model.fused_weights import FusedRows, fused_source
+from kvpage.model.gemma3 import Gemma3ForCausalLM
 from kvpage.model.gpt2 import CONV1D_SUFFIXES, GPT2LMHeadModel
 from kvpage.model.hf_config import parse_hf_config
 from kvpage.model.llama import LlamaForCausalLM
@@ -24,8 +25,11 @@ INDEX_FILE = "model.safetensors.index.json"
 OPTIONAL_PREFIXES = ("model.", "transformer.")
 
 
+FAMILIES = {"gpt2": GPT2LMHeadModel, "gemma3": Gemma3ForCausalLM, "llama": LlamaForCausalLM}
+
+
 def build_model(cfg: ModelConfig) -> CausalLM:
-    return GPT2LMHeadModel(cfg) if cfg.model_type == "gpt2" else LlamaForCausalLM(cfg)
+    return FAMILIES[cfg.model_type](cfg)
 
 
 def read_config(directory: Path) -> ModelConfig:
@@ -132,13 +136,11 @@ def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str, transpos
 
 def _restore_non_persistent_buffers(model: CausalLM) -> None:
     # to_empty() left RoPE's inverse frequencies uninitialised; rebuild them from the config.
-    from kvpage.model.layers import RotaryEmbedding, rope_inv_freq, rotary_dim
+    from kvpage.model.layers import RotaryEmbedding
 
-    rope = model.config.rope
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
-            dim = rotary_dim(rope, model.config.head_dim)
-            module.inv_freq = rope_inv_freq(rope, dim).to(module.inv_freq.device)
+            module.inv_freq = module.fresh_inv_freq().to(module.inv_freq.device)
 
 
 def load_hf_tokenizer(directory: str | Path) -> HFTokenizer | None:

@@ -19,6 +19,7 @@ TP_MODELS = (
     "phi3-partial-tied",
     "mistral-window",
     "qwen2-window",
+    "gemma3",
 )
 
 

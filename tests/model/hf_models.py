@@ -97,6 +97,28 @@ def _phi3(**kw):
     return transformers.Phi3Config(**base)
 
 
+def _gemma3(**kw):
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=12,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=512,
+        initializer_range=INIT_STD,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    base.update(kw)
+    return transformers.Gemma3TextConfig(**base)
+
+
 def _gpt2():
     return transformers.GPT2Config(
         vocab_size=VOCAB,
@@ -138,6 +160,8 @@ HF_CONFIGS = {
     # Phi-3: fused qkv_proj / gate_up_proj checkpoints; Phi-4-mini's partial rotary, tied head.
     "phi3": _phi3,
     "phi3-partial-tied": lambda: _phi3(partial_rotary_factor=0.5, tie_word_embeddings=True),
+    # Gemma 3 text: 1 global : 2 local layers (window 12), local and global RoPE bases.
+    "gemma3": _gemma3,
     "gpt2": _gpt2,
 }
 
@@ -153,7 +177,7 @@ def _build_hf(name: str):
 
 # Norm weights start at 1 everywhere; for these, each gets its own values, so a norm applied in
 # the wrong place (q's to k, before instead of after a reshape) changes the logits.
-PERTURBED_NORMS = ("qwen3", "qwen3-tied")
+PERTURBED_NORMS = ("qwen3", "qwen3-tied", "gemma3")
 
 
 def _perturb_norms(model) -> None:
