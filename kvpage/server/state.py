@@ -13,6 +13,7 @@ from kvpage.server.audit import AuditLog
 from kvpage.server.chat import Messages
 from kvpage.server.engine_loop import EngineLoop, ServerShutdown
 from kvpage.server.metrics import ServerMetrics
+from kvpage.server.protocol import ApiError, unavailable
 from kvpage.server.shadow import ShadowChecker
 from kvpage.server.tenants import Tenants
 from kvpage.server.text_stream import TextStream
@@ -47,6 +48,7 @@ class ServerState:
     shadow: ShadowChecker
     chat_template: Callable[[Messages], str]
     draining: bool = False  # refuse new requests, finish running ones (admin switch, shutdown)
+    shutting_down: bool = False  # the drain is the shutdown's (the refusals say which)
     # A declared seam (kvpage.server.seams): builds each choice's text stream.
     text_stream: Callable[[Tokenizer, list[str]], TextStream] = TextStream
     created: int = field(default_factory=lambda: int(time.time()))  # /v1/models' `created`
@@ -58,7 +60,7 @@ class ServerState:
     async def shut_down(self, timeout: float, force: Callable[[], bool] = lambda: False) -> int:
         """Drain: admit nothing more, give the requests in flight up to `timeout` seconds (less
         if `force()` turns true), then end the rest with an error. Returns how many were cut."""
-        self.draining = True
+        self.draining = self.shutting_down = True
         deadline = time.monotonic() + timeout
         while self.loop.in_flight and time.monotonic() < deadline and not force():
             await asyncio.sleep(0.05)
@@ -66,6 +68,14 @@ class ServerState:
         if cut:
             self.loop.fail_in_flight(ServerShutdown("the server is shutting down"))
         return cut
+
+    def refusal(self) -> ApiError | None:
+        """Why a new request is refused now (a 503), or None when it is admitted."""
+        if self.shutting_down:
+            return unavailable("the server is shutting down")
+        if self.draining:
+            return unavailable("the server is draining (an operator turned drain on)")
+        return None
 
     def describe(self) -> list[str]:
         """What this server serves, for the start-up banner. Never a key or a token."""

@@ -178,7 +178,9 @@ def test_shutdown_lets_in_flight_requests_finish():
     start = time.monotonic()
     closer = _close_in_background(server)
     assert _wait_draining(server.url).json()["draining"] is True
-    _assert_openai_error(_completion(server.url, "late"), 503, "service_unavailable")
+    late = _completion(server.url, "late")
+    _assert_openai_error(late, 503, "service_unavailable")
+    assert "shutting down" in late.json()["error"]["message"]
     stream.join(30)
     closer.join(30)
     assert not closer.is_alive() and time.monotonic() - start < 15
@@ -205,5 +207,20 @@ def test_shutdown_timeout_ends_streams_with_an_error_event():
     assert not closer.is_alive() and time.monotonic() - start < 10
     assert stream.events[-1] == "[DONE]"
     error = json.loads(stream.events[-2])["error"]
-    assert "shutting down" in error["message"] and error["type"] == "server_error"
-    _assert_openai_error(waiting.r, 503, "server_error")
+    assert "shutting down" in error["message"] and error["type"] == "service_unavailable"
+    _assert_openai_error(waiting.r, 503, "service_unavailable")
+    assert "shutting down" in waiting.r.json()["error"]["message"]
+
+
+def test_drain_and_shutdown_refuse_with_one_error_type(small_body):
+    """Both are 503 `service_unavailable` (a client retries elsewhere either way); the message
+    says which one it is."""
+    headers = {"X-Admin-Token": ADMIN}
+    httpx.post(f"{small_body.url}/admin/drain", json={"enabled": True}, headers=headers)
+    try:
+        r = _completion(small_body.url, "drained")
+    finally:
+        httpx.post(f"{small_body.url}/admin/drain", json={"enabled": False}, headers=headers)
+    _assert_openai_error(r, 503, "service_unavailable")
+    assert "draining" in r.json()["error"]["message"]
+    assert "shutting down" not in r.json()["error"]["message"]
