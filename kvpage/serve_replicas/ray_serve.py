@@ -133,6 +133,7 @@ class IngressSpec:
     model: str
     api_keys: dict[str, str]
     max_body_bytes: int
+    body_read_timeout: float = 30.0  # the replica's: a body that takes longer is a 408
 
 
 api = FastAPI(title="kvpage (Ray Serve)")
@@ -182,7 +183,12 @@ class IngressCore:
 
     @api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def forward(self, path: str, request: Request) -> Response:
-        body = await request.body()
+        try:
+            async with asyncio.timeout(self.spec.body_read_timeout):
+                body = await request.body()
+        except TimeoutError:
+            timeout = self.spec.body_read_timeout
+            return _error(408, f"the request body did not arrive within {timeout:g} s")
         if len(body) > self.spec.max_body_bytes:  # the replica would say 413; spare the trip
             return _error(413, f"request body larger than {self.spec.max_body_bytes} bytes")
         path = "/" + path  # relative to this application's route prefix
@@ -287,7 +293,12 @@ def build_app(config: ServiceConfig) -> serve.Application:
         ray_actor_options={"num_cpus": 0},
     )
     options = config.replica.options
-    spec = IngressSpec(config.replica.engine.model, dict(options.api_keys), options.max_body_bytes)
+    spec = IngressSpec(
+        config.replica.engine.model,
+        dict(options.api_keys),
+        options.max_body_bytes,
+        options.body_read_timeout,
+    )
     return ingress.bind(engines.bind(config.replica), spec)
 
 

@@ -31,6 +31,7 @@ class ServerOptions:
     audit_sample_rate: float = 1.0
     seed: int = 0  # sampling of audit lines and shadow checks
     max_body_bytes: int = 4 * 1024 * 1024  # a larger request body is a 413, never parsed
+    body_read_timeout: float = 30.0  # seconds for a whole request body to arrive, else a 408
     shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish on shutdown
     # Replicas (kvpage serve --replicas N) share one tenant secret, so a tenant's cache salt is
     # the same on each; None: a secret made at start-up (one process, nothing to agree with).
@@ -91,7 +92,8 @@ class ServerState:
             f"auth: {self._auth()}",
             f"admin API: {'on' if opts.admin_token else 'off (no admin token)'}",
             f"audit log: {opts.audit_log or 'stderr (the kvpage.audit logger)'}",
-            f"limits: request body {_mib(opts.max_body_bytes)}, "
+            f"limits: request body {_mib(opts.max_body_bytes)} "
+            f"(in {opts.body_read_timeout:g} s), "
             f"shutdown timeout {opts.shutdown_timeout:g} s",
         ]
 

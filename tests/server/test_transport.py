@@ -5,6 +5,7 @@ requests get the timeout, streams still running then end with an error event).""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -86,6 +87,46 @@ def test_default_limit_rejects_a_5_mib_body(open_server):
     r = _completion(open_server.url, "z" * (5 * 1024 * 1024))
     _assert_openai_error(r, 413, "invalid_request_error")
     assert open_server.metrics()["kvpage_http_requests_total{path=/v1/completions,status=413}"] >= 1
+
+
+# --- body read timeout ------------------------------------------------------------------------
+def test_default_body_read_timeout_is_30_s():
+    assert ServerOptions().body_read_timeout == 30.0
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def test_a_stalled_body_is_408_and_leaves_nothing_behind():
+    """Headers promise 1000 bytes, 10 come, then nothing: after the read timeout the client
+    gets a 408 in OpenAI's shape, the connection closes, and the engine never saw a request."""
+    engine = LLMEngine(EngineConfig(model=MODEL, num_blocks=64, max_num_seqs=4))
+    options = ServerOptions(model_name=MODEL, shadow_rate=0.0, body_read_timeout=0.5)
+    app = create_app(engine, options)
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: kvpage\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    )
+    with BackgroundServer(app) as server:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
+            sock.sendall(head + b'{"prompt":')  # 10 of the 1000 bytes, then a stall
+            start = time.monotonic()
+            raw = _read_until_closed(sock)  # the server closes it (old code: a 20 s timeout)
+        assert time.monotonic() - start < 15
+        status_line, _, rest = raw.partition(b"\r\n")
+        assert status_line.split()[1] == b"408", raw
+        error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "invalid_request_error" and "0.5 s" in error["message"]
+        state = app.state.server
+        assert state.loop.in_flight == 0 and not engine.has_unfinished_requests()
+        assert engine.stats()["private_blocks"] == 0
+        # the server still serves
+        assert _completion(server.url, "after the stall").status_code == 200
 
 
 # --- authentication before parsing -----------------------------------------------------------
