@@ -237,6 +237,7 @@ def test_killed_replica_fails_its_requests_and_the_service_survives(apps):
     names = {r.replica: r.actor_name for r in app.reports().values()}
     dead, rest = _stream_until_killed(app, names.__getitem__)
     assert "replica serving this request died" in rest  # a clear error event, not a hang
+    assert rest.rstrip().endswith("data: [DONE]")  # then the end, as the single server's
     assert '"finish_reason":"length"' not in rest.replace(" ", "")
     survivor = next(r for r in names if r != dead)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0.0}
