@@ -20,8 +20,9 @@ from ray import serve
 from kvpage import LLM, SamplingParams
 from kvpage.serve_replicas.ray_serve import ENGINE_DEPLOYMENT, REPLICA_HEADER
 from kvpage.server.chat import simple_template
+from tests.waiting import READY_S, wait_until
 
-from .ray_service import MODEL, serve_apps
+from .ray_service import MODEL, serve_apps, serve_log
 
 pytestmark = pytest.mark.ray
 
@@ -222,14 +223,12 @@ def _stream_until_killed(app, victim_of) -> tuple[str, str]:
         return replica, "\n".join(lines)
 
 
-def _wait_for_replicas(app_name: str, count: int, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
+def _wait_for_replicas(app_name: str, count: int, timeout: float = READY_S) -> None:
+    def replaced() -> bool:
         states = serve.status().applications[app_name].deployments[ENGINE_DEPLOYMENT]
-        if states.replica_states.get("RUNNING", 0) == count and states.status == "HEALTHY":
-            return
-        assert time.monotonic() < deadline, f"replicas not replaced: {states}"
-        time.sleep(0.5)
+        return states.replica_states.get("RUNNING", 0) == count and states.status == "HEALTHY"
+
+    wait_until(replaced, f"{count} replicas running again", timeout, serve_log)
 
 
 def test_killed_replica_fails_its_requests_and_the_service_survives(apps):
