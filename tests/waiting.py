@@ -3,7 +3,8 @@ running other suites, Ray starting its workers), that never passes early — eac
 condition that says the server is ready, never sleeps a fixed time — and that fails with the
 server's own log, so a server that did not come up says why.
 
-`wait_until` is the loop; `LoggedProcess` is a server subprocess whose output goes to a file, so
+`wait_until` is the loop; `settled` the same for a server's state after a test's requests,
+returning what it saw last for the test to assert on; `LoggedProcess` is a server subprocess whose output goes to a file, so
 its log can be shown when it fails (a pipe nobody reads could also fill up and block it)."""
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import time
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
 READY_S = 180.0  # how long a server may take to get ready (or to stop) on a loaded machine
 POLL_S = 0.05  # between two looks at the condition: a poll interval, not a wait for readiness
 LOG_TAIL = 60  # lines of a server's log shown when it fails
+T = TypeVar("T")
 
 
 def wait_until(
@@ -40,6 +43,16 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"no {what} after {timeout:.0f} s; the server's log:\n{log()}")
         time.sleep(poll)
+
+
+def settled(fetch: Callable[[], T], done: Callable[[T], bool], timeout: float = READY_S) -> T:
+    """Poll `fetch()` until `done` holds for its value, or `timeout` seconds; the last value
+    either way, for the caller's assertion to show (a server settling after a test's requests:
+    aborts and frees run on its engine thread, between steps)."""
+    deadline = time.monotonic() + timeout
+    while not done(value := fetch()) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    return value
 
 
 def answers(url: str, status: int = 200) -> Callable[[], bool]:

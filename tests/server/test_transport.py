@@ -16,6 +16,7 @@ import pytest
 from kvpage import EngineConfig, LLMEngine
 from kvpage.server import ServerOptions, create_app
 from kvpage.server.background import BackgroundServer
+from tests.waiting import READY_S, answers, wait_until
 
 from .conftest import ADMIN, MODEL
 
@@ -202,20 +203,26 @@ def _close_in_background(server: BackgroundServer) -> threading.Thread:
 
 
 def _wait_draining(url: str) -> httpx.Response:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        r = httpx.get(f"{url}/health", timeout=10)
-        if r.status_code == 503:
-            return r
-        time.sleep(0.02)
-    raise AssertionError("/health never reported draining")
+    wait_until(answers(f"{url}/health", 503), "/health reporting draining")
+    return httpx.get(f"{url}/health", timeout=READY_S)
+
+
+def _wait_running(url: str, requests: int) -> None:
+    """Until the engine has `requests` requests in (running or waiting)."""
+
+    def running() -> bool:
+        stats = httpx.get(f"{url}/admin/stats", headers={"X-Admin-Token": ADMIN}, timeout=60)
+        body = stats.json()
+        return body["running"] + body["waiting"] >= requests
+
+    wait_until(running, f"{requests} requests in the engine")
 
 
 def test_shutdown_lets_in_flight_requests_finish():
     server = _server(SlowEngine, shutdown_timeout=30.0).__enter__()
     stream = Stream(server.url, max_tokens=40)  # ~1 s at 20 ms a step
     stream.start()
-    assert stream.started.wait(30)
+    assert stream.started.wait(READY_S)
     start = time.monotonic()
     closer = _close_in_background(server)
     assert _wait_draining(server.url).json()["draining"] is True
@@ -233,13 +240,13 @@ def test_shutdown_timeout_ends_streams_with_an_error_event():
     server = _server(SlowEngine, shutdown_timeout=0.5).__enter__()
     stream = Stream(server.url, max_tokens=2000)  # ~40 s: far past the timeout
     stream.start()
-    assert stream.started.wait(30)
+    assert stream.started.wait(READY_S)
     waiting = threading.Thread(
         target=lambda: setattr(waiting, "r", _completion(server.url, "slow", max_tokens=1500)),
         daemon=True,
     )
     waiting.start()
-    time.sleep(0.2)  # the non-streamed request is in flight too
+    _wait_running(server.url, 2)  # the non-streamed request is in flight too
     start = time.monotonic()
     closer = _close_in_background(server)
     stream.join(20)
