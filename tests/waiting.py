@@ -4,8 +4,9 @@ condition that says the server is ready, never sleeps a fixed time — and that 
 server's own log, so a server that did not come up says why.
 
 `wait_until` is the loop; `settled` the same for a server's state after a test's requests,
-returning what it saw last for the test to assert on; `LoggedProcess` is a server subprocess whose output goes to a file, so
-its log can be shown when it fails (a pipe nobody reads could also fill up and block it)."""
+returning what it saw last for the test to assert on; `LoggedProcess` is a server subprocess
+whose output goes to a file, so its log can be shown when it fails (a pipe nobody reads could
+also fill up and block it)."""
 
 from __future__ import annotations
 
