@@ -75,6 +75,12 @@ def add_parser(sub) -> None:
         help="larger request bodies get 413 before they are parsed",
     )
     srv.add_argument(
+        "--body-read-timeout",
+        type=number(float, 0.1),
+        default=30.0,
+        help="seconds a request body has to arrive whole; a slower one gets 408",
+    )
+    srv.add_argument(
         "--shutdown-timeout",
         type=number(float, 0.0),
         default=10.0,
@@ -225,6 +231,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         audit_log=audit_log,
         audit_sample_rate=args.audit_sample_rate,
         max_body_bytes=args.max_body_bytes,
+        body_read_timeout=args.body_read_timeout,
         shutdown_timeout=args.shutdown_timeout,
     )
 

@@ -40,6 +40,7 @@ from kvpage.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    error_body,
     error_response,
     invalid_request,
     sampling_params,
@@ -340,7 +341,7 @@ async def _complete_batch(request, state, shape, gens, sinks) -> Response:
     try:
         task.result()
     except EngineFailure as err:
-        raise ApiError(str(err), None, err.status, "server_error") from err
+        raise ApiError(str(err), None, err.status, err.kind) from err
     return JSONResponse(batch_body(shape, gens, state.loop.engine.tokenizer))
 
 
@@ -361,8 +362,8 @@ def _admit(request: Request, body, authorization: str | None) -> ServerState:
     """Checks that need no engine: auth, drain, model name, unsupported fields."""
     state: ServerState = request.app.state.server
     request.state.tenant = state.tenants.authenticate(authorization)
-    if state.draining:
-        raise ApiError("the server is draining; retry elsewhere", None, 503, "service_unavailable")
+    if (refusal := state.refusal()) is not None:
+        raise refusal
     if body.model and body.model not in state.model_names:
         raise ApiError(f"model {body.model!r} is not served here", "model", 404, "not_found_error")
     body.check_unsupported()
@@ -460,7 +461,7 @@ async def _stream_events(state, shape, gen, sink, include_usage: bool) -> AsyncI
                         echo = echo_of(gen, tokenizer, shape.num_logprobs is not None)
                     yield sse(chunk_body(shape, delta, tokenizer, echo, first, gen))
     except EngineFailure as err:
-        yield sse({"error": {"message": str(err), "type": "server_error", "param": None}})
+        yield sse(error_body(str(err), err.kind))
     if include_usage:
         yield sse(usage_chunk(shape, gen))
     yield sse("[DONE]")
@@ -484,7 +485,7 @@ async def _complete(request, state, shape, gen, sink) -> Response:
     try:
         task.result()
     except EngineFailure as err:
-        raise ApiError(str(err), None, err.status, "server_error") from err
+        raise ApiError(str(err), None, err.status, err.kind) from err
     return JSONResponse(final_body(shape, gen, state.loop.engine.tokenizer))
 
 

@@ -29,12 +29,14 @@ class EngineFailure(KVPageError, RuntimeError):
     """The engine raised during a step; every request in flight is failed with it."""
 
     status = 500  # what a request that has not started its response answers
+    kind = "server_error"  # OpenAI's error `type`, in the answer and in a stream's error event
 
 
 class ServerShutdown(EngineFailure):
     """The server stopped before the request finished (its shutdown timeout ran out)."""
 
     status = 503
+    kind = "service_unavailable"  # as a request refused while draining: retry elsewhere
 
 
 class EngineLoop:

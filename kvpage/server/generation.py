@@ -193,12 +193,14 @@ async def run(state: ServerState, gen: Generation, sink: asyncio.Queue) -> Async
     """Deltas until every choice is finished. Leaving early (client gone, stop string) aborts the
     request in the engine, which gives its blocks back; a stop string in one of several choices
     aborts only that sample."""
-    async with aclosing(_deltas(state, gen, sink)) as deltas:  # closing it aborts the request
-        async for delta in deltas:
-            yield delta
-    # Its tenant goes after the engine's last event of it: the aborts queued above (a stop
-    # string, a client gone) emit theirs later, on the engine thread, and name the tenant too.
-    state.loop.run_later(state.audit.tenants.pop, gen.request_id, None)
+    try:
+        async with aclosing(_deltas(state, gen, sink)) as deltas:  # closing it aborts the request
+            async for delta in deltas:
+                yield delta
+    finally:  # every way out: finished, a stop string, the client gone, cancelled, an error
+        # Its tenant goes after the engine's last event of it: the aborts queued above (a stop
+        # string, a client gone) emit theirs later, on the engine thread, and name the tenant.
+        state.loop.run_later(state.audit.tenants.pop, gen.request_id, None)
 
 
 async def _deltas(state: ServerState, gen: Generation, sink: asyncio.Queue) -> AsyncIterator[Delta]:

@@ -31,9 +31,18 @@ class ApiError(KVPageError):
         self.kind = kind or ("invalid_request_error" if status == 400 else "server_error")
 
 
+def error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: the body of an error response, and a stream's error event."""
+    return {"error": {"message": _printable(message), "type": kind, "param": param, "code": None}}
+
+
 def error_response(err: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    error = {"message": _printable(err.message), "type": err.kind, "param": err.param}
-    return JSONResponse({"error": {**error, "code": None}}, err.status, headers)
+    return JSONResponse(error_body(err.message, err.kind, err.param), err.status, headers)
+
+
+def unavailable(why: str) -> ApiError:
+    """A 503 (draining or shutting down): one error type, the message says which."""
+    return ApiError(f"{why}; retry elsewhere", None, 503, "service_unavailable")
 
 
 def _printable(text: str) -> str:

@@ -13,6 +13,7 @@ from kvpage.server.audit import AuditLog
 from kvpage.server.chat import Messages
 from kvpage.server.engine_loop import EngineLoop, ServerShutdown
 from kvpage.server.metrics import ServerMetrics
+from kvpage.server.protocol import ApiError, unavailable
 from kvpage.server.shadow import ShadowChecker
 from kvpage.server.tenants import Tenants
 from kvpage.server.text_stream import TextStream
@@ -30,6 +31,7 @@ class ServerOptions:
     audit_sample_rate: float = 1.0
     seed: int = 0  # sampling of audit lines and shadow checks
     max_body_bytes: int = 4 * 1024 * 1024  # a larger request body is a 413, never parsed
+    body_read_timeout: float = 30.0  # seconds for a whole request body to arrive, else a 408
     shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish on shutdown
     # Replicas (kvpage serve --replicas N) share one tenant secret, so a tenant's cache salt is
     # the same on each; None: a secret made at start-up (one process, nothing to agree with).
@@ -47,6 +49,7 @@ class ServerState:
     shadow: ShadowChecker
     chat_template: Callable[[Messages], str]
     draining: bool = False  # refuse new requests, finish running ones (admin switch, shutdown)
+    shutting_down: bool = False  # the drain is the shutdown's (the refusals say which)
     # A declared seam (kvpage.server.seams): builds each choice's text stream.
     text_stream: Callable[[Tokenizer, list[str]], TextStream] = TextStream
     created: int = field(default_factory=lambda: int(time.time()))  # /v1/models' `created`
@@ -58,7 +61,7 @@ class ServerState:
     async def shut_down(self, timeout: float, force: Callable[[], bool] = lambda: False) -> int:
         """Drain: admit nothing more, give the requests in flight up to `timeout` seconds (less
         if `force()` turns true), then end the rest with an error. Returns how many were cut."""
-        self.draining = True
+        self.draining = self.shutting_down = True
         deadline = time.monotonic() + timeout
         while self.loop.in_flight and time.monotonic() < deadline and not force():
             await asyncio.sleep(0.05)
@@ -66,6 +69,14 @@ class ServerState:
         if cut:
             self.loop.fail_in_flight(ServerShutdown("the server is shutting down"))
         return cut
+
+    def refusal(self) -> ApiError | None:
+        """Why a new request is refused now (a 503), or None when it is admitted."""
+        if self.shutting_down:
+            return unavailable("the server is shutting down")
+        if self.draining:
+            return unavailable("the server is draining (an operator turned drain on)")
+        return None
 
     def describe(self) -> list[str]:
         """What this server serves, for the start-up banner. Never a key or a token."""
@@ -81,7 +92,8 @@ class ServerState:
             f"auth: {self._auth()}",
             f"admin API: {'on' if opts.admin_token else 'off (no admin token)'}",
             f"audit log: {opts.audit_log or 'stderr (the kvpage.audit logger)'}",
-            f"limits: request body {_mib(opts.max_body_bytes)}, "
+            f"limits: request body {_mib(opts.max_body_bytes)} "
+            f"(in {opts.body_read_timeout:g} s), "
             f"shutdown timeout {opts.shutdown_timeout:g} s",
         ]
 
