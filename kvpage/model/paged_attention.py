@@ -58,6 +58,7 @@ class PagedAttention:
         self.meta = meta
         self._native: native_attention.PagedDecode | None = None  # built at the first decode
         self._window_masks: dict[int, torch.Tensor] = {}  # window -> decode mask, per step
+        self._window_starts: dict[int, torch.Tensor] = {}  # window -> the kernel's first rows
 
     def attend(self, layer: int, q, k, v, scale: float, window: int | None = None) -> torch.Tensor:
         # q: (N, H, D); k, v: (N, KVH, D). From here on k and v are what the pool holds for
@@ -77,13 +78,20 @@ class PagedAttention:
     def _decode(self, q_d, layer: int, scale: float, window: int | None) -> torch.Tensor:
         """q_d: (Sd, H, D), one query per decode sequence -> (Sd, H, D)."""
         windowed = window is not None and self._window_cuts(window)
-        native = None if windowed else self._native_decode(q_d)
+        native = self._native_decode(q_d)
         if native is not None:  # reads the blocks in the pool, no gather
             k_pool, v_pool = self.storage.layer_pools(layer)
-            return native(q_d.contiguous(), k_pool, v_pool, scale)
+            starts = self._native_starts(native, window) if windowed else None
+            return native(q_d.contiguous(), k_pool, v_pool, scale, starts)
         k_d, v_d = self.storage.gather_blocks(layer, self.meta.decode_tables)  # (Sd, KVH, C, D)
         mask = self._window_mask(window) if windowed else self.meta.decode_mask
         return decode_attention(q_d, k_d, v_d, mask, scale)
+
+    def _native_starts(self, native: native_attention.PagedDecode, window: int) -> torch.Tensor:
+        starts = self._window_starts.get(window)
+        if starts is None:
+            starts = self._window_starts[window] = native.window_starts(window)
+        return starts
 
     def _window_cuts(self, window: int) -> bool:
         """Whether some decode context is longer than the window (else the window is moot)."""
