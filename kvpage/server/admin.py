@@ -12,7 +12,7 @@ import hmac
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from kvpage.server.metrics import engine_snapshot
 from kvpage.server.protocol import ApiError
@@ -20,6 +20,8 @@ from kvpage.server.state import ServerState
 
 
 class Switch(BaseModel):
+    model_config = ConfigDict(strict=True)  # as every other body: `0` is not `false`
+
     enabled: bool
     tenant: str | None = None  # prefix caching: this tenant's namespace only
     cache_salt: str | None = None  # prefix caching: this salt's namespace only (open server)
