@@ -244,6 +244,51 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
 }
 
 
+_CHAT = [{"role": "user", "content": "Hello"}]
+# Request bodies a reader can start from (and schemathesis sends first): one of each shape.
+EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
+    ("/v1/completions", "post"): {
+        "text": {"prompt": "Once upon a time", "max_tokens": 8},
+        "stream": {
+            "prompt": "Once",
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        "batch": {"prompt": ["Once", "Twice"], "max_tokens": 2, "logprobs": 2, "echo": True},
+        "batch_stream": {"prompt": [[72, 105], [79]], "max_tokens": 2, "stream": True, "n": 2},
+        "scored": {"prompt": "Hi", "max_tokens": 1, "prompt_logprobs": 1, "return_token_ids": True},
+    },
+    ("/v1/chat/completions", "post"): {
+        "chat": {"messages": _CHAT, "max_completion_tokens": 8},
+        "stream": {
+            "messages": _CHAT,
+            "max_tokens": 4,
+            "stream": True,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+        "scored": {
+            "messages": _CHAT,
+            "max_tokens": 1,
+            "prompt_logprobs": 1,
+            "return_token_ids": True,
+        },
+    },
+    ("/tokenize", "post"): {
+        "prompt": {"prompt": "Hello"},
+        "messages": {"messages": _CHAT, "return_token_strs": True},
+    },
+    ("/detokenize", "post"): {"tokens": {"tokens": [72, 105]}},
+    ("/admin/prefix-caching", "post"): {
+        "global": {"enabled": False},
+        "namespace": {"enabled": False, "cache_salt": "team-a"},
+    },
+    ("/admin/preemption", "post"): {"off": {"enabled": False}},
+    ("/admin/drain", "post"): {"on": {"enabled": True}},
+}
+
+
 def _json(schema: Schema) -> Schema:
     return {"application/json": {"schema": schema}}
 
@@ -355,6 +400,9 @@ def document(app: FastAPI, vocab: int) -> Schema:
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     for (path, method), op in OPERATIONS.items():
         doc["paths"][path][method]["responses"] = responses(op)
+    for (path, method), examples in EXAMPLES.items():
+        body = doc["paths"][path][method]["requestBody"]["content"]["application/json"]
+        body["examples"] = {name: {"value": value} for name, value in examples.items()}
     schemas = doc["components"]["schemas"]
     for unused in ("HTTPValidationError", "ValidationError"):  # only FastAPI's 422 used them
         schemas.pop(unused, None)
