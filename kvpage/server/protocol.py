@@ -350,6 +350,15 @@ class DetokenizeRequest(_Strict):
     tokens: list[int] = Field(max_length=1_000_000)
 
 
+class Switch(_Strict):
+    """An /admin switch (kvpage.server.admin): strict like every body, so `0` is not `false`."""
+
+    enabled: bool
+    tenant: str | None = None  # prefix caching: this tenant's namespace only
+    cache_salt: str | None = None  # prefix caching: this salt's namespace only (open server)
+    namespace: bool = False  # with neither tenant nor cache_salt: the unsalted namespace
+
+
 def sampling_params(
     req: CompletionRequest | ChatCompletionRequest, max_tokens: int, num_logprobs: int | None
 ) -> SamplingParams:
@@ -389,7 +398,12 @@ def invalid_request(err: InvalidRequest) -> ApiError:
 
 _KNOWN_PARAMS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
 _FIELD_NAMES = _KNOWN_PARAMS.union(
-    ChatMessage.model_fields, ContentPart.model_fields, StreamOptions.model_fields
+    ChatMessage.model_fields,
+    ContentPart.model_fields,
+    StreamOptions.model_fields,
+    TokenizeRequest.model_fields,  # so that a bad token id names `tokens`, not ""
+    DetokenizeRequest.model_fields,
+    Switch.model_fields,
 )
 
 
