@@ -395,9 +395,26 @@ def _only(present: str, absent: str) -> Schema:
     }
 
 
+DESCRIPTION = """\
+OpenAI-compatible completions and chat completions (with vLLM's extensions), tokenizer routes,
+health, Prometheus metrics and the admin switches.
+
+Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`; an invalid request is a
+400 (never a 422), and `param` names the field at fault. Integers are JSON integers: where one is
+expected, `2.0` is refused, as is `true`. Some refusals depend on the served model and are not
+written in the schemas: the prompt's tokens plus `max_tokens` must fit the context (`max_model_len`
+in /v1/models) and the KV pool, and `seed + n - 1` must fit in 64 bits.
+
+With `stream: true` the answer is `text/event-stream`; its schema is that of one event, whose
+`data` is a JSON chunk (or an error, if the engine fails mid-stream), and the last event's is
+`[DONE]`."""
+
+
 def document(app: FastAPI, vocab: int) -> Schema:
     """The OpenAPI document: FastAPI's, with the responses and request schemas fixed."""
-    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    doc = get_openapi(
+        title=app.title, version=app.version, description=DESCRIPTION, routes=app.routes
+    )
     for (path, method), op in OPERATIONS.items():
         doc["paths"][path][method]["responses"] = responses(op)
     for (path, method), examples in EXAMPLES.items():
