@@ -94,7 +94,7 @@ def create_app(engine: LLMEngine, options: ServerOptions | None = None) -> FastA
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _api_error)
     app.add_middleware(RequestGuard, state=state)  # auth and body size before any parsing
-    openapi.install(app, engine.model.config.vocab_size)
+    openapi.install(app)
     return app
 
 

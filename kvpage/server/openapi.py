@@ -7,7 +7,8 @@ one table (`OPERATIONS`), response bodies from another (`SCHEMAS`), and the requ
 tightened where the server refuses what pydantic's schema would allow (`_tighten`), so that the
 document matches what the server accepts. tests/server/test_openapi.py holds the server to it.
 
-The document is made per app: token ids are bounded by the served model's vocabulary."""
+The document is made per app: token ids are bounded by the served model's vocabulary, and the
+credentials are those the server has set."""
 
 from __future__ import annotations
 
@@ -217,30 +218,48 @@ _WITH_BODY = (400, 404, *_KEYED)  # a JSON body naming a model
 _ADMIN = (401, 403, *_EVERYWHERE)
 
 
+_KEY, _TOKEN = "ApiKey", "AdminToken"
+# The credentials, as security schemes; each is declared only where the server has it set (API
+# keys, an admin token): an open server's routes need nothing, and a server without an admin
+# token answers 403 on /admin whatever is sent.
+SECURITY: dict[str, Schema] = {
+    _KEY: {"type": "http", "scheme": "bearer", "description": "an API key"},
+    _TOKEN: {"type": "apiKey", "in": "header", "name": "X-Admin-Token"},
+}
+_CREDENTIAL_HEADERS = {"authorization", "x-admin-token"}  # what FastAPI's Header() declared
+
+
 @dataclass(frozen=True, slots=True)
 class Operation:
     success: str  # the 200 body's schema
     errors: tuple[int, ...]  # the error statuses it sends, each with the Error body
     stream: str | None = None  # with `stream: true`: one event's schema (text/event-stream)
     text: bool = False  # the 200 body is Prometheus text
+    credential: str | None = None  # what it needs when the server has it set (SECURITY)
 
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/health", "get"): Operation("Health", _EVERYWHERE),  # and 503 with Health (draining)
     ("/metrics", "get"): Operation("", _EVERYWHERE, text=True),
-    ("/v1/models", "get"): Operation("ModelList", _KEYED),
-    ("/v1/models/{model_id}", "get"): Operation("ModelCard", (404, *_KEYED)),
-    ("/v1/completions", "post"): Operation("Completion", (503, *_WITH_BODY), "CompletionEvent"),
-    ("/v1/chat/completions", "post"): Operation(
-        "ChatCompletion", (503, *_WITH_BODY), "ChatCompletionEvent"
+    ("/v1/models", "get"): Operation("ModelList", _KEYED, credential=_KEY),
+    ("/v1/models/{model_id}", "get"): Operation("ModelCard", (404, *_KEYED), credential=_KEY),
+    ("/v1/completions", "post"): Operation(
+        "Completion", (503, *_WITH_BODY), "CompletionEvent", credential=_KEY
     ),
-    ("/tokenize", "post"): Operation("Tokenized", _WITH_BODY),
-    ("/detokenize", "post"): Operation("Detokenized", _WITH_BODY),
-    ("/admin/prefix-caching", "post"): Operation("PrefixCachingSwitched", (400, *_ADMIN)),
-    ("/admin/preemption", "post"): Operation("PreemptionSwitched", (400, *_ADMIN)),
-    ("/admin/drain", "post"): Operation("DrainSwitched", (400, *_ADMIN)),
-    ("/admin/stats", "get"): Operation("AdminStats", _ADMIN),
-    ("/admin/audit", "get"): Operation("AdminAudit", _ADMIN),
+    ("/v1/chat/completions", "post"): Operation(
+        "ChatCompletion", (503, *_WITH_BODY), "ChatCompletionEvent", credential=_KEY
+    ),
+    ("/tokenize", "post"): Operation("Tokenized", _WITH_BODY, credential=_KEY),
+    ("/detokenize", "post"): Operation("Detokenized", _WITH_BODY, credential=_KEY),
+    ("/admin/prefix-caching", "post"): Operation(
+        "PrefixCachingSwitched", (400, *_ADMIN), credential=_TOKEN
+    ),
+    ("/admin/preemption", "post"): Operation(
+        "PreemptionSwitched", (400, *_ADMIN), credential=_TOKEN
+    ),
+    ("/admin/drain", "post"): Operation("DrainSwitched", (400, *_ADMIN), credential=_TOKEN),
+    ("/admin/stats", "get"): Operation("AdminStats", _ADMIN, credential=_TOKEN),
+    ("/admin/audit", "get"): Operation("AdminAudit", _ADMIN, credential=_TOKEN),
 }
 
 
@@ -410,30 +429,48 @@ With `stream: true` the answer is `text/event-stream`; its schema is that of one
 `[DONE]`."""
 
 
-def document(app: FastAPI, vocab: int) -> Schema:
-    """The OpenAPI document: FastAPI's, with the responses and request schemas fixed."""
+def document(app: FastAPI) -> Schema:
+    """The OpenAPI document: FastAPI's, with the responses, credentials and request schemas
+    fixed, for this app's model and options."""
+    state = app.state.server
     doc = get_openapi(
         title=app.title, version=app.version, description=DESCRIPTION, routes=app.routes
     )
+    required = {_KEY: state.tenants.enabled, _TOKEN: state.options.admin_token is not None}
     for (path, method), op in OPERATIONS.items():
-        doc["paths"][path][method]["responses"] = responses(op)
+        item = doc["paths"][path][method]
+        item["responses"] = responses(op)
+        _credentials(item, op, required)
+    doc["components"]["securitySchemes"] = {k: v for k, v in SECURITY.items() if required[k]}
     for (path, method), examples in EXAMPLES.items():
         body = doc["paths"][path][method]["requestBody"]["content"]["application/json"]
         body["examples"] = {name: {"value": value} for name, value in examples.items()}
     schemas = doc["components"]["schemas"]
     for unused in ("HTTPValidationError", "ValidationError"):  # only FastAPI's 422 used them
         schemas.pop(unused, None)
-    _tighten(schemas, vocab)
+    _tighten(schemas, state.loop.engine.model.config.vocab_size)
     schemas.update(SCHEMAS)
     return doc
 
 
-def install(app: FastAPI, vocab: int) -> None:
+def _credentials(item: Schema, op: Operation, required: dict[str, bool]) -> None:
+    """Credentials as security requirements, not header parameters (OpenAPI ignores one named
+    Authorization, and an open server ignores the header altogether)."""
+    params = [p for p in item.get("parameters", []) if p["name"] not in _CREDENTIAL_HEADERS]
+    if params:
+        item["parameters"] = params
+    else:
+        item.pop("parameters", None)
+    if op.credential is not None and required[op.credential]:
+        item["security"] = [{op.credential: []}]
+
+
+def install(app: FastAPI) -> None:
     """Serve `document` as /openapi.json (made once, on first request)."""
 
     def openapi() -> Schema:
         if app.openapi_schema is None:
-            app.openapi_schema = document(app, vocab)
+            app.openapi_schema = document(app)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

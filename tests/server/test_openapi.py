@@ -32,7 +32,8 @@ class Apps:
 
     open: str
     locked: str
-    doc: dict
+    doc: dict  # the open server's
+    locked_doc: dict
 
 
 def _app(api_keys: dict[str, str], admin_token: str | None):
@@ -56,7 +57,8 @@ def apps() -> Iterator[Apps]:
         BackgroundServer(_app({KEY: "alice"}, None)) as locked_bg,
     ):
         doc = httpx.get(f"{open_bg.url}/openapi.json", timeout=30).json()
-        yield Apps(open_bg.url, locked_bg.url, doc)
+        locked_doc = httpx.get(f"{locked_bg.url}/openapi.json", timeout=30).json()
+        yield Apps(open_bg.url, locked_bg.url, doc, locked_doc)
 
 
 # --- the document's structure ---------------------------------------------------------------
@@ -100,6 +102,21 @@ def test_request_schemas_refuse_what_the_server_refuses(apps):
     assert prompt[0] == {"type": "string", "minLength": 1}
     assert all(alt.get("minItems") == 1 for alt in prompt[1:])
     assert schemas["ChatCompletionRequest"]["properties"]["n"]["maximum"] == 16
+
+
+def test_credentials_are_those_the_server_has(apps):
+    """The open server has an admin token and no API keys; the locked one the other way round."""
+    keyed = ("/v1/", "/tokenize", "/detokenize")  # the routes that take an API key
+    for doc, scheme, paths in [
+        (apps.doc, "AdminToken", ("/admin/",)),
+        (apps.locked_doc, "ApiKey", keyed),
+    ]:
+        assert list(doc["components"]["securitySchemes"]) == [scheme]
+        for path, method, op in _operations(doc):
+            wanted = [{scheme: []}] if path.startswith(paths) else None
+            assert op.get("security") == wanted, (method, path)
+            names = {p["name"].lower() for p in op.get("parameters", [])}
+            assert not names & {"authorization", "x-admin-token"}, (method, path)
 
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -165,8 +182,8 @@ def test_drain_answers_503_as_declared(apps):
 # examples, coverage and fuzzing phases. Few examples per operation, so that the run stays well
 # under a minute on a loaded 2-core machine (the coverage phase's fixed cases are most of it).
 # Of the checks, the stateful ones (use_after_free, ensure_resource_availability) need links
-# between operations, which this API has none of, and ignored_auth needs declared security
-# schemes: the fuzzed server is an open one.
+# between operations, which this API has none of; ignored_auth runs on /admin (the fuzzed server
+# has an admin token and no API keys).
 MAX_EXAMPLES = 8
 CONFIG = f"""
 [generation]
