@@ -236,10 +236,12 @@ class Operation:
     stream: str | None = None  # with `stream: true`: one event's schema (text/event-stream)
     text: bool = False  # the 200 body is Prometheus text
     credential: str | None = None  # what it needs when the server has it set (SECURITY)
+    # statuses with a body of their own, not Error: /health's 503 is read by load balancers
+    own: tuple[tuple[int, str, str], ...] = ()  # (status, description, schema)
 
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
-    ("/health", "get"): Operation("Health", _EVERYWHERE),  # and 503 with Health (draining)
+    ("/health", "get"): Operation("Health", _EVERYWHERE, own=((503, "Draining", "Health"),)),
     ("/metrics", "get"): Operation("", _EVERYWHERE, text=True),
     ("/v1/models", "get"): Operation("ModelList", _KEYED, credential=_KEY),
     ("/v1/models/{model_id}", "get"): Operation("ModelCard", (404, *_KEYED), credential=_KEY),
@@ -322,11 +324,11 @@ def responses(op: Operation) -> dict[str, Schema]:
         content["text/event-stream"] = {"schema": _ref(op.stream)}
     ok = "OK" + (" (text/event-stream when the request sets stream: true)" if op.stream else "")
     out = {"200": {"description": ok, "content": content}}
-    if op.success == "Health":  # /health's 503 is its own body: a load balancer reads it
-        out["503"] = {"description": "Draining", "content": _json(_ref("Health"))}
     for status in sorted(op.errors):
         out[str(status)] = {"description": ERRORS[status], "content": _json(_ref("Error"))}
-    return out
+    for status, description, schema in op.own:
+        out[str(status)] = {"description": description, "content": _json(_ref(schema))}
+    return dict(sorted(out.items()))
 
 
 # --- request bodies -------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from .conftest import MODEL
 
 ADMIN = "admin-secret"
 KEY = "key-alice"
-CONTEXT = 64  # the fuzzed server's context: every request generates only a few tokens
+CONTEXT = 64  # a small context, so that no fuzzed request generates more than 64 tokens a sample
 
 
 @dataclass
@@ -74,10 +74,10 @@ def test_no_422_and_every_error_in_openai_shape(apps):
         ok = op["responses"]["200"]["content"]
         assert all(media["schema"] for media in ok.values()), (method, path)  # none left as {}
         for status, response in op["responses"].items():
-            schema = response["content"]
-            assert schema, (method, path, status)
-            if int(status) >= 400 and path != "/health":
-                assert schema == {"application/json": {"schema": _ref("Error")}}, (path, status)
+            content = response["content"]
+            assert content, (method, path, status)
+            if int(status) >= 400 and (path, status) != ("/health", "503"):  # Health's own body
+                assert content == {"application/json": {"schema": _ref("Error")}}, (path, status)
     error = apps.doc["components"]["schemas"]["Error"]["properties"]["error"]
     assert set(error["required"]) == {"message", "type", "param", "code"}
     assert "HTTPValidationError" not in apps.doc["components"]["schemas"]
