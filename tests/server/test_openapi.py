@@ -188,7 +188,7 @@ MAX_EXAMPLES = 8
 CONFIG = f"""
 [generation]
 max-examples = {MAX_EXAMPLES}
-deterministic = true
+deterministic = true  # the same cases on every run: a failure here is never a flake
 
 [output.sanitization]
 enabled = false  # nothing here is secret, and a failure should show what was sent
