@@ -178,6 +178,13 @@ def _lone_surrogate(value: Any, path: str) -> str | None:
     return None
 
 
+def _check_unicode(body: BaseModel) -> None:
+    bad_text = _lone_surrogate(body, "")
+    if bad_text is not None:
+        param = _field_of(bad_text.split("."))
+        raise ApiError(f"{bad_text} is not valid Unicode (a lone surrogate)", param)
+
+
 class _Strict(BaseModel):
     """No coercion: `"3"` is not 3, `true` is not 1, `2.0` is not a token id, and NaN or
     Infinity (which Python's JSON parser accepts) is not a number."""
@@ -217,10 +224,7 @@ class _Common(_Strict):
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED and not _is_off(value, UNSUPPORTED[name]):
                 raise ApiError(f"{name} is not supported by this server", name)
-        bad_text = _lone_surrogate(self, "")
-        if bad_text is not None:
-            param = _field_of(bad_text.split("."))
-            raise ApiError(f"{bad_text} is not valid Unicode (a lone surrogate)", param)
+        _check_unicode(self)
         if self.stream_options is not None and not self.stream:
             raise ApiError("stream_options is only allowed when stream is true", "stream_options")
         if not 1 <= self.n <= MAX_N:
@@ -343,6 +347,7 @@ class TokenizeRequest(_Strict):
             raise ApiError("send exactly one of prompt and messages", "prompt")
         if self.add_generation_prompt is not True:
             raise ApiError("add_generation_prompt false is not supported", "add_generation_prompt")
+        _check_unicode(self)  # the tokenizer cannot encode a lone surrogate (a 500, before)
 
 
 class DetokenizeRequest(_Strict):

@@ -120,6 +120,7 @@ def test_credentials_are_those_the_server_has(apps):
 
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+JSON = {"content-type": "application/json"}
 # (server, method, path, request arguments, the status the server answers)
 PROBES = [
     ("open", "GET", "/health", {}, 200),
@@ -136,6 +137,7 @@ PROBES = [
     ("open", "POST", "/v1/chat/completions", {"json": {**CHAT, "n": 0}}, 400),
     ("open", "POST", "/tokenize", {"json": {"prompt": "hi"}}, 200),
     ("open", "POST", "/tokenize", {"json": {}}, 400),
+    ("open", "POST", "/tokenize", {"content": b'{"prompt": "\\ud800"}', "headers": JSON}, 400),
     ("open", "POST", "/detokenize", {"json": {"tokens": [1, 2]}}, 200),
     ("open", "POST", "/detokenize", {"json": {"tokens": [-1]}}, 400),
     ("open", "GET", "/admin/stats", {}, 401),
