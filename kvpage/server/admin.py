@@ -12,18 +12,10 @@ import hmac
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Request
-from pydantic import BaseModel
 
 from kvpage.server.metrics import engine_snapshot
-from kvpage.server.protocol import ApiError
+from kvpage.server.protocol import ApiError, Switch
 from kvpage.server.state import ServerState
-
-
-class Switch(BaseModel):
-    enabled: bool
-    tenant: str | None = None  # prefix caching: this tenant's namespace only
-    cache_salt: str | None = None  # prefix caching: this salt's namespace only (open server)
-    namespace: bool = False  # with neither tenant nor cache_salt: the unsalted namespace
 
 
 def _state(request: Request) -> ServerState:

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 import kvpage.server.admin as admin
+import kvpage.server.openapi as openapi
 from kvpage.engine.engine import LLMEngine
 from kvpage.errors import InvalidRequest
 from kvpage.model.tokenizer import encode_text
@@ -94,6 +95,7 @@ def create_app(engine: LLMEngine, options: ServerOptions | None = None) -> FastA
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _api_error)
     app.add_middleware(RequestGuard, state=state)  # auth and body size before any parsing
+    openapi.install(app)
     return app
 
 
