@@ -147,9 +147,16 @@ class EngineConfig:
     # Ranks (processes) one model is split across; 1 = this process alone, nothing started.
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 20.0  # a collective slower than this = a hung worker
+    # LoRA adapters (vLLM's names): at most max_loras resident at once, ranks up to max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         _check_text("model", self.model)
+        _check_bool("enable_lora", self.enable_lora)
+        _check_int("max_loras", self.max_loras, 1)
+        _check_int("max_lora_rank", self.max_lora_rank, 1)
         _check_int("block_size", self.block_size, 1)
         _check_int("num_blocks", self.num_blocks, 1, optional=True)
         _check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)

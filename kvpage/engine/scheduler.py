@@ -53,6 +53,7 @@ from kvpage.engine.prompt_row_store import PromptRowStore
 from kvpage.engine.requests import Requests
 from kvpage.engine.sequence import SeqStatus, Sequence
 from kvpage.kv.swap_space import SwapSpace
+from kvpage.lora.slots import LoraSlots
 
 
 class Scheduler:
@@ -89,6 +90,7 @@ class Scheduler:
         self.prefill_tokens = 0
         self.prefix_wait = PrefixWait(cache)
         self.prompt_rows = PromptRowStore(cache)
+        self.lora_slots: LoraSlots | None = None  # the engine's, when it serves adapters
         self._outputs: list[RequestOutput] = []  # finished or progressed since the last take
 
     # --- queue management ------------------------------------------------------------------
@@ -231,6 +233,8 @@ class Scheduler:
                 continue  # a chunk of this step computes its prefix: it hits it next step
             if not self.preemption_enabled and not self.fits_worst_case(seq):
                 return
+            if not self._adapter_fits(seq):
+                return  # every adapter slot is held by running requests: it waits its turn
             self.acquire_prefix(seq)
             self._report_corruptions()
             n = min(seq.num_uncomputed, budget)
@@ -245,8 +249,18 @@ class Scheduler:
             if pending is not None:
                 self.prefix_wait.add(pending, seq)
 
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        return seq.lora is None or seq.lora_held or self.lora_slots.can_hold(seq.lora)
+
+    def _hold_adapter(self, seq: Sequence) -> None:
+        """From its first admission to its finish a sequence holds its adapter resident."""
+        if seq.lora is not None and not seq.lora_held:
+            self.lora_slots.hold(seq.lora)
+            seq.lora_held = True
+
     def _admit(self, seq: Sequence) -> None:
         """The admission is final: count the lookup (first time only) and report the hit."""
+        self._hold_adapter(seq)
         self.waiting.remove(seq)
         self.prefix_wait.forget(seq)
         self._note_resume(seq)
@@ -472,6 +486,8 @@ class Scheduler:
         run right after the parent (same age)."""
         self.to_fork.discard(parent.seq_id)
         children = [self.requests.new_sample(parent, i) for i in range(1, parent.params.n)]
+        for child in children:
+            self._hold_adapter(child)
         at = self.running.index(parent) + 1
         self.running[at:at] = children
         return children
@@ -516,6 +532,9 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         held = held_blocks(seq, self.cache.pool) if self.observers else None
         self.remove(seq)
+        if seq.lora_held:
+            self.lora_slots.release(seq.lora)
+            seq.lora_held = False
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         if held is not None:

@@ -37,9 +37,9 @@ class GemmaRMSNorm(nn.Module):
 class GeGLU(SwiGLU):
     """down(gelu_tanh(gate(x)) * up(x))."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x)
-        return self.down(F.gelu(gate, approximate="tanh") * up)[0]
+    @staticmethod
+    def activation(gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh")
 
 
 class Gemma3Attention(LlamaAttention):

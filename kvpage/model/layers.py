@@ -94,6 +94,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class SwiGLU(nn.Module):
+    lora = None  # a kvpage.lora.apply.LoraContext when the engine serves adapters
+    layer = -1  # the decoder layer, for the adapters' weights
+
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
@@ -104,7 +107,17 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        return self.down(nn.functional.silu(gate) * up)[0]
+        lora = self.lora
+        if lora is None or lora.batch is None:
+            return self.down(self.activation(gate) * up)[0]
+        gate = lora.apply(self.layer, "gate_proj", x, gate)
+        up = lora.apply(self.layer, "up_proj", x, up)
+        hidden = self.activation(gate) * up
+        return lora.apply(self.layer, "down_proj", hidden, self.down(hidden)[0])
+
+    @staticmethod
+    def activation(gate: torch.Tensor) -> torch.Tensor:
+        return nn.functional.silu(gate)
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ from kvpage.model.projection import Projection
 
 
 class LlamaAttention(nn.Module):
+    lora = None  # a kvpage.lora.apply.LoraContext when the engine serves adapters
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -41,6 +43,11 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x)
+        lora = self.lora
+        if lora is not None and lora.batch is not None:
+            q = lora.apply(self.layer, "q_proj", x, q)
+            k = lora.apply(self.layer, "k_proj", x, k)
+            v = lora.apply(self.layer, "v_proj", x, v)
         q = q.view(n, self.num_heads, self.head_dim)  # (N, H, D)
         k = k.view(n, self.num_kv_heads, self.head_dim)  # (N, KVH, D)
         v = v.view(n, self.num_kv_heads, self.head_dim)  # (N, KVH, D)
@@ -48,7 +55,11 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
         out = attn.attend(self.layer, q, k, v, self.scale, self.window)  # (N, H, D)
-        return self.out(out.reshape(n, -1))[0]  # (N, C)
+        out = out.reshape(n, -1)
+        y = self.out(out)[0]  # (N, C)
+        if lora is not None and lora.batch is not None:
+            y = lora.apply(self.layer, "o_proj", out, y)
+        return y
 
 
 class LlamaDecoderLayer(nn.Module):
