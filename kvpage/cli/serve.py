@@ -35,6 +35,14 @@ if TYPE_CHECKING:
 def add_parser(sub) -> None:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(srv)
+    srv.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=(),
+        metavar="NAME=PATH",
+        type=_lora_module,
+        help="PEFT adapter directories served as models NAME (implies --enable-lora)",
+    )
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=port, default=8000, help="port to listen on")
     srv.add_argument(
@@ -145,7 +153,17 @@ def run(args: argparse.Namespace) -> int:
 def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     from kvpage.config import EngineConfig
 
-    return EngineConfig(**{**engine_fields(args), **overrides})
+    fields = engine_fields(args)
+    if args.lora_modules:
+        fields["enable_lora"] = True
+    return EngineConfig(**{**fields, **overrides})
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=PATH")
+    return name, path
 
 
 def check_replica_args(args: argparse.Namespace) -> None:
@@ -233,6 +251,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         max_body_bytes=args.max_body_bytes,
         body_read_timeout=args.body_read_timeout,
         shutdown_timeout=args.shutdown_timeout,
+        lora_modules=tuple(args.lora_modules),
     )
 
 

@@ -203,10 +203,14 @@ class LLMEngine:
         deadline = None if timeout_s is None else now + timeout_s
         adapter = None if lora_request is None else self.load_lora_adapter(lora_request)
         req = NewRequest(request_id, prompt_ids, params, cache_salt, now, deadline, adapter)
-        namespace = self.namespace.with_salt(cache_salt)
-        if adapter is not None:  # the adapter's name and weights digest, apart from the salt
-            namespace = namespace.with_adapter(adapter.identity)
+        namespace = self.request_namespace(cache_salt, adapter)
         self.scheduler.add(self.requests.new_sequence(req, namespace))
+
+    def request_namespace(self, cache_salt: str | None, adapter: LoraAdapter | None):
+        """What a request's blocks are keyed in (a declared seam): the engine's namespace, the
+        tenant's salt, and the adapter's identity (name and weights digest) in its own field."""
+        namespace = self.namespace.with_salt(cache_salt)
+        return namespace if adapter is None else namespace.with_adapter(adapter.identity)
 
     # --- adapters --------------------------------------------------------------------------
     def load_lora_adapter(self, lora_request: LoRARequest, reload: bool = False) -> LoraAdapter:

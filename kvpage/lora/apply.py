@@ -4,6 +4,7 @@ per adapter group and projection: no loop over rows."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -24,10 +25,19 @@ class LoraBatch:
 
 class LoraContext:
     """Shared by every layer of a model served with adapters; `batch` is set for one forward
-    pass (None: base model only)."""
+    pass (None: base model only). It is per thread: the server's shadow checker runs the same
+    model on the base weights in its own thread while the engine's step has a batch set."""
 
     def __init__(self) -> None:
-        self.batch: LoraBatch | None = None
+        self._local = threading.local()
+
+    @property
+    def batch(self) -> LoraBatch | None:
+        return getattr(self._local, "batch", None)
+
+    @batch.setter
+    def batch(self, batch: LoraBatch | None) -> None:
+        self._local.batch = batch
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y = base(x) for the batch's rows -> y plus each adapter group's delta."""

@@ -60,7 +60,7 @@ class LoraSlots:
         if resident is None:
             if len(self.resident) >= self.max_loras:
                 self._evict_one()
-            resident = ResidentAdapter(adapter, self._factors(adapter))
+            resident = ResidentAdapter(adapter, self.factors(adapter))
             self.resident[adapter.identity] = resident
             self.loads += 1
         self.resident.move_to_end(adapter.identity)
@@ -88,7 +88,9 @@ class LoraSlots:
                 return
         raise LoRAError("every adapter slot is in use")  # can_hold said otherwise: a bug
 
-    def _factors(self, adapter: LoraAdapter):
+    def factors(self, adapter: LoraAdapter):
+        """(layer, module) -> (A^T, scale * B^T) in the model's dtype (a declared seam)."""
+
         def cast(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=self.device, dtype=self.dtype).contiguous()
 

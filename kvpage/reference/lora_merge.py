@@ -5,12 +5,11 @@ products, the row groups or the scale shows as a divergence from this model."""
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from kvpage.lora.adapter import LoraAdapter
 from kvpage.model.base import CausalLM
+from kvpage.model.loader import build_model
 
 _OWNER = {
     "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -21,10 +20,12 @@ _OWNER = {
 @torch.no_grad()
 def merged_model(model: CausalLM, adapter: LoraAdapter) -> CausalLM:
     """A new model: `model` with `adapter` merged into its weights (the original untouched)."""
-    merged = copy.deepcopy(model)
-    for layer in merged.model.layers:  # the copy serves no batch: plain projections
-        layer.self_attn.lora = None
-        layer.mlp.lora = None
+    # A fresh model of the same config with the same weights: no LoRA context, no packed
+    # weight caches of the original's projections.
+    merged = build_model(model.config).to(device=model.device, dtype=model.dtype)
+    merged.load_state_dict(model.state_dict())
+    merged.tie_weights()
+    merged.eval()
     for (index, module), (a, b) in adapter.weights.items():
         linear = getattr(getattr(merged.model.layers[index], _OWNER[module]), module)
         delta = adapter.scale * (b.double() @ a.double())

@@ -22,6 +22,7 @@ import kvpage.server.admin as admin
 import kvpage.server.openapi as openapi
 from kvpage.engine.engine import LLMEngine
 from kvpage.errors import InvalidRequest
+from kvpage.lora.request import LoRARequest
 from kvpage.model.tokenizer import encode_text
 from kvpage.server.audit import AuditLog, AuditObserver
 from kvpage.server.batch import (
@@ -84,11 +85,14 @@ def create_app(engine: LLMEngine, options: ServerOptions | None = None) -> FastA
         shadow=shadow,
         chat_template=load_chat_template(engine.config.model),
     )
+    for name, path in options.lora_modules:
+        engine.load_lora_adapter(LoRARequest(name, path))
     engine.add_observer(AuditObserver(audit))
     engine.add_observer(state.metrics)
     app = FastAPI(title="kvpage", lifespan=_lifespan)
     app.state.server = state
     app.include_router(admin.router)
+    app.include_router(admin.lora_router)
     app.include_router(_routes())
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _api_error)
@@ -209,7 +213,7 @@ async def model_card(
 
 
 def _card(state: ServerState, name: str) -> dict:
-    return {
+    card = {
         "id": name,
         "object": "model",
         "created": state.created,
@@ -217,6 +221,10 @@ def _card(state: ServerState, name: str) -> dict:
         "root": state.loop.engine.config.model,
         "max_model_len": state.loop.engine.max_model_len,
     }
+    adapter = state.adapter_for(name)
+    if adapter is not None:  # vLLM's card of an adapter: its directory, the base as parent
+        card.update(root=adapter.lora_path, parent=state.base_names[0])
+    return card
 
 
 # --- tokenizer endpoints (vLLM's shapes) -----------------------------------------------------
@@ -287,7 +295,7 @@ async def _serve_batch(request, state, body, all_ids: list[list[int]]) -> Respon
     salt = state.tenants.cache_salt(request.state.tenant, body.cache_salt)
     shape = new_shape(
         False,
-        state.options.model_name,
+        _served_name(state, body.model),
         body.logprobs,
         body.return_token_ids,
         body.include_usage,
@@ -304,6 +312,7 @@ async def _serve_batch(request, state, body, all_ids: list[list[int]]) -> Respon
             rid, ids, params, salt, tokenizer, body.stop_strings, state.text_stream
         )
         gen.echo_only = max_tokens == 0
+        gen.lora = state.adapter_for(body.model)
         gens.append(gen)
     sinks = await submit_all(state, gens, request.state.tenant)
     path = request.url.path
@@ -372,6 +381,11 @@ def _admit(request: Request, body, authorization: str | None) -> ServerState:
     return state
 
 
+def _served_name(state: ServerState, model: str) -> str:
+    """What responses name as their model: the adapter asked for, else the base model."""
+    return model if state.adapter_for(model) is not None else state.options.model_name
+
+
 def _encode(state: ServerState, text: str, add_special_tokens: bool = True) -> list[int]:
     engine = state.loop.engine
     try:
@@ -394,7 +408,7 @@ async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, cha
     # and dropped (Generation.echo_only).
     params = sampling_params(body, max(max_tokens, 1), num_logprobs)
     salt = state.tenants.cache_salt(request.state.tenant, body.cache_salt)
-    model = state.options.model_name
+    model = _served_name(state, body.model)
     echo = not chat and body.echo
     shape = new_shape(
         chat,
@@ -411,6 +425,7 @@ async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, cha
         shape.request_id, prompt_ids, params, salt, tokenizer, stop, state.text_stream
     )
     gen.echo_only = max_tokens == 0
+    gen.lora = state.adapter_for(body.model)
     state.audit.tenants[gen.request_id] = request.state.tenant
     try:
         sink = await submit(state, gen)

@@ -11,6 +11,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from kvpage.engine.outputs import CompletionOutput, RequestOutput
+from kvpage.lora.request import LoRARequest
 from kvpage.model.tokenizer import Tokenizer
 from kvpage.sampling_params import SamplingParams
 from kvpage.server.shadow import ShadowJob
@@ -109,6 +110,7 @@ class Generation:
     # every choice drops it, ending with "length" and no completion tokens.
     echo_only: bool = False
     prompt_logprobs: list[dict[int, float] | None] | None = None  # from the first output
+    lora: LoRARequest | None = None  # the adapter the request's `model` named
 
     @classmethod
     def new(
@@ -186,7 +188,7 @@ class Generation:
 
 async def submit(state: ServerState, gen: Generation) -> asyncio.Queue:
     """Queue the request in the engine; raises InvalidRequest before anything is sent."""
-    return await state.loop.add(gen.request_id, gen.prompt_ids, gen.params, gen.salt)
+    return await state.loop.add(gen.request_id, gen.prompt_ids, gen.params, gen.salt, gen.lora)
 
 
 async def run(state: ServerState, gen: Generation, sink: asyncio.Queue) -> AsyncIterator[Delta]:
@@ -221,5 +223,6 @@ async def _deltas(state: ServerState, gen: Generation, sink: asyncio.Queue) -> A
             if gen.finished:
                 state.metrics.e2e.observe(time.perf_counter() - start)
                 break
-    for job in gen.shadow_jobs():
-        state.shadow.offer(job)
+    if gen.lora is None:  # the shadow recomputes on the base weights only
+        for job in gen.shadow_jobs():
+            state.shadow.offer(job)

@@ -161,7 +161,8 @@ _CARD = _obj(
         "owned_by": _STR,
         "root": _STR,
         "max_model_len": _INT,
-    }
+    },
+    {"parent": _STR},  # an adapter's card: the base model it applies to
 )
 _SWITCHED = {  # what each switch answers: the switch's new state
     "PrefixCachingSwitched": _obj(
@@ -170,6 +171,8 @@ _SWITCHED = {  # what each switch answers: the switch's new state
     ),
     "PreemptionSwitched": _obj({"preemption": _BOOL}),
     "DrainSwitched": _obj({"draining": _BOOL}),
+    "LoraLoaded": _obj({"lora_name": _STR, "loaded": {"const": True}, "digest": _STR}),
+    "LoraUnloaded": _obj({"lora_name": _STR, "loaded": {"const": False}}),
 }
 SCHEMAS: dict[str, Schema] = {
     "Error": _obj({"error": _ERROR_DETAIL}),
@@ -262,6 +265,12 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/admin/drain", "post"): Operation("DrainSwitched", (400, *_ADMIN), credential=_TOKEN),
     ("/admin/stats", "get"): Operation("AdminStats", _ADMIN, credential=_TOKEN),
     ("/admin/audit", "get"): Operation("AdminAudit", _ADMIN, credential=_TOKEN),
+    ("/v1/load_lora_adapter", "post"): Operation(
+        "LoraLoaded", (400, *_ADMIN), credential=_TOKEN
+    ),
+    ("/v1/unload_lora_adapter", "post"): Operation(
+        "LoraUnloaded", (400, 404, *_ADMIN), credential=_TOKEN
+    ),
 }
 
 
@@ -307,6 +316,8 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("/admin/preemption", "post"): {"off": {"enabled": False}},
     ("/admin/drain", "post"): {"on": {"enabled": True}},
+    ("/v1/load_lora_adapter", "post"): {"load": {"lora_name": "sql", "lora_path": "/adapters/sql"}},
+    ("/v1/unload_lora_adapter", "post"): {"unload": {"lora_name": "sql"}},
 }
 
 

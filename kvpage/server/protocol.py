@@ -373,6 +373,19 @@ class Switch(_Strict):
     namespace: bool = False  # with neither tenant nor cache_salt: the unsalted namespace
 
 
+class LoadLoraAdapter(_Strict):
+    """POST /v1/load_lora_adapter (vLLM's body): load or reload adapter `lora_name`."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapter(_Strict):
+    """POST /v1/unload_lora_adapter (vLLM's body)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+
+
 def sampling_params(
     req: CompletionRequest | ChatCompletionRequest, max_tokens: int, num_logprobs: int | None
 ) -> SamplingParams:

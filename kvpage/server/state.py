@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpage.lora.request import LoRARequest
 from kvpage.model.tokenizer import Tokenizer
 from kvpage.server.audit import AuditLog
 from kvpage.server.chat import Messages
@@ -37,6 +38,9 @@ class ServerOptions:
     # the same on each; None: a secret made at start-up (one process, nothing to agree with).
     tenant_secret: bytes | None = None
     replica: str | None = None  # named in every audit line when the app is one of N replicas
+    # vLLM's --lora-modules: (name, PEFT directory) adapters loaded at start-up; a request
+    # selects one with `model: name` (the engine needs enable_lora).
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(slots=True)
@@ -55,8 +59,26 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))  # /v1/models' `created`
 
     @property
-    def model_names(self) -> tuple[str, ...]:
+    def base_names(self) -> tuple[str, ...]:
         return self.options.served_model_names or (self.options.model_name,)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """What a request's `model` may name: the base model's names, then every adapter."""
+        return (*self.base_names, *self.adapter_names)
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        slots = self.loop.engine.lora_slots
+        return () if slots is None else tuple(sorted(slots.registered))
+
+    def adapter_for(self, model: str) -> LoRARequest | None:
+        """The adapter a request's `model` names, None for the base model (or no name)."""
+        slots = self.loop.engine.lora_slots
+        if not model or model in self.base_names or slots is None:
+            return None
+        adapter = slots.registered.get(model)
+        return None if adapter is None else LoRARequest(adapter.name, adapter.path)
 
     async def shut_down(self, timeout: float, force: Callable[[], bool] = lambda: False) -> int:
         """Drain: admit nothing more, give the requests in flight up to `timeout` seconds (less

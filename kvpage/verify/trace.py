@@ -52,6 +52,7 @@ class EngineTracer:
         self._unsummarized: list[tuple[torch.Tensor, list[StepRecord]]] = []
         self._pending: dict[str, _PendingInputs] = {}
         self._views: dict[int, CacheView] = {}
+        self._batch_adapters: tuple[str, ...] = ()  # of the step being traced
         self._block_size = engine.config.block_size
         self._kv_format = engine.kv_format
 
@@ -101,6 +102,8 @@ class EngineTracer:
         """Before the model runs: the inputs each request feeds, and the view each request that
         will sample reads."""
         self.provenance.on_batch(batch)
+        adapters = {item.seq.lora.identity for item in batch.scheduled if item.seq.lora}
+        self._batch_adapters = tuple(sorted(adapters))
         sampling = {item.seq.seq_id for item in batch.sample_seqs}
         self._views = {}
         cu = batch.cu_seqlens_q
@@ -191,6 +194,8 @@ class EngineTracer:
             engine_step=self.engine.step_count,
             sampler=sampler_state(seq.generator, seq.num_draws),
             logits=logits,
+            adapter="" if seq.lora is None else seq.lora.identity,
+            batch_adapters=self._batch_adapters,
         )
         records.append(record)
         self._pending[seq.sample_id] = _PendingInputs(context_start=seq.num_tokens - 1)
