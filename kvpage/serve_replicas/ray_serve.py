@@ -135,6 +135,7 @@ class IngressSpec:
     api_keys: dict[str, str]
     max_body_bytes: int
     body_read_timeout: float = 30.0  # the replica's: a body that takes longer is a 408
+    base_names: tuple[str, ...] = ()  # the base model's names; any other `model` is an adapter
 
 
 api = FastAPI(title="kvpage (Ray Serve)")
@@ -155,7 +156,10 @@ class IngressCore:
         self.app_name = serve.get_replica_context().app_name
         tokenizer = load_tokenizer(spec.model)
         self.keys = RoutingKeys(
-            Tenants(dict(spec.api_keys)), tokenizer, load_chat_template(spec.model)
+            Tenants(dict(spec.api_keys)),
+            tokenizer,
+            load_chat_template(spec.model),
+            frozenset(spec.base_names),
         )
 
     @api.get("/health")
@@ -310,6 +314,7 @@ def build_app(config: ServiceConfig) -> serve.Application:
         dict(options.api_keys),
         options.max_body_bytes,
         options.body_read_timeout,
+        options.served_model_names or (options.model_name,),
     )
     return ingress.bind(engines.bind(config.replica), spec)
 
