@@ -173,7 +173,7 @@ def table(
     ratio kvpage / engine (fastest vs fastest, median vs median), and how many requests gave
     exactly that engine's tokens (kvpage's vs the engine's)."""
     head = (
-        f"{'workload':<34} {'dtype':<5} {'engine':<10} {'out tok/s best (med)':>22} "
+        f"{'workload':<44} {'dtype':<5} {'engine':<10} {'out tok/s best (med)':>22} "
         f"{'kvpage/engine':>17}  kvpage tokens = engine's"
     )
     lines = [head, "-" * len(head)]
@@ -190,7 +190,7 @@ def table(
                 elif cell.na:
                     agree = f"n/a: {cell.na}"
                 lines.append(
-                    f"{label:<34.34} {DTYPE_SHORT.get(dtype, dtype):<5} {engine:<10} "
+                    f"{label:<44.44} {DTYPE_SHORT.get(dtype, dtype):<5} {engine:<10} "
                     f"{rate_text(cell, wl.output_tokens):>22} {ratio:>17}  {agree}"
                 )
                 label = ""
