@@ -21,6 +21,12 @@ see `useful_flops`) and its share of a plain `torch.mm` measured in the same run
 a cProfile and a torch.profiler summary of kvpage on each scenario. `--dtypes float32,bfloat16`
 adds a `kvpage bf16` row (and `hf generate bf16` with the hf peer) to every scenario; token
 agreement is always against fp32 HF `generate`, so bf16 rows show how far bf16 drifts.
+
+Solo mode (`--peers vllm,llama.cpp,hf`, or `--solo`, `--quick`, `--rounds`, `--workloads`; see
+bench/solo_rounds.py): kvpage, HF `generate`, vLLM's CPU build and llama.cpp, each in its own
+process and alone per round, interleaved over `--rounds` (3), on the workloads of bench/solo.py in
+fp32 and bf16; a table of output tok/s min (median), kvpage/peer ratios and token agreement.
+`--quick` is its smoke test (small model, 1 round, tiny workloads).
 """
 
 from __future__ import annotations
