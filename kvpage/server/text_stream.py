@@ -15,6 +15,7 @@ mutant replaces them on a TextStream subclass, never a private name."""
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
 
 from kvpage.model.tokenizer import Tokenizer
@@ -83,13 +84,13 @@ class Detokenizer:
         token_bytes = getattr(self.tokenizer, "token_bytes", None)
         if token_bytes is None or not _is_continuation(token_bytes(token_id)):
             return None
-        continuations = 1  # this token's byte
+        tail = token_bytes(token_id)
         for k in range(len(self.token_ids) - 1, self.read - 1, -1):
             piece = token_bytes(self.token_ids[k])
             if _is_continuation(piece):
-                continuations += 1
+                tail = piece + tail
             elif piece is not None and len(piece) == 1:
-                return k if continuations < _utf8_width(piece[0]) else None
+                return k if _one_char_so_far(piece + tail) else None
             else:
                 return None
         return None
@@ -99,15 +100,15 @@ def _is_continuation(piece: bytes | None) -> bool:
     return piece is not None and len(piece) == 1 and 0x80 <= piece[0] < 0xC0
 
 
-def _utf8_width(lead: int) -> int:
-    """Bytes in the character a lead byte starts (0: not a lead byte)."""
-    if 0xC2 <= lead < 0xE0:
-        return 2
-    if 0xE0 <= lead < 0xF0:
-        return 3
-    if 0xF0 <= lead < 0xF5:
-        return 4
-    return 0
+def _one_char_so_far(data: bytes) -> bool:
+    """Whether `data` is one UTF-8 character or the start of one. The decoder, not a lead-byte
+    width table, decides: E0 95 is no character's start (E0 must be followed by A0..BF), so
+    there 95 is a U+FFFD of its own, as the whole text decodes."""
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(data, final=False)
+    except UnicodeDecodeError:
+        return False
+    return text == "" or len(text) == 1 and text.encode() == data
 
 
 @dataclass(slots=True)

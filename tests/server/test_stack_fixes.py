@@ -35,6 +35,16 @@ def test_text_offset_of_a_token_after_an_invalid_byte_counts_its_replacement_cha
     assert offsets == [0, 1, 2, 3, 3, 4, 5]
 
 
+def test_a_byte_that_cannot_continue_its_lead_is_a_character_of_its_own():
+    """E0 must be followed by A0..BF: E0 95 is two U+FFFD, so 95 starts one character later
+    (the whole-stack oracle found this when continuation bytes were matched by width alone);
+    E0 A0 80 is one character, all three bytes at 1."""
+    choice = Choice(0, TextStream(TOK))
+    offsets = _offsets(choice, [*b"a", 0xE0, 0x95, *b"b", 0xE0, 0xA0, 0x80, *b"c"])
+    assert choice.text.text == "a\ufffd\ufffdb\u0800c"
+    assert offsets == [0, 1, 2, 3, 4, 4, 4, 5]
+
+
 def test_a_whole_response_puts_a_stop_strings_earlier_tokens_where_its_text_ends():
     """ "sh" was held back (it may start "sh!"); when "!" completes the stop string, the text
     ends at 2 and so do the offsets of "s" and "h", not only that of "!"."""

@@ -65,6 +65,15 @@ EXPECTED_CLASS = {
     "int8_round_toward_zero": "quantized_kv",
     # prompt logprobs: a hit for a request that needs every position's logits
     "prompt_rows_under_a_hit": "prefix_key",
+    "prompt_rows_from_another_namespace": "prompt_logprobs",
+    "prompt_rows_after_generation_change": "prompt_logprobs",
+    "kept_prompt_rows_offset_by_one": "prompt_logprobs",
+    # LoRA adapters
+    "lora_left_out_of_namespace": "lora",
+    "lora_keyed_by_name": "lora",
+    "lora_name_in_salt_field": "lora",
+    "lora_rows_shifted": "lora",
+    "lora_wrong_scale": "lora",
 }
 STEP_PAIR_CLASSES = {"block_table", "prefix_key", "restore", "sampling", "quantized_kv"}
 SUITES = {
@@ -79,6 +88,7 @@ SUITES = {
     "policy",
     "parallel",
     "prompt_logprobs",
+    "lora",
     # the gate's default --kv-cache-dtype int8 copies
     "prefix:int8",
     "batching:int8",
