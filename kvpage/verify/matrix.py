@@ -42,7 +42,7 @@ shared 2-core machine, not on a saturated one.
 
 `--matrix full` runs every combination of MODELS x DTYPES x KV_DTYPES x TP_SIZES (a 16-bit model
 with bfloat16 KV is its own auto cell, so dropped), every suite in each, mutants as above: 28
-cells. Not timed end to end; from the per-suite times above (every suite of a cell ~30-60 s,
+cells, plus the int8-weights cell with every suite. Not timed end to end; from the per-suite times above (every suite of a cell ~30-60 s,
 int8 and TP 2 cells up to twice that), expect 10-30 minutes on two cores, by load.
 """
 
@@ -82,6 +82,7 @@ class Cell:
     dtype: str = "float32"
     kv_cache_dtype: str | None = "auto"  # None: each case's own (generated scenarios draw it)
     tensor_parallel_size: int = 1
+    quantization: str = "none"  # the weights (EngineConfig.quantization); the reference's too
     suites: tuple[str, ...] = SUITES
     mutants: str = "none"
     kv_copies: tuple[str, ...] = ()
@@ -100,17 +101,20 @@ class Cell:
             f"+{p}" for p, on in (("generated", self.generated), ("stack", self.stack)) if on
         )
         kv = self.kv_cache_dtype or "drawn"
-        dims = f"{self.dtype}/kv-{kv}{copies}/tp{self.tensor_parallel_size}"
+        weights = "" if self.quantization == "none" else f"/w-{self.quantization}"
+        dims = f"{self.dtype}{weights}/kv-{kv}{copies}/tp{self.tensor_parallel_size}"
         return f"{model}/{dims}{parts}"
 
     def engine(self, base: dict) -> dict:
         """The user's engine fields with the cell's dimensions over them (a KV format of None
         is left to the cases: the generated scenarios draw theirs)."""
         kv = {} if self.kv_cache_dtype is None else {"kv_cache_dtype": self.kv_cache_dtype}
+        weights = {} if self.quantization == "none" else {"quantization": self.quantization}
         return {
             **base,
             "dtype": self.dtype,
             **kv,
+            **weights,
             "tensor_parallel_size": self.tensor_parallel_size,
         }
 
@@ -135,6 +139,12 @@ STACK = Cell("builtin:tiny-llama", suites=(), mutants="all", stack=True)
 PARTS = ("generated", "stack")
 QWEN2 = "builtin:tiny-qwen2"
 
+# Int8 weights (EngineConfig.quantization): the engine's fused int8 matmul against the
+# reference's own dequantise-then-float32-matmul of the same codes (kvpage.reference
+# .weight_oracle). Qwen2's shape for its q/k/v biases (added after the fused product) and its
+# non-square q/o; the suites whose batches pack many rows through the same weights.
+INT8_WEIGHTS = Cell(QWEN2, quantization="int8", suites=("prefix", "batching", "preemption"))
+
 # Suites per cell: those whose cases exercise what the cell varies. Head_dim 64 and biases live
 # in the KV layout and the attention read (prefix hits at offsets, packed batches, preempted and
 # restored KV, forked blocks); 16-bit compute also changes sampling (near-ties on sampled steps);
@@ -154,6 +164,7 @@ DEFAULT: tuple[Cell, ...] = (
     Cell(QWEN2, tensor_parallel_size=2, suites=("batching", "parallel")),
     Cell(QWEN2, kv_cache_dtype="int8", suites=("prefix", "batching", "preemption", "parallel")),
     Cell(QWEN2, kv_cache_dtype="int8", tensor_parallel_size=2, suites=("batching",)),
+    INT8_WEIGHTS,
     GENERATED,
     STACK,
 )
@@ -176,7 +187,7 @@ def full_cells() -> tuple[Cell, ...]:
                     cell = Cell(model, dtype, kv, tp, mutants=_full_mutants(model, dtype, kv, tp))
                     if _key(cell) != _key(MAIN):
                         cells.append(cell)
-    return (*cells, GENERATED, STACK)
+    return (*cells, replace(INT8_WEIGHTS, suites=SUITES), GENERATED, STACK)
 
 
 def _full_mutants(model: str, dtype: str, kv: str, tp: int) -> str:
@@ -190,6 +201,7 @@ def _key(cell: Cell) -> tuple:
         cell.dtype,
         cell.kv_cache_dtype,
         cell.tensor_parallel_size,
+        cell.quantization,
         cell.generated,
         cell.stack,
     )
@@ -232,6 +244,7 @@ def single_cell(model: str, engine: dict, suites: tuple[str, ...], mutants: bool
         dtype=engine.get("dtype", "float32"),
         kv_cache_dtype=engine.get("kv_cache_dtype", "auto"),
         tensor_parallel_size=engine.get("tensor_parallel_size", 1),
+        quantization=engine.get("quantization", "none"),
         suites=tuple(s for s in suites if s not in PARTS),
         mutants="all" if mutants else "none",
         generated="generated" in suites,
@@ -296,6 +309,7 @@ def _cell_dict(cell: Cell, result: dict) -> dict:
         "kv_cache_dtype": cell.kv_cache_dtype,
         "kv_copies": list(cell.kv_copies),
         "tensor_parallel_size": cell.tensor_parallel_size,
+        "quantization": cell.quantization,
         "parts": {
             "suites": list(cell.suites),
             "mutants": cell.mutants,
