@@ -2,7 +2,9 @@
 
 The format, per output channel (row) o of a (out, in) weight W:
   scale_o = max_i |W[o, i]| / 127, computed in float32, then rounded *up* to the model dtype
-            (the kernel takes its scales in the activation dtype), at least that dtype's tiny;
+            (the kernel takes its scales in the activation dtype); at least the dtype's smallest
+            subnormal (a zero row), subnormals allowed (float16's normals end at 6.1e-5, the
+            scale of a row whose largest weight is 0.0078);
   code[o, i] = clamp(round-half-even(W[o, i] / scale_o), -127, 127), int8;
   W'[o, i] = code[o, i] * scale_o.
 Rounding the scale up keeps |W / scale| <= 127, so no code clamps and every weight is within
@@ -35,10 +37,15 @@ def quantize_per_channel(
     """weight (out, in) -> (codes (out, in) int8, scales (out,) in scale_dtype)."""
     w32 = weight.detach().to(torch.float32)
     exact = torch.amax(w32.abs(), dim=1) / QMAX  # (out,)
-    exact = torch.clamp(exact, min=torch.finfo(scale_dtype).tiny)
+    exact = torch.clamp(exact, min=smallest_subnormal(scale_dtype))
     scales = _round_up(exact, scale_dtype)
     codes = torch.round(w32 / scales.to(torch.float32)[:, None])
     return torch.clamp(codes, -QMAX, QMAX).to(torch.int8), scales
+
+
+def smallest_subnormal(dtype: torch.dtype) -> float:
+    info = torch.finfo(dtype)
+    return info.tiny * info.eps  # 2^-24 for float16, 2^-133 bfloat16, 2^-149 float32
 
 
 def _round_up(x32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
