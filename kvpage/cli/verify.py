@@ -135,7 +135,9 @@ def _replay(args: argparse.Namespace) -> int:
     engine = engine_fields(args)
     model_name = engine.pop("model", None) or "builtin:tiny-llama"
     dtype = engine.pop("dtype", "float32")
-    model, tokenizer = load_model(model_name, dtype, quantization=engine.get("quantization", "none"))
+    model, tokenizer = load_model(
+        model_name, dtype, quantization=engine.get("quantization", "none")
+    )
     result = run_scenario(scenario, Runtime(model, tokenizer, model_name, engine=engine))
     verdict = "passed" if result.passed else "FAILED"
     print(f"scenario {scenario.name}: {verdict} ({result.steps} steps, {result.seconds:.1f}s)")

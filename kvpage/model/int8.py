@@ -67,12 +67,12 @@ class Int8Linear(nn.Module):
     """A linear layer stored as int8 codes + per-output-channel scales (buffers: part of the
     state dict, so tensor-parallel workers receive them as they are), the bias as it was."""
 
-    def __init__(
-        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype
-    ) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight_int8", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer(
+            "weight_int8", torch.zeros(out_features, in_features, dtype=torch.int8)
+        )
         self.register_buffer("scales", torch.ones(out_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
 

@@ -11,7 +11,6 @@ import torch
 from kvpage.errors import InvalidRequest
 from kvpage.model.base import CausalLM
 from kvpage.reference.kv_oracle import RoundTrip, RoundTripKVCache
-from kvpage.reference.weight_oracle import reference_model
 from kvpage.reference.records import (
     CacheView,
     StepRecord,
@@ -20,6 +19,7 @@ from kvpage.reference.records import (
     sampler_state,
     scale_digest,
 )
+from kvpage.reference.weight_oracle import reference_model
 from kvpage.sampling import DEFAULT_SEED, make_generator, sample_token, top_logprobs
 from kvpage.sampling_params import SamplingParams
 

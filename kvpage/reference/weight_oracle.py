@@ -41,7 +41,9 @@ class DequantizedLinear(nn.Module):
     def __init__(self, layer: Int8Linear) -> None:
         super().__init__()
         codes, scales = layer.weight_int8, layer.scales
-        self.register_buffer("weight32", codes.to(torch.float32) * scales.to(torch.float32)[:, None])
+        self.register_buffer(
+            "weight32", codes.to(torch.float32) * scales.to(torch.float32)[:, None]
+        )
         bias = layer.bias
         self.register_buffer("bias32", None if bias is None else bias.detach().to(torch.float32))
 

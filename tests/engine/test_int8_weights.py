@@ -12,9 +12,8 @@ import torch
 from kvpage import LLMEngine, SamplingParams
 from kvpage.config import EngineConfig
 from kvpage.engine.events import EngineObserver
-from kvpage.model import load_model
 from kvpage.model import int8 as int8_format
-from kvpage.model import projection
+from kvpage.model import load_model, projection
 from kvpage.reference.generator import generate
 from kvpage.reference.weight_oracle import reference_model
 

@@ -85,7 +85,9 @@ def test_decoder_linears_are_int8_and_embeddings_norms_head_are_not(model_name):
     for name, param in model.named_parameters():  # what stays float: embeddings, norms, head
         assert param.dtype == torch.float32, name
         assert not any(name.startswith(f"{q}.") for q in int8) or name.endswith(".bias"), name
-    projections = [v for m in model.modules() for v in vars(m).values() if isinstance(v, Projection)]
+    projections = [
+        v for m in model.modules() for v in vars(m).values() if isinstance(v, Projection)
+    ]
     assert sum(p.int8 for p in projections) == len(projections) - 1  # all but the head's
     head = model.logits.linears[0]
     assert not isinstance(head, Int8Linear)
