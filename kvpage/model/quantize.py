@@ -34,7 +34,7 @@ def quantize_model_(model: CausalLM, quantization: str) -> CausalLM:
 
 
 def weight_quantization(model: nn.Module) -> str:
-    """ "int8" when any layer of `model` is an Int8Linear, else "none"."""
+    """`int8` when any layer of `model` is an Int8Linear, else `none`."""
     return "int8" if any(isinstance(m, Int8Linear) for m in model.modules()) else "none"
 
 
