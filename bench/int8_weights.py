@@ -118,7 +118,9 @@ def main() -> None:
 
 def report(times: dict, args) -> None:
     print(f"\n{args.model} {args.dtype}, {args.threads} threads, {args.rounds} rounds")
-    print(f"{'workload':>10} {'weights':>7} {'min ms':>8} {'median ms':>10} {'tok/s':>8} {'ratio':>6}")
+    print(
+        f"{'workload':>10} {'weights':>7} {'min ms':>8} {'median ms':>10} {'tok/s':>8} {'ratio':>6}"
+    )
     for b in (1, args.batch):
         base = statistics.median(times[("none", b)])
         for q in WEIGHTS:
