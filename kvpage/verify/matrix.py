@@ -82,12 +82,12 @@ class Cell:
     dtype: str = "float32"
     kv_cache_dtype: str | None = "auto"  # None: each case's own (generated scenarios draw it)
     tensor_parallel_size: int = 1
-    quantization: str = "none"  # the weights (EngineConfig.quantization); the reference's too
     suites: tuple[str, ...] = SUITES
     mutants: str = "none"
     kv_copies: tuple[str, ...] = ()
     generated: bool = False  # the generated stage (and, with mutants, the generality figure)
     stack: bool = False  # the whole-stack suite: server and router (and their mutants)
+    quantization: str = "none"  # the weights (EngineConfig.quantization); the reference's too
 
     def __post_init__(self) -> None:
         if self.mutants not in MUTANT_PARTS:

@@ -96,7 +96,7 @@ def test_pin_fixes_dimensions_narrows_suites_and_drops_duplicates():
     cells = pin(DEFAULT, {"dtype": "bfloat16"}, ("batching",), mutants=False)
     assert cells and all(c.dtype == "bfloat16" and c.suites == ("batching",) for c in cells)
     assert all(c.mutants == "none" for c in cells)
-    keys = [(c.model, c.kv_cache_dtype, c.tensor_parallel_size) for c in cells]
+    keys = [(c.model, c.kv_cache_dtype, c.tensor_parallel_size, c.quantization) for c in cells]
     assert len(keys) == len(set(keys))  # tiny-llama/bfloat16 folded into the main cell
     assert pin(DEFAULT, {}, ("namespaces",)) == [
         Cell(
