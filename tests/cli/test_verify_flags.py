@@ -26,9 +26,7 @@ def _subparser(name: str) -> argparse.ArgumentParser:
 
 def _engine_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """Actions that set an EngineConfig field: by name, or through ENGINE_FLAGS."""
-    return {
-        a.dest: a for a in parser._actions if a.dest in ENGINE_FIELDS or a.dest in ENGINE_FLAGS
-    }
+    return {a.dest: a for a in parser._actions if a.dest in ENGINE_FIELDS or a.dest in ENGINE_FLAGS}
 
 
 def test_every_engine_flag_of_serve_is_a_verify_flag_spelled_the_same():
