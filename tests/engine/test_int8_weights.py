@@ -137,3 +137,16 @@ def test_a_planted_scale_bug_in_the_engine_path_is_caught(monkeypatch):
     tokens, rows = _engine_run(model, tokenizer, name, "float32", prompts)
     errors = [_max_error(rows, i, ref) for i, ref in enumerate(refs)]
     assert min(errors) > 100 * TOLERANCE["float32"], errors
+
+
+def test_llm_with_int8_weights_gives_the_int8_reference_and_its_own_namespace():
+    from kvpage import LLM  # the public face, as a user calls it
+
+    llm = LLM("builtin:tiny-llama", quantization="int8", num_blocks=32)
+    prompt = list(range(3, 30))
+    (out,) = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == generate(llm.engine.model, prompt, GREEDY).token_ids
+    plain = LLM("builtin:tiny-llama", num_blocks=32)
+    # other weights compute other K/V: never one cache namespace
+    assert llm.engine.namespace.model_revision.endswith("+weights-int8")
+    assert llm.engine.namespace.digest() != plain.engine.namespace.digest()
