@@ -21,6 +21,12 @@ see `useful_flops`) and its share of a plain `torch.mm` measured in the same run
 a cProfile and a torch.profiler summary of kvpage on each scenario. `--dtypes float32,bfloat16`
 adds a `kvpage bf16` row (and `hf generate bf16` with the hf peer) to every scenario; token
 agreement is always against fp32 HF `generate`, so bf16 rows show how far bf16 drifts.
+
+Solo mode (`--peers vllm,llama.cpp,hf`, or `--solo`, `--quick`, `--rounds`, `--workloads`; see
+bench/solo_rounds.py): kvpage, HF `generate`, vLLM's CPU build and llama.cpp, each in its own
+process and alone per round, interleaved over `--rounds` (3), on the workloads of bench/solo.py in
+fp32 and bf16; a table of output tok/s min (median), kvpage/peer ratios and token agreement.
+`--quick` is its smoke test (small model, 1 round, tiny workloads).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import transformers
@@ -664,7 +671,7 @@ def profile_kvpage(model_dir: str, wl: Workload, seed: int, top: int = 18) -> No
 
 
 # --- main ---------------------------------------------------------------------------------------
-PEERS = {"hf", "hf-generate", "llama.cpp"}
+PEERS = {"hf", "hf-generate", "llama.cpp", "vllm"}
 COLLECTIVE_SHARE: dict[str, float] = {}  # engine name -> collective time / wall, last repeat
 
 
@@ -740,7 +747,7 @@ def run_scenario(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="small,120m")
+    ap.add_argument("--models", default=None, help="legacy: small,120m; solo: 125m (quick: small)")
     ap.add_argument("--scenarios", default="a,b,c")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
@@ -750,15 +757,17 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile kvpage on each scenario")
     ap.add_argument(
         "--peers",
-        default="hf",
-        help="comma-separated: hf (generate and generate_batch), hf-generate (generate only), "
-        "llama.cpp",
+        default=None,
+        help="comma-separated: hf (generate and generate_batch; solo: generate), hf-generate "
+        "(generate only), llama.cpp, vllm (solo mode only); default hf (solo: hf,vllm,llama.cpp)",
     )
     ap.add_argument(
         "--llama-cpp-types", default="f32,bf16", help="GGUF types llama.cpp runs (f32, bf16, ...)"
     )
     ap.add_argument(
-        "--dtypes", default="float32", help="kvpage (and HF generate) dtypes: float32,bfloat16"
+        "--dtypes",
+        default=None,
+        help="kvpage (and peer) dtypes: float32,bfloat16; default float32 (solo: both)",
     )
     ap.add_argument(
         "--tensor-parallel-size",
@@ -766,14 +775,25 @@ def main() -> None:
         default=1,
         help="also run kvpage split over N processes (gloo) on the same workload",
     )
+    add_solo_args(ap)
     args = ap.parse_args()
-    args.peers = set(args.peers.split(",")) - {""}
-    args.dtypes = set(args.dtypes.split(",")) - {""}
+    solo_mode = is_solo(args)
+    args.peers = set(_default(args.peers, "hf,vllm,llama.cpp" if solo_mode else "hf").split(","))
+    args.peers -= {""}
+    args.dtypes = set(
+        _default(args.dtypes, "float32,bfloat16" if solo_mode else "float32").split(",")
+    )
+    args.dtypes -= {""}
     if args.dtypes - {"float32", "bfloat16"}:
         raise SystemExit(f"unknown dtype(s) {sorted(args.dtypes - {'float32', 'bfloat16'})}")
     if args.peers - PEERS:
         raise SystemExit(f"unknown peer(s) {sorted(args.peers - PEERS)}; choose from {PEERS}")
     torch.set_num_threads(args.threads)
+    if solo_mode:
+        return solo_main(args)
+    if "vllm" in args.peers:
+        raise SystemExit("the vllm peer runs in solo mode only (--solo, --rounds or --workloads)")
+    args.models = args.models or "small,120m"
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     # On CPU the CB manager logs, per call, that psutil is missing; its failures still reach the table.
@@ -811,6 +831,65 @@ def main() -> None:
             ):
                 run_scenario(model, tmpdir, wl, args, fm, peak, llama)
     print(f"\ntotal wall {time.perf_counter() - started:.0f}s")
+
+
+# --- solo mode: every engine in its own process, alone, once per round (bench/solo_rounds.py) ---
+def add_solo_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("solo mode (on with --solo, --quick, --rounds, --workloads or vllm)")
+    g.add_argument("--solo", action="store_true", help="run the solo-mode harness")
+    g.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3)")
+    g.add_argument(
+        "--workloads", default=None, help="batched,single,prefix,varied (the default: all)"
+    )
+    g.add_argument(
+        "--quick", action="store_true", help="smoke test: small model, 1 round, tiny workloads"
+    )
+    g.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager=True")
+    g.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
+
+
+def is_solo(args) -> bool:
+    asked = args.solo or args.quick or args.rounds is not None or args.workloads is not None
+    return asked or "vllm" in (args.peers or "").split(",")
+
+
+def _default(value: str | None, default: str) -> str:
+    return default if value is None else value
+
+
+def solo_main(args) -> None:
+    import solo_rounds  # bench/: imported here so the legacy mode does not need it
+
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.models = args.models or ("small" if args.quick else "125m")
+    args.workloads = (args.workloads or ",".join(solo_rounds.solo.WORKLOADS)).split(",")
+    args.dtypes = [d for d in ("float32", "bfloat16") if d in args.dtypes]
+    args.vllm_eager = args.vllm_eager or args.quick  # torch.compile warm-up costs minutes
+    if args.peers - {"hf", "hf-generate", "vllm", "llama.cpp"}:
+        raise SystemExit(f"solo mode peers: hf, vllm, llama.cpp (not {sorted(args.peers)})")
+    args.peers = {"hf" if p == "hf-generate" else p for p in args.peers}
+    if args.rounds < 3 and not args.quick:
+        print(f"warning: {args.rounds} round(s); use at least 3 for numbers worth quoting")
+    logs = Path(tempfile.mkdtemp(prefix="kvpage-solo-"))
+    print(
+        f"solo mode: torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"{args.threads} threads per engine, rounds {args.rounds}, dtypes {','.join(args.dtypes)}, "
+        f"peers {','.join(sorted(args.peers))}, vLLM eager {args.vllm_eager}; logs in {logs}"
+    )
+    for name in args.models.split(","):
+        with tempfile.TemporaryDirectory() as tmpdir:
+            model_dir = Path(tmpdir) / "model"
+            model = build_model(name, solo_rounds.MAX_MODEL_LEN, str(model_dir))
+            total = sum(p.numel() for p in model.parameters())
+            vocab = model.config.vocab_size
+            cfg = model.config
+            del model  # the parent holds no engine while the rounds run
+            print(
+                f"\n=== model {name}: {total / 1e6:.1f}M parameters, d {cfg.hidden_size}, "
+                f"{cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads / "
+                f"{cfg.num_key_value_heads} KV heads, vocab {vocab}"
+            )
+            solo_rounds.run_rounds(args, model_dir, vocab, logs)
 
 
 if __name__ == "__main__":

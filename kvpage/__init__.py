@@ -9,12 +9,14 @@ from kvpage.errors import (
     InvalidRequest,
     InvariantViolation,
     KVPageError,
+    LoRAError,
     ModelLoadError,
     OutOfBlocks,
     SwapError,
     TokenizerNotFound,
     UnknownModel,
 )
+from kvpage.lora.request import LoRARequest
 from kvpage.sampling_params import SamplingParams
 
 __all__ = [
@@ -26,6 +28,8 @@ __all__ = [
     "InvariantViolation",
     "KVPageError",
     "LLMEngine",
+    "LoRAError",
+    "LoRARequest",
     "ModelLoadError",
     "OutOfBlocks",
     "RequestMetrics",

@@ -22,8 +22,14 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # Rotate only the first fraction of each head's dims, the rest pass through (Phi-3/4).
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise UnsupportedModel(
+                f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}"
+            )
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModel(
                 f"rope type {self.rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
@@ -36,7 +42,7 @@ class RopeConfig:
 class ModelConfig:
     """Architecture facts kvpage needs, independent of the checkpoint dialect they came from."""
 
-    model_type: str  # "llama" (also Qwen2, Mistral-style) or "gpt2"
+    model_type: str  # "llama" (also Qwen2/3, Phi-3, Mistral), "gemma3" or "gpt2"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -51,6 +57,15 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k, before RoPE
+    checkpoint_family: str = ""  # the HF model_type: how its checkpoint names (and fuses) tensors
+    # Per layer, the sliding window (a query at p sees keys p - W + 1 .. p) or None (global);
+    # empty: every layer global.
+    layer_windows: tuple[int | None, ...] = ()
+    # Gemma 3: scores scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5), and the
+    # sliding-window layers' own RoPE (None: `rope` for every layer).
+    query_pre_attn_scalar: float | None = None
+    local_rope: RopeConfig | None = None
     scale_attn_by_inverse_layer_idx: bool = False  # GPT-2 option
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # any of them ends generation unless ignore_eos
@@ -65,6 +80,16 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise UnsupportedModel(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise UnsupportedModel(
+                f"{len(self.layer_windows)} layer windows for {self.num_layers} layers"
+            )
+        if any(w is not None and w < 1 for w in self.layer_windows):
+            raise UnsupportedModel(f"a sliding window must be >= 1, got {self.layer_windows}")
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, None for a global layer."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     def position_signature(self) -> str:
         """What the KV of a token depends on besides the tokens: part of the cache namespace, so that
@@ -72,9 +97,14 @@ class ModelConfig:
         if self.rope is None:
             return f"learned-abs:{self.max_position_embeddings}"
         r = self.rope
+        # Written only when partial, so a full-rotary model keeps the namespace it always had.
+        partial = "" if r.partial_rotary_factor == 1.0 else f":partial={r.partial_rotary_factor}"
+        local = "" if self.local_rope is None else f":local-theta={self.local_rope.theta}"
         return (
             f"rope:{r.rope_type}:theta={r.theta}:factor={r.factor}:low={r.low_freq_factor}"
             f":high={r.high_freq_factor}:orig={r.original_max_position_embeddings}:dim={self.head_dim}"
+            + partial
+            + local
         )
 
 
@@ -121,9 +151,16 @@ class EngineConfig:
     # Ranks (processes) one model is split across; 1 = this process alone, nothing started.
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 20.0  # a collective slower than this = a hung worker
+    # LoRA adapters (vLLM's names): at most max_loras resident at once, ranks up to max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         _check_text("model", self.model)
+        _check_bool("enable_lora", self.enable_lora)
+        _check_int("max_loras", self.max_loras, 1)
+        _check_int("max_lora_rank", self.max_lora_rank, 1)
         _check_int("block_size", self.block_size, 1)
         _check_int("num_blocks", self.num_blocks, 1, optional=True)
         _check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)
@@ -147,6 +184,13 @@ class EngineConfig:
             raise InvalidConfig(
                 "tensor parallelism runs on CPU (gloo) only for now: tensor_parallel_size "
                 f"{self.tensor_parallel_size} needs device 'cpu', got {self.device!r}"
+            )
+        if self.enable_lora and self.quantization != "none":
+            # The reference merges adapters into float weights (reference/lora_merge.py);
+            # merging into int8 codes is not defined yet.
+            raise InvalidConfig(
+                f"enable_lora needs unquantized weights for now, got quantization "
+                f"{self.quantization!r}"
             )
 
 

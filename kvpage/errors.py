@@ -71,3 +71,7 @@ class TensorParallelError(KVPageError):
 class WorkerFailure(TensorParallelError):
     """A tensor-parallel worker died or stopped answering; the group is shut down and the
     engine fails every request it held."""
+
+
+class LoRAError(InvalidRequest):
+    """An adapter that cannot be loaded or served: the message names the field or tensor."""

@@ -42,6 +42,9 @@ BAD = {
     "fast_key_bits": [0, 65, -1, 8.0, True, None],
     "tensor_parallel_size": [0, -1, 2.0, True, None],
     "tensor_parallel_timeout_s": [0, 0.0, -1.0, math.nan, None, True, "20"],
+    "enable_lora": [1, "yes", None],
+    "max_loras": [0, -1, None, True, 1.5],
+    "max_lora_rank": [0, -2, None, False, "16"],
 }
 
 # Per field, the edges that must still construct (with the defaults for the rest).
@@ -66,6 +69,9 @@ GOOD = {
     "fast_key_bits": [1, 64],
     "tensor_parallel_size": [1, 2],
     "tensor_parallel_timeout_s": [1e-3, 3],
+    "enable_lora": [True, False],
+    "max_loras": [1, 8],
+    "max_lora_rank": [1, 64],
 }
 
 # Fields whose None means "derive it": 0 must not slip through as a second way of saying that.

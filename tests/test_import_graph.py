@@ -17,6 +17,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sampling",),
     ("cache",),
     ("kv",),
+    ("lora",),
     ("model",),
     ("parallel",),
     ("engine",),

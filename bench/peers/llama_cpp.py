@@ -300,14 +300,17 @@ def run_batched_bench(
     batch: int = 2048,
     ubatch: int = 512,
     timeout: float = 1800,
+    shared_prompt: bool = False,
 ) -> BatchedBenchResult:
-    """`llama-batched-bench -m GGUF -c CTX -b 2048 -ub 512 -npp 128 -ntg 64 -npl 32 -t 2`, parsed."""
+    """`llama-batched-bench -m GGUF -c CTX -b 2048 -ub 512 -npp 128 -ntg 64 -npl 32 -t 2`, parsed.
+    `shared_prompt` adds `-pps`: one prompt of npp tokens, prefilled once and shared by all npl
+    sequences (its T_PP then covers npp tokens, not npl * npp)."""
     if not is_built():
         raise PeerError(f"{binary_path()} is not built (python bench/peers/llama_cpp.py build)")
     ctx = ctx or context_size(npp, ntg, npl)
     cmd = [str(binary_path()), "-m", str(gguf), "-c", str(ctx), "-b", str(batch)]
     cmd += ["-ub", str(ubatch), "-npp", str(npp), "-ntg", str(ntg), "-npl", str(npl)]
-    cmd += ["-t", str(threads)]
+    cmd += ["-t", str(threads)] + (["-pps"] if shared_prompt else [])
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

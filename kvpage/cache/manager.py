@@ -25,7 +25,7 @@ from kvpage.cache.block_ops import BlockOp, CopyBlock, InvalidateBlock
 from kvpage.cache.block_pool import READABLE, BlockPool, BlockState, CacheUsage
 from kvpage.cache.block_table import BlockTable, SnapshotEntry, TableSnapshot, blocks_for
 from kvpage.cache.invariants import check_invariants
-from kvpage.cache.key_chain import BlockKeyChain
+from kvpage.cache.key_chain import BlockKey, BlockKeyChain
 from kvpage.cache.namespace import CacheNamespace
 from kvpage.cache.prefix_index import DigestMismatch, PrefixIndex, PublishResult
 from kvpage.cache.stats import CacheStats
@@ -117,6 +117,14 @@ class KVCacheManager:
         self.stats.hit_tokens += table.num_tokens
         self._debug()
         return table.num_tokens
+
+    def published_block(self, key: BlockKey) -> tuple[int, int] | None:
+        """The block published under `key` (its digest confirmed) and its generation, without
+        taking it or counting a lookup."""
+        entry = self.index.entries.get(key.fast)
+        if entry is None or entry.digest != key.digest:
+            return None
+        return entry.block_id, entry.generation
 
     def max_hit_blocks(self, prompt_len: int) -> int:
         """Full blocks a prompt may take from the cache: at least one prompt token is left to

@@ -76,3 +76,6 @@ class CacheNamespace:
 
     def with_salt(self, cache_salt: str | None) -> CacheNamespace:
         return replace(self, cache_salt=cache_salt)
+
+    def with_adapter(self, adapter: str | None) -> CacheNamespace:
+        return replace(self, adapter=adapter)

@@ -131,6 +131,9 @@ ENGINE_FLAGS = {
     "quantization": "quantization",
     "preemption_mode": "preemption_mode",
     "tensor_parallel_size": "tensor_parallel_size",
+    "enable_lora": "enable_lora",
+    "max_loras": "max_loras",
+    "max_lora_rank": "max_lora_rank",
 }
 # serve's defaults (the engine's); `verify` leaves every flag unset unless given.
 ENGINE_DEFAULTS = {
@@ -146,6 +149,9 @@ ENGINE_DEFAULTS = {
     "quantization": "none",
     "preemption_mode": "recompute",
     "tensor_parallel_size": 1,
+    "enable_lora": False,
+    "max_loras": 1,
+    "max_lora_rank": 16,
 }
 
 
@@ -201,6 +207,21 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: bool = True) -> None:
         help="what happens to a preempted request's KV",
     )
     add_tensor_parallel(p, default("tensor_parallel_size"))
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        default=default("enable_lora"),
+        help="serve LoRA adapters (vLLM's flag)",
+    )
+    p.add_argument(
+        "--max-loras", type=count, default=default("max_loras"), help="adapters resident at once"
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=count,
+        default=default("max_lora_rank"),
+        help="the largest adapter rank served",
+    )
 
 
 def engine_fields(args: argparse.Namespace) -> dict:

@@ -35,6 +35,14 @@ if TYPE_CHECKING:
 def add_parser(sub) -> None:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(srv)
+    srv.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=(),
+        metavar="NAME=PATH",
+        type=_lora_module,
+        help="PEFT adapter directories served as models NAME (implies --enable-lora)",
+    )
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=port, default=8000, help="port to listen on")
     srv.add_argument(
@@ -73,6 +81,12 @@ def add_parser(sub) -> None:
         type=count,
         default=4 * 1024 * 1024,
         help="larger request bodies get 413 before they are parsed",
+    )
+    srv.add_argument(
+        "--body-read-timeout",
+        type=number(float, 0.1),
+        default=30.0,
+        help="seconds a request body has to arrive whole; a slower one gets 408",
     )
     srv.add_argument(
         "--shutdown-timeout",
@@ -139,7 +153,17 @@ def run(args: argparse.Namespace) -> int:
 def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     from kvpage.config import EngineConfig
 
-    return EngineConfig(**{**engine_fields(args), **overrides})
+    fields = engine_fields(args)
+    if args.lora_modules:
+        fields["enable_lora"] = True
+    return EngineConfig(**{**fields, **overrides})
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=PATH")
+    return name, path
 
 
 def check_replica_args(args: argparse.Namespace) -> None:
@@ -225,7 +249,9 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         audit_log=audit_log,
         audit_sample_rate=args.audit_sample_rate,
         max_body_bytes=args.max_body_bytes,
+        body_read_timeout=args.body_read_timeout,
         shutdown_timeout=args.shutdown_timeout,
+        lora_modules=tuple(args.lora_modules),
     )
 
 

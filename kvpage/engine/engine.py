@@ -33,10 +33,14 @@ from kvpage.engine.runner import ModelRunner
 from kvpage.engine.sampler import Sampler
 from kvpage.engine.scheduler import Scheduler
 from kvpage.engine.sequence import SeqStatus, Sequence
-from kvpage.errors import InvalidConfig, InvalidRequest, WorkerFailure
+from kvpage.errors import InvalidConfig, InvalidRequest, LoRAError, WorkerFailure
 from kvpage.kv.format import kv_format
 from kvpage.kv.storage import KVShard, KVStorage
 from kvpage.kv.swap_space import SwapSpace
+from kvpage.lora.adapter import LoraAdapter, load_peft_adapter
+from kvpage.lora.apply import LoraContext, attach
+from kvpage.lora.request import LoRARequest
+from kvpage.lora.slots import LoraSlots
 from kvpage.model import load_model
 from kvpage.model.base import CausalLM
 from kvpage.model.quantize import weight_quantization
@@ -103,10 +107,27 @@ class LLMEngine:
         self.namespace = base_namespace(
             model, tokenizer, config.block_size, config.model, self.kv_format
         )
+        self.lora_slots = self._serve_adapters()
+        self.scheduler.lora_slots = self.lora_slots
         self.failure: WorkerFailure | None = None  # set when a tensor-parallel worker is lost
         self.step_count = 0
 
     # --- construction helpers --------------------------------------------------------------
+    def _serve_adapters(self) -> LoraSlots | None:
+        """With enable_lora: the adapter slots, and every layer's projections routed through
+        one LoraContext that the runner fills per step."""
+        if not self.config.enable_lora:
+            return None
+        if self.tp is not None:
+            raise LoRAError("LoRA adapters with tensor_parallel_size > 1 are not supported yet")
+        if self.model.config.model_type not in ("llama", "gemma3"):
+            raise LoRAError(f"LoRA adapters on {self.model.config.model_type!r} are not supported")
+        context = LoraContext()
+        attach(self.model, context)
+        slots = LoraSlots(self.config.max_loras, self.model.dtype, self.model.device)
+        self.runner.lora, self.runner.lora_slots = context, slots
+        return slots
+
     def _local_storage(self, num_blocks: int) -> KVStorage:
         mcfg = self.model.config
         return KVStorage(
@@ -159,8 +180,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         timeout_s: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue a request. A bad request raises InvalidRequest and changes nothing."""
+        """Validate and queue a request. A bad request raises InvalidRequest and changes nothing.
+        `lora_request` runs it with that adapter (loaded on first use; enable_lora=True)."""
         if self.failure is not None:
             raise WorkerFailure(f"the engine lost its tensor-parallel group: {self.failure}")
         params = params if params is not None else SamplingParams()
@@ -182,8 +205,42 @@ class LLMEngine:
         now = time.monotonic()
         timeout_s = timeout_s if timeout_s is not None else self.config.request_timeout_s
         deadline = None if timeout_s is None else now + timeout_s
-        req = NewRequest(request_id, prompt_ids, params, cache_salt, now, deadline)
-        self.scheduler.add(self.requests.new_sequence(req, self.namespace.with_salt(cache_salt)))
+        adapter = None if lora_request is None else self.load_lora_adapter(lora_request)
+        req = NewRequest(request_id, prompt_ids, params, cache_salt, now, deadline, adapter)
+        namespace = self.request_namespace(cache_salt, adapter)
+        self.scheduler.add(self.requests.new_sequence(req, namespace))
+
+    def request_namespace(self, cache_salt: str | None, adapter: LoraAdapter | None):
+        """What a request's blocks are keyed in (a declared seam): the engine's namespace, the
+        tenant's salt, and the adapter's identity (name and weights digest) in its own field."""
+        namespace = self.namespace.with_salt(cache_salt)
+        return namespace if adapter is None else namespace.with_adapter(adapter.identity)
+
+    # --- adapters --------------------------------------------------------------------------
+    def load_lora_adapter(self, lora_request: LoRARequest, reload: bool = False) -> LoraAdapter:
+        """The adapter `lora_request` names: the registered one under that name and path, else
+        loaded from its PEFT directory and registered (`reload`: loaded again in any case, so
+        changed weights become a new adapter)."""
+        if self.lora_slots is None:
+            raise InvalidRequest("a LoRA request needs an engine made with enable_lora=True")
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequest(f"lora_request must be a LoRARequest, got {type(lora_request)}")
+        known = self.lora_slots.registered.get(lora_request.lora_name)
+        if known is not None and known.path == lora_request.lora_path and not reload:
+            return known
+        adapter = load_peft_adapter(
+            lora_request.lora_name,
+            lora_request.lora_path,
+            self.model.config,
+            self.config.max_lora_rank,
+        )
+        return self.lora_slots.register(adapter)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Forget adapter `name`; requests already queued with it still finish with it."""
+        if self.lora_slots is None:
+            raise InvalidRequest("this engine serves no LoRA adapters (enable_lora=False)")
+        self.lora_slots.unregister(name)
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """The token ids a prompt stands for (text is encoded with the model's tokenizer)."""

@@ -173,6 +173,10 @@ class EngineObserver:
     def on_prefix_hit(self, seq: Sequence, cached_tokens: int) -> None:
         """A lookup gave `seq` its first `cached_tokens` (every lookup, retries included)."""
 
+    def on_prompt_rows(self, seq: Sequence, sources: list) -> None:
+        """A hit served `seq` prompt-logprob rows kept in the row store: per logical block, the
+        (block id, generation) they were computed for (kvpage.engine.prompt_row_store)."""
+
     def on_resume(self, seq: Sequence, mode: str, restore_complete: bool) -> None:
         """A preempted sequence runs again (mode "recompute" or "swap")."""
 

@@ -34,6 +34,8 @@ OWNERS: dict[str, str] = {
     "pool": "cache.pool",
     "sampler": "sampler",
     "runner": "runner",
+    "rows": "scheduler.prompt_rows",
+    "lora": "lora_slots",  # an engine made with enable_lora
 }
 
 SEAMS: dict[str, Seam] = {
@@ -57,6 +59,12 @@ SEAMS: dict[str, Seam] = {
         Seam("runner", "check_batch", "the packed batch's layout guard (cu_seqlens)"),
         Seam("engine", "namespace", "the namespace requests are keyed in (salted per tenant)"),
         Seam("engine", "prompt_logprob_rows", "prompt logits rows -> prompt logprobs"),
+        Seam("rows", "key_of", "what a block's kept prompt rows are keyed by (its digest)"),
+        Seam("rows", "is_live", "whether kept rows' block incarnation still stands"),
+        Seam("rows", "rows_for", "kept rows -> a hit request's prompt logprobs"),
+        Seam("engine", "request_namespace", "a request's namespace: salt and adapter identity"),
+        Seam("runner", "adapter_rows", "a mixed batch's rows grouped by adapter"),
+        Seam("lora", "factors", "a resident adapter's low-rank factors and scale"),
         Seam("engine", "patch_kv_shards", "the KV pool's code on every rank (quantize, copy…)"),
     )
 }

@@ -9,6 +9,7 @@ from kvpage.config import EngineConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.outputs import RequestOutput
 from kvpage.errors import InvalidRequest
+from kvpage.lora.request import LoRARequest
 from kvpage.sampling_params import SamplingParams
 
 
@@ -29,14 +30,17 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order, one per prompt (with
         `n` CompletionOutputs, by index, for SamplingParams(n=...)). Every prompt is validated
         before any runs, so one bad prompt raises InvalidRequest (naming its index) and nothing
-        is left queued."""
+        is left queued. `lora_request`: one adapter for every prompt, or a list aligned with
+        the prompts (None for the base model)."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        ids = self._add_all(prompts, params, cache_salt)
+        adapters = _as_lora_list(lora_request, len(prompts))
+        ids = self._add_all(prompts, params, cache_salt, adapters)
         finished: dict[str, RequestOutput] = {}
         progress = _Progress(len(ids), enabled=use_tqdm)
         while len(finished) < len(ids):
@@ -47,14 +51,16 @@ class LLM:
         progress.close()
         return [finished[i] for i in ids]
 
-    def _add_all(self, prompts, params, cache_salt) -> list[str]:
+    def _add_all(self, prompts, params, cache_salt, adapters) -> list[str]:
         ids: list[str] = []
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            for i, (prompt, p, lora) in enumerate(zip(prompts, params, adapters, strict=True)):
                 request_id = str(self._next_id)
                 self._next_id += 1
                 try:
-                    self.engine.add_request(request_id, prompt, p, cache_salt=cache_salt)
+                    self.engine.add_request(
+                        request_id, prompt, p, cache_salt=cache_salt, lora_request=lora
+                    )
                 except InvalidRequest as err:
                     raise InvalidRequest(f"prompts[{i}]: {err}") from err
                 ids.append(request_id)
@@ -97,6 +103,15 @@ def _as_params_list(params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise InvalidRequest(f"sampling_params has {len(params)} entries for {n} prompts")
     return params
+
+
+def _as_lora_list(lora, n: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    lora = list(lora)
+    if len(lora) != n:
+        raise InvalidRequest(f"lora_request has {len(lora)} entries for {n} prompts")
+    return lora
 
 
 class _Progress:

@@ -13,6 +13,7 @@ import torch
 from kvpage.cache.manager import KVCacheManager
 from kvpage.cache.namespace import CacheNamespace
 from kvpage.engine.sequence import SeqStatus, Sequence
+from kvpage.lora.adapter import LoraAdapter
 from kvpage.sampling import make_generator
 from kvpage.sampling_params import SamplingParams
 
@@ -25,6 +26,7 @@ class NewRequest:
     cache_salt: str | None
     arrival_time: float
     deadline: float | None
+    lora: LoraAdapter | None = None
 
 
 class Requests:
@@ -69,6 +71,7 @@ class Requests:
             logprobs=[] if req.params.logprobs is not None else None,
             token_logprobs=[] if req.params.logprobs is not None else None,
             prompt_logprobs=None if req.params.prompt_logprobs is None else [None],
+            lora=req.lora,
         )
         self.heads[req.request_id] = seq
         self.samples[req.request_id] = [seq]
@@ -105,6 +108,7 @@ class Requests:
             # Its later re-prefills (after recompute) are not new prefix queries.
             admitted_once=True,
             sample_index=index,
+            lora=parent.lora,
         )
         self.samples[parent.request_id].append(child)
         self.by_seq_id[seq_id] = child

@@ -10,6 +10,8 @@ from kvpage.cache.block_table import TableSnapshot
 from kvpage.cache.manager import KVCacheManager
 from kvpage.engine.plan import PromptRows, ScheduledSeq, StepBatch
 from kvpage.kv.storage import KVStorage
+from kvpage.lora.apply import AdapterRows, LoraBatch, LoraContext
+from kvpage.lora.slots import LoraSlots
 from kvpage.model.base import CausalLM
 from kvpage.model.paged_attention import (
     PagedAttention,
@@ -40,6 +42,9 @@ class ModelRunner:
         self.block_size = storage.block_size
         self._block_offsets = torch.arange(self.block_size, device=self.device)
         self._arange = torch.arange(0, device=self.device)  # grown on demand; rows and positions
+        # With adapters served (kvpage.engine.engine): the model's context, the engine's slots.
+        self.lora: LoraContext | None = None
+        self.lora_slots: LoraSlots | None = None
 
     def build(self, scheduled: list[ScheduledSeq]) -> StepBatch:
         ids: list[int] = []
@@ -88,13 +93,40 @@ class ModelRunner:
         ids_pos = torch.tensor(
             (batch.input_ids, batch.positions), dtype=torch.long, device=self.device
         )  # (2, N): one host-to-tensor copy for both
-        hidden = self.forward(ids_pos, meta)  # (N, C)
+        if self.lora is not None:
+            self.lora.batch = self.adapter_rows(batch)
+        try:
+            hidden = self.forward(ids_pos, meta)  # (N, C)
+        finally:
+            if self.lora is not None:
+                self.lora.batch = None
         if batch.prompt_rows:
             batch.prompt_logits = self._prompt_logits(hidden, batch.prompt_rows)
         if batch.sample_rows != list(range(hidden.shape[0])):  # a decode step samples every row
             rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
             hidden = hidden[rows]
         return self.model.compute_logits(hidden).float()  # (M, V)
+
+    def adapter_rows(self, batch: StepBatch) -> LoraBatch | None:
+        """The step's rows grouped by the adapter their sequence runs with (None: no row has
+        one). Rows of the base model are in no group."""
+        rows: dict[int, list[int]] = {}
+        adapters = {}
+        cu = batch.cu_seqlens_q
+        for item, start, end in zip(batch.scheduled, cu, cu[1:], strict=False):
+            lora = item.seq.lora
+            if lora is not None:
+                rows.setdefault(id(lora), []).extend(range(start, end))
+                adapters[id(lora)] = lora
+        if not rows:
+            return None
+        total = cu[-1]
+        groups = []
+        for key, own in rows.items():
+            resident = self.lora_slots.resident[adapters[key].identity]
+            index = None if len(own) == total else torch.tensor(own, device=self.device)
+            groups.append(AdapterRows(resident, index))
+        return LoraBatch(groups)
 
     def _prompt_logits(self, hidden: torch.Tensor, prompt_rows: list[PromptRows]) -> torch.Tensor:
         rows = [r for p in prompt_rows for r in range(p.first_row, p.first_row + p.count)]

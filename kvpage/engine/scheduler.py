@@ -49,9 +49,11 @@ from kvpage.engine.events import (
 from kvpage.engine.outputs import Decode, RequestOutput, final_output, progress_output
 from kvpage.engine.plan import BlockOpsDone, Draw, Preemption, Sampled, ScheduledSeq, StepPlan
 from kvpage.engine.prefix_wait import PrefixWait
+from kvpage.engine.prompt_row_store import PromptRowStore
 from kvpage.engine.requests import Requests
 from kvpage.engine.sequence import SeqStatus, Sequence
 from kvpage.kv.swap_space import SwapSpace
+from kvpage.lora.slots import LoraSlots
 
 
 class Scheduler:
@@ -87,6 +89,8 @@ class Scheduler:
         # without preemption, sum(prompt lengths) - prefix_hits.
         self.prefill_tokens = 0
         self.prefix_wait = PrefixWait(cache)
+        self.prompt_rows = PromptRowStore(cache)
+        self.lora_slots: LoraSlots | None = None  # the engine's, when it serves adapters
         self._outputs: list[RequestOutput] = []  # finished or progressed since the last take
 
     # --- queue management ------------------------------------------------------------------
@@ -229,6 +233,8 @@ class Scheduler:
                 continue  # a chunk of this step computes its prefix: it hits it next step
             if not self.preemption_enabled and not self.fits_worst_case(seq):
                 return
+            if not self._adapter_fits(seq):
+                return  # every adapter slot is held by running requests: it waits its turn
             self.acquire_prefix(seq)
             self._report_corruptions()
             n = min(seq.num_uncomputed, budget)
@@ -243,8 +249,18 @@ class Scheduler:
             if pending is not None:
                 self.prefix_wait.add(pending, seq)
 
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        return seq.lora is None or seq.lora_held or self.lora_slots.can_hold(seq.lora)
+
+    def _hold_adapter(self, seq: Sequence) -> None:
+        """From its first admission to its finish a sequence holds its adapter resident."""
+        if seq.lora is not None and not seq.lora_held:
+            self.lora_slots.hold(seq.lora)
+            seq.lora_held = True
+
     def _admit(self, seq: Sequence) -> None:
         """The admission is final: count the lookup (first time only) and report the hit."""
+        self._hold_adapter(seq)
         self.waiting.remove(seq)
         self.prefix_wait.forget(seq)
         self._note_resume(seq)
@@ -272,13 +288,20 @@ class Scheduler:
         any allocation. Tracers see every lookup's result (a retry's too)."""
         cap = self.prompt_hit_blocks(seq)
         seq.num_computed = self.cache.acquire_prefix(seq.table, seq.chain, seq.num_tokens, cap)
+        if seq.needs_prompt_rows and seq.num_computed:
+            sources = self.prompt_rows.serve(seq, seq.num_computed // self.cache.block_size)
+            for observer in self.observers:
+                observer.on_prompt_rows(seq, sources)
         self.note_prefix(seq)
 
     def prompt_hit_blocks(self, seq: Sequence) -> int | None:
         """The most cached blocks the request may take, beyond the cache's own cap (a declared
-        seam): none while it still needs prompt logprobs, since a hit's positions would have no
-        logits to score the prompt with; no limit (None) otherwise."""
-        return 0 if seq.needs_prompt_rows else None
+        seam): while it still needs prompt logprobs, only blocks whose rows are scored already
+        or kept in the row store (a hit's positions get no logits to score the prompt with);
+        no limit (None) otherwise."""
+        if not seq.needs_prompt_rows:
+            return None
+        return self.prompt_rows.servable_blocks(seq, self.cache.max_hit_blocks(seq.num_tokens))
 
     def note_prefix(self, seq: Sequence) -> None:
         """Tell tracers the tokens the next step skips for `seq` (its num_computed)."""
@@ -451,8 +474,11 @@ class Scheduler:
         """The step wrote its KV: count it, and publish the blocks it completed (only now may
         another request read them)."""
         for item in plan.scheduled:
-            item.seq.num_computed += item.num_new_tokens
-            self.cache.publish_full_blocks(item.seq.table, item.seq.chain)
+            seq = item.seq
+            seq.num_computed += item.num_new_tokens
+            self.cache.publish_full_blocks(seq.table, seq.chain)
+            if seq.prompt_logprobs is not None:  # rows of the blocks just published, kept
+                seq.rows_offered = self.prompt_rows.offer(seq, seq.rows_offered)
 
     def fork(self, parent: Sequence) -> list[Sequence]:
         """Samples 1..n-1 of a parallel request whose prefill just completed, made before sample
@@ -460,6 +486,8 @@ class Scheduler:
         run right after the parent (same age)."""
         self.to_fork.discard(parent.seq_id)
         children = [self.requests.new_sample(parent, i) for i in range(1, parent.params.n)]
+        for child in children:
+            self._hold_adapter(child)
         at = self.running.index(parent) + 1
         self.running[at:at] = children
         return children
@@ -504,6 +532,9 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         held = held_blocks(seq, self.cache.pool) if self.observers else None
         self.remove(seq)
+        if seq.lora_held:
+            self.lora_slots.release(seq.lora)
+            seq.lora_held = False
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         if held is not None:

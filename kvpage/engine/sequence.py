@@ -22,6 +22,7 @@ import torch
 
 from kvpage.cache.block_table import BlockTable
 from kvpage.cache.key_chain import BlockKeyChain
+from kvpage.lora.adapter import LoraAdapter
 from kvpage.sampling_params import SamplingParams
 
 
@@ -64,6 +65,9 @@ class Sequence:
     kv_restored: bool = True  # False from swap-out until the restored KV has been copied back
     sample_index: int = 0  # which of the request's n parallel samples this sequence is
     num_draws: int = 0  # random draws taken from `generator` so far (its offset)
+    rows_offered: int = 0  # leading full blocks whose prompt rows went to the row store
+    lora: LoraAdapter | None = None  # the adapter it runs with; None: the base model
+    lora_held: bool = False  # it holds its adapter's slot (from admission to its finish)
 
     @property
     def sample_id(self) -> str:

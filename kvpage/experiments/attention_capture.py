@@ -17,8 +17,8 @@ class _CapturingAttention(PagedAttention):
         super().__init__(storage, meta)
         self.decode_index, self.sink = decode_index, sink
 
-    def attend(self, layer, q, k, v, scale):
-        out = super().attend(layer, q, k, v, scale)
+    def attend(self, layer, q, k, v, scale, window=None):
+        out = super().attend(layer, q, k, v, scale, window)
         if self.decode_index is not None:
             self.sink[layer] = self._weights(layer, q, scale)
         return out

@@ -12,9 +12,16 @@ import torch.nn.functional as F
 
 class AttentionBackend(Protocol):
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """q: (N, H, D); k, v: (N, KVH, D) for the N new tokens -> (N, H, D)."""
+        """q: (N, H, D); k, v: (N, KVH, D) for the N new tokens -> (N, H, D). With a sliding
+        `window` W, a query at position p sees keys p - W + 1 .. p only."""
         ...
 
 
@@ -46,18 +53,31 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.squeeze(0).transpose(0, 1)
 
 
-def causal_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor:
-    """(T, S) mask for T new tokens that are the last T of S: query i sees keys 0..S-T+i."""
+def causal_mask(
+    num_queries: int, num_keys: int, device: torch.device, window: int | None = None
+) -> torch.Tensor:
+    """(T, S) mask for T new tokens that are the last T of S: query i sees keys 0..S-T+i, or
+    with a sliding window W only the last W of them."""
     q_idx = torch.arange(num_keys - num_queries, num_keys, device=device)
     k_idx = torch.arange(num_keys, device=device)
-    return k_idx[None, :] <= q_idx[:, None]
+    mask = k_idx[None, :] <= q_idx[:, None]
+    if window is not None:
+        mask &= k_idx[None, :] > q_idx[:, None] - window
+    return mask
+
+
+def windowed_causal_attention(q, k, v, scale: float, window: int | None) -> torch.Tensor:
+    """causal_attention over one fresh sequence, within a sliding window when it is shorter."""
+    if window is None or window >= q.shape[0]:
+        return causal_attention(q, k, v, scale)
+    return masked_attention(q, k, v, causal_mask(q.shape[0], k.shape[0], q.device, window), scale)
 
 
 class NoCacheAttention:
     """One whole sequence, causal, nothing kept: `forward_full`."""
 
-    def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
-        mask = causal_mask(q.shape[0], k.shape[0], q.device)
+    def attend(self, layer: int, q, k, v, scale: float, window: int | None = None) -> torch.Tensor:
+        mask = causal_mask(q.shape[0], k.shape[0], q.device, window)
         return masked_attention(q, k, v, mask, scale)
 
 
@@ -74,10 +94,12 @@ class ContiguousKVCache:
         k = self.keys[-1]
         return 0 if k is None else k.shape[0]
 
-    def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, scale: float, window: int | None = None) -> torch.Tensor:
         if self.keys[layer] is not None:
             k = torch.cat((self.keys[layer], k), dim=0)
             v = torch.cat((self.values[layer], v), dim=0)
         self.keys[layer], self.values[layer] = k, v
-        mask = causal_mask(q.shape[0], k.shape[0], q.device)
+        # The oracle keeps every key and masks the window itself, sharing nothing with the
+        # paged path's window handling.
+        mask = causal_mask(q.shape[0], k.shape[0], q.device, window)
         return masked_attention(q, k, v, mask, scale)

@@ -8,8 +8,8 @@ from typing import Any
 from kvpage.config import ModelConfig, RopeConfig
 from kvpage.errors import UnsupportedModel
 
-LLAMA_LIKE = ("llama", "qwen2", "mistral")
-SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "gpt2")
+LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "gemma3_text", "gpt2")
 
 
 def parse_hf_config(cfg: dict[str, Any], revision: str = "") -> ModelConfig:
@@ -20,14 +20,13 @@ def parse_hf_config(cfg: dict[str, Any], revision: str = "") -> ModelConfig:
         )
     if model_type == "gpt2":
         return _parse_gpt2(cfg, revision)
+    if model_type == "gemma3_text":
+        return _parse_gemma3(cfg, revision)
     return _parse_llama_like(cfg, model_type, revision)
 
 
 def _parse_llama_like(cfg: dict[str, Any], model_type: str, revision: str) -> ModelConfig:
-    if cfg.get("use_sliding_window"):
-        raise UnsupportedModel(
-            "sliding-window attention (use_sliding_window=true) is not supported"
-        )
+    _refuse_unsupported_fields(cfg, model_type)
     hidden = cfg["hidden_size"]
     heads = cfg["num_attention_heads"]
     is_qwen2 = model_type == "qwen2"
@@ -49,10 +48,91 @@ def _parse_llama_like(cfg: dict[str, Any], model_type: str, revision: str) -> Mo
         qkv_bias=is_qwen2 or attention_bias,
         o_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        checkpoint_family=model_type,
+        layer_windows=layer_windows(cfg, model_type),
         bos_token_id=_single_id(cfg.get("bos_token_id")),
         eos_token_ids=_id_tuple(cfg.get("eos_token_id")),
         revision=revision,
     )
+
+
+def _parse_gemma3(cfg: dict[str, Any], revision: str) -> ModelConfig:
+    _refuse_unsupported_fields(cfg, "gemma3_text", act_field="hidden_activation")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModel("gemma3_text config: use_bidirectional_attention is not supported")
+    heads = cfg["num_attention_heads"]
+    return ModelConfig(
+        model_type="gemma3",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        intermediate_size=cfg["intermediate_size"],
+        max_position_embeddings=cfg.get("max_position_embeddings", 131072),
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope=parse_rope(cfg, "full_attention", default_theta=1_000_000.0),
+        local_rope=parse_rope(cfg, "sliding_attention", default_theta=10_000.0, local=True),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+        o_bias=bool(cfg.get("attention_bias", False)),
+        checkpoint_family="gemma3_text",
+        layer_windows=layer_windows(cfg, "gemma3_text"),
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        bos_token_id=_single_id(cfg.get("bos_token_id")),
+        eos_token_ids=_id_tuple(cfg.get("eos_token_id")),
+        revision=revision,
+    )
+
+
+def _refuse_unsupported_fields(
+    cfg: dict[str, Any], model_type: str, act_field: str = "hidden_act"
+) -> None:
+    """Fields that change what the model computes and that this architecture does not
+    implement: refused by name, never silently run as if absent."""
+    problems = []
+    kinds = set(cfg.get("layer_types") or ()) - set(LAYER_KINDS)
+    if kinds:
+        problems.append(f"layer_types with {sorted(kinds)} (supported: {LAYER_KINDS})")
+    supported = "gelu_pytorch_tanh" if model_type == "gemma3_text" else "silu"
+    act = cfg.get(act_field, supported)
+    if act != supported:
+        problems.append(f"{act_field}={act!r} (supported: {supported!r})")
+    if model_type != "phi3" and _partial_rotary(cfg) != 1.0:
+        problems.append(f"partial_rotary_factor={_partial_rotary(cfg)} (in {model_type})")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(name) is not None:
+            problems.append(f"{name}={cfg[name]}")
+    if problems:
+        raise UnsupportedModel(f"{model_type} config: not supported: " + "; ".join(problems))
+
+
+LAYER_KINDS = ("full_attention", "sliding_attention")
+
+
+def layer_windows(cfg: dict[str, Any], model_type: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: global), as transformers applies them: `layer_types`
+    when the config has them; else Mistral and Phi-3 window every layer when `sliding_window`
+    is set, Qwen2/3 the layers from `max_window_layers` on when `use_sliding_window`. A window
+    no position can outgrow (>= max_position_embeddings) is no window. Empty: all global."""
+    n, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
+    kinds = cfg.get("layer_types")
+    if window is not None and not kinds:
+        if model_type == "gemma3_text":  # the older dialect's pattern: every Nth layer global
+            every = cfg.get("sliding_window_pattern", 6)
+            kinds = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+        elif model_type in ("mistral", "phi3"):
+            kinds = ["sliding_attention"] * n
+        elif model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+            first = cfg.get("max_window_layers", n)
+            kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if not kinds or window is None or window >= cfg.get("max_position_embeddings", 2**31):
+        if kinds and "sliding_attention" in kinds and window is None:
+            raise UnsupportedModel(f"{model_type} config: sliding layers but no sliding_window")
+        return ()
+    return tuple(window if kind == "sliding_attention" else None for kind in kinds)
 
 
 def _parse_gpt2(cfg: dict[str, Any], revision: str) -> ModelConfig:
@@ -88,16 +168,33 @@ def _parse_gpt2(cfg: dict[str, Any], revision: str) -> ModelConfig:
     )
 
 
-def parse_rope(cfg: dict[str, Any]) -> RopeConfig:
+def _partial_rotary(cfg: dict[str, Any]) -> float:
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+
+
+def parse_rope(
+    cfg: dict[str, Any],
+    layer_type: str = "full_attention",
+    default_theta: float = 10000.0,
+    local: bool = False,
+) -> RopeConfig:
+    """The RoPE of `layer_type` layers. Older dialect: `rope_theta` and `rope_scaling` at the top
+    level (Gemma 3's local layers: `rope_local_base_freq`, unscaled)."""
     params = cfg.get("rope_parameters")
     if params is None:  # older dialect
-        params = dict(cfg.get("rope_scaling") or {})
-        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    if "full_attention" in params and isinstance(params["full_attention"], dict):
-        params = params["full_attention"]  # per-layer-type form; every layer here is full attention
+        if local:
+            params = {"rope_theta": cfg.get("rope_local_base_freq", default_theta)}
+        else:
+            params = dict(cfg.get("rope_scaling") or {})
+            params.setdefault("rope_theta", cfg.get("rope_theta", default_theta))
+    if isinstance(params.get(layer_type), dict):
+        params = params[layer_type]  # per-layer-type form
+    elif isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
     rope_type = params.get("rope_type") or params.get("type") or "default"
     return RopeConfig(
-        theta=float(params.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        theta=float(params.get("rope_theta", cfg.get("rope_theta", default_theta))),
         rope_type=rope_type,
         factor=float(params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
@@ -106,6 +203,7 @@ def parse_rope(cfg: dict[str, Any]) -> RopeConfig:
             params.get("original_max_position_embeddings")
             or cfg.get("max_position_embeddings", 8192)
         ),
+        partial_rotary_factor=_partial_rotary(cfg),
     )
 
 

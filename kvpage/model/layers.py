@@ -52,10 +52,20 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
+    """How many leading dims of each head RoPE rotates (all but with a partial rotary factor)."""
+    return int(head_dim * rope.partial_rotary_factor)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim), persistent=False)
+        self.rope, self.dim = rope, rotary_dim(rope, head_dim)
+        self.register_buffer("inv_freq", self.fresh_inv_freq(), persistent=False)
+
+    def fresh_inv_freq(self) -> torch.Tensor:
+        """The inverse frequencies from the config (to_empty() leaves the buffer uninitialised)."""
+        return rope_inv_freq(self.rope, self.dim)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -69,7 +79,12 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: (N, H, D), k: (N, KVH, D); cos, sin: (N, 1, D)."""
+    """q: (N, H, D), k: (N, KVH, D); cos, sin: (N, 1, R) for the first R <= D dims (R < D with
+    a partial rotary factor: the other dims pass through)."""
+    r = cos.shape[-1]
+    if r < q.shape[-1]:
+        q_rot, k_rot = apply_rotary(q[..., :r], k[..., :r], cos, sin)
+        return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -79,6 +94,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class SwiGLU(nn.Module):
+    lora = None  # a kvpage.lora.apply.LoraContext when the engine serves adapters
+    layer = -1  # the decoder layer, for the adapters' weights
+
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
@@ -89,7 +107,17 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        return self.down(nn.functional.silu(gate) * up)[0]
+        lora = self.lora
+        if lora is None or lora.batch is None:
+            return self.down(self.activation(gate) * up)[0]
+        gate = lora.apply(self.layer, "gate_proj", x, gate)
+        up = lora.apply(self.layer, "up_proj", x, up)
+        hidden = self.activation(gate) * up
+        return lora.apply(self.layer, "down_proj", hidden, self.down(hidden)[0])
+
+    @staticmethod
+    def activation(gate: torch.Tensor) -> torch.Tensor:
+        return nn.functional.silu(gate)
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:

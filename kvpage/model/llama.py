@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Mistral without sliding window): RMSNorm, RoPE, SwiGLU,
-MHA/GQA/MQA. Parameter names mirror the Hugging Face checkpoint so loading is a name lookup."""
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Phi-3, Mistral): RMSNorm, RoPE, SwiGLU,
+MHA/GQA/MQA, Qwen3's per-head q/k norm, a sliding window per layer. Parameter names mirror the Hugging Face checkpoint so loading is a name lookup."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from kvpage.model.projection import Projection
 
 
 class LlamaAttention(nn.Module):
+    lora = None  # a kvpage.lora.apply.LoraContext when the engine serves adapters
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -23,6 +25,7 @@ class LlamaAttention(nn.Module):
             cfg.head_dim,
         )
         self.scale = cfg.head_dim**-0.5
+        self.window = cfg.window_of(layer)
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
@@ -30,18 +33,33 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_bias)
         self.qkv = Projection(self.q_proj, self.k_proj, self.v_proj)
         self.out = Projection(self.o_proj)
+        if cfg.qk_norm:  # one weight over head_dim, shared by every head (replicated under TP)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x)
+        lora = self.lora
+        if lora is not None and lora.batch is not None:
+            q = lora.apply(self.layer, "q_proj", x, q)
+            k = lora.apply(self.layer, "k_proj", x, k)
+            v = lora.apply(self.layer, "v_proj", x, v)
         q = q.view(n, self.num_heads, self.head_dim)  # (N, H, D)
         k = k.view(n, self.num_kv_heads, self.head_dim)  # (N, KVH, D)
         v = v.view(n, self.num_kv_heads, self.head_dim)  # (N, KVH, D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
-        out = attn.attend(self.layer, q, k, v, self.scale)  # (N, H, D)
-        return self.out(out.reshape(n, -1))[0]  # (N, C)
+        out = attn.attend(self.layer, q, k, v, self.scale, self.window)  # (N, H, D)
+        out = out.reshape(n, -1)
+        y = self.out(out)[0]  # (N, C)
+        if lora is not None and lora.batch is not None:
+            y = lora.apply(self.layer, "o_proj", out, y)
+        return y
 
 
 class LlamaDecoderLayer(nn.Module):

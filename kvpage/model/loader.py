@@ -13,6 +13,8 @@ from safetensors import safe_open
 from kvpage.config import ModelConfig
 from kvpage.errors import ConfigNotFound, MissingWeight, UnknownModel, WeightShapeMismatch
 from kvpage.model.base import CausalLM
+from kvpage.model.fused_weights import FusedRows, fused_source
+from kvpage.model.gemma3 import Gemma3ForCausalLM
 from kvpage.model.gpt2 import CONV1D_SUFFIXES, GPT2LMHeadModel
 from kvpage.model.hf_config import parse_hf_config
 from kvpage.model.llama import LlamaForCausalLM
@@ -23,8 +25,11 @@ INDEX_FILE = "model.safetensors.index.json"
 OPTIONAL_PREFIXES = ("model.", "transformer.")
 
 
+FAMILIES = {"gpt2": GPT2LMHeadModel, "gemma3": Gemma3ForCausalLM, "llama": LlamaForCausalLM}
+
+
 def build_model(cfg: ModelConfig) -> CausalLM:
-    return GPT2LMHeadModel(cfg) if cfg.model_type == "gpt2" else LlamaForCausalLM(cfg)
+    return FAMILIES[cfg.model_type](cfg)
 
 
 def read_config(directory: Path) -> ModelConfig:
@@ -69,17 +74,32 @@ def _tensor_locations(directory: Path) -> dict[str, Path]:
 
 def _load_weights(model: CausalLM, locations: dict[str, Path]) -> None:
     conv1d = model.config.model_type == "gpt2"
-    by_file: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
+    by_file: dict[Path, list[tuple[str, str, FusedRows | None, torch.Tensor]]] = {}
     for name, param in _unique_parameters(model):
-        ckpt_name = _find_checkpoint_name(name, locations)
-        by_file.setdefault(locations[ckpt_name], []).append((name, ckpt_name, param))
+        fused = fused_source(model.config, name)
+        ckpt_name = _find_checkpoint_name(name if fused is None else fused.name, locations)
+        by_file.setdefault(locations[ckpt_name], []).append((name, ckpt_name, fused, param))
     for file, entries in by_file.items():
         with safe_open(str(file), framework="pt") as f:
-            for name, ckpt_name, param in entries:
-                tensor = f.get_tensor(ckpt_name)
+            for name, ckpt_name, fused, param in entries:
+                tensor = _read(f, ckpt_name, fused)
                 transpose = conv1d and name.endswith(CONV1D_SUFFIXES)
-                _copy_checked(param, tensor, ckpt_name, transpose)
+                where = ckpt_name if fused is None else f"{ckpt_name}[{fused.start}:{fused.stop}]"
+                _copy_checked(param, tensor, where, transpose)
     _restore_non_persistent_buffers(model)
+
+
+def _read(f, ckpt_name: str, fused: FusedRows | None) -> torch.Tensor:
+    if fused is None:
+        return f.get_tensor(ckpt_name)
+    whole = f.get_slice(ckpt_name)
+    rows = whole.get_shape()[0]
+    if rows < fused.stop:
+        raise WeightShapeMismatch(
+            f"tensor {ckpt_name!r} has {rows} rows in the checkpoint, but the config implies at "
+            f"least {fused.stop} (its fused parts)"
+        )
+    return whole[fused.start : fused.stop]
 
 
 def _unique_parameters(model: CausalLM):
@@ -116,13 +136,11 @@ def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str, transpos
 
 def _restore_non_persistent_buffers(model: CausalLM) -> None:
     # to_empty() left RoPE's inverse frequencies uninitialised; rebuild them from the config.
-    from kvpage.model.layers import RotaryEmbedding, rope_inv_freq
+    from kvpage.model.layers import RotaryEmbedding
 
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
-            module.inv_freq = rope_inv_freq(model.config.rope, model.config.head_dim).to(
-                module.inv_freq.device
-            )
+            module.inv_freq = module.fresh_inv_freq().to(module.inv_freq.device)
 
 
 def load_hf_tokenizer(directory: str | Path) -> HFTokenizer | None:

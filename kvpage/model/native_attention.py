@@ -104,7 +104,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvpage_scratch_floats.argtypes = [i64, i64, i64, i64]
     lib.kvpage_paged_decode.restype = None
     lib.kvpage_paged_decode.argtypes = [
-        ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr,
+        ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr,
         i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, ctypes.c_int,
     ]  # fmt: skip
     return lib
@@ -132,12 +132,24 @@ class PagedDecode:
         if s and (int(self.lens.min()) < 1 or int(self.lens.max()) > max_blocks * self.block_size):
             raise ValueError(f"a context length is outside [1, {max_blocks * self.block_size}]")
 
+    def window_starts(self, window: int) -> torch.Tensor:
+        """Per sequence the first row a sliding window of `window` rows lets it see."""
+        return (self.lens - window).clamp_(min=0).contiguous()
+
     def __call__(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        scale: float,
+        starts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: (S, H, D) contiguous; k_pool, v_pool: (num_blocks, B, KVH, D), the same strides,
-        D contiguous -> (S, H, D)."""
+        D contiguous -> (S, H, D). `starts` (S,) int64 from window_starts: attend to rows
+        [start, len) only."""
         self._check(q, k_pool, v_pool)
+        if starts is not None and (starts.dtype != torch.int64 or starts.shape != self.lens.shape):
+            raise ValueError(f"starts must be ({self.lens.shape[0]},) int64")
         s, h, d = q.shape
         _, b, kvh, _ = k_pool.shape
         out = torch.empty_like(q)
@@ -148,7 +160,8 @@ class PagedDecode:
         st = k_pool.stride()
         _library().kvpage_paged_decode(
             DTYPE_CODES[q.dtype], q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-            st[0], st[1], st[2], self.tables.data_ptr(), self.lens.data_ptr(), out.data_ptr(),
+            st[0], st[1], st[2], self.tables.data_ptr(), self.lens.data_ptr(),
+            None if starts is None else starts.data_ptr(), out.data_ptr(),
             s, h, kvh, d, b, self.tables.shape[1], scale, self._scratch.data_ptr(), per_thread,
             threads,
         )  # fmt: skip

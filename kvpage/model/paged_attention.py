@@ -13,7 +13,7 @@ import torch
 
 from kvpage.kv.storage import KVStorage
 from kvpage.model import native_attention
-from kvpage.model.attention import causal_attention, causal_mask, masked_attention
+from kvpage.model.attention import causal_mask, masked_attention, windowed_causal_attention
 from kvpage.model.decode_attention import decode_attention
 
 
@@ -57,29 +57,63 @@ class PagedAttention:
         self.storage = storage
         self.meta = meta
         self._native: native_attention.PagedDecode | None = None  # built at the first decode
+        self._window_masks: dict[int, torch.Tensor] = {}  # window -> decode mask, per step
+        self._window_starts: dict[int, torch.Tensor] = {}  # window -> the kernel's first rows
 
-    def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, scale: float, window: int | None = None) -> torch.Tensor:
         # q: (N, H, D); k, v: (N, KVH, D). From here on k and v are what the pool holds for
         # the new tokens (unchanged in the model's own dtype, round-tripped otherwise).
         k, v = self.storage.write(layer, self.meta.slot_mapping, k, v)
         if self.meta.decode_only:
-            return self._decode(q, layer, scale)
+            return self._decode(q, layer, scale, window)
         out = torch.empty_like(q)
         if self.meta.decode_rows.numel():
-            out[self.meta.decode_rows] = self._decode(q[self.meta.decode_rows], layer, scale)
+            decoded = self._decode(q[self.meta.decode_rows], layer, scale, window)
+            out[self.meta.decode_rows] = decoded
         for chunk in self.meta.prefills:
             rows = slice(chunk.token_start, chunk.token_end)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], chunk, layer, scale)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], chunk, layer, scale, window)
         return out
 
-    def _decode(self, q_d, layer: int, scale: float) -> torch.Tensor:
+    def _decode(self, q_d, layer: int, scale: float, window: int | None) -> torch.Tensor:
         """q_d: (Sd, H, D), one query per decode sequence -> (Sd, H, D)."""
+        windowed = window is not None and self._window_cuts(window)
         native = self._native_decode(q_d)
         if native is not None:  # reads the blocks in the pool, no gather
             k_pool, v_pool = self.storage.layer_pools(layer)
-            return native(q_d.contiguous(), k_pool, v_pool, scale)
+            starts = self._native_starts(native, window) if windowed else None
+            return native(q_d.contiguous(), k_pool, v_pool, scale, starts)
         k_d, v_d = self.storage.gather_blocks(layer, self.meta.decode_tables)  # (Sd, KVH, C, D)
-        return decode_attention(q_d, k_d, v_d, self.meta.decode_mask, scale)
+        mask = self._window_mask(window) if windowed else self.meta.decode_mask
+        return decode_attention(q_d, k_d, v_d, mask, scale)
+
+    def _native_starts(self, native: native_attention.PagedDecode, window: int) -> torch.Tensor:
+        starts = self._window_starts.get(window)
+        if starts is None:
+            starts = self._window_starts[window] = native.window_starts(window)
+        return starts
+
+    def _window_cuts(self, window: int) -> bool:
+        """Whether some decode context is longer than the window (else the window is moot)."""
+        return self._window_mask(window) is not self.meta.decode_mask
+
+    def _window_mask(self, window: int) -> torch.Tensor:
+        """The decode mask less the keys before each sequence's window: a query at position
+        len - 1 sees keys len - W .. len - 1. Built once per step and window."""
+        mask = self._window_masks.get(window)
+        if mask is None:
+            lens = self.meta.decode_lens
+            if lens is None:  # metadata made without lengths: the real-context mask has them
+                lens = self.meta.decode_mask.flatten(1).sum(-1)
+            if int(lens.max()) <= window:
+                mask = self.meta.decode_mask
+            else:
+                width = self.meta.decode_mask.shape[-1]
+                keys = torch.arange(width, device=lens.device)
+                inside = keys[None, :] >= (lens - window)[:, None]  # (Sd, C)
+                mask = self.meta.decode_mask & inside[:, None, None, :]
+            self._window_masks[window] = mask
+        return mask
 
     def _native_decode(self, q_d: torch.Tensor) -> native_attention.PagedDecode | None:
         if self._native is None:
@@ -95,9 +129,9 @@ class PagedAttention:
             )
         return self._native
 
-    def _prefill(self, q, k, v, chunk: PrefillChunk, layer: int, scale: float):
+    def _prefill(self, q, k, v, chunk: PrefillChunk, layer: int, scale: float, window):
         if chunk.context_slots is None:  # nothing cached before it: no gather needed
-            return causal_attention(q, k, v, scale)
+            return windowed_causal_attention(q, k, v, scale, window)
         k_ctx, v_ctx = self.storage.read_slots(layer, chunk.context_slots)  # (ctx, KVH, D)
-        mask = causal_mask(q.shape[0], k_ctx.shape[0], q.device)
+        mask = causal_mask(q.shape[0], k_ctx.shape[0], q.device, window)
         return masked_attention(q, k_ctx, v_ctx, mask, scale)

@@ -82,12 +82,12 @@ class RoundTripKVCache(ContiguousKVCache):
         self.round_trip = round_trip
         self.scales: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]  # (T, 2, KVH)
 
-    def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, scale: float, window: int | None = None) -> torch.Tensor:
         k, k_scales = self.round_trip.apply(k)
         v, v_scales = self.round_trip.apply(v)
         if k_scales is not None:
             self.scales[layer].append(torch.stack((k_scales, v_scales), dim=1))
-        return super().attend(layer, q, k, v, scale)
+        return super().attend(layer, q, k, v, scale, window)
 
     def scales_of(self, start: int, end: int) -> torch.Tensor | None:
         """Scales of tokens [start, end) as (L, 2, end - start, KVH), or None (no scales)."""

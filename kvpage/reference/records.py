@@ -68,6 +68,10 @@ class StepRecord:
     restore_complete: bool = True  # the restored KV had landed when this step read it
     engine_step: int = -1
     sampler: dict | None = None  # seed, generator offset and state digest after this draw
+    adapter: str = ""  # the LoRA adapter it ran with (its identity); "" for the base model
+    # Candidate only: the adapters of every row of the engine step it came from (a bug in the
+    # mixed batch shows on the rows of others too).
+    batch_adapters: tuple[str, ...] = ()
     logits: torch.Tensor | None = field(default=None, repr=False)  # (V,) float32, for atol checks
 
     def to_dict(self) -> dict:

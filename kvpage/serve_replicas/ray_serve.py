@@ -13,7 +13,6 @@ Importing this module imports Ray; nothing else in kvpage does."""
 
 import asyncio
 import hashlib
-import json
 import os
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field, replace
@@ -32,6 +31,8 @@ from kvpage.serve_replicas.metrics_merge import merge
 from kvpage.serve_replicas.prefix_router import RouterConfig
 from kvpage.serve_replicas.ray_router import ROUTERS, KVPageRequestRouter
 from kvpage.serve_replicas.routing_key import UNROUTED, RoutingKeys
+from kvpage.server.protocol import error_body
+from kvpage.server.responses import sse
 from kvpage.server.state import ServerOptions
 
 APP_NAME = "kvpage"
@@ -133,6 +134,8 @@ class IngressSpec:
     model: str
     api_keys: dict[str, str]
     max_body_bytes: int
+    body_read_timeout: float = 30.0  # the replica's: a body that takes longer is a 408
+    base_names: tuple[str, ...] = ()  # the base model's names; any other `model` is an adapter
 
 
 api = FastAPI(title="kvpage (Ray Serve)")
@@ -153,7 +156,10 @@ class IngressCore:
         self.app_name = serve.get_replica_context().app_name
         tokenizer = load_tokenizer(spec.model)
         self.keys = RoutingKeys(
-            Tenants(dict(spec.api_keys)), tokenizer, load_chat_template(spec.model)
+            Tenants(dict(spec.api_keys)),
+            tokenizer,
+            load_chat_template(spec.model),
+            frozenset(spec.base_names),
         )
 
     @api.get("/health")
@@ -182,7 +188,12 @@ class IngressCore:
 
     @api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def forward(self, path: str, request: Request) -> Response:
-        body = await request.body()
+        try:
+            async with asyncio.timeout(self.spec.body_read_timeout):
+                body = await request.body()
+        except TimeoutError:
+            timeout = self.spec.body_read_timeout
+            return _error(408, f"the request body did not arrive within {timeout:g} s")
         if len(body) > self.spec.max_body_bytes:  # the replica would say 413; spare the trip
             return _error(413, f"request body larger than {self.spec.max_body_bytes} bytes")
         path = "/" + path  # relative to this application's route prefix
@@ -197,7 +208,7 @@ class IngressCore:
             start = await pieces.__anext__()
         except RayActorError:
             return _error(503, "the replica serving this request died; retry (others remain)")
-        response = StreamingResponse(_rest(pieces), status_code=start.status)
+        response = StreamingResponse(_rest(pieces, _is_sse(start)), status_code=start.status)
         # the replica's own headers (content type and length included), as it sent them
         response.raw_headers = [*start.headers, (REPLICA_HEADER.encode(), start.replica.encode())]
         return response
@@ -222,23 +233,34 @@ class IngressCore:
 Ingress = serve.ingress(api)(IngressCore)
 
 
-async def _rest(pieces) -> AsyncIterator[bytes]:
-    """The body after the start; a replica dying mid-stream ends it with an error event."""
+async def _rest(pieces, event_stream: bool = True) -> AsyncIterator[bytes]:
+    """The body after the start. A replica dying mid-stream ends an SSE stream as the single
+    server ends one whose engine failed: an error event, then `data: [DONE]`, so a client sees
+    an ended stream, not a cut one. Any other body is cut (the connection closes short)."""
     try:
         async for piece in pieces:
             yield piece
-    except RayActorError:
-        message = "the replica serving this request died mid-response; retry (others remain)"
-        event = {"error": {"message": message, "type": "server_error", "param": None}}
-        yield f"data: {json.dumps(event)}\n\n".encode()
+    except Exception as err:
+        if not event_stream:
+            raise
+        if isinstance(err, RayActorError):
+            message = "the replica serving this request died mid-response; retry (others remain)"
+        else:
+            message = f"the replica serving this request failed mid-response: {type(err).__name__}"
+        yield sse(error_body(message, "server_error")).encode()
+        yield sse("[DONE]").encode()
     finally:  # the client left mid-stream: the replica sees a disconnect and aborts the request
         pieces.cancel()
 
 
+def _is_sse(start: ResponseStart) -> bool:
+    types = [v for k, v in start.headers if k.lower() == b"content-type"]
+    return bool(types) and types[0].split(b";")[0].strip() == b"text/event-stream"
+
+
 def _error(status: int, message: str) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "service_unavailable"
-    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(message, kind), status_code=status)
 
 
 def _router_metrics(router: KVPageRequestRouter) -> str:
@@ -287,7 +309,13 @@ def build_app(config: ServiceConfig) -> serve.Application:
         ray_actor_options={"num_cpus": 0},
     )
     options = config.replica.options
-    spec = IngressSpec(config.replica.engine.model, dict(options.api_keys), options.max_body_bytes)
+    spec = IngressSpec(
+        config.replica.engine.model,
+        dict(options.api_keys),
+        options.max_body_bytes,
+        options.body_read_timeout,
+        options.served_model_names or (options.model_name,),
+    )
     return ingress.bind(engines.bind(config.replica), spec)
 
 

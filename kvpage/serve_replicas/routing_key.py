@@ -4,7 +4,9 @@ The key is a best guess made before the replica sees the request: a body the rep
 (bad JSON, unknown fields, a wrong API key) still gets a key — an empty prompt, so it goes to the
 least-loaded replica — and the replica answers it exactly as the single server would. The
 namespace is the tenant of the API key, or on an open server the client's cache_salt: the same
-partition the replicas' prefix caches use, so a routing entry never crosses tenants."""
+partition the replicas' prefix caches use, so a routing entry never crosses tenants. A request
+naming a model other than the base's (a LoRA adapter) has that name in its namespace too, as
+the replicas key adapters apart: its prefix follows the replica that cached it with it."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class RoutingKeys:
     tenants: Tenants  # API keys only: the salts are the replicas' business
     tokenizer: Tokenizer | None
     chat_template: Callable[[Messages], str]
+    base_names: frozenset[str] = frozenset()  # the base model's names: no adapter
 
     def key(self, path: str, authorization: str | None, body: bytes) -> RoutingKey:
         if path not in (COMPLETIONS, CHAT):
@@ -42,10 +45,15 @@ class RoutingKeys:
 
     def _namespace(self, authorization: str | None, raw: dict) -> str:
         tenant = self.tenants.authenticate(authorization)  # 401 there, UNROUTED here
-        if tenant is not None:
-            return f"tenant:{tenant}"
         salt = raw.get("cache_salt")
-        return f"salt:{salt}" if isinstance(salt, str) else "open"
+        if tenant is not None:
+            namespace = f"tenant:{tenant}"
+        else:
+            namespace = f"salt:{salt}" if isinstance(salt, str) else "open"
+        model = raw.get("model")
+        if isinstance(model, str) and model and model not in self.base_names:
+            namespace += f"|adapter:{len(model)}:{model}"  # length-prefixed: no collisions
+        return namespace
 
     def _tokens(self, path: str, raw: dict) -> list[int]:
         if path == COMPLETIONS:

@@ -4,7 +4,12 @@ Layered from narrow to wide: prefix caching off for one namespace (a tenant, a c
 unsalted namespace), prefix caching off everywhere, preemption off, and drain (refuse new requests
 with 503 while running ones finish). Each switch is applied on the engine thread between two steps,
 so it holds from the next scheduling decision on; each is one of the engine's own switch methods.
-Cached entries stay until evicted; they are simply neither hit nor extended while caching is off."""
+Cached entries stay until evicted; they are simply neither hit nor extended while caching is off.
+
+LoRA adapters are loaded and unloaded at run time under vLLM's paths (/v1/load_lora_adapter,
+/v1/unload_lora_adapter), guarded by the same token. A load under a registered name loads the
+directory again: new weights are a new adapter with its own cache namespace, and requests
+already queued finish with the adapter they were given."""
 
 from __future__ import annotations
 
@@ -12,18 +17,12 @@ import hmac
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Request
-from pydantic import BaseModel
 
+from kvpage.errors import InvalidRequest
+from kvpage.lora.request import LoRARequest
 from kvpage.server.metrics import engine_snapshot
-from kvpage.server.protocol import ApiError
+from kvpage.server.protocol import ApiError, LoadLoraAdapter, Switch, UnloadLoraAdapter
 from kvpage.server.state import ServerState
-
-
-class Switch(BaseModel):
-    enabled: bool
-    tenant: str | None = None  # prefix caching: this tenant's namespace only
-    cache_salt: str | None = None  # prefix caching: this salt's namespace only (open server)
-    namespace: bool = False  # with neither tenant nor cache_salt: the unsalted namespace
 
 
 def _state(request: Request) -> ServerState:
@@ -46,6 +45,7 @@ def require_admin(
 
 Admin = Annotated[ServerState, Depends(require_admin)]
 router = APIRouter(prefix="/admin")
+lora_router = APIRouter(prefix="/v1")
 
 
 @router.post("/prefix-caching")
@@ -89,6 +89,30 @@ async def stats(state: Admin) -> dict:
 @router.get("/audit")
 async def audit(state: Admin) -> dict:
     return {"events": list(state.audit.recent)}
+
+
+@lora_router.post("/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoraAdapter, state: Admin) -> dict:
+    engine = state.loop.engine
+    lora = LoRARequest(body.lora_name, body.lora_path)
+    try:
+        adapter = await state.loop.call(engine.load_lora_adapter, lora, True)
+    except InvalidRequest as err:
+        raise ApiError(str(err), "lora_path") from err
+    change = {"lora_name": adapter.name, "loaded": True, "digest": adapter.digest}
+    state.audit.write("lora_adapter", always=True, **change, path=adapter.path)
+    return change
+
+
+@lora_router.post("/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoraAdapter, state: Admin) -> dict:
+    engine = state.loop.engine
+    try:
+        await state.loop.call(engine.unload_lora_adapter, body.lora_name)
+    except InvalidRequest as err:
+        raise ApiError(str(err), "lora_name", 404, "not_found_error") from err
+    state.audit.write("lora_adapter", always=True, lora_name=body.lora_name, loaded=False)
+    return {"lora_name": body.lora_name, "loaded": False}
 
 
 def _salt(state: ServerState, switch: Switch) -> str | None:

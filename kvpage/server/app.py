@@ -19,8 +19,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 import kvpage.server.admin as admin
+import kvpage.server.openapi as openapi
 from kvpage.engine.engine import LLMEngine
 from kvpage.errors import InvalidRequest
+from kvpage.lora.request import LoRARequest
 from kvpage.model.tokenizer import encode_text
 from kvpage.server.audit import AuditLog, AuditObserver
 from kvpage.server.batch import (
@@ -40,6 +42,7 @@ from kvpage.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    error_body,
     error_response,
     invalid_request,
     sampling_params,
@@ -82,17 +85,21 @@ def create_app(engine: LLMEngine, options: ServerOptions | None = None) -> FastA
         shadow=shadow,
         chat_template=load_chat_template(engine.config.model),
     )
+    for name, path in options.lora_modules:
+        engine.load_lora_adapter(LoRARequest(name, path))
     engine.add_observer(AuditObserver(audit))
     engine.add_observer(state.metrics)
     app = FastAPI(title="kvpage", lifespan=_lifespan)
     app.state.server = state
     app.include_router(admin.router)
+    app.include_router(admin.lora_router)
     app.include_router(_routes())
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _api_error)
     app.add_middleware(RequestGuard, state=state)  # auth and body size before any parsing
+    openapi.install(app)
     return app
 
 
@@ -206,7 +213,7 @@ async def model_card(
 
 
 def _card(state: ServerState, name: str) -> dict:
-    return {
+    card = {
         "id": name,
         "object": "model",
         "created": state.created,
@@ -214,6 +221,10 @@ def _card(state: ServerState, name: str) -> dict:
         "root": state.loop.engine.config.model,
         "max_model_len": state.loop.engine.max_model_len,
     }
+    adapter = state.adapter_for(name)
+    if adapter is not None:  # vLLM's card of an adapter: its directory, the base as parent
+        card.update(root=adapter.lora_path, parent=state.base_names[0])
+    return card
 
 
 # --- tokenizer endpoints (vLLM's shapes) -----------------------------------------------------
@@ -284,7 +295,7 @@ async def _serve_batch(request, state, body, all_ids: list[list[int]]) -> Respon
     salt = state.tenants.cache_salt(request.state.tenant, body.cache_salt)
     shape = new_shape(
         False,
-        state.options.model_name,
+        _served_name(state, body.model),
         body.logprobs,
         body.return_token_ids,
         body.include_usage,
@@ -301,6 +312,7 @@ async def _serve_batch(request, state, body, all_ids: list[list[int]]) -> Respon
             rid, ids, params, salt, tokenizer, body.stop_strings, state.text_stream
         )
         gen.echo_only = max_tokens == 0
+        gen.lora = state.adapter_for(body.model)
         gens.append(gen)
     sinks = await submit_all(state, gens, request.state.tenant)
     path = request.url.path
@@ -340,7 +352,7 @@ async def _complete_batch(request, state, shape, gens, sinks) -> Response:
     try:
         task.result()
     except EngineFailure as err:
-        raise ApiError(str(err), None, err.status, "server_error") from err
+        raise ApiError(str(err), None, err.status, err.kind) from err
     return JSONResponse(batch_body(shape, gens, state.loop.engine.tokenizer))
 
 
@@ -361,12 +373,17 @@ def _admit(request: Request, body, authorization: str | None) -> ServerState:
     """Checks that need no engine: auth, drain, model name, unsupported fields."""
     state: ServerState = request.app.state.server
     request.state.tenant = state.tenants.authenticate(authorization)
-    if state.draining:
-        raise ApiError("the server is draining; retry elsewhere", None, 503, "service_unavailable")
+    if (refusal := state.refusal()) is not None:
+        raise refusal
     if body.model and body.model not in state.model_names:
         raise ApiError(f"model {body.model!r} is not served here", "model", 404, "not_found_error")
     body.check_unsupported()
     return state
+
+
+def _served_name(state: ServerState, model: str) -> str:
+    """What responses name as their model: the adapter asked for, else the base model."""
+    return model if state.adapter_for(model) is not None else state.options.model_name
 
 
 def _encode(state: ServerState, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -391,7 +408,7 @@ async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, cha
     # and dropped (Generation.echo_only).
     params = sampling_params(body, max(max_tokens, 1), num_logprobs)
     salt = state.tenants.cache_salt(request.state.tenant, body.cache_salt)
-    model = state.options.model_name
+    model = _served_name(state, body.model)
     echo = not chat and body.echo
     shape = new_shape(
         chat,
@@ -408,6 +425,7 @@ async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, cha
         shape.request_id, prompt_ids, params, salt, tokenizer, stop, state.text_stream
     )
     gen.echo_only = max_tokens == 0
+    gen.lora = state.adapter_for(body.model)
     state.audit.tenants[gen.request_id] = request.state.tenant
     try:
         sink = await submit(state, gen)
@@ -460,7 +478,7 @@ async def _stream_events(state, shape, gen, sink, include_usage: bool) -> AsyncI
                         echo = echo_of(gen, tokenizer, shape.num_logprobs is not None)
                     yield sse(chunk_body(shape, delta, tokenizer, echo, first, gen))
     except EngineFailure as err:
-        yield sse({"error": {"message": str(err), "type": "server_error", "param": None}})
+        yield sse(error_body(str(err), err.kind))
     if include_usage:
         yield sse(usage_chunk(shape, gen))
     yield sse("[DONE]")
@@ -484,7 +502,7 @@ async def _complete(request, state, shape, gen, sink) -> Response:
     try:
         task.result()
     except EngineFailure as err:
-        raise ApiError(str(err), None, err.status, "server_error") from err
+        raise ApiError(str(err), None, err.status, err.kind) from err
     return JSONResponse(final_body(shape, gen, state.loop.engine.tokenizer))
 
 

@@ -58,30 +58,44 @@ def free_port() -> int:
 
 
 class BackgroundServer:
-    """`with BackgroundServer(app) as server:` ... `server.url` is `http://127.0.0.1:PORT`."""
+    """`with BackgroundServer(app) as server:` ... `server.url` is `http://127.0.0.1:PORT`.
 
-    def __init__(self, app: FastAPI, port: int | None = None, start_timeout: float = 30.0) -> None:
+    Entering waits for /health to answer 200, up to `start_timeout` seconds (generous: a loaded
+    machine can be slow to start the engine thread); a server that dies or never gets ready
+    raises with what it logged while starting and the exception that ended its thread."""
+
+    def __init__(self, app: FastAPI, port: int | None = None, start_timeout: float = 180.0) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = graceful_server(app, "127.0.0.1", self.port, "warning")
         self._stop_timeout = app.state.server.options.shutdown_timeout + 15.0
-        self._thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="uvicorn", daemon=True)
         self._start_timeout = start_timeout
+        self._failure: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            self.server.run()
+        except BaseException as err:  # uvicorn exits on a failed start-up: say so in __enter__
+            self._failure = err
 
     def __enter__(self) -> BackgroundServer:
-        self._thread.start()
-        deadline = time.monotonic() + self._start_timeout
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            if not self._thread.is_alive():
-                break
-            time.sleep(0.05)
+        with _StartLog() as start_log:
+            self._thread.start()
+            deadline = time.monotonic() + self._start_timeout
+            while time.monotonic() < deadline and self._thread.is_alive():
+                try:
+                    if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
+                        return self
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)  # a poll interval, not a wait for readiness
         self.close()
-        raise RuntimeError(f"server on {self.url} did not answer /health")
+        why = "exited" if not self._thread.is_alive() else f"not ready in {self._start_timeout:g} s"
+        raise RuntimeError(
+            f"server on {self.url} did not answer /health ({why}); "
+            f"its thread's error: {self._failure!r}; its log:\n{start_log.text()}"
+        )
 
     def close(self) -> None:
         self.server.should_exit = True
@@ -89,3 +103,29 @@ class BackgroundServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _StartLog(logging.Handler):
+    """What uvicorn and kvpage log while a background server starts (for its failure)."""
+
+    _LOGGERS = ("uvicorn", "kvpage")  # uvicorn.error reaches the first
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+    def text(self) -> str:
+        return "\n".join(self.lines) or "(nothing logged)"
+
+    def __enter__(self) -> _StartLog:
+        for name in self._LOGGERS:
+            logging.getLogger(name).addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name in self._LOGGERS:
+            logging.getLogger(name).removeHandler(self)

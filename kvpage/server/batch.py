@@ -12,7 +12,7 @@ from kvpage.errors import InvalidRequest
 from kvpage.model.tokenizer import Tokenizer
 from kvpage.server.engine_loop import EngineFailure
 from kvpage.server.generation import Delta, Generation, run, submit
-from kvpage.server.protocol import ApiError, invalid_request, usage
+from kvpage.server.protocol import ApiError, error_body, invalid_request, usage
 from kvpage.server.responses import Shape, chunk_body, echo_of, final_body, sse
 from kvpage.server.state import ServerState
 
@@ -117,7 +117,7 @@ async def batch_events(
                     body["choices"][0]["index"] = index
                     yield sse(body)
     except EngineFailure as err:
-        yield sse({"error": {"message": str(err), "type": "server_error", "param": None}})
+        yield sse(error_body(str(err), err.kind))
     if shape.include_usage:
         chunk = {k: v for k, v in chunk_body(shape, _empty(), tok).items() if k != "choices"}
         yield sse({**chunk, "choices": [], "usage": batch_usage(gens)})

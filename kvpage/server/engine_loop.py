@@ -18,6 +18,7 @@ from typing import Any
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.outputs import RequestOutput
 from kvpage.errors import KVPageError
+from kvpage.lora.request import LoRARequest
 from kvpage.sampling_params import SamplingParams
 
 log = logging.getLogger("kvpage.server")
@@ -29,12 +30,14 @@ class EngineFailure(KVPageError, RuntimeError):
     """The engine raised during a step; every request in flight is failed with it."""
 
     status = 500  # what a request that has not started its response answers
+    kind = "server_error"  # OpenAI's error `type`, in the answer and in a stream's error event
 
 
 class ServerShutdown(EngineFailure):
     """The server stopped before the request finished (its shutdown timeout ran out)."""
 
     status = 503
+    kind = "service_unavailable"  # as a request refused while draining: retry elsewhere
 
 
 class EngineLoop:
@@ -69,13 +72,19 @@ class EngineLoop:
         return await asyncio.wrap_future(future)
 
     async def add(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, salt: str | None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        salt: str | None,
+        lora: LoRARequest | None = None,
     ) -> asyncio.Queue:
         """Queue a request; raises InvalidRequest (from the engine thread) if it is rejected."""
         sink: asyncio.Queue = asyncio.Queue()
         self._sinks[request_id] = (asyncio.get_running_loop(), sink)
+        add = self.engine.add_request
         try:
-            await self.call(self.engine.add_request, request_id, prompt_ids, params, salt)
+            await self.call(add, request_id, prompt_ids, params, salt, None, lora)
         except BaseException:
             self._sinks.pop(request_id, None)
             raise

@@ -11,6 +11,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from kvpage.engine.outputs import CompletionOutput, RequestOutput
+from kvpage.lora.request import LoRARequest
 from kvpage.model.tokenizer import Tokenizer
 from kvpage.sampling_params import SamplingParams
 from kvpage.server.shadow import ShadowJob
@@ -109,6 +110,7 @@ class Generation:
     # every choice drops it, ending with "length" and no completion tokens.
     echo_only: bool = False
     prompt_logprobs: list[dict[int, float] | None] | None = None  # from the first output
+    lora: LoRARequest | None = None  # the adapter the request's `model` named
 
     @classmethod
     def new(
@@ -186,19 +188,21 @@ class Generation:
 
 async def submit(state: ServerState, gen: Generation) -> asyncio.Queue:
     """Queue the request in the engine; raises InvalidRequest before anything is sent."""
-    return await state.loop.add(gen.request_id, gen.prompt_ids, gen.params, gen.salt)
+    return await state.loop.add(gen.request_id, gen.prompt_ids, gen.params, gen.salt, gen.lora)
 
 
 async def run(state: ServerState, gen: Generation, sink: asyncio.Queue) -> AsyncIterator[Delta]:
     """Deltas until every choice is finished. Leaving early (client gone, stop string) aborts the
     request in the engine, which gives its blocks back; a stop string in one of several choices
     aborts only that sample."""
-    async with aclosing(_deltas(state, gen, sink)) as deltas:  # closing it aborts the request
-        async for delta in deltas:
-            yield delta
-    # Its tenant goes after the engine's last event of it: the aborts queued above (a stop
-    # string, a client gone) emit theirs later, on the engine thread, and name the tenant too.
-    state.loop.run_later(state.audit.tenants.pop, gen.request_id, None)
+    try:
+        async with aclosing(_deltas(state, gen, sink)) as deltas:  # closing it aborts the request
+            async for delta in deltas:
+                yield delta
+    finally:  # every way out: finished, a stop string, the client gone, cancelled, an error
+        # Its tenant goes after the engine's last event of it: the aborts queued above (a stop
+        # string, a client gone) emit theirs later, on the engine thread, and name the tenant.
+        state.loop.run_later(state.audit.tenants.pop, gen.request_id, None)
 
 
 async def _deltas(state: ServerState, gen: Generation, sink: asyncio.Queue) -> AsyncIterator[Delta]:
@@ -219,5 +223,6 @@ async def _deltas(state: ServerState, gen: Generation, sink: asyncio.Queue) -> A
             if gen.finished:
                 state.metrics.e2e.observe(time.perf_counter() - start)
                 break
-    for job in gen.shadow_jobs():
-        state.shadow.offer(job)
+    if gen.lora is None:  # the shadow recomputes on the base weights only
+        for job in gen.shadow_jobs():
+            state.shadow.offer(job)

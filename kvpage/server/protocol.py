@@ -31,9 +31,18 @@ class ApiError(KVPageError):
         self.kind = kind or ("invalid_request_error" if status == 400 else "server_error")
 
 
+def error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: the body of an error response, and a stream's error event."""
+    return {"error": {"message": _printable(message), "type": kind, "param": param, "code": None}}
+
+
 def error_response(err: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    error = {"message": _printable(err.message), "type": err.kind, "param": err.param}
-    return JSONResponse({"error": {**error, "code": None}}, err.status, headers)
+    return JSONResponse(error_body(err.message, err.kind, err.param), err.status, headers)
+
+
+def unavailable(why: str) -> ApiError:
+    """A 503 (draining or shutting down): one error type, the message says which."""
+    return ApiError(f"{why}; retry elsewhere", None, 503, "service_unavailable")
 
 
 def _printable(text: str) -> str:
@@ -178,6 +187,13 @@ def _lone_surrogate(value: Any, path: str) -> str | None:
     return None
 
 
+def _check_unicode(body: BaseModel) -> None:
+    bad_text = _lone_surrogate(body, "")
+    if bad_text is not None:
+        param = _field_of(bad_text.split("."))
+        raise ApiError(f"{bad_text} is not valid Unicode (a lone surrogate)", param)
+
+
 class _Strict(BaseModel):
     """No coercion: `"3"` is not 3, `true` is not 1, `2.0` is not a token id, and NaN or
     Infinity (which Python's JSON parser accepts) is not a number."""
@@ -217,10 +233,7 @@ class _Common(_Strict):
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED and not _is_off(value, UNSUPPORTED[name]):
                 raise ApiError(f"{name} is not supported by this server", name)
-        bad_text = _lone_surrogate(self, "")
-        if bad_text is not None:
-            param = _field_of(bad_text.split("."))
-            raise ApiError(f"{bad_text} is not valid Unicode (a lone surrogate)", param)
+        _check_unicode(self)
         if self.stream_options is not None and not self.stream:
             raise ApiError("stream_options is only allowed when stream is true", "stream_options")
         if not 1 <= self.n <= MAX_N:
@@ -343,11 +356,34 @@ class TokenizeRequest(_Strict):
             raise ApiError("send exactly one of prompt and messages", "prompt")
         if self.add_generation_prompt is not True:
             raise ApiError("add_generation_prompt false is not supported", "add_generation_prompt")
+        _check_unicode(self)  # the tokenizer cannot encode a lone surrogate (a 500, before)
 
 
 class DetokenizeRequest(_Strict):
     model: str = ""
     tokens: list[int] = Field(max_length=1_000_000)
+
+
+class Switch(_Strict):
+    """An /admin switch (kvpage.server.admin): strict like every body, so `0` is not `false`."""
+
+    enabled: bool
+    tenant: str | None = None  # prefix caching: this tenant's namespace only
+    cache_salt: str | None = None  # prefix caching: this salt's namespace only (open server)
+    namespace: bool = False  # with neither tenant nor cache_salt: the unsalted namespace
+
+
+class LoadLoraAdapter(_Strict):
+    """POST /v1/load_lora_adapter (vLLM's body): load or reload adapter `lora_name`."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapter(_Strict):
+    """POST /v1/unload_lora_adapter (vLLM's body)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
 
 
 def sampling_params(
@@ -389,7 +425,12 @@ def invalid_request(err: InvalidRequest) -> ApiError:
 
 _KNOWN_PARAMS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
 _FIELD_NAMES = _KNOWN_PARAMS.union(
-    ChatMessage.model_fields, ContentPart.model_fields, StreamOptions.model_fields
+    ChatMessage.model_fields,
+    ContentPart.model_fields,
+    StreamOptions.model_fields,
+    TokenizeRequest.model_fields,  # so that a bad token id names `tokens`, not ""
+    DetokenizeRequest.model_fields,
+    Switch.model_fields,
 )
 
 

@@ -8,11 +8,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpage.lora.request import LoRARequest
 from kvpage.model.tokenizer import Tokenizer
 from kvpage.server.audit import AuditLog
 from kvpage.server.chat import Messages
 from kvpage.server.engine_loop import EngineLoop, ServerShutdown
 from kvpage.server.metrics import ServerMetrics
+from kvpage.server.protocol import ApiError, unavailable
 from kvpage.server.shadow import ShadowChecker
 from kvpage.server.tenants import Tenants
 from kvpage.server.text_stream import TextStream
@@ -30,11 +32,15 @@ class ServerOptions:
     audit_sample_rate: float = 1.0
     seed: int = 0  # sampling of audit lines and shadow checks
     max_body_bytes: int = 4 * 1024 * 1024  # a larger request body is a 413, never parsed
+    body_read_timeout: float = 30.0  # seconds for a whole request body to arrive, else a 408
     shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish on shutdown
     # Replicas (kvpage serve --replicas N) share one tenant secret, so a tenant's cache salt is
     # the same on each; None: a secret made at start-up (one process, nothing to agree with).
     tenant_secret: bytes | None = None
     replica: str | None = None  # named in every audit line when the app is one of N replicas
+    # vLLM's --lora-modules: (name, PEFT directory) adapters loaded at start-up; a request
+    # selects one with `model: name` (the engine needs enable_lora).
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(slots=True)
@@ -47,18 +53,37 @@ class ServerState:
     shadow: ShadowChecker
     chat_template: Callable[[Messages], str]
     draining: bool = False  # refuse new requests, finish running ones (admin switch, shutdown)
+    shutting_down: bool = False  # the drain is the shutdown's (the refusals say which)
     # A declared seam (kvpage.server.seams): builds each choice's text stream.
     text_stream: Callable[[Tokenizer, list[str]], TextStream] = TextStream
     created: int = field(default_factory=lambda: int(time.time()))  # /v1/models' `created`
 
     @property
-    def model_names(self) -> tuple[str, ...]:
+    def base_names(self) -> tuple[str, ...]:
         return self.options.served_model_names or (self.options.model_name,)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """What a request's `model` may name: the base model's names, then every adapter."""
+        return (*self.base_names, *self.adapter_names)
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        slots = self.loop.engine.lora_slots
+        return () if slots is None else tuple(sorted(slots.registered))
+
+    def adapter_for(self, model: str) -> LoRARequest | None:
+        """The adapter a request's `model` names, None for the base model (or no name)."""
+        slots = self.loop.engine.lora_slots
+        if not model or model in self.base_names or slots is None:
+            return None
+        adapter = slots.registered.get(model)
+        return None if adapter is None else LoRARequest(adapter.name, adapter.path)
 
     async def shut_down(self, timeout: float, force: Callable[[], bool] = lambda: False) -> int:
         """Drain: admit nothing more, give the requests in flight up to `timeout` seconds (less
         if `force()` turns true), then end the rest with an error. Returns how many were cut."""
-        self.draining = True
+        self.draining = self.shutting_down = True
         deadline = time.monotonic() + timeout
         while self.loop.in_flight and time.monotonic() < deadline and not force():
             await asyncio.sleep(0.05)
@@ -66,6 +91,14 @@ class ServerState:
         if cut:
             self.loop.fail_in_flight(ServerShutdown("the server is shutting down"))
         return cut
+
+    def refusal(self) -> ApiError | None:
+        """Why a new request is refused now (a 503), or None when it is admitted."""
+        if self.shutting_down:
+            return unavailable("the server is shutting down")
+        if self.draining:
+            return unavailable("the server is draining (an operator turned drain on)")
+        return None
 
     def describe(self) -> list[str]:
         """What this server serves, for the start-up banner. Never a key or a token."""
@@ -81,7 +114,8 @@ class ServerState:
             f"auth: {self._auth()}",
             f"admin API: {'on' if opts.admin_token else 'off (no admin token)'}",
             f"audit log: {opts.audit_log or 'stderr (the kvpage.audit logger)'}",
-            f"limits: request body {_mib(opts.max_body_bytes)}, "
+            f"limits: request body {_mib(opts.max_body_bytes)} "
+            f"(in {opts.body_read_timeout:g} s), "
             f"shutdown timeout {opts.shutdown_timeout:g} s",
         ]
 

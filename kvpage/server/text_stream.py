@@ -59,8 +59,11 @@ class Detokenizer:
         (a UTF-8 byte) starts where that character does; one that follows pending text that
         is already final (an invalid byte, shown as U+FFFD) starts after it."""
         end = len(self.token_ids)
-        before = self._decode(end)
         context = len(self._decode(self.read))
+        lead = self._lead_of(token_id)
+        if lead is not None:  # a byte of a character still arriving: where its first byte is
+            return len(self._decode(lead)) - context
+        before = self._decode(end)
         if not self.tokenizer.decode([token_id]):  # no text of its own: a special token
             return len(before) - context
         after = self.tokenizer.decode(self.token_ids[self.prefix :] + [token_id])
@@ -70,6 +73,41 @@ class Detokenizer:
         if common is None:  # `after` extends `before`, or the token joined its last character
             common = min(len(before), max(len(after) - 1, 0))
         return common - context
+
+
+    def _lead_of(self, token_id: int) -> int | None:
+        """If `token_id` is a UTF-8 continuation byte of the character the pending byte tokens
+        began, the index of the token holding that character's first byte. Needed where a
+        tokenizer spells each pending byte as its own U+FFFD (byte-fallback BPE): the text then
+        grows by one U+FFFD per byte and says nothing about where the character starts."""
+        token_bytes = getattr(self.tokenizer, "token_bytes", None)
+        if token_bytes is None or not _is_continuation(token_bytes(token_id)):
+            return None
+        continuations = 1  # this token's byte
+        for k in range(len(self.token_ids) - 1, self.read - 1, -1):
+            piece = token_bytes(self.token_ids[k])
+            if _is_continuation(piece):
+                continuations += 1
+            elif piece is not None and len(piece) == 1:
+                return k if continuations < _utf8_width(piece[0]) else None
+            else:
+                return None
+        return None
+
+
+def _is_continuation(piece: bytes | None) -> bool:
+    return piece is not None and len(piece) == 1 and 0x80 <= piece[0] < 0xC0
+
+
+def _utf8_width(lead: int) -> int:
+    """Bytes in the character a lead byte starts (0: not a lead byte)."""
+    if 0xC2 <= lead < 0xE0:
+        return 2
+    if 0xE0 <= lead < 0xF0:
+        return 3
+    if 0xF0 <= lead < 0xF5:
+        return 4
+    return 0
 
 
 @dataclass(slots=True)

@@ -3,10 +3,14 @@
 The API key comes first: a keyed server answers 401 to a client without a valid key whatever it
 sent, so a stranger learns nothing from how its body is judged and costs no parsing. Then the
 body's size: more than `max_body_bytes` is a 413, decided from Content-Length when there is one
-and otherwise while reading, so an oversized body is never buffered whole nor parsed."""
+and otherwise while reading, so an oversized body is never buffered whole nor parsed. And its
+time: a body not all in within `body_read_timeout` seconds is a 408 (uvicorn then closes the
+connection), so a client that sends headers and part of a body and stalls holds no connection or
+task for long, and nothing of it reaches the app or the engine."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from typing import Any
 
@@ -33,7 +37,7 @@ class RequestGuard:
             return
         try:
             self._authenticate(scope)
-            receive = await self._bounded_body(scope, receive)
+            receive = await self._timed_body(scope, receive)
         except ApiError as err:
             self._count(scope, err.status)
             await error_response(err)(scope, receive, send)
@@ -46,6 +50,17 @@ class RequestGuard:
         header = _header(scope, b"authorization")
         tenant = self.state.tenants.authenticate(header)
         scope.setdefault("state", {})["tenant"] = tenant  # request.state.tenant in the routes
+
+    async def _timed_body(self, scope: Scope, receive: Receive) -> Receive:
+        """The whole body within the read timeout (from the headers to its last byte: a client
+        trickling a byte at a time is bounded too), or a 408."""
+        timeout = self.state.options.body_read_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._bounded_body(scope, receive)
+        except TimeoutError:
+            message = f"the request body did not arrive within {timeout:g} s"
+            raise ApiError(message, None, 408, "invalid_request_error") from None
 
     async def _bounded_body(self, scope: Scope, receive: Receive) -> Receive:
         """Read the whole body (at most the limit) and replay it to the app."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from kvpage.sampling_params import SamplingParams
 from kvpage.verify.canary import make_canaries
 from kvpage.verify.driver import StepDriver
+from kvpage.verify.lora_adapters import LoraSpec
 
 
 @dataclass(slots=True)
@@ -24,6 +25,7 @@ class RequestSpec:
     # Stop on the token the reference draws at this step (resolved against the reference before
     # the case runs), so a stop rule is exercised whatever the model's weights are.
     stop_at_ref_step: int | None = None
+    lora: LoraSpec | None = None  # the adapter it runs with (kvpage.verify.lora_adapters)
 
     def sample_ids(self) -> list[str]:
         """Trace keys of the request's samples (kvpage.engine.sequence.Sequence.sample_id)."""

@@ -120,7 +120,9 @@ def check_provenance(tracer, refs: dict[str, list[StepRecord]]) -> list[Failure]
         rec = own[min(v.record_step, len(own) - 1)] if own else None
         ref_records = refs.get(v.sample_id, [])
         ref = ref_records[v.record_step] if v.record_step < len(ref_records) else None
-        if rec is not None and v.kind not in _WRITE_SIDE:
+        if v.kind.startswith("rows_"):
+            attribution = _rows_attribution(v, tracer.engine.config.block_size)
+        elif rec is not None and v.kind not in _WRITE_SIDE:
             # Where the bad read happened decides the class, as for any divergence.
             attribution = attribute(ref or rec, rec)
             attribution.reason = f"{v.kind}: {attribution.reason}"
@@ -139,6 +141,19 @@ def check_provenance(tracer, refs: dict[str, list[StepRecord]]) -> list[Failure]
 
 
 _WRITE_SIDE = ("no_generation_bump", "write_into_foreign")
+
+
+def _rows_attribution(v, block_size: int) -> Attribution:
+    """Prompt rows a hit took from the row store that are not the reader's own: another
+    namespace's or prefix's, or a block incarnation since reused."""
+    fields = {
+        "position": v.logical * block_size,
+        "token": -1,
+        "expected": "rows of the reader's own KV at that block",
+        "actual": f"rows kept for block {v.block_id} gen {v.generation}",
+        "num_cached_tokens": -1,
+    }
+    return Attribution("prompt_logprobs", v.kind, fields, [])
 
 
 def _write_side_attribution(v, rec: StepRecord) -> Attribution:

@@ -176,6 +176,14 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     ),
     "block_table": ("in_block_offset", "last_block_len", "block_ids", "generations"),
     "prompt_logprobs": ("position", "token", "expected", "actual", "num_cached_tokens"),
+    "lora": (
+        "adapter_ref",
+        "adapter_cand",
+        "namespace_ref",
+        "namespace_cand",
+        "batch_adapters",
+        "prefix_hit_tokens",
+    ),
     # Per-step properties (kvpage.verify.properties), found on the engine's plans and state:
     "step_budget": (
         "step",
@@ -216,6 +224,9 @@ WHERE_TO_LOOK = {
     "version, the quantiser's rounding",
     "prefix_key": "prefix key (namespace, chained digest) and position ids",
     "block_table": "in-block offset and last-block valid length in the block table",
+    "lora": "LoRA: the adapter's identity in the namespace (name and weights digest, apart "
+    "from the salt), the mixed batch's row groups, the adapter's factors and scale "
+    "(kvpage/lora/, LLMEngine.request_namespace)",
     "prompt_logprobs": "prompt logprob rows: which positions a prefill scores, the hit cap of "
     "a request that wants them, row-to-token alignment (kvpage/engine/runner.py, engine.py)",
     "step_budget": "the scheduler's token and sequence budget per step (chunks, restores, forks)",
@@ -417,6 +428,9 @@ def attribute(
         and ref.position_ids == cand.position_ids
     ):
         return sampling_attribution(ref, cand, context)
+    lora = lora_attribution(ref, cand)
+    if lora is not None:
+        return lora
     view = cand.view
     fields: dict[str, Any] = {
         "block_ids": [e.physical for e in view.entries],
@@ -456,6 +470,29 @@ def attribute(
         )
     missing = [f for f in REQUIRED_FIELDS[cls] if fields.get(f) is None]
     return Attribution(cls, reason, fields, missing)
+
+
+def lora_attribution(ref: StepRecord, cand: StepRecord) -> Attribution | None:
+    """The lora class, where adapters are involved: the request (or its step's batch) ran with
+    one, and either its namespace is not the reference's (the adapter's identity is missing
+    from the key, or stands for other weights) or it diverged on a prefill that shared nothing
+    (only the model's own computation, adapters included, can explain that)."""
+    if not (ref.adapter or cand.adapter or cand.batch_adapters):
+        return None
+    keyed_apart = ref.view.namespace != cand.view.namespace
+    alone = cand.step == 0 and cand.prefix_hit_tokens == 0 and not cand.after_resume
+    if not (keyed_apart or alone):
+        return None
+    reason = "namespace differs from the reference's" if keyed_apart else "prefill sharing nothing"
+    fields = {
+        "adapter_ref": ref.adapter,
+        "adapter_cand": cand.adapter,
+        "namespace_ref": ref.view.namespace,
+        "namespace_cand": cand.view.namespace,
+        "batch_adapters": list(cand.batch_adapters),
+        "prefix_hit_tokens": cand.prefix_hit_tokens,
+    }
+    return Attribution("lora", reason, fields, [])
 
 
 def quantized_attribution(ref: StepRecord, cand: StepRecord, base: Attribution) -> Attribution:

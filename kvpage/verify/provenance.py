@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 # The reference imports kvpage.verify.trace, which imports this module, and must share no code
@@ -200,6 +200,19 @@ class KVProvenance:
             if hi > 0:
                 self.stats.restored_blocks += 1
                 self._write(seq, bid, 0, hi, i * B)
+
+    def on_prompt_rows(self, seq: Seq, sources: list) -> None:
+        """A hit served prompt-logprob rows computed for each source's (block, generation) as
+        seq's logical block: like a read of the whole block, the incarnation must be the
+        latest and hold seq's own KV there (same namespace, prefix and tokens). A violation's
+        kind is `rows_` + the read's kind."""
+        before = len(self.violations)
+        for src in sources:
+            self._check_entry(seq, src.logical, src, self.block_size)
+        for i in range(before, len(self.violations)):
+            v = self.violations[i]
+            message = f"prompt rows: {v.message}"
+            self.violations[i] = replace(v, kind=f"rows_{v.kind}", message=message)
 
     # --- writes ----------------------------------------------------------------------------
     def _record_writes(self, seq: Seq, slots: list[int], positions: list[int]) -> None:

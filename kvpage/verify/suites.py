@@ -16,7 +16,10 @@ from kvpage.config import EngineConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.namespace import base_namespace
 from kvpage.kv.format import kv_format
+from kvpage.lora.adapter import LoraAdapter
+from kvpage.lora.request import LoRARequest
 from kvpage.reference.generator import ReferenceOutput, generate, stop_token_ids
+from kvpage.reference.lora_merge import merged_model
 from kvpage.reference.records import StepRecord
 from kvpage.sampling_params import SamplingParams
 from kvpage.verify.canary import TOPK_MARGIN, find_foreign_canaries
@@ -44,6 +47,7 @@ from kvpage.verify.diff import (
 )
 from kvpage.verify.driver import StepDriver
 from kvpage.verify.hit_bounds import HitBounds
+from kvpage.verify.lora_adapters import LoraSpec, make_adapter
 from kvpage.verify.mutants.base import MissingSeam
 from kvpage.verify.properties import StepProperties, check_independence, pin_unseeded
 from kvpage.verify.trace import EngineTracer
@@ -96,6 +100,23 @@ class Runtime:
         self.engine_overrides = dict(engine or {})
         self.engine_factory = engine_factory or (lambda cfg: LLMEngine(cfg, model, tokenizer))
         self._refs: dict[tuple, ReferenceOutput] = {}
+        self._adapters: dict[LoraSpec, LoraAdapter] = {}
+        self._merged: dict[str, object] = {}  # adapter identity -> the reference's merged model
+
+    def adapter(self, spec: LoraSpec) -> LoraAdapter:
+        """The case's adapter made for this model (the same object for the same spec)."""
+        if spec not in self._adapters:
+            self._adapters[spec] = make_adapter(spec, self.model.config)
+        return self._adapters[spec]
+
+    def reference_model(self, lora: LoraSpec | None):
+        """The base model, or its copy with the adapter merged by the reference's own code."""
+        if lora is None:
+            return self.model
+        adapter = self.adapter(lora)
+        if adapter.identity not in self._merged:
+            self._merged[adapter.identity] = merged_model(self.model, adapter)
+        return self._merged[adapter.identity]
 
     def make_engine(self, overrides: dict) -> LLMEngine:
         args = dict(model=self.model_name, tensor_parallel_size=self.tensor_parallel_size)
@@ -117,19 +138,23 @@ class Runtime:
         depend on how many follow)."""
         fmt = kv_format(kv_cache_dtype, self.model.dtype)
         ns = base_namespace(self.model, self.tokenizer, block_size, self.model_name, fmt)
-        ns_hex = ns.with_salt(spec.cache_salt).digest().hex()
+        ns = ns.with_salt(spec.cache_salt)
+        if spec.lora is not None:
+            ns = ns.with_adapter(self.adapter(spec.lora).identity)
         params = spec.params.for_sample(sample)
         if max_tokens is not None and max_tokens < params.max_tokens:
             params = replace(params, max_tokens=max(1, max_tokens))
         span = block_size if fmt.quantized else 0
-        return self._generate(spec.prompt, params, ns_hex, kv_cache_dtype, span)
+        return self._generate(
+            spec.prompt, params, ns.digest().hex(), kv_cache_dtype, span, spec.lora
+        )
 
     def resolve(self, spec: RequestSpec) -> RequestSpec:
         """Fix a stop-at-reference-step request's stop token from its reference run."""
         if spec.stop_at_ref_step is None:
             return spec
         free = replace(spec.params, stop_token_ids=())
-        tokens = self._generate(spec.prompt, free.for_sample(0), "").token_ids
+        tokens = self._generate(spec.prompt, free.for_sample(0), "", lora=spec.lora).token_ids
         stop = tokens[min(spec.stop_at_ref_step, len(tokens) - 1)]
         return replace(spec, params=replace(spec.params, stop_token_ids=(stop,)))
 
@@ -140,11 +165,12 @@ class Runtime:
         ns_hex: str,
         kv_cache_dtype: str = "auto",
         span: int = 0,
+        lora: LoraSpec | None = None,
     ):
-        key = (tuple(prompt), params, ns_hex, kv_cache_dtype, span)
+        key = (tuple(prompt), params, ns_hex, kv_cache_dtype, span, lora)
         if key not in self._refs:
-            self._refs[key] = generate(
-                self.model,
+            out = generate(
+                self.reference_model(lora),
                 prompt,
                 params,
                 trace_as="ref",
@@ -152,6 +178,10 @@ class Runtime:
                 kv_cache_dtype=kv_cache_dtype,
                 scale_span=span,
             )
+            identity = "" if lora is None else self.adapter(lora).identity
+            for record in out.records:
+                record.adapter = identity
+            self._refs[key] = out
         return self._refs[key]
 
 
@@ -163,12 +193,12 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
     steps = 0
     try:
         case = replace(case, requests=[runtime.resolve(s) for s in case.requests])
-        engine = runtime.make_engine(case.engine)
+        engine = runtime.make_engine({**lora_fields(case, runtime.engine_overrides), **case.engine})
         engine.add_observer(EngineTracer(engine))
         props = StepProperties(engine)
         engine.add_observer(props)
         bounds = HitBounds(engine, case)
-        drive = _Drive(engine, case)
+        drive = _Drive(engine, case, runtime)
         finished, steps = drive.run()
         # First: a broken step rule is the cause of what the later checks see.
         failures += props.failures + check_independence(case, engine.tracer.records)
@@ -237,15 +267,35 @@ def step_bound(case: Case) -> int:
     return last_arrival + case.hold_steps + 2 * work + 16
 
 
+def lora_fields(case: Case, given: dict) -> dict:
+    """The engine fields a case with adapters needs: adapters on, the user's slot count (else
+    2) and a rank bound that fits the case's adapters."""
+    specs = {s.lora for s in case.requests if s.lora is not None}
+    if not specs:
+        return {}
+    rank = max(given.get("max_lora_rank", 1), *(s.rank for s in specs))
+    return {"enable_lora": True, "max_loras": given.get("max_loras", 2), "max_lora_rank": rank}
+
+
 class _Drive:
     """Runs a case's requests and actions to completion, watching liveness: a step with ready
     work must schedule something (or preempt), and the case must end within its step bound."""
 
-    def __init__(self, engine: LLMEngine, case: Case) -> None:
-        self.engine, self.case = engine, case
+    def __init__(self, engine: LLMEngine, case: Case, runtime: Runtime | None = None) -> None:
+        self.engine, self.case, self.runtime = engine, case, runtime
         self.driver = StepDriver(engine)
         self.liveness: list[Failure] = []
         self.bound = step_bound(case)
+
+    def _lora_request(self, spec: RequestSpec) -> LoRARequest | None:
+        """A request's adapter, registered under its name as it arrives: a later spec with the
+        same name and another seed is a reload (the name now stands for the new weights)."""
+        if spec.lora is None:
+            return None
+        adapter = self.runtime.adapter(spec.lora)
+        if self.engine.lora_slots.registered.get(adapter.name) is not adapter:
+            self.engine.lora_slots.register(adapter)
+        return LoRARequest(adapter.name, adapter.path)
 
     def run(self):
         engine, case = self.engine, self.case
@@ -262,6 +312,7 @@ class _Drive:
                     spec.params,
                     cache_salt=spec.cache_salt,
                     timeout_s=spec.timeout_s,
+                    lora_request=self._lora_request(spec),
                 )
             for action in [a for a in actions if a.when(self.driver, steps)]:
                 action.do(self.driver)

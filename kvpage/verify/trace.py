@@ -52,6 +52,7 @@ class EngineTracer:
         self._unsummarized: list[tuple[torch.Tensor, list[StepRecord]]] = []
         self._pending: dict[str, _PendingInputs] = {}
         self._views: dict[int, CacheView] = {}
+        self._batch_adapters: tuple[str, ...] = ()  # of the step being traced
         self._block_size = engine.config.block_size
         self._kv_format = engine.kv_format
 
@@ -84,6 +85,11 @@ class EngineTracer:
         pend.resume_mode = mode
         pend.restore_complete = pend.restore_complete and restore_complete
 
+    def on_prompt_rows(self, seq, sources: list) -> None:
+        """A hit served prompt rows kept for these (block, generation)s: they must be rows of
+        seq's own KV at those logical blocks, as if read."""
+        self.provenance.on_prompt_rows(seq, sources)
+
     def on_kv_copy(self, src: int, dst: int) -> None:
         """A copy-on-write copied block `src` into `dst` (KV written outside a step)."""
         self.provenance.on_kv_copy(src, dst)
@@ -96,6 +102,8 @@ class EngineTracer:
         """Before the model runs: the inputs each request feeds, and the view each request that
         will sample reads."""
         self.provenance.on_batch(batch)
+        adapters = {item.seq.lora.identity for item in batch.scheduled if item.seq.lora}
+        self._batch_adapters = tuple(sorted(adapters))
         sampling = {item.seq.seq_id for item in batch.sample_seqs}
         self._views = {}
         cu = batch.cu_seqlens_q
@@ -186,6 +194,8 @@ class EngineTracer:
             engine_step=self.engine.step_count,
             sampler=sampler_state(seq.generator, seq.num_draws),
             logits=logits,
+            adapter="" if seq.lora is None else seq.lora.identity,
+            batch_adapters=self._batch_adapters,
         )
         records.append(record)
         self._pending[seq.sample_id] = _PendingInputs(context_start=seq.num_tokens - 1)

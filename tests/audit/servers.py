@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -22,6 +21,7 @@ from kvpage import EngineConfig, LLMEngine
 from kvpage.server import ServerOptions, create_app
 from kvpage.server.background import BackgroundServer, free_port
 from kvpage.verify.mutants import MUTANTS
+from tests.waiting import wait_until
 
 MODEL = "builtin:tiny-llama"
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
@@ -62,10 +62,8 @@ def serve_app(app: FastAPI) -> Iterator[str]:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
     try:
+        wait_until(lambda: server.started, f"uvicorn started on {url}", alive=thread.is_alive)
         yield url
     finally:
         server.should_exit = True

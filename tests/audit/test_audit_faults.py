@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import time
 
 import httpx
 
@@ -13,6 +11,7 @@ from kvpage.audit.faults import FAULT_HEADER
 from kvpage.cli import main
 from kvpage.server.background import free_port
 from tests.audit.servers import MODEL
+from tests.waiting import READY_S, LoggedProcess, answers
 
 
 def test_faults_are_refused_unless_allowed(capsys):
@@ -22,36 +21,26 @@ def test_faults_are_refused_unless_allowed(capsys):
     assert "no fault named 'nope'" in capsys.readouterr().err
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen) -> httpx.Response:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else "server exited"
-        try:
-            return httpx.get(f"{url}/health", timeout=1)
-        except httpx.TransportError:
-            time.sleep(0.1)
-    raise AssertionError("kvpage serve did not come up")
-
-
 def test_a_served_fault_is_marked_and_caught_by_the_audit(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "kvpage.cli", "serve", "--port", str(port), "--shadow-rate", "0"]
     cmd += ["--audit-log", str(tmp_path / "audit.jsonl")]
     cmd += ["--inject-fault", "off_by_one_block_boundary", "--allow-unsafe-faults"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = LoggedProcess(cmd, tmp_path / "serve.log")
     try:
-        health = _wait_healthy(url, proc)
+        proc.wait_for(answers(f"{url}/health"), "/health answering 200")
+        health = httpx.get(f"{url}/health", timeout=READY_S)
         assert health.headers[FAULT_HEADER] == "off_by_one_block_boundary"
         body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=READY_S) as r:
             assert r.headers[FAULT_HEADER] == "off_by_one_block_boundary"
         report = tmp_path / "report"
         args = ["audit", "--base-url", url, "--model", MODEL, "--quiet", "--report", str(report)]
         args += ["--block-sizes", "16", "--probes", "2", "--suites", "baseline,batch,prefix"]
         assert main(args) == 1
         assert "prefix: isolation failure" in (report / "report.md").read_text()
+        proc.stop()
     finally:
-        proc.terminate()
-        _, err = proc.communicate(timeout=30)
-    assert "WARNING: fault 'off_by_one_block_boundary' injected" in err
+        proc.kill()
+    assert "WARNING: fault 'off_by_one_block_boundary' injected" in proc.log(lines=10**6)

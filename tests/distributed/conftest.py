@@ -11,7 +11,16 @@ from kvpage.config import EngineConfig
 from kvpage.engine.engine import LLMEngine
 from tests.model.hf_models import save_hf
 
-TP_MODELS = ("llama-gqa-8q-2kv", "llama-mha", "gpt2")
+TP_MODELS = (
+    "llama-gqa-8q-2kv",
+    "llama-mha",
+    "gpt2",
+    "qwen3",
+    "phi3-partial-tied",
+    "mistral-window",
+    "qwen2-window",
+    "gemma3",
+)
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ from kvpage.serve_replicas.asgi_call import HttpCall, ResponseStart
 from kvpage.serve_replicas.prefix_router import RouterConfig
 from kvpage.serve_replicas.routing_key import UNROUTED
 from kvpage.server import ServerOptions
+from tests.waiting import answers, wait_until
 
 MODEL = "builtin:tiny-llama"
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
@@ -79,6 +80,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_log(lines: int = 60) -> str:
+    """The tail of Ray Serve's own logs (controller, proxy, replicas) in this Ray session."""
+    logs = sorted(Path("/tmp/ray/session_latest/logs/serve").glob("*.log"))
+    tails = []
+    for path in logs:
+        text = path.read_text(errors="replace").splitlines()[-lines:]
+        tails.append(f"--- {path.name}\n" + "\n".join(text))
+    return "\n".join(tails)[-20000:] or "(no Ray Serve logs found)"
+
+
 def serve_apps(tmp: Path) -> Iterator[dict[str, App]]:
     for name, value in ray_serve.QUIET_RAY_ENV.items():
         os.environ.setdefault(name, value)
@@ -96,6 +107,9 @@ def serve_apps(tmp: Path) -> Iterator[dict[str, App]]:
             config = ray_serve.ServiceConfig(spec, 2, RouterConfig(policy=policy))
             ray_serve.start(config, "127.0.0.1", port, app_name=name, route_prefix=f"/{name}")
             apps[name] = App(name, f"http://127.0.0.1:{port}/{name}", audit)
+            # start() returns once Ray calls the replicas up; the ingress must list them too
+            ready = answers(f"{apps[name].url}/health")
+            wait_until(ready, f"{name}'s /health answering 200", log=serve_log)
         yield apps
     finally:
         serve.shutdown()

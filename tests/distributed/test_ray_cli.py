@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 
 import httpx
 import pytest
 
 from kvpage.serve_replicas.ray_serve import QUIET_RAY_ENV, REPLICA_HEADER
+from tests.waiting import READY_S, LoggedProcess
 
 from .ray_service import MODEL, free_port
 
@@ -25,24 +25,21 @@ def test_serve_replicas_end_to_end(tmp_path, stop):
     argv = [sys.executable, "-m", "kvpage.cli", "serve", "--replicas", "2", "--router",
             "round-robin", "--replica-cpus", "0.5", "--port", str(port), "--audit-log", str(audit),
             "--num-blocks", "128"]  # fmt: skip
-    env = {**os.environ, **QUIET_RAY_ENV}
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=env, cwd=tmp_path)  # fmt: skip
+    env = {**os.environ, **QUIET_RAY_ENV, "PYTHONUNBUFFERED": "1"}  # the banner, as printed
+    proc = LoggedProcess(argv, tmp_path / "serve.log", env=env, cwd=tmp_path)
     try:
-        banner = [proc.stdout.readline() for _ in range(2)]  # printed once replicas are up
-        assert "2 replicas on Ray Serve, router round-robin" in banner[0], banner
-        assert f"listening on http://127.0.0.1:{port}" in banner[1], banner
+        # printed once the replicas are up (Ray's start-up on a loaded machine: READY_S)
+        assert "2 replicas on Ray Serve, router round-robin" in proc.wait_for_line("replicas on")
+        proc.wait_for_line(f"listening on http://127.0.0.1:{port}")
         url = f"http://127.0.0.1:{port}/v1/completions"
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "temperature": 0.0}
-        replies = [httpx.post(url, json=body, timeout=120) for _ in range(2)]
-        assert [r.status_code for r in replies] == [200, 200]
+        replies = [httpx.post(url, json=body, timeout=READY_S) for _ in range(2)]
+        assert [r.status_code for r in replies] == [200, 200], proc.log()
         assert len({r.headers[REPLICA_HEADER] for r in replies}) == 2  # round-robin: both
         assert len({r.json()["choices"][0]["text"] for r in replies}) == 1
-        proc.send_signal(stop)
-        assert proc.wait(timeout=60) == 0  # SIGTERM too: Ray's own handler would exit 1
+        # SIGTERM too exits 0: Ray's own handler would exit 1. Ray's shutdown takes a while.
+        assert proc.stop(stop) == 0, proc.log()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        proc.kill()
     lines = [json.loads(line) for line in audit.read_text().splitlines()]
     assert {line["replica"] for line in lines} == {r.headers[REPLICA_HEADER] for r in replies}

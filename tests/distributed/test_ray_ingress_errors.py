@@ -1,6 +1,6 @@
 """What the ingress answers when the replica serving a request dies (needs Ray installed, not
 running): before the response starts, a 503 in OpenAI's error shape; mid-stream, an SSE error
-event that says so, after whatever was already sent."""
+event that says so, after whatever was already sent, then `data: [DONE]`."""
 
 from __future__ import annotations
 
@@ -74,6 +74,22 @@ def test_death_mid_stream_ends_it_with_an_error_event():
     assert chunks[0] == b"data: {}\n\n"
     event = json.loads(chunks[1].decode().removeprefix("data: "))
     assert "died mid-response" in event["error"]["message"]
+    # the single server's ending for an engine failed mid-stream: OpenAI's error, then [DONE]
+    assert chunks[2:] == [b"data: [DONE]\n\n"]
+    assert set(event["error"]) == {"message", "type", "param", "code"}
+    assert event["error"]["type"] == "server_error"
+
+
+def test_death_mid_json_body_cuts_the_response():
+    """Not a stream: nothing can be appended to a JSON body, so the connection is cut short."""
+    start = ResponseStart(200, [(b"content-type", b"application/json")], "r1")
+
+    async def run() -> list[bytes]:
+        response = await _ingress([start, b'{"id"'])._send(call=None)
+        return [chunk async for chunk in response.body_iterator]
+
+    with pytest.raises(ActorDiedError):
+        asyncio.run(run())
 
 
 def test_a_client_that_leaves_mid_stream_cancels_the_replica_call():

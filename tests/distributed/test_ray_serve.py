@@ -8,7 +8,6 @@ test runs last, on the round-robin application."""
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -20,8 +19,9 @@ from ray import serve
 from kvpage import LLM, SamplingParams
 from kvpage.serve_replicas.ray_serve import ENGINE_DEPLOYMENT, REPLICA_HEADER
 from kvpage.server.chat import simple_template
+from tests.waiting import READY_S, settled, wait_until
 
-from .ray_service import MODEL, serve_apps
+from .ray_service import MODEL, serve_apps, serve_log
 
 pytestmark = pytest.mark.ray
 
@@ -152,18 +152,20 @@ def test_no_cross_tenant_hit_on_any_replica(apps):
 
 
 # --- observability -------------------------------------------------------------------------
-def _metrics_once_idle(url: str, replicas: set[str], timeout_s: float = 20.0) -> list:
+def _metrics_once_idle(url: str, replicas: set[str], timeout_s: float = READY_S) -> list:
     """/metrics samples once the router has seen every routed request complete. Ray reports a
     completion to the router after the reply has reached the client, so the last request of a
     previous test may still count for a moment; bounded, so a leak still fails."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def samples() -> list:
         text = httpx.get(f"{url}/metrics", timeout=60).text
-        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
-        loads = [s.value for s in samples if s.name == "kvpage_router_in_flight"]
-        if (len(loads) == len(replicas) and not any(loads)) or time.monotonic() > deadline:
-            return samples
-        time.sleep(0.1)
+        return [s for f in text_string_to_metric_families(text) for s in f.samples]
+
+    def idle(found: list) -> bool:
+        loads = [s.value for s in found if s.name == "kvpage_router_in_flight"]
+        return len(loads) == len(replicas) and not any(loads)
+
+    return settled(samples, idle, timeout_s)
 
 
 def test_metrics_and_audit_name_the_replica(apps):
@@ -186,12 +188,9 @@ def test_metrics_and_audit_name_the_replica(apps):
 
 
 # --- faults --------------------------------------------------------------------------------
-def _idle(app, replica: str, timeout: float = 30.0):
+def _idle(app, replica: str, timeout: float = READY_S):
     """The replica's report once it runs nothing (bounded)."""
-    deadline = time.monotonic() + timeout
-    while (report := app.reports()[replica]).requests and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return report
+    return settled(lambda: app.reports()[replica], lambda r: not r.requests, timeout)
 
 
 def test_client_gone_mid_stream_aborts_on_the_replica(apps):
@@ -222,14 +221,12 @@ def _stream_until_killed(app, victim_of) -> tuple[str, str]:
         return replica, "\n".join(lines)
 
 
-def _wait_for_replicas(app_name: str, count: int, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
+def _wait_for_replicas(app_name: str, count: int, timeout: float = READY_S) -> None:
+    def replaced() -> bool:
         states = serve.status().applications[app_name].deployments[ENGINE_DEPLOYMENT]
-        if states.replica_states.get("RUNNING", 0) == count and states.status == "HEALTHY":
-            return
-        assert time.monotonic() < deadline, f"replicas not replaced: {states}"
-        time.sleep(0.5)
+        return states.replica_states.get("RUNNING", 0) == count and states.status == "HEALTHY"
+
+    wait_until(replaced, f"{count} replicas running again", timeout, serve_log)
 
 
 def test_killed_replica_fails_its_requests_and_the_service_survives(apps):
@@ -237,6 +234,7 @@ def test_killed_replica_fails_its_requests_and_the_service_survives(apps):
     names = {r.replica: r.actor_name for r in app.reports().values()}
     dead, rest = _stream_until_killed(app, names.__getitem__)
     assert "replica serving this request died" in rest  # a clear error event, not a hang
+    assert rest.rstrip().endswith("data: [DONE]")  # then the end, as the single server's
     assert '"finish_reason":"length"' not in rest.replace(" ", "")
     survivor = next(r for r in names if r != dead)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0.0}

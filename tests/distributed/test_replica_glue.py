@@ -57,6 +57,14 @@ def test_open_server_partitions_by_cache_salt():
     assert (salted.namespace, plain.namespace) == ("salt:s1", "open")
 
 
+def test_an_adapter_has_its_own_routing_namespace():
+    keys = RoutingKeys(Tenants(dict(KEYS)), ByteTokenizer(), simple_template, frozenset({"base"}))
+    base = keys.key("/v1/completions", "Bearer key-bob", _body(prompt="x", model="base"))
+    adapter = keys.key("/v1/completions", "Bearer key-bob", _body(prompt="x", model="sql"))
+    assert base.namespace == "tenant:bob"
+    assert adapter.namespace == "tenant:bob|adapter:3:sql" and adapter.tokens == base.tokens
+
+
 @pytest.mark.parametrize(
     ("path", "auth", "body"),
     [

@@ -86,14 +86,60 @@ def test_prompt_logprobs_match_transformers_and_a_cached_prefix(hf):
         for ids, out in ((first, out1), (second, out2), (first, out3))
     ]
     assert max(errs) <= TOL, errs
-    # prompt-logprob requests took no hit (every position's logits were needed) ...
-    assert [o.metrics.num_cached_tokens for o in (out1, out2, out3)] == [0, 0, 0]
-    # ... and a plain request still takes the prefix the first one published. (The index keeps
-    # one block per key, so b's recomputed copies of that prefix, and what follows them, stay
-    # private: 32 tokens, not 48.)
+    # a kept its rows beside its 3 full blocks (k = 5). b shares the first 2 blocks with it
+    # (the second block's last row scores token 32, still shared), c the very same 3 blocks:
+    # their hits are served the kept rows, and the rows still match transformers.
+    assert [o.metrics.num_cached_tokens for o in (out1, out2, out3)] == [0, 32, 48]
+    assert engine.scheduler.prompt_rows.served_blocks == 2 + 3
+    # ... and a plain request takes the prefix b published past the shared blocks.
     plain = _run(engine, {"d": second}, SamplingParams(max_tokens=1))["d"]
-    assert plain.metrics.num_cached_tokens == 32
+    assert plain.metrics.num_cached_tokens == 48
     assert plain.prompt_logprobs is None
+
+
+def test_kept_rows_serve_only_what_they_hold(hf):
+    """Rows kept with a smaller k, or whose block's last row scored another next token, are
+    recomputed: the hit stops before that block, and every row still matches transformers."""
+    hf_model, directory = hf
+    engine = _engine(directory)
+    shared = _prompt(32, 50)  # exactly 2 blocks
+    first, other = shared + _prompt(9, 51), shared + _prompt(9, 52)
+    assert first[32] != other[32]
+    ks = {"k1": 1, "k3": 3, "k2": 2, "next": 0}
+    outs = {}
+    for rid, k in ks.items():
+        ids = other if rid == "next" else first
+        outs[rid] = _run(engine, {rid: ids}, SamplingParams(max_tokens=1, prompt_logprobs=k))[rid]
+    hits = {rid: out.metrics.num_cached_tokens for rid, out in outs.items()}
+    # k1 kept k = 1; k3 wants more: no hit, and keeps k = 3; k2 is served those.
+    assert hits["k1"] == hits["k3"] == 0 and hits["k2"] == 32
+    # next: the second block's last row scored first[32]; other[32] is served from the kept
+    # top 3 only if transformers ranks it there, else that block is scored again.
+    top3 = torch.topk(_expected(hf_model, first)[31], 3).indices.tolist()
+    assert hits["next"] == (32 if other[32] in top3 else 16)
+    for rid, out in outs.items():
+        ids = other if rid == "next" else first
+        assert _max_error(hf_model, ids, out.prompt_logprobs, ks[rid]) <= TOL
+
+
+def test_rows_of_an_evicted_block_are_never_served(hf):
+    """Rows are valid only for the block incarnation they were computed for: after the pool
+    reused a's blocks and a plain request cached the same prompt again in other ones, a
+    prompt-logprob request on it gets no hit (no rows were kept for the new blocks)."""
+    hf_model, directory = hf
+    engine = _engine(directory, num_blocks=6)
+    ids = _prompt(40, 60)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=2)
+    first = _run(engine, {"a": ids}, params)["a"]
+    for i in range(4):  # other prompts fill the pool: a's blocks are evicted and reused
+        _run(engine, {f"f{i}": _prompt(70, 61 + i)}, SamplingParams(max_tokens=1))
+    assert _run(engine, {"plain": ids}, SamplingParams(max_tokens=1))["plain"].metrics.num_cached_tokens == 0
+    again = _run(engine, {"b": ids}, params)["b"]
+    assert again.metrics.num_cached_tokens == 0
+    assert _run(engine, {"c": ids}, params)["c"].metrics.num_cached_tokens == 32  # b's rows
+    assert len(engine.scheduler.prompt_rows) >= 1  # a's rows are still in the store, dead
+    for out in (first, again):
+        assert _max_error(hf_model, ids, out.prompt_logprobs, 2) <= TOL
 
 
 def test_prompt_logprobs_in_chunks_and_a_batch(hf):

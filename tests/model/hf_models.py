@@ -28,7 +28,7 @@ def _llama(**kw):
     return transformers.LlamaConfig(**base)
 
 
-def _qwen2():
+def _qwen2(**kw):
     return transformers.Qwen2Config(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -40,7 +40,83 @@ def _qwen2():
         initializer_range=INIT_STD,
         bos_token_id=1,
         eos_token_id=2,
+        **kw,
     )
+
+
+def _mistral(**kw):
+    return transformers.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=INIT_STD,
+        bos_token_id=1,
+        eos_token_id=2,
+        **kw,
+    )
+
+
+def _qwen3(**kw):
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,  # Qwen3 sets head_dim apart from hidden_size / heads
+        max_position_embeddings=512,
+        initializer_range=INIT_STD,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    base.update(kw)
+    return transformers.Qwen3Config(**base)
+
+
+def _phi3(**kw):
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        original_max_position_embeddings=512,
+        initializer_range=INIT_STD,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    base.update(kw)
+    return transformers.Phi3Config(**base)
+
+
+def _gemma3(**kw):
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=12,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=512,
+        initializer_range=INIT_STD,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    base.update(kw)
+    return transformers.Gemma3TextConfig(**base)
 
 
 def _gpt2():
@@ -75,6 +151,17 @@ HF_CONFIGS = {
     ),
     "llama-tied": lambda: _llama(tie_word_embeddings=True),
     "qwen2-bias": _qwen2,
+    # Sliding windows shorter than the test prompts: every layer (Mistral), or the layers from
+    # max_window_layers on (Qwen2: layer 0 global, layer 1 windowed).
+    "mistral-window": lambda: _mistral(sliding_window=24),
+    "qwen2-window": lambda: _qwen2(use_sliding_window=True, sliding_window=16, max_window_layers=1),
+    "qwen3": _qwen3,
+    "qwen3-tied": lambda: _qwen3(tie_word_embeddings=True),
+    # Phi-3: fused qkv_proj / gate_up_proj checkpoints; Phi-4-mini's partial rotary, tied head.
+    "phi3": _phi3,
+    "phi3-partial-tied": lambda: _phi3(partial_rotary_factor=0.5, tie_word_embeddings=True),
+    # Gemma 3 text: 1 global : 2 local layers (window 12), local and global RoPE bases.
+    "gemma3": _gemma3,
     "gpt2": _gpt2,
 }
 
@@ -83,7 +170,21 @@ def _build_hf(name: str):
     torch.manual_seed(1234)
     cfg = HF_CONFIGS[name]()
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    if name in PERTURBED_NORMS:
+        _perturb_norms(model)
     return model.float().eval()
+
+
+# Norm weights start at 1 everywhere; for these, each gets its own values, so a norm applied in
+# the wrong place (q's to k, before instead of after a reshape) changes the logits.
+PERTURBED_NORMS = ("qwen3", "qwen3-tied", "gemma3")
+
+
+def _perturb_norms(model) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.3 * torch.randn_like(param))
 
 
 def save_hf(name: str, directory, **save_kw):

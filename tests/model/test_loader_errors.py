@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -70,6 +71,37 @@ def test_unsupported_rope_type(llama_dir):
     _edit_config(llama_dir, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
     with pytest.raises(UnsupportedModel, match="rope type 'yarn'"):
         load_model(str(llama_dir))
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"layer_types": ["chunked_attention", "full_attention"]}, "chunked_attention"),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, "no sliding_window"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+    ],
+)
+def test_fields_that_change_the_computation_are_refused_by_name(llama_dir, changes, named):
+    _edit_config(llama_dir, **changes)
+    with pytest.raises(UnsupportedModel, match=re.escape(named)):
+        load_model(str(llama_dir))
+
+
+def test_a_window_no_prompt_can_reach_is_accepted(llama_dir):
+    """Mistral's window at or past max_position_embeddings never masks anything."""
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    _edit_config(llama_dir, model_type="mistral", sliding_window=cfg["max_position_embeddings"])
+    load_model(str(llama_dir))
+
+
+def test_a_fused_tensor_too_small_for_its_parts_names_it(tmp_path):
+    save_hf("phi3", tmp_path)
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    _edit_weights(tmp_path, lambda t: t.update({name: t[name][:-8]}))
+    with pytest.raises(WeightShapeMismatch, match=re.escape(name)):
+        load_model(str(tmp_path))
 
 
 def test_missing_tensor(llama_dir):

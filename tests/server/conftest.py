@@ -6,7 +6,6 @@ audit log, and a 64-block pool (so 32 concurrent requests preempt)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpage import LLM, EngineConfig, LLMEngine
 from kvpage.server import ServerOptions, create_app
 from kvpage.server.background import BackgroundServer
+from tests.waiting import READY_S, settled
 
 MODEL = "builtin:tiny-llama"
 ADMIN = "admin-secret"
@@ -60,15 +60,13 @@ class Server:
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return out
 
-    def wait_idle(self, timeout: float = 20.0) -> dict:
+    def wait_idle(self, timeout: float = READY_S) -> dict:
         """Stats once nothing runs or waits any more (bounded)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.admin("stats")
-            idle = not (stats["running"] or stats["waiting"] or stats["swapped"])
-            if idle or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.05)
+        return settled(
+            lambda: self.admin("stats"),
+            lambda s: not (s["running"] or s["waiting"] or s["swapped"]),
+            timeout,
+        )
 
 
 def _serve(tmp: Path, name: str, api_keys: dict[str, str]) -> Iterator[Server]:

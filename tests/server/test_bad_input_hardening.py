@@ -5,7 +5,6 @@ floats as token ids, strings for numbers, NaN/Infinity literals, truncated JSON.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -15,6 +14,7 @@ import pytest
 from kvpage import EngineConfig, LLMEngine
 from kvpage.server import ServerOptions, create_app
 from kvpage.server.background import BackgroundServer
+from tests.waiting import READY_S, settled
 
 from .conftest import MODEL
 
@@ -33,17 +33,16 @@ class Served:
         headers = {"content-type": "application/json"}
         return httpx.post(f"{self.url}{path}", content=raw, headers=headers, timeout=60)
 
-    def assert_idle(self, timeout: float = 20.0) -> None:
+    def assert_idle(self, timeout: float = READY_S) -> None:
         """Nothing held: no table, block, running or waiting request (polled: aborts are
         carried out by the engine thread between steps)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            s = self.engine.stats()
+
+        def idle(s: dict) -> bool:
             busy = s["running"] or s["waiting"] or s["swapped"]
             held = s["private_blocks"] or s["shared_blocks"] or self.engine.cache.live_tables
-            if not (busy or held) or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+            return not (busy or held)
+
+        s = settled(self.engine.stats, idle, timeout)
         assert s["private_blocks"] == s["shared_blocks"] == 0, s
         assert s["running"] == s["waiting"] == s["swapped"] == 0, s
         assert not self.engine.cache.live_tables

@@ -6,7 +6,6 @@ does not implement refused by name rather than ignored."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ from kvpage.server.chat import simple_template
 from kvpage.server.generation import Choice
 from kvpage.server.text_stream import TextStream
 from kvpage.verify.stack.text_oracle import text_offsets
+from tests.waiting import READY_S, settled
 
 from .conftest import MODEL
 
@@ -54,14 +54,12 @@ class Served:
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=60)
 
-    def assert_idle(self, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            s = self.engine.stats()
+    def assert_idle(self, timeout: float = READY_S) -> None:
+        def idle(s: dict) -> bool:
             busy = s["running"] or s["waiting"] or s["private_blocks"] or s["shared_blocks"]
-            if not (busy or self.engine.cache.live_tables) or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+            return not (busy or self.engine.cache.live_tables)
+
+        s = settled(self.engine.stats, idle, timeout)
         assert s["private_blocks"] == s["shared_blocks"] == 0, s
         assert s["running"] == s["waiting"] == s["swapped"] == 0, s
         assert not self.engine.cache.live_tables

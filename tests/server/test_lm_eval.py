@@ -3,10 +3,13 @@ multiple-choice loglikelihood task, generate_until with batch_size 4 and loglike
 from local JSONL tasks, on a small random-weight Llama with a real BPE tokenizer. Every item's
 loglikelihood equals transformers' on the same weights and the same token ids (the ones the
 engine received), with prefix caching on, on a first run and on a second one served from the
-cache."""
+cache. And `local-chat-completions` with `apply_chat_template`: generate_until through
+/v1/chat/completions, each output what transformers' greedy generation gives on the prompt ids
+its own apply_chat_template renders (the model ships a Jinja chat template)."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +21,7 @@ import transformers
 from kvpage import EngineConfig, LLMEngine
 from kvpage.server import ServerOptions, create_app
 from kvpage.server.background import BackgroundServer
+from kvpage.server.text_stream import TextStream
 
 from ..real_servers.models import ModelSpec, build
 
@@ -37,6 +41,29 @@ SPEC = replace(
     init_std=0.15,
 )
 NAME = "tiny"
+SPEC_BOS = 1  # models.build's bos_token_id
+# The model's chat template (in its tokenizer_config.json): BOS, then a tag per turn.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CHAT_TASK = f"""
+task: kv_chat
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {DATA / "gen.jsonl"}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{target}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
 
 TASKS = {
     "kv_mc": f"""
@@ -93,9 +120,10 @@ def harness(tmp_path_factory):
     os.environ.update(dict.fromkeys(saved, "1"))
     root = tmp_path_factory.mktemp("lm-eval")
     directory = build(root / "model", SPEC)
+    _add_chat_template(directory)
     tasks = root / "tasks"
     tasks.mkdir()
-    for name, text in TASKS.items():
+    for name, text in {**TASKS, "kv_chat": CHAT_TASK}.items():
         (tasks / f"{name}.yaml").write_text(text)
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory).float().eval()
     engine = LLMEngine(EngineConfig(model=str(directory), num_blocks=128, block_size=16))
@@ -107,13 +135,29 @@ def harness(tmp_path_factory):
         return add(request_id, prompt, *args, **kwargs)
 
     engine.add_request = spy  # records what the engine was asked, nothing else
+    generated: dict[tuple[int, ...], list[int]] = {}  # prompt ids -> the tokens drawn for it
+    step = engine.step
+
+    def step_spy():
+        outputs = step()
+        for out in outputs:
+            generated.setdefault(tuple(out.prompt_token_ids), []).extend(out.new_token_ids)
+        return outputs
+
+    engine.step = step_spy  # records what the engine drew, nothing else
     with BackgroundServer(create_app(engine, ServerOptions(model_name=NAME))) as bg:
-        yield bg.url, directory, tasks, hf, engine, received
+        yield bg.url, directory, tasks, hf, engine, received, generated
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def _add_chat_template(directory: Path) -> None:
+    path = directory / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
 
 
 def _evaluate(url, directory, tasks):
@@ -129,7 +173,8 @@ def _evaluate(url, directory, tasks):
         model="local-completions",
         model_args=args,
         tasks=list(TASKS),
-        task_manager=TaskManager(include_path=str(tasks)),
+        # our tasks only: indexing lm-eval's thousands of built-in ones takes most of a run
+        task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
         batch_size=4,
         log_samples=True,
         bootstrap_iters=0,
@@ -155,7 +200,7 @@ def _lm(directory):
 
 
 def test_lm_eval_tasks_match_transformers_cold_and_from_the_cache(harness):
-    url, directory, tasks, hf, engine, received = harness
+    url, directory, tasks, hf, engine, received, _ = harness
     lm = _lm(directory)
     worst, runs, compared = 0.0, [], 0
     for run in range(2):
@@ -203,3 +248,65 @@ def _numbers(value) -> list[float]:
     if isinstance(value, float | int):
         return [float(value)]
     return [x for item in value for x in _numbers(item)]
+
+
+def _chat_evaluate(url, tasks):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    args = f"model={NAME},base_url={url}/v1/chat/completions,num_concurrent=1,max_retries=1"
+    return lm_eval.simple_evaluate(
+        model="local-chat-completions",
+        model_args=args,
+        tasks=["kv_chat"],
+        # our tasks only: indexing lm-eval's thousands of built-in ones takes most of a run
+        task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
+        apply_chat_template=True,
+        log_samples=True,
+        bootstrap_iters=0,
+    )
+
+
+def _messages(argument) -> list[dict]:
+    """The chat lm-eval sent: its JsonChatStr (a one-field tuple holding the JSON)."""
+    text = argument if isinstance(argument, str) else argument[0]
+    return json.loads(text)
+
+
+def test_lm_eval_chat_generate_until_matches_transformers_greedy(harness):
+    url, directory, tasks, hf, engine, received, generated = harness
+    hf_tok = transformers.AutoTokenizer.from_pretrained(directory)
+    samples = _chat_evaluate(url, tasks)["samples"]["kv_chat"]
+    assert len(samples) == 6
+    for doc in samples:
+        messages = _messages(doc["arguments"][0][0])
+        assert messages[-1] == {"role": "user", "content": doc["doc"]["prompt"]}
+        ids = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if not isinstance(ids, list):  # newer transformers return a BatchEncoding
+            ids = list(ids["input_ids"])
+        assert ids.count(SPEC_BOS) == 1 and ids in received  # rendered once, as transformers
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0
+            )
+        greedy = out[0, len(ids) :].tolist()
+        drawn = generated[tuple(ids)]  # up to the stop string (and a step past it, at most)
+        assert drawn and drawn == greedy[: len(drawn)], (messages, drawn, greedy)
+        resp = doc["resps"][0][0]
+        assert resp == _streamed_text(engine.tokenizer, greedy, "\n"), (messages, greedy)
+        whole = hf_tok.decode(greedy, skip_special_tokens=True).split("\n")[0]
+        if "\ufffd" not in whole:  # no invalid bytes: transformers' text too
+            assert resp == whole, (messages, greedy)
+
+
+def _streamed_text(tokenizer, ids: list[int], stop: str) -> str:
+    """The text the server makes of `ids`, token by token, cut at `stop`. It can differ from a
+    whole decode only where the tokens are bytes that are not UTF-8: byte-fallback decoding
+    turns each byte of an invalid run into U+FFFD, and a byte that was valid text on its own
+    (as "/" before a stray 0x8F) was sent before the next one came."""
+    stream = TextStream(tokenizer, [stop])
+    for i, token in enumerate(ids):
+        stream.add([token], final=i == len(ids) - 1)
+        if stream.stopped:
+            break
+    return stream.text

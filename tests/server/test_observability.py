@@ -5,7 +5,6 @@ comparison re-checks cache hits and counts pollution."""
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from kvpage import EngineConfig, LLMEngine, SamplingParams
@@ -13,19 +12,15 @@ from kvpage.server import ServerOptions, create_app
 from kvpage.server.audit import AuditLog
 from kvpage.server.background import BackgroundServer
 from kvpage.server.shadow import ShadowChecker, ShadowJob, first_difference
+from tests.waiting import READY_S, settled
 
 from .conftest import MODEL, NUM_BLOCKS, Server
 
 PROMPT = "Observability: a prompt long enough for three blocks."
 
 
-def _wait(predicate, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+def _wait(predicate, timeout: float = READY_S) -> bool:
+    return settled(predicate, bool, timeout)
 
 
 def test_metrics_move(open_server):

@@ -5,6 +5,7 @@ requests get the timeout, streams still running then end with an error event).""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import pytest
 from kvpage import EngineConfig, LLMEngine
 from kvpage.server import ServerOptions, create_app
 from kvpage.server.background import BackgroundServer
+from tests.waiting import READY_S, answers, wait_until
 
 from .conftest import ADMIN, MODEL
 
@@ -86,6 +88,46 @@ def test_default_limit_rejects_a_5_mib_body(open_server):
     r = _completion(open_server.url, "z" * (5 * 1024 * 1024))
     _assert_openai_error(r, 413, "invalid_request_error")
     assert open_server.metrics()["kvpage_http_requests_total{path=/v1/completions,status=413}"] >= 1
+
+
+# --- body read timeout ------------------------------------------------------------------------
+def test_default_body_read_timeout_is_30_s():
+    assert ServerOptions().body_read_timeout == 30.0
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def test_a_stalled_body_is_408_and_leaves_nothing_behind():
+    """Headers promise 1000 bytes, 10 come, then nothing: after the read timeout the client
+    gets a 408 in OpenAI's shape, the connection closes, and the engine never saw a request."""
+    engine = LLMEngine(EngineConfig(model=MODEL, num_blocks=64, max_num_seqs=4))
+    options = ServerOptions(model_name=MODEL, shadow_rate=0.0, body_read_timeout=0.5)
+    app = create_app(engine, options)
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: kvpage\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    )
+    with BackgroundServer(app) as server:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
+            sock.sendall(head + b'{"prompt":')  # 10 of the 1000 bytes, then a stall
+            start = time.monotonic()
+            raw = _read_until_closed(sock)  # the server closes it (old code: a 20 s timeout)
+        assert time.monotonic() - start < 15
+        status_line, _, rest = raw.partition(b"\r\n")
+        assert status_line.split()[1] == b"408", raw
+        error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "invalid_request_error" and "0.5 s" in error["message"]
+        state = app.state.server
+        assert state.loop.in_flight == 0 and not engine.has_unfinished_requests()
+        assert engine.stats()["private_blocks"] == 0
+        # the server still serves
+        assert _completion(server.url, "after the stall").status_code == 200
 
 
 # --- authentication before parsing -----------------------------------------------------------
@@ -161,24 +203,32 @@ def _close_in_background(server: BackgroundServer) -> threading.Thread:
 
 
 def _wait_draining(url: str) -> httpx.Response:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        r = httpx.get(f"{url}/health", timeout=10)
-        if r.status_code == 503:
-            return r
-        time.sleep(0.02)
-    raise AssertionError("/health never reported draining")
+    wait_until(answers(f"{url}/health", 503), "/health reporting draining")
+    return httpx.get(f"{url}/health", timeout=READY_S)
+
+
+def _wait_running(url: str, requests: int) -> None:
+    """Until the engine has `requests` requests in (running or waiting)."""
+
+    def running() -> bool:
+        stats = httpx.get(f"{url}/admin/stats", headers={"X-Admin-Token": ADMIN}, timeout=60)
+        body = stats.json()
+        return body["running"] + body["waiting"] >= requests
+
+    wait_until(running, f"{requests} requests in the engine")
 
 
 def test_shutdown_lets_in_flight_requests_finish():
     server = _server(SlowEngine, shutdown_timeout=30.0).__enter__()
     stream = Stream(server.url, max_tokens=40)  # ~1 s at 20 ms a step
     stream.start()
-    assert stream.started.wait(30)
+    assert stream.started.wait(READY_S)
     start = time.monotonic()
     closer = _close_in_background(server)
     assert _wait_draining(server.url).json()["draining"] is True
-    _assert_openai_error(_completion(server.url, "late"), 503, "service_unavailable")
+    late = _completion(server.url, "late")
+    _assert_openai_error(late, 503, "service_unavailable")
+    assert "shutting down" in late.json()["error"]["message"]
     stream.join(30)
     closer.join(30)
     assert not closer.is_alive() and time.monotonic() - start < 15
@@ -190,13 +240,13 @@ def test_shutdown_timeout_ends_streams_with_an_error_event():
     server = _server(SlowEngine, shutdown_timeout=0.5).__enter__()
     stream = Stream(server.url, max_tokens=2000)  # ~40 s: far past the timeout
     stream.start()
-    assert stream.started.wait(30)
+    assert stream.started.wait(READY_S)
     waiting = threading.Thread(
         target=lambda: setattr(waiting, "r", _completion(server.url, "slow", max_tokens=1500)),
         daemon=True,
     )
     waiting.start()
-    time.sleep(0.2)  # the non-streamed request is in flight too
+    _wait_running(server.url, 2)  # the non-streamed request is in flight too
     start = time.monotonic()
     closer = _close_in_background(server)
     stream.join(20)
@@ -205,5 +255,20 @@ def test_shutdown_timeout_ends_streams_with_an_error_event():
     assert not closer.is_alive() and time.monotonic() - start < 10
     assert stream.events[-1] == "[DONE]"
     error = json.loads(stream.events[-2])["error"]
-    assert "shutting down" in error["message"] and error["type"] == "server_error"
-    _assert_openai_error(waiting.r, 503, "server_error")
+    assert "shutting down" in error["message"] and error["type"] == "service_unavailable"
+    _assert_openai_error(waiting.r, 503, "service_unavailable")
+    assert "shutting down" in waiting.r.json()["error"]["message"]
+
+
+def test_drain_and_shutdown_refuse_with_one_error_type(small_body):
+    """Both are 503 `service_unavailable` (a client retries elsewhere either way); the message
+    says which one it is."""
+    headers = {"X-Admin-Token": ADMIN}
+    httpx.post(f"{small_body.url}/admin/drain", json={"enabled": True}, headers=headers)
+    try:
+        r = _completion(small_body.url, "drained")
+    finally:
+        httpx.post(f"{small_body.url}/admin/drain", json={"enabled": False}, headers=headers)
+    _assert_openai_error(r, 503, "service_unavailable")
+    assert "draining" in r.json()["error"]["message"]
+    assert "shutting down" not in r.json()["error"]["message"]

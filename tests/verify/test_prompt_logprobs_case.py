@@ -28,14 +28,20 @@ def _engine(loaded, case) -> LLMEngine:
 
 def test_honest_engine_passes_every_prompt_logprob_case(loaded):
     cases = prompt_logprob_cases(loaded[0].config.vocab_size)
-    assert len(cases) == 3
+    assert len(cases) == 4
     for case in cases:
         engine = _engine(loaded, case)
         assert run_prompt_logprob_case(case, engine, loaded[0]) == [], case.name
         assert engine.stats()["preemptions"] >= int(case.expect_preemption)
 
 
-@pytest.mark.parametrize("mutant", PROMPT_LOGPROB_MUTANTS, ids=lambda m: m.name)
+# Rows from another namespace or from a reused block hold the right numbers (same tokens): only
+# provenance, in the gate's run_case, tells them apart (the test below).
+SAME_VALUES = {"prompt_rows_from_another_namespace", "prompt_rows_after_generation_change"}
+VALUE_MUTANTS = [m for m in PROMPT_LOGPROB_MUTANTS if m.name not in SAME_VALUES]
+
+
+@pytest.mark.parametrize("mutant", VALUE_MUTANTS, ids=lambda m: m.name)
 def test_the_row_check_catches_each_mutant_and_attributes_it(loaded, mutant):
     caught = []
     for case in prompt_logprob_cases(loaded[0].config.vocab_size):

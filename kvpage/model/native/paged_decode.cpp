@@ -170,12 +170,12 @@ inline void softmax_row(float* row, int64_t len) {
 // of one block are read G times each while they sit in L1; C = head_dim / 16 is a compile-time
 // constant so that a row and a head's accumulators stay in registers.
 // Where each of a sequence's rows of one KV head starts in the pool, walking its block table.
-inline void row_offsets(const Pool& pool, const int64_t* table, int64_t len, int64_t B,
-                        int64_t kv_head, int64_t* offsets) {
-    for (int64_t t0 = 0, blk = 0; t0 < len; t0 += B, blk++) {
-        const int64_t base = table[blk] * pool.block_stride + kv_head * pool.head_stride;
-        const int64_t n = len - t0 < B ? len - t0 : B;
-        for (int64_t j = 0; j < n; j++) offsets[t0 + j] = base + j * pool.token_stride;
+// Rows [start, len) of the sequence, from offsets[0]: a sliding window starts past row 0.
+inline void row_offsets(const Pool& pool, const int64_t* table, int64_t start, int64_t len,
+                        int64_t B, int64_t kv_head, int64_t* offsets) {
+    for (int64_t t = start; t < len; t++) {
+        offsets[t - start] = table[t / B] * pool.block_stride + kv_head * pool.head_stride +
+                             (t % B) * pool.token_stride;
     }
 }
 
@@ -184,15 +184,16 @@ inline void row_offsets(const Pool& pool, const int64_t* table, int64_t len, int
 // and a head's accumulators stay in registers.
 template <int C, typename T>
 void attend_one(const T* q, const T* k, const T* v, const Pool& pool, const int64_t* table,
-                int64_t len, int64_t seq, int64_t kv_head, const Shape& sh, float scale, T* out,
-                float* scratch) {
+                int64_t start, int64_t end, int64_t seq, int64_t kv_head, const Shape& sh,
+                float scale, T* out, float* scratch) {
+    const int64_t len = end - start;  // the rows it attends to
     const int64_t G = sh.heads / sh.kv_heads, D = C * kLanes;
     const int64_t row_len = padded(sh.max_blocks * sh.block_size);
     f32x16* qv = reinterpret_cast<f32x16*>(scratch);  // (G, C), scale applied
     f32x16* dots = qv + G * C;                        // (16,) partial lanes of a tile's dots
     float* scores = scratch + G * D + kLanes * kLanes;  // (G, row_len)
     int64_t* offsets = reinterpret_cast<int64_t*>(scores + G * row_len);  // (row_len,)
-    row_offsets(pool, table, len, sh.block_size, kv_head, offsets);
+    row_offsets(pool, table, start, end, sh.block_size, kv_head, offsets);
     const int64_t first_row = (seq * sh.heads + kv_head * G) * D;
     for (int64_t i = 0; i < G * C; i++) qv[i] = load(q + first_row + i * kLanes) * scale;
     for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
@@ -230,25 +231,26 @@ void attend_one(const T* q, const T* k, const T* v, const Pool& pool, const int6
 
 template <int C, typename T>
 void attend(const T* q, const T* k, const T* v, const Pool& pool, const int64_t* tables,
-            const int64_t* lens, const Shape& sh, float scale, T* out, float* scratch,
-            int64_t scratch_per_thread, int num_threads) {
+            const int64_t* lens, const int64_t* starts, const Shape& sh, float scale, T* out,
+            float* scratch, int64_t scratch_per_thread, int num_threads) {
     const int64_t items = sh.seqs * sh.kv_heads;
 #pragma omp parallel for schedule(dynamic) num_threads(num_threads)
     for (int64_t item = 0; item < items; item++) {
         const int64_t seq = item / sh.kv_heads, kv_head = item % sh.kv_heads;
         float* mine = scratch + omp_get_thread_num() * scratch_per_thread;
-        attend_one<C>(q, k, v, pool, tables + seq * sh.max_blocks, lens[seq], seq, kv_head, sh,
-                      scale, out, mine);
+        const int64_t start = starts == nullptr ? 0 : starts[seq];
+        attend_one<C>(q, k, v, pool, tables + seq * sh.max_blocks, start, lens[seq], seq,
+                      kv_head, sh, scale, out, mine);
     }
 }
 
 template <typename T>
 void attend_any(const T* q, const T* k, const T* v, const Pool& pool, const int64_t* tables,
-                const int64_t* lens, const Shape& sh, float scale, T* out, float* scratch,
-                int64_t scratch_per_thread, int num_threads) {
+                const int64_t* lens, const int64_t* starts, const Shape& sh, float scale, T* out,
+                float* scratch, int64_t scratch_per_thread, int num_threads) {
 #define KV_CASE(c)                                                                       \
     case c:                                                                              \
-        return attend<c>(q, k, v, pool, tables, lens, sh, scale, out, scratch,          \
+        return attend<c>(q, k, v, pool, tables, lens, starts, sh, scale, out, scratch,  \
                          scratch_per_thread, num_threads);
     switch (sh.head_dim / kLanes) {
         KV_CASE(1) KV_CASE(2) KV_CASE(3) KV_CASE(4) KV_CASE(5) KV_CASE(6) KV_CASE(7) KV_CASE(8)
@@ -265,11 +267,13 @@ extern "C" int64_t kvpage_scratch_floats(int64_t heads, int64_t kv_heads, int64_
 }
 
 // dtype: 0 = float32, 1 = bfloat16. scratch: num_threads * scratch_per_thread floats, each
-// thread's share 64-byte aligned when the whole is (torch allocations are).
+// thread's share 64-byte aligned when the whole is (torch allocations are). starts: per
+// sequence the first row it attends to (a sliding window), or NULL for row 0.
 extern "C" void kvpage_paged_decode(int dtype, const void* q, const void* k, const void* v,
                                     int64_t block_stride, int64_t token_stride,
                                     int64_t head_stride, const int64_t* tables,
-                                    const int64_t* lens, void* out, int64_t seqs, int64_t heads,
+                                    const int64_t* lens, const int64_t* starts, void* out,
+                                    int64_t seqs, int64_t heads,
                                     int64_t kv_heads, int64_t head_dim, int64_t block_size,
                                     int64_t max_blocks, float scale, float* scratch,
                                     int64_t scratch_per_thread, int num_threads) {
@@ -278,10 +282,10 @@ extern "C" void kvpage_paged_decode(int dtype, const void* q, const void* k, con
     const int64_t per_thread = scratch_per_thread / kLanes * kLanes;
     if (dtype == 0)
         attend_any(static_cast<const float*>(q), static_cast<const float*>(k),
-               static_cast<const float*>(v), pool, tables, lens, sh, scale,
+               static_cast<const float*>(v), pool, tables, lens, starts, sh, scale,
                static_cast<float*>(out), scratch, per_thread, num_threads);
     else
         attend_any(static_cast<const BF16*>(q), static_cast<const BF16*>(k),
-               static_cast<const BF16*>(v), pool, tables, lens, sh, scale,
+               static_cast<const BF16*>(v), pool, tables, lens, starts, sh, scale,
                static_cast<BF16*>(out), scratch, per_thread, num_threads);
 }

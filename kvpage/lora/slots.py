@@ -1,0 +1,100 @@
+"""The adapters an engine knows, and the bounded table of those resident for computing.
+
+Registered adapters keep their float32 weights as loaded. At most `max_loras` are resident, in
+the model's dtype and device: a request's adapter is made resident when the request is admitted
+and held until its last sample finishes, so an adapter in use is never evicted; one not in use
+is evicted least recently used first when another needs its slot. A request whose adapter cannot
+become resident (every slot held) waits in the queue."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from kvpage.errors import LoRAError
+from kvpage.lora.adapter import LoraAdapter
+
+
+@dataclass(slots=True, eq=False)
+class ResidentAdapter:
+    adapter: LoraAdapter
+    # (layer, module) -> (A^T (in, r), B^T (r, out) * scale): x @ A^T @ B^T is the delta
+    factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    holds: int = 0
+
+
+class LoraSlots:
+    def __init__(self, max_loras: int, dtype: torch.dtype, device: str | torch.device) -> None:
+        self.max_loras, self.dtype, self.device = max_loras, dtype, device
+        self.registered: dict[str, LoraAdapter] = {}  # name -> its current adapter
+        self.resident: OrderedDict[str, ResidentAdapter] = OrderedDict()  # identity -> LRU last
+        self.loads = 0  # adapters made resident (a reload or an eviction costs one)
+        self.evictions = 0
+
+    # --- registry --------------------------------------------------------------------------
+    def register(self, adapter: LoraAdapter) -> LoraAdapter:
+        """Known by its name from now on; a new adapter under a registered name replaces it for
+        new requests (requests already queued keep the one they were given)."""
+        self.registered[adapter.name] = adapter
+        return adapter
+
+    def unregister(self, name: str) -> None:
+        if name not in self.registered:
+            raise LoRAError(f"no adapter named {name!r} is loaded")
+        adapter = self.registered.pop(name)
+        held = self.resident.get(adapter.identity)
+        if held is not None and held.holds == 0:
+            del self.resident[adapter.identity]
+
+    # --- residency -------------------------------------------------------------------------
+    def can_hold(self, adapter: LoraAdapter) -> bool:
+        if adapter.identity in self.resident or len(self.resident) < self.max_loras:
+            return True
+        return any(r.holds == 0 for r in self.resident.values())
+
+    def hold(self, adapter: LoraAdapter) -> ResidentAdapter:
+        """Make `adapter` resident (can_hold said it may be) and hold it once more."""
+        resident = self.resident.get(adapter.identity)
+        if resident is None:
+            if len(self.resident) >= self.max_loras:
+                self._evict_one()
+            resident = ResidentAdapter(adapter, self.factors(adapter))
+            self.resident[adapter.identity] = resident
+            self.loads += 1
+        self.resident.move_to_end(adapter.identity)
+        resident.holds += 1
+        return resident
+
+    def release(self, adapter: LoraAdapter) -> None:
+        resident = self.resident.get(adapter.identity)
+        if resident is None or resident.holds <= 0:
+            raise LoRAError(f"adapter {adapter.name!r} released more often than held")
+        resident.holds -= 1
+        if resident.holds == 0 and self.registered.get(adapter.name) is not adapter:
+            del self.resident[adapter.identity]  # unloaded or replaced: no new request needs it
+
+    def in_use(self, name: str) -> bool:
+        adapter = self.registered.get(name)
+        held = None if adapter is None else self.resident.get(adapter.identity)
+        return held is not None and held.holds > 0
+
+    def _evict_one(self) -> None:
+        for identity, resident in self.resident.items():  # least recently used first
+            if resident.holds == 0:
+                del self.resident[identity]
+                self.evictions += 1
+                return
+        raise LoRAError("every adapter slot is in use")  # can_hold said otherwise: a bug
+
+    def factors(self, adapter: LoraAdapter):
+        """(layer, module) -> (A^T, scale * B^T) in the model's dtype (a declared seam)."""
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+        return {
+            where: (cast(a.t()), cast(b.t() * adapter.scale))
+            for where, (a, b) in adapter.weights.items()
+        }

@@ -1,0 +1,70 @@
+"""LoRA mutants, the bugs engines shipped: the adapter left out of the block key (vLLM #3264),
+adapters told apart by name alone so a reload serves the old blocks (vLLM #30931, #42125), the
+adapter's name written where the tenant salt goes so the two collide (vLLM #44701), an adapter
+applied to the wrong rows of a mixed batch, and a wrong scale. Each replaces a declared seam."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpage.engine.engine import LLMEngine
+from kvpage.lora.apply import AdapterRows, LoraBatch
+from kvpage.verify.mutants.base import Mutant, plant
+
+
+def adapter_left_out(engine: LLMEngine) -> None:
+    plant(engine, "engine.request_namespace", lambda self, salt, adapter: self.namespace.with_salt(salt))
+
+
+def keyed_by_name(engine: LLMEngine) -> None:
+    def namespace(self, salt, adapter):
+        base = self.namespace.with_salt(salt)
+        return base if adapter is None else base.with_adapter(adapter.name)
+
+    plant(engine, "engine.request_namespace", namespace)
+
+
+def name_in_salt_field(engine: LLMEngine) -> None:
+    def namespace(self, salt, adapter):
+        return self.namespace.with_salt(salt if adapter is None else adapter.name)
+
+    plant(engine, "engine.request_namespace", namespace)
+
+
+def rows_shifted(engine: LLMEngine) -> None:
+    """Each adapter group's rows moved one row on (a mixed batch's offsets off by one)."""
+    honest = engine.runner.adapter_rows
+
+    def adapter_rows(self, batch):
+        found = honest(batch)
+        if found is None:
+            return None
+        total = batch.cu_seqlens_q[-1]
+        groups = []
+        for g in found.groups:
+            rows = torch.arange(total) if g.rows is None else g.rows
+            groups.append(AdapterRows(g.adapter, (rows + 1) % total))
+        return LoraBatch(groups)
+
+    plant(engine, "runner.adapter_rows", adapter_rows)
+
+
+def alpha_not_divided_by_rank(engine: LLMEngine) -> None:
+    honest = engine.lora_slots.factors
+
+    def factors(self, adapter):
+        return {k: (a, b * adapter.rank) for k, (a, b) in honest(adapter).items()}
+
+    plant(engine, "lora.factors", factors)
+
+
+LORA_MUTANTS: tuple[Mutant, ...] = tuple(
+    Mutant(name, what, "lora", apply, suites=("lora",))
+    for name, what, apply in (
+        ("lora_left_out_of_namespace", "the adapter is not part of the block key", adapter_left_out),
+        ("lora_keyed_by_name", "adapters keyed by name alone: a reload hits old blocks", keyed_by_name),
+        ("lora_name_in_salt_field", "the adapter name keyed as a tenant salt", name_in_salt_field),
+        ("lora_rows_shifted", "an adapter applied to the wrong rows of a mixed batch", rows_shifted),
+        ("lora_wrong_scale", "lora_alpha not divided by the rank", alpha_not_divided_by_rank),
+    )
+)

@@ -1,0 +1,104 @@
+"""`kvpage serve` with LoRA adapters: `model: name` selects one, /v1/models lists base and
+adapters, adapters load and unload at run time behind the admin token; outputs equal PEFT's."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import httpx
+import pytest
+import transformers
+
+from kvpage import EngineConfig, LLMEngine
+from kvpage.server import ServerOptions, create_app
+from kvpage.server.background import BackgroundServer
+
+from ..real_servers.models import ModelSpec, build
+from .adapters import peft_model, save_adapter
+from .test_lora import MAX_TOKENS, _greedy_hf, _prompt
+
+# A small Llama with a real BPE tokenizer (the server decodes text); wide init for clear argmaxes.
+SPEC = replace(
+    ModelSpec(),
+    name="lora-tiny",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    max_position_embeddings=512,
+    init_std=0.15,
+)
+
+ADMIN = "lora-admin"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-server")
+    directory = build(root / "base", SPEC)
+    base = transformers.AutoModelForCausalLM.from_pretrained(directory).float().eval()
+    save_adapter(base, root / "a", seed=1)
+    save_adapter(base, root / "b", seed=2, targets=["q_proj", "down_proj"])
+    engine = LLMEngine(
+        EngineConfig(model=str(root / "base"), num_blocks=64, enable_lora=True, max_loras=2)
+    )
+    options = ServerOptions(
+        model_name="base", admin_token=ADMIN, lora_modules=(("a", str(root / "a")),)
+    )
+    with BackgroundServer(create_app(engine, options)) as bg:
+        yield bg.url, base, root
+
+
+def test_models_lists_the_base_and_its_adapters(served):
+    url, _, root = served
+    cards = {c["id"]: c for c in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
+    assert set(cards) == {"base", "a"}
+    assert cards["a"]["parent"] == "base" and cards["a"]["root"] == str(root / "a")
+    assert "parent" not in cards["base"]
+
+
+def test_model_selects_the_adapter(served):
+    url, base, root = served
+    prompt = _prompt(14, 31)
+    for model, oracle in (("a", peft_model(base, root / "a")), ("base", base)):
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+            timeout=60,
+        )
+        r.raise_for_status()
+        assert r.json()["model"] == model
+        assert r.json()["choices"][0]["token_ids"] == _greedy_hf(oracle, prompt), model
+
+
+def test_adapters_load_and_unload_at_run_time_behind_the_token(served):
+    url, base, root = served
+    load = {"lora_name": "b", "lora_path": str(root / "b")}
+    assert httpx.post(f"{url}/v1/load_lora_adapter", json=load, timeout=30).status_code == 401
+    headers = {"X-Admin-Token": ADMIN}
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json=load, headers=headers, timeout=60)
+    assert r.status_code == 200 and r.json()["loaded"] is True
+    prompt = _prompt(12, 33)
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": "b", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+              "ignore_eos": True, "return_token_ids": True},
+        timeout=60,
+    )  # fmt: skip
+    assert r.json()["choices"][0]["token_ids"] == _greedy_hf(peft_model(base, root / "b"), prompt)
+    bad = {"lora_name": "c", "lora_path": str(root / "missing")}
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json=bad, headers=headers, timeout=30)
+    assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"]
+    gone = {"lora_name": "b"}
+    r = httpx.post(f"{url}/v1/unload_lora_adapter", json=gone, headers=headers, timeout=30)
+    assert r.status_code == 200
+    r = httpx.post(f"{url}/v1/unload_lora_adapter", json=gone, headers=headers, timeout=30)
+    assert r.status_code == 404
+    r = httpx.post(f"{url}/v1/completions", json={"model": "b", "prompt": "x"}, timeout=30)
+    assert r.status_code == 404
