@@ -111,6 +111,9 @@ class ModelConfig:
 PREEMPTION_MODES = ("recompute", "swap")
 # How the paged pool stores K/V (kvpage.kv.format): "auto" = the model dtype, as computed.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8_e4m3")
+# Weight quantization of the linear layers (kvpage.model.int8): "none" = the model dtype;
+# "int8" = per-output-channel symmetric int8 codes + one scale per output channel.
+QUANTIZATIONS = ("none", "int8")
 # The weight dtypes the loader builds, by name (kvpage.model maps each to its torch dtype). The
 # names live here, not in kvpage.model: the config is a bottom layer and must not import it.
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
@@ -139,6 +142,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max positions
     dtype: str = "float32"  # one of MODEL_DTYPES
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    quantization: str = "none"  # one of QUANTIZATIONS: the linear layers' weights
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     seed: int = 0
     debug_checks: bool = False
@@ -168,6 +172,7 @@ class EngineConfig:
         _check_int("max_model_len", self.max_model_len, 1, optional=True)
         _check_choice("dtype", self.dtype, MODEL_DTYPES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_device(self.device)
         _check_int("seed", self.seed, SEED_MIN, SEED_MAX)
         _check_bool("debug_checks", self.debug_checks)
@@ -179,6 +184,13 @@ class EngineConfig:
             raise InvalidConfig(
                 "tensor parallelism runs on CPU (gloo) only for now: tensor_parallel_size "
                 f"{self.tensor_parallel_size} needs device 'cpu', got {self.device!r}"
+            )
+        if self.enable_lora and self.quantization != "none":
+            # The reference merges adapters into float weights (reference/lora_merge.py);
+            # merging into int8 codes is not defined yet.
+            raise InvalidConfig(
+                f"enable_lora needs unquantized weights for now, got quantization "
+                f"{self.quantization!r}"
             )
 
 

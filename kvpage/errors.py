@@ -44,6 +44,11 @@ class InvalidConfig(KVPageError, ValueError):
     """An engine/cache/scheduler setting is out of range or inconsistent."""
 
 
+class UnsupportedQuantization(InvalidConfig):
+    """Weight quantization was asked for where its kernel does not run (a dtype or a device
+    torch's int8 weight-only matmul refuses). Raised at load, before anything is served."""
+
+
 class SwapError(KVPageError):
     """Copying KV to or from the CPU swap space failed (or was made to fail by a test)."""
 

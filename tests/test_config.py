@@ -10,7 +10,13 @@ from dataclasses import fields
 
 import pytest
 
-from kvpage.config import KV_CACHE_DTYPES, MODEL_DTYPES, PREEMPTION_MODES, EngineConfig
+from kvpage.config import (
+    KV_CACHE_DTYPES,
+    MODEL_DTYPES,
+    PREEMPTION_MODES,
+    QUANTIZATIONS,
+    EngineConfig,
+)
 from kvpage.errors import InvalidConfig
 
 # Per field, values that must be refused: 0 and negatives where a count or a duration is meant,
@@ -28,6 +34,7 @@ BAD = {
     "max_model_len": [0, -1, 128.0, True, "128"],
     "dtype": ["fp32", "float64", "int8", "", None],
     "kv_cache_dtype": ["int4", "INT8", "", None],
+    "quantization": ["int4", "INT8", "fp8", "", None, 8],
     "device": ["", "gpu", "cuda:", "cuda:x", "cpu:0", "CUDA", " cpu", "mps", None, 0],
     "seed": [1.0, "0", None, True, 2**64, -(2**63) - 1],
     "debug_checks": [1, "false", None],
@@ -54,6 +61,7 @@ GOOD = {
     "max_model_len": [None, 1],
     "dtype": list(MODEL_DTYPES),
     "kv_cache_dtype": list(KV_CACHE_DTYPES),
+    "quantization": list(QUANTIZATIONS),
     "device": ["cpu", "cuda", "cuda:0", "cuda:12"],  # syntax only: no CUDA needed here
     "seed": [0, -1, -(2**63), 2**64 - 1],
     "debug_checks": [True, False],

@@ -8,7 +8,13 @@ import argparse
 from collections.abc import Callable
 from typing import NoReturn
 
-from kvpage.config import DEVICE_SYNTAX, KV_CACHE_DTYPES, MODEL_DTYPES, PREEMPTION_MODES
+from kvpage.config import (
+    DEVICE_SYNTAX,
+    KV_CACHE_DTYPES,
+    MODEL_DTYPES,
+    PREEMPTION_MODES,
+    QUANTIZATIONS,
+)
 from kvpage.errors import KVPageError
 
 ADMIN_TOKEN_ENV = "KVPAGE_ADMIN_TOKEN"
@@ -122,6 +128,7 @@ ENGINE_FLAGS = {
     "max_num_batched_tokens": "max_num_batched_tokens",
     "no_prefix_caching": "enable_prefix_caching",
     "kv_cache_dtype": "kv_cache_dtype",
+    "quantization": "quantization",
     "preemption_mode": "preemption_mode",
     "tensor_parallel_size": "tensor_parallel_size",
     "enable_lora": "enable_lora",
@@ -139,6 +146,7 @@ ENGINE_DEFAULTS = {
     "max_num_batched_tokens": 2048,
     "no_prefix_caching": False,
     "kv_cache_dtype": "auto",
+    "quantization": "none",
     "preemption_mode": "recompute",
     "tensor_parallel_size": 1,
     "enable_lora": False,
@@ -184,6 +192,13 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: bool = True) -> None:
         choices=KV_CACHE_DTYPES,
         default=default("kv_cache_dtype"),
         help="how the KV pool stores K/V (auto: the model dtype; int8/fp8_e4m3: quantized)",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=default("quantization"),
+        help="the linear layers' weights (none: the model dtype; int8: per-output-channel "
+        "weight-only int8, CPU)",
     )
     p.add_argument(
         "--preemption-mode",

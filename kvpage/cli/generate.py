@@ -12,7 +12,7 @@ from kvpage.cli.common import (
     number,
     token_ids,
 )
-from kvpage.config import KV_CACHE_DTYPES
+from kvpage.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from kvpage.errors import WorkerFailure
 from kvpage.sampling_params import SamplingParams
 
@@ -38,6 +38,12 @@ def add_parser(sub) -> None:
         default="auto",
         help="K/V round trip of the reference (auto: as computed)",
     )
+    gen.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="the linear layers' weights (int8: per-output-channel weight-only int8)",
+    )
     add_tensor_parallel(gen)
     gen.set_defaults(func=run)
 
@@ -55,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_model(args.model, args.dtype, args.device, args.quantization)
     if args.prompt is not None:
         prompt_ids = encode_text(tokenizer, args.prompt, args.model)
     else:
@@ -82,6 +88,7 @@ def _generate_tensor_parallel(args, model, tokenizer, prompt_ids, params):
         model=args.model,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,
     )
     engine = LLMEngine(config, model, tokenizer)

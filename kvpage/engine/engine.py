@@ -33,7 +33,7 @@ from kvpage.engine.runner import ModelRunner
 from kvpage.engine.sampler import Sampler
 from kvpage.engine.scheduler import Scheduler
 from kvpage.engine.sequence import SeqStatus, Sequence
-from kvpage.errors import InvalidRequest, LoRAError, WorkerFailure
+from kvpage.errors import InvalidConfig, InvalidRequest, LoRAError, WorkerFailure
 from kvpage.kv.format import kv_format
 from kvpage.kv.storage import KVShard, KVStorage
 from kvpage.kv.swap_space import SwapSpace
@@ -43,6 +43,7 @@ from kvpage.lora.request import LoRARequest
 from kvpage.lora.slots import LoraSlots
 from kvpage.model import load_model
 from kvpage.model.base import CausalLM
+from kvpage.model.quantize import weight_quantization
 from kvpage.model.tokenizer import Tokenizer, encode_text
 from kvpage.parallel.executor import TensorParallelExecutor
 from kvpage.sampling import chosen_logprobs
@@ -60,7 +61,10 @@ class LLMEngine:
     ) -> None:
         self.config = config
         if model is None:
-            model, tokenizer = load_model(config.model, config.dtype, config.device)
+            model, tokenizer = load_model(
+                config.model, config.dtype, config.device, config.quantization
+            )
+        _check_quantization(model, config.quantization)
         self.model, self.tokenizer = model, tokenizer
         mcfg = model.config
         limit = mcfg.max_position_embeddings
@@ -555,3 +559,14 @@ class LLMEngine:
 def _positive_seconds(value) -> bool:
     """A real number of seconds > 0 (not a bool, not NaN)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _check_quantization(model: CausalLM, quantization: str) -> None:
+    """A model handed in must already be what the config says (the engine never quantizes a
+    caller's model behind its back: the verifier's reference shares it)."""
+    found = weight_quantization(model)
+    if found != quantization:
+        raise InvalidConfig(
+            f"quantization is {quantization!r} but the model given has {found!r} weights "
+            f"(load it with load_model(..., quantization={quantization!r}))"
+        )

@@ -17,6 +17,7 @@ from kvpage.model.builtin import (
     init_seeded_,
 )
 from kvpage.model.loader import build_model, load_hf_directory, load_hf_tokenizer
+from kvpage.model.quantize import quantize_model_
 from kvpage.model.tokenizer import ByteTokenizer, Tokenizer
 
 # The names are EngineConfig's (MODEL_DTYPES); each is also the torch attribute of its dtype.
@@ -34,14 +35,20 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load_model(
-    name_or_path: str, dtype: str | torch.dtype = "float32", device: str = "cpu"
+    name_or_path: str,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    quantization: str = "none",
 ) -> tuple[CausalLM, Tokenizer | None]:
     """`builtin:NAME` or a local Hugging Face directory. The tokenizer is None when the directory
-    has no tokenizer.json (token-id prompts still work)."""
+    has no tokenizer.json (token-id prompts still work). `quantization` (EngineConfig's):
+    "int8" quantizes the linear layers after loading (kvpage.model.quantize)."""
     torch_dtype = resolve_dtype(dtype)
     if name_or_path.startswith(BUILTIN_PREFIX):
-        return _load_builtin(name_or_path[len(BUILTIN_PREFIX) :], torch_dtype, device)
-    return load_hf_directory(name_or_path, torch_dtype, device)
+        model, tok = _load_builtin(name_or_path[len(BUILTIN_PREFIX) :], torch_dtype, device)
+    else:
+        model, tok = load_hf_directory(name_or_path, torch_dtype, device)
+    return quantize_model_(model, quantization), tok
 
 
 def _load_builtin(name: str, dtype: torch.dtype, device: str) -> tuple[CausalLM, Tokenizer]:

@@ -6,13 +6,19 @@ a third of what oneDNN reaches with a weight reordered once into its blocked lay
 (bench/decode_profile.py), and q/k/v (or gate/up) as three (two) small matmuls waste more. The
 nn.Linear modules stay the owners of the parameters (checkpoint names, tying, training); the packed
 copy is a cache keyed by each weight's storage and version counter, so an in-place update or a
-`.to()` repacks instead of serving stale weights. Autograd never sees the packed path."""
+`.to()` repacks instead of serving stale weights. Autograd never sees the packed path.
+
+Int8Linear layers (kvpage.model.int8) take the int8 kernel instead: their codes and scales are
+concatenated once (the same cache key) and the dequantisation stays fused in the matmul."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvpage.errors import InvariantViolation
+from kvpage.model.int8 import Int8Linear, int8_matmul
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -29,18 +35,37 @@ class Projection:
     def __init__(self, *linears: nn.Module) -> None:
         # A plain tuple, not submodules: the parameters keep their single checkpoint name.
         self.linears = linears
-        self.sizes = [lin.weight.shape[0] for lin in linears]
+        self.int8 = _all_int8(linears)
+        self.sizes = [_out_features(lin) for lin in linears]
         self._key: tuple | None = None
         self._weight: torch.Tensor | None = None
+        self._scales: torch.Tensor | None = None  # int8 layers only
         self._bias: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.int8:
+            return self._int8_call(x)
         if not self._packable(x):
             return tuple(F.linear(x, lin.weight, _bias(lin)) for lin in self.linears)
         if self._key != self._current_key():
             self._pack()
         y = torch.ops.mkldnn._linear_pointwise(x, self._weight, self._bias, "none", [], "")
         return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (y,)
+
+    def _int8_call(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self._key != self._current_key():
+            self._concat_int8()
+        y = int8_matmul(x, self._weight, self._scales)
+        y = y if self._bias is None else y + self._bias
+        return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (y,)
+
+    def _concat_int8(self) -> None:
+        with torch.no_grad():
+            self._weight = torch.cat([lin.weight_int8 for lin in self.linears])
+            self._scales = torch.cat([lin.scales for lin in self.linears])
+            biases = [_bias(lin) for lin in self.linears]
+            self._bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self._key = self._current_key()
 
     def _packable(self, x: torch.Tensor) -> bool:
         weight = self.linears[0].weight
@@ -53,7 +78,7 @@ class Projection:
         )
 
     def _current_key(self) -> tuple:
-        params = [p for lin in self.linears for p in (lin.weight, _bias(lin)) if p is not None]
+        params = [p for lin in self.linears for p in (*_weights(lin), _bias(lin)) if p is not None]
         return tuple((p.data_ptr(), _version(p), p.dtype) for p in params)
 
     def _pack(self) -> None:
@@ -63,6 +88,23 @@ class Projection:
             biases = [_bias(lin) for lin in self.linears]
             self._bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self._key = self._current_key()
+
+
+def _all_int8(linears: tuple[nn.Module, ...]) -> bool:
+    kinds = {isinstance(lin, Int8Linear) for lin in linears}
+    if len(kinds) > 1:  # one matmul over the concatenation: one format
+        raise InvariantViolation("a Projection mixes int8 and float layers")
+    return kinds == {True}
+
+
+def _out_features(layer: nn.Module) -> int:
+    return layer.out_features if isinstance(layer, Int8Linear) else layer.weight.shape[0]
+
+
+def _weights(layer: nn.Module) -> tuple[torch.Tensor, ...]:
+    if isinstance(layer, Int8Linear):
+        return layer.weight_int8, layer.scales
+    return (layer.weight,)
 
 
 def _bias(layer: nn.Module) -> torch.Tensor | None:

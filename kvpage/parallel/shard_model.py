@@ -1,5 +1,10 @@
 """A rank's model: a fresh copy of the full model, loaded with the full weights, then sharded.
-Rank 0 keeps its unsharded model too (the engine's own, which the verifier's reference uses)."""
+Rank 0 keeps its unsharded model too (the engine's own, which the verifier's reference uses).
+
+An int8 model (its state holds `weight_int8` codes) is quantized *before* it is sharded, on rank
+0, once: every rank receives the same codes and per-output-channel scales and slices them, so
+TP=N computes with the very weights of TP=1 (quantizing each shard would give a row-parallel
+shard scales of its own input slice, other weights)."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import torch
 from kvpage.config import ModelConfig
 from kvpage.model.base import CausalLM
 from kvpage.model.loader import build_model
+from kvpage.model.quantize import quantize_model_
 from kvpage.parallel.group import TPGroup
 from kvpage.parallel.sharding import ShardPlan, shard_model, shard_plan
 
@@ -16,8 +22,10 @@ def build_shard(
     cfg: ModelConfig, state: dict[str, torch.Tensor], group: TPGroup
 ) -> tuple[CausalLM, ShardPlan]:
     plan = shard_plan(cfg, group.rank, group.world_size)
-    dtype = next(iter(state.values())).dtype
+    dtype = next(t.dtype for t in state.values() if t.is_floating_point())
     model = build_model(cfg).to(dtype)
+    # The structure of an int8 model (its random init's codes are overwritten just below).
+    quantize_model_(model, "int8" if any(k.endswith(".weight_int8") for k in state) else "none")
     model.load_state_dict(state)
     model.tie_weights()
     return shard_model(model.eval(), plan, group.all_reduce), plan

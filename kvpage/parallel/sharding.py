@@ -9,6 +9,10 @@ matmul and the gather costs milliseconds, at 32k-128k vocab the two were within 
 other in one run and vocab-parallel 2x faster at 32 rows in another. So: replicated for the
 small-vocab models this project runs; a large-vocab model may want vocab-parallel (not built).
 
+Int8 layers (kvpage.model.int8) shard the same way: a column-parallel rank keeps its rows'
+codes and scales; a row-parallel rank keeps its columns' codes and every row's scale (per
+output channel, so (x_r @ codes_r^T) * scale summed over ranks is the unsharded product).
+
 KV heads are divided across ranks; with fewer KV heads than ranks each is replicated (as vLLM
 does), so rank r keeps KV head r // (world / KVH)."""
 
@@ -22,6 +26,7 @@ from torch import nn
 from kvpage.config import ModelConfig
 from kvpage.errors import TensorParallelError
 from kvpage.model.base import CausalLM
+from kvpage.model.int8 import Int8Linear
 from kvpage.model.projection import Projection
 
 
@@ -136,18 +141,31 @@ def _split(n: int, plan: ShardPlan) -> slice:
     return slice(plan.rank * size, (plan.rank + 1) * size)
 
 
-def _rows(lin: nn.Linear, rows) -> nn.Linear:
+def _rows(lin: nn.Module, rows) -> nn.Module:
     """Column-parallel: the output features `rows` (a slice or a list of indices)."""
-    weight = lin.weight[rows] if isinstance(rows, slice) else lin.weight[list(rows)]
-    bias = None if lin.bias is None else lin.bias[rows if isinstance(rows, slice) else list(rows)]
-    return _linear(weight, bias)
+    index = rows if isinstance(rows, slice) else list(rows)
+    bias = None if lin.bias is None else lin.bias[index]
+    if isinstance(lin, Int8Linear):
+        return _int8_linear(lin.weight_int8[index], lin.scales[index], bias)
+    return _linear(lin.weight[index], bias)
 
 
-def _cols(lin: nn.Linear, cols: slice, rank: int) -> nn.Linear:
+def _cols(lin: nn.Module, cols: slice, rank: int) -> nn.Module:
     """Row-parallel: the input features `cols`; the bias is added once, on rank 0 (the
     all-reduce sums the ranks' partial products)."""
     bias = lin.bias if rank == 0 else None
+    if isinstance(lin, Int8Linear):  # every output channel's scale: it scales the sum
+        return _int8_linear(lin.weight_int8[:, cols], lin.scales, bias)
     return _linear(lin.weight[:, cols], bias)
+
+
+def _int8_linear(codes: torch.Tensor, scales: torch.Tensor, bias) -> Int8Linear:
+    out = Int8Linear(codes.shape[1], codes.shape[0], bias is not None, scales.dtype)
+    out.weight_int8 = codes.detach().clone().contiguous()
+    out.scales = scales.detach().clone().contiguous()
+    if bias is not None:
+        out.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+    return out
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:

@@ -19,6 +19,7 @@ from kvpage.reference.records import (
     sampler_state,
     scale_digest,
 )
+from kvpage.reference.weight_oracle import reference_model
 from kvpage.sampling import DEFAULT_SEED, make_generator, sample_token, top_logprobs
 from kvpage.sampling_params import SamplingParams
 
@@ -49,7 +50,9 @@ def generate(
     `kv_cache_dtype`: every K/V vector goes through that format's round trip before it is
     stored and read (kvpage.reference.kv_oracle); `scale_span` > 0 (a block size) makes a traced
     view carry one digest of the scales per span of that many tokens, as a paged view has one
-    per block."""
+    per block. An int8-weight model runs through its dequantising twin
+    (kvpage.reference.weight_oracle), never the engine's int8 kernel."""
+    model = reference_model(model)
     check_prompt(model, prompt_ids, params)
     cache = RoundTripKVCache(model.config.num_layers, RoundTrip(kv_cache_dtype))
     generator = make_generator(params, fallback_seed, model.device)
@@ -141,6 +144,7 @@ def prompt_logprobs(
 ) -> list[dict[int, float] | None]:
     """Prompt logprobs from one forward pass over the whole prompt, no cache: None for the first
     token, then per token the top k of the logits before it and the token itself."""
+    model = reference_model(model)
     logprobs = torch.log_softmax(model.forward_full(prompt_ids).float(), dim=-1)  # (L, V)
     rows: list[dict[int, float] | None] = [None]
     for p, token in enumerate(prompt_ids[1:]):

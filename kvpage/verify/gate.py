@@ -18,6 +18,7 @@ import torch
 from kvpage.config import KV_CACHE_DTYPES, EngineConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.model import load_model
+from kvpage.model.quantize import weight_quantization
 from kvpage.verify.cases import BLOCK_SIZES, quantized_suite_names
 from kvpage.verify.cases.prefix import prefix_cases
 from kvpage.verify.generated.alone import alone_summary, generated_alone
@@ -253,7 +254,12 @@ def _tensor_parallel_workers(tensor_parallel_size: int):
 def _run_gate(plan: GatePlan, progress: bool) -> GateResult:
     """The stages in order, on one model and one set of references: suites, then mutants."""
     start = time.perf_counter()
-    model, tokenizer = load_model(plan.model_name, plan.dtype, plan.engine.get("device", "cpu"))
+    model, tokenizer = load_model(
+        plan.model_name,
+        plan.dtype,
+        plan.engine.get("device", "cpu"),
+        plan.engine.get("quantization", "none"),
+    )
     kv_copies = tuple(d for d in plan.kv_cache_dtypes if d not in ("auto", plan.pool_kv_dtype))
     cases, unfit = _cases(plan, model.config, kv_copies)
     suites = (*plan.suites, *quantized_suite_names(plan.suites, kv_copies))
@@ -423,6 +429,7 @@ def _environment(model) -> dict:
     return {
         "model_revision": model.config.revision,
         "dtype": str(model.dtype),
+        "weights": weight_quantization(model),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),

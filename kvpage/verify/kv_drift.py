@@ -31,6 +31,19 @@ class DriftReport:
     identical_requests: int = 0
     max_logit_error: float = 0.0
     errors: list[float] = field(default_factory=list)  # per request, its max logit error
+    weights: str = "none"  # the quantized model's weights (kvpage.verify.weight_drift)
+
+    def add(self, quantized: torch.Tensor, expected: torch.Tensor, tokens: list[int]) -> None:
+        """One request: its teacher-forced quantized logits (n, V) against the unquantized
+        ones (n, V) and the unquantized greedy tokens (n)."""
+        agree = quantized.argmax(dim=-1) == torch.tensor(tokens)
+        error = float((quantized - expected).abs().max())
+        self.requests += 1
+        self.tokens += agree.numel()
+        self.agreeing_tokens += int(agree.sum())
+        self.identical_requests += bool(agree.all())
+        self.max_logit_error = max(self.max_logit_error, error)
+        self.errors.append(error)
 
     @property
     def agreement(self) -> float:
@@ -39,6 +52,7 @@ class DriftReport:
     def summary(self) -> dict:
         return {
             "kv_cache_dtype": self.kv_cache_dtype,
+            "weights": self.weights,
             "requests": self.requests,
             "tokens": self.tokens,
             "greedy_agreement": round(self.agreement, 4),
@@ -71,19 +85,8 @@ def measure_drift(
         expected = torch.stack(plain.step_logits)  # (n, V)
         for kv_cache_dtype, report in reports.items():
             quantized = _teacher_forced(model, prompt, plain.token_ids, kv_cache_dtype)  # (n, V)
-            _add(report, quantized, expected, plain.token_ids)
+            report.add(quantized, expected, plain.token_ids)
     return reports
-
-
-def _add(report: DriftReport, quantized, expected, tokens: list[int]) -> None:
-    agree = quantized.argmax(dim=-1) == torch.tensor(tokens)
-    error = float((quantized - expected).abs().max())
-    report.requests += 1
-    report.tokens += agree.numel()
-    report.agreeing_tokens += int(agree.sum())
-    report.identical_requests += bool(agree.all())
-    report.max_logit_error = max(report.max_logit_error, error)
-    report.errors.append(error)
 
 
 def _teacher_forced(model: CausalLM, prompt: list[int], tokens: list[int], kv_cache_dtype: str):

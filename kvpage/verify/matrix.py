@@ -32,6 +32,8 @@ first and the others fill the second lane beside it. Seconds per cell from `time
   tiny-qwen2/float32/kv-auto/tp2       batching, parallel                        none         8.1
   tiny-qwen2/float32/kv-int8/tp1       prefix, batching, preemption, parallel    none        10.6
   tiny-qwen2/float32/kv-int8/tp2       batching                                  none         5.7
+  tiny-qwen2/float32/w-int8/kv-auto/tp1  batching, preemption                    none         4.9
+                                       (added later, timed alone at load ~1.7, not in the total)
   total wall (two lanes)                                                                     65.2
                                                         (`time make run`: 1m07s, under 3 min)
 
@@ -42,7 +44,7 @@ shared 2-core machine, not on a saturated one.
 
 `--matrix full` runs every combination of MODELS x DTYPES x KV_DTYPES x TP_SIZES (a 16-bit model
 with bfloat16 KV is its own auto cell, so dropped), every suite in each, mutants as above: 28
-cells. Not timed end to end; from the per-suite times above (every suite of a cell ~30-60 s,
+cells, plus the int8-weights cell with every suite. Not timed end to end; from the per-suite times above (every suite of a cell ~30-60 s,
 int8 and TP 2 cells up to twice that), expect 10-30 minutes on two cores, by load.
 """
 
@@ -87,6 +89,7 @@ class Cell:
     kv_copies: tuple[str, ...] = ()
     generated: bool = False  # the generated stage (and, with mutants, the generality figure)
     stack: bool = False  # the whole-stack suite: server and router (and their mutants)
+    quantization: str = "none"  # the weights (EngineConfig.quantization); the reference's too
 
     def __post_init__(self) -> None:
         if self.mutants not in MUTANT_PARTS:
@@ -100,17 +103,20 @@ class Cell:
             f"+{p}" for p, on in (("generated", self.generated), ("stack", self.stack)) if on
         )
         kv = self.kv_cache_dtype or "drawn"
-        dims = f"{self.dtype}/kv-{kv}{copies}/tp{self.tensor_parallel_size}"
+        weights = "" if self.quantization == "none" else f"/w-{self.quantization}"
+        dims = f"{self.dtype}{weights}/kv-{kv}{copies}/tp{self.tensor_parallel_size}"
         return f"{model}/{dims}{parts}"
 
     def engine(self, base: dict) -> dict:
         """The user's engine fields with the cell's dimensions over them (a KV format of None
         is left to the cases: the generated scenarios draw theirs)."""
         kv = {} if self.kv_cache_dtype is None else {"kv_cache_dtype": self.kv_cache_dtype}
+        weights = {} if self.quantization == "none" else {"quantization": self.quantization}
         return {
             **base,
             "dtype": self.dtype,
             **kv,
+            **weights,
             "tensor_parallel_size": self.tensor_parallel_size,
         }
 
@@ -135,6 +141,14 @@ STACK = Cell("builtin:tiny-llama", suites=(), mutants="all", stack=True)
 PARTS = ("generated", "stack")
 QWEN2 = "builtin:tiny-qwen2"
 
+# Int8 weights (EngineConfig.quantization): the engine's fused int8 matmul against the
+# reference's own dequantise-then-float32-matmul of the same codes (kvpage.reference
+# .weight_oracle). Qwen2's shape for its q/k/v biases (added after the fused product) and its
+# non-square q/o; the suites whose steps pack many rows (prefill chunks beside decodes, re-prefill
+# after preemption) through the same weights. Not prefix: 12 cases, 15 of the cell's 20 s (the
+# float32 int8 kernel is slow at more than one row), and a prefix hit reads KV, not weights.
+INT8_WEIGHTS = Cell(QWEN2, quantization="int8", suites=("batching", "preemption"))
+
 # Suites per cell: those whose cases exercise what the cell varies. Head_dim 64 and biases live
 # in the KV layout and the attention read (prefix hits at offsets, packed batches, preempted and
 # restored KV, forked blocks); 16-bit compute also changes sampling (near-ties on sampled steps);
@@ -154,6 +168,7 @@ DEFAULT: tuple[Cell, ...] = (
     Cell(QWEN2, tensor_parallel_size=2, suites=("batching", "parallel")),
     Cell(QWEN2, kv_cache_dtype="int8", suites=("prefix", "batching", "preemption", "parallel")),
     Cell(QWEN2, kv_cache_dtype="int8", tensor_parallel_size=2, suites=("batching",)),
+    INT8_WEIGHTS,
     GENERATED,
     STACK,
 )
@@ -176,7 +191,7 @@ def full_cells() -> tuple[Cell, ...]:
                     cell = Cell(model, dtype, kv, tp, mutants=_full_mutants(model, dtype, kv, tp))
                     if _key(cell) != _key(MAIN):
                         cells.append(cell)
-    return (*cells, GENERATED, STACK)
+    return (*cells, replace(INT8_WEIGHTS, suites=SUITES), GENERATED, STACK)
 
 
 def _full_mutants(model: str, dtype: str, kv: str, tp: int) -> str:
@@ -190,6 +205,7 @@ def _key(cell: Cell) -> tuple:
         cell.dtype,
         cell.kv_cache_dtype,
         cell.tensor_parallel_size,
+        cell.quantization,
         cell.generated,
         cell.stack,
     )
@@ -232,6 +248,7 @@ def single_cell(model: str, engine: dict, suites: tuple[str, ...], mutants: bool
         dtype=engine.get("dtype", "float32"),
         kv_cache_dtype=engine.get("kv_cache_dtype", "auto"),
         tensor_parallel_size=engine.get("tensor_parallel_size", 1),
+        quantization=engine.get("quantization", "none"),
         suites=tuple(s for s in suites if s not in PARTS),
         mutants="all" if mutants else "none",
         generated="generated" in suites,
@@ -296,6 +313,7 @@ def _cell_dict(cell: Cell, result: dict) -> dict:
         "kv_cache_dtype": cell.kv_cache_dtype,
         "kv_copies": list(cell.kv_copies),
         "tensor_parallel_size": cell.tensor_parallel_size,
+        "quantization": cell.quantization,
         "parts": {
             "suites": list(cell.suites),
             "mutants": cell.mutants,

@@ -26,9 +26,7 @@ def _subparser(name: str) -> argparse.ArgumentParser:
 
 def _engine_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """Actions that set an EngineConfig field: by name, or through ENGINE_FLAGS."""
-    return {
-        a.dest: a for a in parser._actions if a.dest in ENGINE_FIELDS or a.dest in ENGINE_FLAGS
-    }
+    return {a.dest: a for a in parser._actions if a.dest in ENGINE_FIELDS or a.dest in ENGINE_FLAGS}
 
 
 def test_every_engine_flag_of_serve_is_a_verify_flag_spelled_the_same():
@@ -93,8 +91,18 @@ def test_a_dimension_given_without_model_is_fixed_in_every_cell(monkeypatch):
     cells, _ = _planned(monkeypatch, ["--tensor-parallel-size", "2", "--suite", "batching"])
     assert cells and all(c.tensor_parallel_size == 2 for c in cells)
     assert all(c.suites == ("batching",) for c in cells)
-    keys = [(c.model, c.dtype, c.kv_cache_dtype) for c in cells]
+    keys = [(c.model, c.dtype, c.kv_cache_dtype, c.quantization) for c in cells]
     assert len(keys) == len(set(keys))
+
+
+def test_quantization_is_a_cell_dimension_and_an_engine_flag(monkeypatch):
+    cells, _ = _planned(monkeypatch, ["--quantization", "int8", "--suite", "batching"])
+    assert cells and all(c.quantization == "int8" for c in cells)
+    assert all(c.engine({})["quantization"] == "int8" for c in cells)
+    (one,), _ = _planned(monkeypatch, ["--model", "builtin:tiny-qwen2", "--quantization", "int8"])
+    assert one.quantization == "int8" and "/w-int8/" in one.name
+    args = build_parser().parse_args(["serve", "--quantization", "int8"])
+    assert engine_fields(args)["quantization"] == "int8"
 
 
 def test_model_with_matrix_runs_the_matrix_on_that_model(monkeypatch):
@@ -105,4 +113,9 @@ def test_model_with_matrix_runs_the_matrix_on_that_model(monkeypatch):
 def test_engine_fields_sets_only_what_was_given():
     args = build_parser().parse_args(["verify", "--max-num-batched-tokens", "64"])
     assert engine_fields(args) == {"max_num_batched_tokens": 64}
-    assert verify_cli.CELL_FIELDS == ("dtype", "kv_cache_dtype", "tensor_parallel_size")
+    assert verify_cli.CELL_FIELDS == (
+        "dtype",
+        "kv_cache_dtype",
+        "quantization",
+        "tensor_parallel_size",
+    )

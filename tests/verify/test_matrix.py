@@ -34,6 +34,10 @@ def test_default_matrix_covers_every_value_of_every_dimension():
     assert [c.mutants for c in DEFAULT if c.suites].count("all") == 1
     assert [c for c in DEFAULT if not c.suites] == [matrix.GENERATED, matrix.STACK]
     assert matrix.GENERATED.generated and matrix.STACK.stack
+    int8 = [c for c in DEFAULT if c.quantization == "int8"]
+    assert int8 == [matrix.INT8_WEIGHTS] and 2 <= len(int8[0].suites) <= 3  # a small cell
+    assert "/w-int8/" in int8[0].name and int8[0].engine({})["quantization"] == "int8"
+    assert "quantization" not in MAIN.engine({})  # unquantized cells' engines are unchanged
 
 
 def test_pin_keeps_the_generated_and_stack_cells_only_when_their_part_is_asked_for():
@@ -45,7 +49,9 @@ def test_pin_keeps_the_generated_and_stack_cells_only_when_their_part_is_asked_f
 
 
 def test_full_matrix_is_every_combination_once():
-    cells = [c for c in full_cells() if not (c.generated or c.stack)]
+    weights = [c for c in full_cells() if c.quantization != "none"]
+    assert [(c.quantization, c.suites) for c in weights] == [("int8", SUITES)]
+    cells = [c for c in full_cells() if not (c.generated or c.stack or c in weights)]
     assert full_cells()[-2:] == (matrix.GENERATED, matrix.STACK)
     keys = [(c.model, c.dtype, c.kv_cache_dtype, c.tensor_parallel_size) for c in cells]
     assert len(keys) == len(set(keys))
@@ -90,7 +96,7 @@ def test_pin_fixes_dimensions_narrows_suites_and_drops_duplicates():
     cells = pin(DEFAULT, {"dtype": "bfloat16"}, ("batching",), mutants=False)
     assert cells and all(c.dtype == "bfloat16" and c.suites == ("batching",) for c in cells)
     assert all(c.mutants == "none" for c in cells)
-    keys = [(c.model, c.kv_cache_dtype, c.tensor_parallel_size) for c in cells]
+    keys = [(c.model, c.kv_cache_dtype, c.tensor_parallel_size, c.quantization) for c in cells]
     assert len(keys) == len(set(keys))  # tiny-llama/bfloat16 folded into the main cell
     assert pin(DEFAULT, {}, ("namespaces",)) == [
         Cell(

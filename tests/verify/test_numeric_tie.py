@@ -93,4 +93,3 @@ def test_a_real_divergence_before_a_tie_still_fails():
     div = first_divergence(ref, cand, ATOL, _greedy(), ties_allowed=True)
     assert div is not None and div.step == 0
     assert numeric_tie_step(ref, cand, ATOL, greedy=True) is None
-
