@@ -207,3 +207,46 @@ def test_a_lora_request_needs_enable_lora_and_a_real_directory(setup, tmp_path):
         engine.add_request("y", [5, 6], lora_request=LoRARequest("nope", str(tmp_path)))
     with pytest.raises(LoRAError, match="int_id"):
         LoRARequest("a", 1, 2, 3)
+
+
+class _Logits:
+    """Every sampled row's logits, by (request, output position)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, int], torch.Tensor] = {}
+
+    def on_sampled(self, batch, logits, tokens) -> None:
+        for row, item in enumerate(batch.sample_seqs):
+            self.rows[(item.seq.request_id, len(item.seq.output_ids) - 1)] = logits[row].clone()
+
+    def __getattr__(self, name):  # every other observer hook: nothing to record
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+
+@pytest.mark.parametrize("base_name", ["llama-gqa-8q-2kv", "qwen2-bias"])
+def test_logits_equal_peft_in_a_mixed_batch_with_prefix_hits(tmp_path, base_name):
+    """Every step's logits of base, adapter and a second adapter, in mixed batches, the second
+    wave served from the prefix cache, against HF + PEFT on the whole sequence."""
+    base = save_hf(base_name, tmp_path / "base")
+    save_adapter(base, tmp_path / "a", seed=11)
+    save_adapter(base, tmp_path / "b", seed=12, targets=["k_proj", "o_proj", "up_proj"], r=2)
+    engine = _engine(tmp_path)
+    recorder = _Logits()
+    engine.add_observer(recorder)
+    loras = {"base": None, "a": LoRARequest("a", str(tmp_path / "a"))}
+    loras["b"] = LoRARequest("b", str(tmp_path / "b"))
+    prompt = _prompt(25, 41)
+    first = _run(engine, {f"{tag}.1": (prompt, lora) for tag, lora in loras.items()})
+    second = _run(engine, {f"{tag}.2": (prompt, lora) for tag, lora in loras.items()})
+    assert all(second[f"{tag}.2"].metrics.num_cached_tokens == 24 for tag in loras)
+    oracles = {"base": base, "a": peft_model(base, tmp_path / "a")}
+    oracles["b"] = peft_model(base, tmp_path / "b")
+    worst = 0.0
+    for rid, out in {**first, **second}.items():
+        tokens = out.outputs[0].token_ids
+        want = _logits_hf(oracles[rid.split(".")[0]], prompt + tokens[:-1])[len(prompt) - 1 :]
+        for i in range(len(tokens)):
+            worst = max(worst, (recorder.rows[(rid, i)] - want[i]).abs().max().item())
+    assert worst <= TOL, worst
