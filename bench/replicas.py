@@ -140,7 +140,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def start_apps(args) -> dict[str, str]:
-    for name, value in ray_serve.QUIET_RAY_ENV.items():
+    for name, value in ray_serve.RAY_ENV.items():
         os.environ.setdefault(name, value)
     import ray
 

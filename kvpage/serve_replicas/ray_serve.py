@@ -40,7 +40,16 @@ ENGINE_DEPLOYMENT = "EngineReplica"
 REPLICA_HEADER = "x-kvpage-replica"
 _FAN_OUT_TIMEOUT_S = 30.0  # a replica that does not answer a /metrics broadcast is left out
 # Ray's own telemetry would try to reach the network; the dashboard is not needed to serve.
-QUIET_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
+# Set before Ray starts (its processes inherit them). Quiet: no usage stats, no Docker warning.
+# Patient: Ray Serve gives its HTTP proxy 5 s to answer a ready check and 10 s a health check,
+# then kills it; on a 2-core machine with both cores busy the proxy's fresh process takes
+# longer than that, and the service never comes up.
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DISABLE_DOCKER_CPU_WARNING": "1",
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "120",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,12 +338,26 @@ def start(
 ) -> None:
     """Attach to (address) or start a local Ray, then deploy; returns once replicas are up.
     Several applications may share one Ray Serve instance under different names and prefixes."""
-    for name, value in QUIET_RAY_ENV.items():
+    for name, value in RAY_ENV.items():
         os.environ.setdefault(name, value)
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    _patient_proxy_start()
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(config), name=app_name, route_prefix=route_prefix)
+
+
+PROXY_START_S = 300.0
+
+
+def _patient_proxy_start() -> None:
+    """Ray Serve 2.60 gives its HTTP proxy actor a fixed 60 s to start (a constant of its
+    private api module, no setting): on a 2-core machine with both cores busy the proxy's
+    process takes longer than that, and `serve.start` gives up on a proxy that would have
+    come up. Wait as long as kvpage's own readiness deadlines do."""
+    from ray.serve._private import api
+
+    api.HTTP_PROXY_TIMEOUT = max(getattr(api, "HTTP_PROXY_TIMEOUT", 0), PROXY_START_S)
 
 
 def stop(app_name: str = APP_NAME) -> None:

@@ -91,7 +91,7 @@ def serve_log(lines: int = 60) -> str:
 
 
 def serve_apps(tmp: Path) -> Iterator[dict[str, App]]:
-    for name, value in ray_serve.QUIET_RAY_ENV.items():
+    for name, value in ray_serve.RAY_ENV.items():
         os.environ.setdefault(name, value)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = free_port()

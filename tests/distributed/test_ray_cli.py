@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from kvpage.serve_replicas.ray_serve import QUIET_RAY_ENV, REPLICA_HEADER
+from kvpage.serve_replicas.ray_serve import RAY_ENV, REPLICA_HEADER
 from tests.waiting import READY_S, LoggedProcess
 
 from .ray_service import MODEL, free_port
@@ -25,7 +25,7 @@ def test_serve_replicas_end_to_end(tmp_path, stop):
     argv = [sys.executable, "-m", "kvpage.cli", "serve", "--replicas", "2", "--router",
             "round-robin", "--replica-cpus", "0.5", "--port", str(port), "--audit-log", str(audit),
             "--num-blocks", "128"]  # fmt: skip
-    env = {**os.environ, **QUIET_RAY_ENV, "PYTHONUNBUFFERED": "1"}  # the banner, as printed
+    env = {**os.environ, **RAY_ENV, "PYTHONUNBUFFERED": "1"}  # the banner, as printed
     proc = LoggedProcess(argv, tmp_path / "serve.log", env=env, cwd=tmp_path)
     try:
         # printed once the replicas are up (Ray's start-up on a loaded machine: READY_S)
