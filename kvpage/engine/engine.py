@@ -115,16 +115,27 @@ class LLMEngine:
     # --- construction helpers --------------------------------------------------------------
     def _serve_adapters(self) -> LoraSlots | None:
         """With enable_lora: the adapter slots, and every layer's projections routed through
-        one LoraContext that the runner fills per step."""
+        one LoraContext that the runner fills per step (under tensor parallelism: on every
+        rank, each computing from its shard of the slot tables)."""
         if not self.config.enable_lora:
             return None
-        if self.tp is not None:
-            raise LoRAError("LoRA adapters with tensor_parallel_size > 1 are not supported yet")
         if self.model.config.model_type not in ("llama", "gemma3"):
             raise LoRAError(f"LoRA adapters on {self.model.config.model_type!r} are not supported")
-        context = LoraContext()
-        attach(self.model, context)
-        slots = LoraSlots(self.config.max_loras, self.model.dtype, self.model.device)
+        cfg, model = self.config, self.model
+        if self.tp is None:
+            slots = LoraSlots(cfg.max_loras, cfg.max_lora_rank, model.dtype, model.device)
+            context = LoraContext(slots.tables)
+            attach(model, context)
+        else:
+            slots = LoraSlots(
+                cfg.max_loras,
+                cfg.max_lora_rank,
+                model.dtype,
+                model.device,
+                shard=self.tp.shard_lora_factors,
+                on_write=self.tp.write_lora_slot,
+            )
+            context = self.tp.serve_lora(slots.tables)
         self.runner.lora, self.runner.lora_slots = context, slots
         return slots
 

@@ -115,10 +115,14 @@ def _read_weights(directory: Path, cfg: dict, rank: int):
         for key in sorted(f.keys()):
             match = _WEIGHT.match(key)
             if match is None:
-                raise LoRAError(f"{WEIGHTS_FILE}: tensor {key!r} is not a q/k/v/o/gate/up/down LoRA A or B")
+                raise LoRAError(
+                    f"{WEIGHTS_FILE}: tensor {key!r} is not a q/k/v/o/gate/up/down LoRA A or B"
+                )
             layer, module, half = int(match[1]), match[2], match[3]
             if module not in TARGETS:
-                raise LoRAError(f"{WEIGHTS_FILE}: {key!r} targets {module!r} (supported: {TARGETS})")
+                raise LoRAError(
+                    f"{WEIGHTS_FILE}: {key!r} targets {module!r} (supported: {TARGETS})"
+                )
             tensor = f.get_tensor(key).float()
             digest.update(key.encode() + b"\0" + tensor.numpy().tobytes())
             halves.setdefault((layer, module), {})[half] = tensor

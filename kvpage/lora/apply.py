@@ -1,6 +1,7 @@
-"""The low-rank products of one step's mixed batch: rows grouped by adapter, each group's
-x @ A^T @ (scale B^T) added to the base projection's output. One gather and two small matmuls
-per adapter group and projection: no loop over rows."""
+"""The low-rank products of one step's mixed batch, computed over the stacked slot tables
+(kvpage.lora.tables): per projection, t = x @ A^T of every slot, masked so each row keeps only
+its own adapter's columns, then y + t @ (scale B^T of every slot). Three ops per projection for
+any mix of adapters and the base model: no loop over rows, none over adapters."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from kvpage.lora.slots import ResidentAdapter
+from kvpage.lora.tables import SlotTables
+
+SlotRows = list[tuple[int, torch.Tensor | None]]  # (slot, its rows (n,) long; None: every row)
 
 
 @dataclass(slots=True)
@@ -23,36 +27,53 @@ class LoraBatch:
     groups: list[AdapterRows]
 
 
+@dataclass(slots=True)
+class StepRows:
+    """What a forward pass needs of its batch's adapters: the slots and their rows, and the
+    row mask, built at the pass's first projection (its row count is known there)."""
+
+    slot_rows: SlotRows
+    mask: torch.Tensor | None = None
+
+
 class LoraContext:
     """Shared by every layer of a model served with adapters; `batch` is set for one forward
     pass (None: base model only). It is per thread: the server's shadow checker runs the same
-    model on the base weights in its own thread while the engine's step has a batch set."""
+    model on the base weights in its own thread while the engine's step has a batch set.
 
-    def __init__(self) -> None:
+    `inside`: projections whose delta their own projection adds (`delta`), not the layer after
+    it (`apply`): under tensor parallelism a row-parallel rank's partial delta must join the
+    all-reduce with its partial product."""
+
+    def __init__(self, tables: SlotTables, inside: frozenset[str] = frozenset()) -> None:
+        self.tables, self.inside = tables, inside
         self._local = threading.local()
 
     @property
-    def batch(self) -> LoraBatch | None:
+    def batch(self) -> StepRows | None:
         return getattr(self._local, "batch", None)
 
     @batch.setter
     def batch(self, batch: LoraBatch | None) -> None:
-        self._local.batch = batch
+        rows = None if batch is None else [(g.adapter.slot, g.rows) for g in batch.groups]
+        self.use_rows(rows)
+
+    def use_rows(self, slot_rows: SlotRows | None) -> None:
+        self._local.batch = None if slot_rows is None else StepRows(slot_rows)
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y = base(x) for the batch's rows -> y plus each adapter group's delta."""
-        if self.batch is None:
-            return y
-        for group in self.batch.groups:
-            factors = group.adapter.factors.get((layer, module))
-            if factors is None:
-                continue  # this adapter does not target this projection
-            a_t, b_t = factors
-            if group.rows is None:
-                y = y + (x @ a_t) @ b_t
-            else:
-                y = y.index_add(0, group.rows, (x[group.rows] @ a_t) @ b_t)
-        return y
+        """y = base(x) for the batch's rows -> y plus each row's adapter delta."""
+        return y if module in self.inside else self.delta(layer, module, x, y)
+
+    def delta(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        step = self.batch
+        tables = self.tables.stacks.get((layer, module))
+        if step is None or tables is None:
+            return y  # no adapter rows, or no resident adapter targets this projection
+        if step.mask is None:
+            step.mask = self.tables.row_mask(step.slot_rows, x.shape[0])
+        a_stack, b_stack = tables
+        return torch.addmm(y, (x @ a_stack) * step.mask, b_stack)
 
 
 def attach(model, context: LoraContext) -> None:

@@ -4,30 +4,45 @@ Registered adapters keep their float32 weights as loaded. At most `max_loras` ar
 the model's dtype and device: a request's adapter is made resident when the request is admitted
 and held until its last sample finishes, so an adapter in use is never evicted; one not in use
 is evicted least recently used first when another needs its slot. A request whose adapter cannot
-become resident (every slot held) waits in the queue."""
+become resident (every slot held) waits in the queue.
+
+Resident adapters are computed from stacked slot tables (kvpage.lora.tables); `on_write`, when
+set, hears of every slot written (a tensor-parallel engine sends it to its workers)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvpage.errors import LoRAError
 from kvpage.lora.adapter import LoraAdapter
+from kvpage.lora.tables import Factors, SlotTables
 
 
 @dataclass(slots=True, eq=False)
 class ResidentAdapter:
     adapter: LoraAdapter
-    # (layer, module) -> (A^T (in, r), B^T (r, out) * scale): x @ A^T @ B^T is the delta
-    factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    slot: int  # its columns of the stacked A^T tables and rows of the stacked B^T tables
     holds: int = 0
 
 
 class LoraSlots:
-    def __init__(self, max_loras: int, dtype: torch.dtype, device: str | torch.device) -> None:
+    def __init__(
+        self,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        shard: Callable[[Factors], Factors] | None = None,
+        on_write: Callable[[int, Factors], None] | None = None,
+    ) -> None:
         self.max_loras, self.dtype, self.device = max_loras, dtype, device
+        self.tables = SlotTables(max_loras, max_rank, dtype, device)
+        self.shard = shard  # the full factors -> this rank's (tensor parallelism)
+        self.on_write = on_write
         self.registered: dict[str, LoraAdapter] = {}  # name -> its current adapter
         self.resident: OrderedDict[str, ResidentAdapter] = OrderedDict()  # identity -> LRU last
         self.loads = 0  # adapters made resident (a reload or an eviction costs one)
@@ -60,7 +75,8 @@ class LoraSlots:
         if resident is None:
             if len(self.resident) >= self.max_loras:
                 self._evict_one()
-            resident = ResidentAdapter(adapter, self.factors(adapter))
+            resident = ResidentAdapter(adapter, self._free_slot())
+            self._write(resident.slot, self.factors(adapter))
             self.resident[adapter.identity] = resident
             self.loads += 1
         self.resident.move_to_end(adapter.identity)
@@ -87,6 +103,15 @@ class LoraSlots:
                 self.evictions += 1
                 return
         raise LoRAError("every adapter slot is in use")  # can_hold said otherwise: a bug
+
+    def _free_slot(self) -> int:
+        taken = {r.slot for r in self.resident.values()}
+        return min(s for s in range(self.max_loras) if s not in taken)
+
+    def _write(self, slot: int, factors: Factors) -> None:
+        if self.on_write is not None:
+            self.on_write(slot, factors)
+        self.tables.write(slot, factors if self.shard is None else self.shard(factors))
 
     def factors(self, adapter: LoraAdapter):
         """(layer, module) -> (A^T, scale * B^T) in the model's dtype (a declared seam)."""

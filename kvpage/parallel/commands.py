@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from kvpage.kv.storage import KVShard, SavedKV
+from kvpage.lora.apply import SlotRows
+from kvpage.lora.tables import Factors
 from kvpage.model.paged_attention import PagedAttentionMetadata
 
 
@@ -20,12 +22,23 @@ class Configure:
     num_blocks: int
     block_size: int
     kv_cache_dtype: str
+    max_loras: int = 0  # > 0: the engine serves LoRA adapters, in tables of this many slots
+    max_lora_rank: int = 0
+
+
+@dataclass(slots=True)
+class WriteLoraSlot:
+    """An adapter became resident in `slot`: every rank writes its shard of the full factors."""
+
+    slot: int
+    factors: Factors
 
 
 @dataclass(slots=True)
 class Step:
     ids_pos: torch.Tensor  # (2, N) long: token ids and positions
     meta: PagedAttentionMetadata  # the same view of the pool for every rank
+    lora_rows: SlotRows | None = None  # the adapter slots the step's rows use (None: base only)
 
 
 @dataclass(slots=True)
@@ -78,5 +91,6 @@ Command = (
     | WriteBlocks
     | ReadScales
     | PatchKV
+    | WriteLoraSlot
     | Stop
 )

@@ -18,9 +18,12 @@ from kvpage.config import EngineConfig
 from kvpage.errors import WorkerFailure
 from kvpage.kv.format import KVFormat
 from kvpage.kv.storage import KVShard, KVStorage
+from kvpage.lora.apply import LoraContext
+from kvpage.lora.tables import Factors, SlotTables
 from kvpage.model.base import CausalLM
 from kvpage.model.paged_attention import PagedAttentionMetadata
-from kvpage.parallel.commands import Command, Configure, PatchKV, Step
+from kvpage.parallel.commands import Command, Configure, PatchKV, Step, WriteLoraSlot
+from kvpage.parallel.sharding import attach_lora, shard_lora_factors
 from kvpage.parallel.storage import ShardedKVStorage, shard_view
 from kvpage.parallel.workers import WorkerGroup
 
@@ -69,7 +72,15 @@ class TensorParallelExecutor:
         self.deferred: list[Command] = []
         self.workers.lease = self.lease
         try:
-            self.send(Configure(num_blocks, config.block_size, config.kv_cache_dtype))
+            self.send(
+                Configure(
+                    num_blocks,
+                    config.block_size,
+                    config.kv_cache_dtype,
+                    config.max_loras if config.enable_lora else 0,
+                    config.max_lora_rank,
+                )
+            )
         except WorkerFailure:
             self.workers.shutdown()  # failed: not worth keeping, shared or not
             raise
@@ -86,6 +97,21 @@ class TensorParallelExecutor:
         self.storage = ShardedKVStorage(
             shard, command=self.command, defer=self.defer, group=self.workers.group
         )
+        self.lora: LoraContext | None = None  # rank 0's, when the engine serves adapters
+
+    def serve_lora(self, tables: SlotTables) -> LoraContext:
+        """Rank 0's model shard computes adapters from `tables`; the workers made theirs at
+        Configure and hear of every slot written (`write_lora_slot`)."""
+        self.lora = attach_lora(self.workers.model, tables)
+        return self.lora
+
+    def shard_lora_factors(self, factors: Factors) -> Factors:
+        return shard_lora_factors(factors, self.workers.plan)
+
+    def write_lora_slot(self, slot: int, factors: Factors) -> None:
+        """Sent with the next command: a slot is written at admission, before the step that
+        first reads it."""
+        self.defer(WriteLoraSlot(slot, factors))
 
     @property
     def model(self) -> CausalLM:
@@ -129,7 +155,9 @@ class TensorParallelExecutor:
         self, ids_pos: torch.Tensor, meta: PagedAttentionMetadata, local: Callable[[], T]
     ) -> T:
         """The step's inputs to every worker, then rank 0's own forward pass over its shard."""
-        return self.command(Step(ids_pos, meta), local)
+        step = self.lora.batch if self.lora is not None else None
+        rows = None if step is None else step.slot_rows
+        return self.command(Step(ids_pos, meta, rows), local)
 
     def patch_kv_shards(self, name: str, patch: Callable[[KVShard], None]) -> None:
         """`patch` on rank 0's shard first (a missing seam fails here, loudly, before any

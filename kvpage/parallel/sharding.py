@@ -13,11 +13,18 @@ Int8 layers (kvpage.model.int8) shard the same way: a column-parallel rank keeps
 codes and scales; a row-parallel rank keeps its columns' codes and every row's scale (per
 output channel, so (x_r @ codes_r^T) * scale summed over ranks is the unsharded product).
 
+LoRA factors shard with their projection (`shard_lora_factors`): a column-parallel rank keeps
+the whole A and its output rows of B; a row-parallel rank keeps its input columns of A and the
+whole B, and adds its partial delta before the all-reduce (RowParallel.lora), so the sum over
+ranks is x A^T B^T, the unsharded delta.
+
 KV heads are divided across ranks; with fewer KV heads than ranks each is replicated (as vLLM
 does), so rank r keeps KV head r // (world / KVH)."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +32,8 @@ from torch import nn
 
 from kvpage.config import ModelConfig
 from kvpage.errors import TensorParallelError
+from kvpage.lora.apply import LoraContext, attach
+from kvpage.lora.tables import Factors, SlotTables
 from kvpage.model.base import CausalLM
 from kvpage.model.int8 import Int8Linear
 from kvpage.model.projection import Projection
@@ -81,13 +90,49 @@ def check_divisible(cfg: ModelConfig, world_size: int) -> None:
 
 class RowParallel:
     """A row-parallel Projection: each rank's partial product, summed over ranks by one
-    all-reduce. Called like a Projection (returns a 1-tuple)."""
+    all-reduce. Called like a Projection (returns a 1-tuple). `lora`, when set, adds the
+    rank's partial adapter delta (x_r, y_r) -> y_r before the all-reduce."""
 
     def __init__(self, proj: Projection, all_reduce) -> None:
         self.proj, self.all_reduce = proj, all_reduce
+        self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor]:
-        return (self.all_reduce(self.proj(x)[0].contiguous()),)
+        y = self.proj(x)[0]
+        if self.lora is not None:
+            y = self.lora(x, y)
+        return (self.all_reduce(y.contiguous()),)
+
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def shard_lora_factors(factors: Factors, plan: ShardPlan) -> Factors:
+    """Full (A^T (in, r), scale B^T (r, out)) per (layer, module) -> this rank's shard of each."""
+    shards = {}
+    for (layer, module), (a_t, b_t) in factors.items():
+        if module in COLUMN_PARALLEL:
+            rows = {"q_proj": plan.q_rows, "k_proj": plan.kv_rows, "v_proj": plan.kv_rows}.get(
+                module, _split(b_t.shape[1], plan)
+            )
+            shards[layer, module] = (a_t, b_t[:, rows].contiguous())
+        else:  # o_proj, down_proj: row-parallel
+            cols = plan.q_rows if module == "o_proj" else _split(a_t.shape[0], plan)
+            shards[layer, module] = (a_t[cols].contiguous(), b_t)
+    return shards
+
+
+def attach_lora(model: CausalLM, tables: SlotTables) -> LoraContext:
+    """A sharded Llama-shaped model's projections routed through a LoraContext over `tables`
+    (this rank's shards): column-parallel deltas after their projection, row-parallel ones
+    inside it, before the all-reduce."""
+    context = LoraContext(tables, inside=frozenset(ROW_PARALLEL))
+    attach(model, context)
+    for index, layer in enumerate(model.model.layers):
+        layer.self_attn.out.lora = functools.partial(context.delta, index, "o_proj")
+        layer.mlp.down.lora = functools.partial(context.delta, index, "down_proj")
+    return context
 
 
 def shard_model(model: CausalLM, plan: ShardPlan, all_reduce) -> CausalLM:

@@ -14,6 +14,8 @@ from kvpage.config import ModelConfig
 from kvpage.errors import WorkerFailure
 from kvpage.kv.format import kv_format
 from kvpage.kv.storage import KVStorage
+from kvpage.lora.apply import LoraContext
+from kvpage.lora.tables import SlotTables
 from kvpage.model.paged_attention import PagedAttention
 from kvpage.parallel.commands import (
     Configure,
@@ -25,10 +27,11 @@ from kvpage.parallel.commands import (
     Step,
     Stop,
     WriteBlocks,
+    WriteLoraSlot,
 )
 from kvpage.parallel.group import TPGroup, worker_store
 from kvpage.parallel.shard_model import build_shard
-from kvpage.parallel.sharding import ShardPlan
+from kvpage.parallel.sharding import ShardPlan, attach_lora, shard_lora_factors
 from kvpage.parallel.storage import ShardOps, shard_view
 
 
@@ -80,6 +83,7 @@ class Shard:
         self.group, self.model, self.plan = group, model, plan
         self.storage: KVStorage | None = None
         self.ops: ShardOps | None = None
+        self.lora: LoraContext | None = None  # set when the configuring engine serves adapters
 
     def configure(self, cmd: Configure) -> None:
         cfg = self.model.config
@@ -95,13 +99,17 @@ class Shard:
             "cpu",
         )
         self.ops = ShardOps(self.storage, self.group, self.plan.num_kv_heads)
+        self.lora = None
+        if cmd.max_loras:
+            tables = SlotTables(cmd.max_loras, cmd.max_lora_rank, self.model.dtype, "cpu")
+            self.lora = attach_lora(self.model, tables)
 
     def execute(self, cmd) -> None:
         storage, ops = self.storage, self.ops
         if isinstance(cmd, Configure):
             self.configure(cmd)
         elif isinstance(cmd, Step):
-            self.model(cmd.ids_pos[0], cmd.ids_pos[1], PagedAttention(storage, cmd.meta))
+            self.step(cmd)
         elif isinstance(cmd, CopyBlock):
             storage.copy_block(cmd.src, cmd.dst)
         elif isinstance(cmd, Invalidate):
@@ -115,6 +123,17 @@ class Shard:
             ops.read_scales(cmd.block_ids)
         elif isinstance(cmd, PatchKV):
             cmd.patch(shard_view(storage, self.group))
+        elif isinstance(cmd, WriteLoraSlot):
+            self.lora.tables.write(cmd.slot, shard_lora_factors(cmd.factors, self.plan))
+
+    def step(self, cmd: Step) -> None:
+        if self.lora is not None:
+            self.lora.use_rows(cmd.lora_rows)
+        try:
+            self.model(cmd.ids_pos[0], cmd.ids_pos[1], PagedAttention(self.storage, cmd.meta))
+        finally:
+            if self.lora is not None:
+                self.lora.use_rows(None)
 
 
 @torch.inference_mode()

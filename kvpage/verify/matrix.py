@@ -29,7 +29,8 @@ first and the others fill the second lane beside it. Seconds per cell from `time
   tiny-llama/bfloat16/kv-auto/tp1      prefix, batching, sampling, parallel      none        15.3
   tiny-llama/float32/kv-fp8_e4m3/tp1   prefix, batching                          none         4.4
   tiny-llama/float32/kv-bfloat16/tp1   batching, preemption                      none         3.3
-  tiny-qwen2/float32/kv-auto/tp2       batching, parallel                        none         8.1
+  tiny-qwen2/float32/kv-auto/tp2       batching, parallel, lora                  none         8.1
+                                       (lora added later: 16 s alone at load ~5)
   tiny-qwen2/float32/kv-int8/tp1       prefix, batching, preemption, parallel    none        10.6
   tiny-qwen2/float32/kv-int8/tp2       batching                                  none         5.7
   tiny-qwen2/float32/w-int8/kv-auto/tp1  batching, preemption                    none         4.9
@@ -165,7 +166,7 @@ DEFAULT: tuple[Cell, ...] = (
     ),
     Cell("builtin:tiny-llama", kv_cache_dtype="fp8_e4m3", suites=("prefix", "batching")),
     Cell("builtin:tiny-llama", kv_cache_dtype="bfloat16", suites=("batching", "preemption")),
-    Cell(QWEN2, tensor_parallel_size=2, suites=("batching", "parallel")),
+    Cell(QWEN2, tensor_parallel_size=2, suites=("batching", "parallel", "lora")),
     Cell(QWEN2, kv_cache_dtype="int8", suites=("prefix", "batching", "preemption", "parallel")),
     Cell(QWEN2, kv_cache_dtype="int8", tensor_parallel_size=2, suites=("batching",)),
     INT8_WEIGHTS,

@@ -1,0 +1,64 @@
+"""The stacked slot tables the resident adapters are computed from: per (layer, projection),
+A^T of every slot side by side (in, max_loras * max_lora_rank) and scale * B^T of every slot
+stacked (max_loras * max_lora_rank, out); slot s owns columns / rows [s * R, s * R + r) and
+zeros up to (s + 1) * R.
+
+Why stacked: a mixed batch then costs the same three ops per projection however many adapters
+it mixes (kvpage.lora.apply), where a gather, two matmuls and a scatter per adapter group made
+the dispatch, not the arithmetic, the cost of a decode step. Under tensor parallelism every rank
+keeps tables of its own shard of each factor (kvpage.parallel.sharding.shard_lora_factors)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpage.errors import LoRAError
+
+# (layer, module) -> (A^T (in, r), scale * B^T (r, out)): x @ A^T @ B^T is the delta
+Factors = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+class SlotTables:
+    def __init__(
+        self, max_loras: int, max_rank: int, dtype: torch.dtype, device: str | torch.device
+    ) -> None:
+        self.max_loras, self.max_rank, self.dtype, self.device = max_loras, max_rank, dtype, device
+        # (layer, module) -> (A^T of every slot (in, L * R), scale * B^T of every slot (L * R, out))
+        self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def width(self) -> int:
+        return self.max_loras * self.max_rank
+
+    def write(self, slot: int, factors: Factors) -> None:
+        """Slot `slot` of every table := `factors`, zero where the adapter has no factor (the
+        slot's previous adapter may have targeted projections this one does not)."""
+        lo, rank_max = slot * self.max_rank, self.max_rank
+        for a_stack, b_stack in self.stacks.values():
+            a_stack[:, lo : lo + rank_max] = 0
+            b_stack[lo : lo + rank_max] = 0
+        for where, (a_t, b_t) in factors.items():
+            rank = a_t.shape[1]
+            if rank > rank_max:
+                raise LoRAError(f"an adapter of rank {rank} exceeds max_lora_rank={rank_max}")
+            if where not in self.stacks:
+                self.stacks[where] = self._zeros(a_t.shape[0], b_t.shape[1])
+            a_stack, b_stack = self.stacks[where]
+            a_stack[:, lo : lo + rank] = a_t
+            b_stack[lo : lo + rank] = b_t
+
+    def row_mask(self, slot_rows, num_rows: int) -> torch.Tensor:
+        """(N, L * R): ones over the slot columns of each row's adapter, zeros elsewhere (a base
+        row's delta is then exactly 0). `slot_rows`: (slot, rows (n,) long or None: every row)."""
+        mask = torch.zeros(num_rows, self.width, dtype=self.dtype, device=self.device)
+        for slot, rows in slot_rows:
+            lo = slot * self.max_rank
+            if rows is None:
+                mask[:, lo : lo + self.max_rank] = 1
+            else:
+                mask[rows, lo : lo + self.max_rank] = 1
+        return mask
+
+    def _zeros(self, fan_in: int, fan_out: int) -> tuple[torch.Tensor, torch.Tensor]:
+        like = {"dtype": self.dtype, "device": self.device}
+        return torch.zeros(fan_in, self.width, **like), torch.zeros(self.width, fan_out, **like)
