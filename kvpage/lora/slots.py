@@ -52,13 +52,16 @@ class LoraSlots:
     def register(self, adapter: LoraAdapter) -> LoraAdapter:
         """Known by its name from now on; a new adapter under a registered name replaces it for
         new requests (requests already queued keep the one they were given)."""
-        self.registered[adapter.name] = adapter
+        # Replaced, never mutated: the server's event-loop thread reads it (/v1/models, a
+        # request's `model`) while the engine thread loads and unloads.
+        self.registered = {**self.registered, adapter.name: adapter}
         return adapter
 
     def unregister(self, name: str) -> None:
         if name not in self.registered:
             raise LoRAError(f"no adapter named {name!r} is loaded")
-        adapter = self.registered.pop(name)
+        adapter = self.registered[name]
+        self.registered = {k: v for k, v in self.registered.items() if k != name}
         held = self.resident.get(adapter.identity)
         if held is not None and held.holds == 0:
             del self.resident[adapter.identity]

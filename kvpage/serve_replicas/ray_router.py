@@ -10,7 +10,7 @@ process, can list the live replicas and read the routing counters."""
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 
 from ray.serve.request_router import (
     PendingRequest,
@@ -24,6 +24,9 @@ from kvpage.serve_replicas.asgi_call import HttpCall
 from kvpage.serve_replicas.prefix_router import Router, RouterConfig
 
 ROUTERS: dict[tuple[str, str], KVPageRequestRouter] = {}  # (app, deployment) -> router
+# Completions heard of before their routing, kept by id (bounded: a rejected request completes
+# and is never routed, so its id stays until pushed out).
+EARLY_COMPLETIONS_KEPT = 4096
 
 
 class KVPageRequestRouter(RequestRouter):
@@ -31,6 +34,7 @@ class KVPageRequestRouter(RequestRouter):
         self.router = Router(RouterConfig(**config))
         self.loads: Counter[str] = Counter()  # replica id -> requests in flight
         self._in_flight: dict[str, str] = {}  # internal request id -> replica id
+        self._completed_early: OrderedDict[str, None] = OrderedDict()
         self.decisions: Counter[tuple[str, str]] = Counter()  # (replica, reason) -> requests
         self.matched_tokens: Counter[str] = Counter()  # replica -> prompt tokens it had seen
         # Ray may ship this class by value, with copies of its module's globals: reach the real
@@ -61,13 +65,23 @@ class KVPageRequestRouter(RequestRouter):
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
-        self._in_flight[pending_request.metadata.internal_request_id] = replica_id.unique_id
+        request = pending_request.metadata.internal_request_id
+        if request in self._completed_early:  # done already: counted now, it would never end
+            del self._completed_early[request]
+            return
+        self._in_flight[request] = replica_id.unique_id
         self.loads[replica_id.unique_id] += 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """Ray registers the completion callback before it awaits the replica's accept and
+        calls on_request_routed after: a short request can complete in between."""
         replica = self._in_flight.pop(internal_request_id, None)
         if replica is not None:
             self.loads[replica] -= 1
+            return
+        self._completed_early[internal_request_id] = None
+        while len(self._completed_early) > EARLY_COMPLETIONS_KEPT:
+            self._completed_early.popitem(last=False)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
