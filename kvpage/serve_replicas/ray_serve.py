@@ -39,6 +39,10 @@ APP_NAME = "kvpage"
 ENGINE_DEPLOYMENT = "EngineReplica"
 REPLICA_HEADER = "x-kvpage-replica"
 _FAN_OUT_TIMEOUT_S = 30.0  # a replica that does not answer a /metrics broadcast is left out
+# Calls every replica must hear: an adapter loaded on one replica only would be a 404 whenever
+# the router sends its requests elsewhere.
+EVERY_REPLICA = frozenset({("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter")})
+_CONTROL_TIMEOUT_S = 120.0  # a load reads the adapter's weights on every replica
 # Ray's own telemetry would try to reach the network; the dashboard is not needed to serve.
 # Set before Ray starts (its processes inherit them). Quiet: no usage stats, no Docker warning.
 # Patient: Ray Serve gives its HTTP proxy 5 s to answer a ready check and 10 s a health check,
@@ -100,6 +104,12 @@ class EngineReplica:
     async def http(self, call: HttpCall) -> AsyncIterator[ResponseStart | bytes]:
         async for piece in call_asgi(self.app, call, self.name):
             yield piece
+
+    async def http_whole(self, call: HttpCall) -> tuple[str, int, bytes]:
+        """(replica, status, body) of one whole reply, for the ingress's fan-out of the calls
+        every replica must hear."""
+        pieces = [p async for p in call_asgi(self.app, call, self.name)]
+        return self.name, pieces[0].status, b"".join(p for p in pieces[1:] if isinstance(p, bytes))
 
     async def metrics_text(self) -> tuple[str, str]:
         """(replica, its /metrics exposition), for the ingress's merged /metrics."""
@@ -209,7 +219,32 @@ class IngressCore:
         key = self.keys.key(path, request.headers.get("authorization"), body)
         query, headers = request.url.query.encode(), list(request.headers.raw)
         call = HttpCall(request.method, path, query, headers, body, key)
+        if (request.method, path) in EVERY_REPLICA:
+            return await self._to_every_replica(call)
         return await self._send(call)
+
+    async def _to_every_replica(self, call: HttpCall) -> Response:
+        """`call` to every live replica: their common reply when all agree, else 502 naming
+        what each replica answered (the change then holds on some replicas only)."""
+        try:
+            replies = await self.engines.broadcast("http_whole", call).results_async(
+                timeout_s=_CONTROL_TIMEOUT_S, return_exceptions=True
+            )
+        except TimeoutError:
+            return _error(503, f"replicas did not answer within {_CONTROL_TIMEOUT_S:g} s")
+        answered = sorted(r for r in replies if isinstance(r, tuple))
+        if not answered:
+            return _error(503, "no engine replica is running")
+        names = ",".join(name for name, _, _ in answered)
+        if len({status for _, status, _ in answered}) == 1 and len(answered) == len(replies):
+            _, status, body = answered[0]
+            headers = {REPLICA_HEADER: names}
+            return Response(body, status, headers=headers, media_type="application/json")
+        lost = len(replies) - len(answered)
+        said = "; ".join(
+            f"{name}: {status} {body.decode(errors='replace')}" for name, status, body in answered
+        )
+        return _error(502, f"the replicas disagree ({lost} did not answer): {said}")
 
     async def _send(self, call: HttpCall) -> Response:
         pieces = self.engines.options(stream=True).http.remote(call)

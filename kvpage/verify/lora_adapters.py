@@ -5,12 +5,15 @@ greedy tokens. Same spec, same model: the same adapter (same digest)."""
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from kvpage.config import ModelConfig
-from kvpage.lora.adapter import TARGETS, LoraAdapter
+from kvpage.lora.adapter import CONFIG_FILE, TARGETS, WEIGHTS_FILE, LoraAdapter
 
 ALL = TARGETS
 
@@ -47,3 +50,26 @@ def make_adapter(spec: LoraSpec, model: ModelConfig) -> LoraAdapter:
             digest.update(a.numpy().tobytes() + b.numpy().tobytes())
     scale = spec.alpha / spec.rank
     return LoraAdapter(spec.name, spec.path, spec.rank, scale, weights, digest.hexdigest())
+
+
+def save_peft(spec: LoraSpec, model: ModelConfig, directory: Path) -> Path:
+    """`make_adapter(spec, model)` written as a PEFT directory (for engines in other processes:
+    server replicas load adapters by path)."""
+    adapter = make_adapter(spec, model)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "peft_type": "LORA",
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "target_modules": list(spec.targets),
+        "bias": "none",
+    }
+    (directory / CONFIG_FILE).write_text(json.dumps(config))
+    tensors = {}
+    for (layer, module), (a, b) in adapter.weights.items():
+        block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+        tensors[f"{prefix}.lora_A.weight"] = a.contiguous()
+        tensors[f"{prefix}.lora_B.weight"] = b.contiguous()
+    save_file(tensors, str(directory / WEIGHTS_FILE))
+    return directory

@@ -28,6 +28,7 @@ from tests.waiting import answers, wait_until
 
 MODEL = "builtin:tiny-llama"
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
+ADMIN = "ray-admin-token"
 APPS = {"prefix": "prefix", "rr": "round-robin"}  # application (and route prefix) -> router
 
 
@@ -95,9 +96,13 @@ def serve_apps(tmp: Path) -> Iterator[dict[str, App]]:
         os.environ.setdefault(name, value)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = free_port()
-    engine = EngineConfig(model=MODEL, num_blocks=256, max_num_seqs=16)
+    engine = EngineConfig(model=MODEL, num_blocks=256, max_num_seqs=16, enable_lora=True)
     options = ServerOptions(
-        model_name=MODEL, api_keys=KEYS, shadow_rate=0.0, tenant_secret=secrets.token_bytes(32)
+        model_name=MODEL,
+        api_keys=KEYS,
+        shadow_rate=0.0,
+        tenant_secret=secrets.token_bytes(32),
+        admin_token=ADMIN,
     )
     apps = {}
     try:

@@ -17,11 +17,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from kvpage import LLM, SamplingParams
+from kvpage.model import load_model
 from kvpage.serve_replicas.ray_serve import ENGINE_DEPLOYMENT, REPLICA_HEADER
 from kvpage.server.chat import simple_template
+from kvpage.verify.lora_adapters import LoraSpec, save_peft
 from tests.waiting import READY_S, settled, wait_until
 
-from .ray_service import MODEL, serve_apps, serve_log
+from .ray_service import ADMIN, MODEL, serve_apps, serve_log
 
 pytestmark = pytest.mark.ray
 
@@ -185,6 +187,36 @@ def test_metrics_and_audit_name_the_replica(apps):
     lines = [json.loads(line) for line in app.audit_path.read_text().splitlines()]
     audited = {line["replica"] for line in lines}
     assert audited == replicas, f"replicas in the audit log: {audited}, live: {replicas}"
+
+
+def test_an_adapter_loaded_at_run_time_reaches_every_replica(apps, tmp_path):
+    """Through the ingress, load and unload go to every replica: one that missed the load
+    would answer 404 whenever the router sent it the adapter's requests."""
+    app = apps["rr"]
+    replicas = set(app.replica_ids())
+    path = save_peft(LoraSpec("late", seed=7), load_model(MODEL)[0].config, tmp_path / "late")
+    admin = {"X-Admin-Token": ADMIN, "Authorization": "Bearer key-alice"}
+    load = {"lora_name": "late", "lora_path": str(path)}
+    r = httpx.post(f"{app.url}/v1/load_lora_adapter", json=load, headers=admin, timeout=180)
+    assert r.status_code == 200, r.text
+    assert set(r.headers[REPLICA_HEADER].split(",")) == replicas
+    body = {"model": "late", "prompt": PROMPT, "max_tokens": 4}
+    for replica in replicas:
+        status, reply = app.post_to(replica, "/v1/completions", body, "key-alice")
+        assert status == 200 and reply["model"] == "late", (replica, reply)
+    unload = {"lora_name": "late"}
+    r = httpx.post(f"{app.url}/v1/unload_lora_adapter", json=unload, headers=admin, timeout=180)
+    assert r.status_code == 200, r.text
+    for replica in replicas:
+        status, reply = app.post_to(replica, "/v1/completions", body, "key-alice")
+        assert status == 404 and reply["error"]["param"] == "model", (replica, reply)
+    r = httpx.post(
+        f"{app.url}/v1/load_lora_adapter",
+        json=load,
+        headers=admin | {"X-Admin-Token": "no"},
+        timeout=60,
+    )
+    assert r.status_code == 401, r.text  # every replica refused alike: their common answer
 
 
 # --- faults --------------------------------------------------------------------------------
