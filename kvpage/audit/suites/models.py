@@ -41,7 +41,7 @@ NAME = "models"
 SHARED_MODELS = "shared across models"
 NOT_APPLICABLE = "not applicable"  # one model listed: nothing to keep apart
 TAIL_TOKENS = 8
-MAX_TIMED_PAIRS = 2  # a timed pair costs timing_trials rounds of 8 long prompts
+MAX_TIMED_PAIRS = 2  # a timed pair costs 2 x timing_trials rounds of 5 long prompts
 ARMS = ("cold", "same", "cross")
 SALTED = "salted"  # the other model's prefix under cache_salt = the other model's name
 
@@ -79,8 +79,8 @@ def requests(cfg: AuditConfig, caps: Capabilities, cold_refs: bool) -> int:
     unknown = sum(1 for p in pairs if p.relation == UNKNOWN) if cold_refs else 0
     if by_counts(cfg, caps):  # with salts: two more warms, two salted arms, two references
         return len(pairs) * (8 + (6 if cold_refs else 0)) + unknown
-    judged = 10 if cold_refs else 0
-    return 1 + len(pairs) * (cfg.timing_trials * 8 + judged) + unknown
+    judged = 10 if cold_refs else 0  # timed rounds: one direction each, two warms, three arms
+    return 1 + len(pairs) * (cfg.timing_trials * 10 + judged) + unknown
 
 
 def plan_note(cfg: AuditConfig, caps: Capabilities) -> str:
@@ -158,8 +158,9 @@ def _pair(ctx: SuiteContext, result: SuiteResult, pair: ModelPair, length: int, 
     timed = judged
     if not counts:  # the judged round's arms are not streamed: never mixed with timed ones
         timed = _directions(pair)
-        for _ in range(ctx.cfg.timing_trials):
-            _round(ctx, result, pair, timed, length, rng, timed=True, salted=False)
+        for _ in range(ctx.cfg.timing_trials):  # one direction a round: fewer prefixes held
+            for d in timed:
+                _round(ctx, result, pair, [d], length, rng, timed=True, salted=False)
     row = _row(ctx, pair, timed, counts, alike)
     _checked(row, result.checks[checks_before:])
     result.data["pairs"].append(row)
@@ -179,13 +180,13 @@ def _round(
     timed: bool,
     salted: bool,
 ) -> bool | None:
-    """Each model caches fresh prefixes (one for the cross arm, one for the salted arm: no
-    prefix reaches the viewer twice, so a hit can only come from the owner's cache); the arms
-    follow in a random order. Judged (untimed, with separating salts): each cross answer against
+    """Both models cache a fresh prefix (owners one more for the salted arm: no prefix reaches
+    a viewer twice, so a hit can only come from the owner's cache); the arms of `dirs` follow
+    in a random order. Judged (untimed, with separating salts): each cross answer against
     the viewer's cold answer to the same prompt, sent last (before it, a salt the viewer ignored
     would have made the cross arm hit the viewer's own reference). Returns, for a pair the cards
     do not relate, whether both models answer that prompt alike."""
-    heads = {d.owner: ctx.factory.random(length) for d in dirs}
+    heads = {m: ctx.factory.random(length) for m in (pair.first, pair.second)}
     others = {d.owner: ctx.factory.random(length) for d in dirs} if salted else {}
     tails = {d.viewer: ctx.factory.random(TAIL_TOKENS) for d in dirs}
     for owner, head in [*heads.items(), *others.items()]:
