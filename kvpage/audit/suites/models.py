@@ -90,7 +90,8 @@ def plan_note(cfg: AuditConfig, caps: Capabilities) -> str:
         return f"models: skipped: {found.skipped}"
     how = "cached tokens" if by_counts(cfg, caps) else "TTFT (no cached tokens used)"
     pairs = ", ".join(f"{p.first}/{p.second}" for p in found.pairs)
-    return f"models: {len(found.pairs)} pair(s) of the {len(caps.models)} listed probed by {how}: {pairs}"
+    listed = len(caps.models)
+    return f"models: {len(found.pairs)} pair(s) of the {listed} listed probed by {how}: {pairs}"
 
 
 # --- the suite -------------------------------------------------------------------------------
@@ -144,7 +145,9 @@ def _as(ctx: SuiteContext, model: str, salt: str | None = None) -> Tenant:
     return Tenant(model, ctx.cfg.api_key, salt, model)
 
 
-def _pair(ctx: SuiteContext, result: SuiteResult, pair: ModelPair, length: int, rng) -> None:
+def _pair(
+    ctx: SuiteContext, result: SuiteResult, pair: ModelPair, length: int, rng: random.Random
+) -> None:
     """A judged round (cold references: fresh salts), then timed rounds where TTFT decides. The
     pair's row is recorded only when all of its requests succeeded."""
     counts = by_counts(ctx.cfg, ctx.caps)
