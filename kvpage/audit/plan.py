@@ -44,11 +44,13 @@ def fit(
     """A config whose estimate fits `budget`, and notes on what was cut (empty: nothing)."""
     notes: list[str] = []
     for name, value in _SHRINK:
-        if sum(estimate(cfg, cold_refs, caps).values()) <= budget:
+        total = sum(estimate(cfg, cold_refs, caps).values())
+        if total <= budget:
             return cfg, notes
-        if getattr(cfg, name) > value:
+        smaller = replace(cfg, **{name: min(value, getattr(cfg, name))})
+        if sum(estimate(smaller, cold_refs, caps).values()) < total:  # a cut that saves nothing
             notes.append(f"{name} {getattr(cfg, name)} -> {value} to fit the request budget")
-            cfg = replace(cfg, **{name: value})
+            cfg = smaller  # (a suite not chosen, no adapters listed) is not made, nor noted
     while sum(estimate(cfg, cold_refs, caps).values()) > budget and len(cfg.block_sizes) > 1:
         notes.append(f"block size {cfg.block_sizes[-1]} dropped to fit the request budget")
         cfg = replace(cfg, block_sizes=cfg.block_sizes[:-1])
