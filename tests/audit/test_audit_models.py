@@ -12,10 +12,10 @@ import pytest
 from kvpage.audit.classify import FAILED
 from kvpage.audit.report import write_reports
 from kvpage.audit.runner import run_audit
-from kvpage.audit.suites.models import NOT_APPLICABLE, SHARED_MODELS
+from kvpage.audit.suites.models import NOT_APPLICABLE, SALTED, SHARED_MODELS
 from kvpage.audit.suites.timing import ISOLATED
 from kvpage.verify.lora_adapters import LoraSpec
-from tests.audit.servers import MODEL, kvpage_server
+from tests.audit.servers import KEYS, MODEL, kvpage_server
 from tests.audit.test_audit_servers import small, suites
 
 A = LoraSpec("a", seed=11)
@@ -116,3 +116,21 @@ def test_timing_alone_tells_isolated_models_from_shared_ones():
     for d in leaky.data["pairs"][0]["directions"]:  # the timing alone shows it, both ways
         assert "TTFT on a prefix cached only under" in d.get("shared", ""), d["tests"]
         assert d["tests"]["cross_vs_cold"]["p"] < 0.01
+
+
+@pytest.mark.parametrize("mutant", [None, LEAKS[0]])
+def test_a_keyed_server_without_client_salts_is_judged_by_counts_alone(mutant):
+    """kvpage with API keys refuses client salts: no cold answer to judge against, no salted
+    arm; the counts still tell isolated models from shared ones."""
+    with kvpage_server(api_keys=KEYS, adapters=(A,), mutant=mutant) as url:
+        result = run_audit(small(url, api_key="key-alice", suites=("models",)))
+    models = models_of(result)
+    assert not result.caps.cache_salt and not models.checks
+    assert any("not judged against a cold answer" in u for u in models.untested)
+    (row,) = models.data["pairs"]
+    assert all(SALTED not in d["cached_tokens"] for d in row["directions"])
+    if mutant is None:
+        assert models.verdict == ISOLATED and result.exit_code == 0, models.summary
+    else:
+        assert models.verdict == SHARED_MODELS and result.exit_code == 1, models.summary
+        assert row["reason"].startswith("'a' was served"), row["reason"]
