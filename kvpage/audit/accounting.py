@@ -4,7 +4,9 @@ salts were found to separate caches; else one namespace for all). A request may 
 served at most the longest common prefix it has with an earlier (or concurrent) prompt of its
 namespace — a fresh random prompt under a fresh salt, 0. A `cached_tokens` above that is a
 phantom hit: the server's usage is wrong, or it reused KV the request never shared. Alone it is
-an accounting anomaly; with an answer that changed, isolation evidence (suites/base.py)."""
+an accounting anomaly; with an answer that changed, isolation evidence (suites/base.py). Models
+are not told apart here: a bound taken across models is only larger, so never a false phantom;
+hits across models are the models suite's to judge."""
 
 from __future__ import annotations
 

@@ -39,6 +39,9 @@ class Capabilities:
     stream_usage: bool = False  # stream_options.include_usage
     chars_per_token: float = 1.0  # text prompts: characters per prompt token (from usage)
     models: list[str] = field(default_factory=list)
+    # /v1/models' cards as listed: id, root (the weights' path) and parent (an adapter's base),
+    # each None where the server does not say: the models suite tells adapters from aliases
+    model_cards: list[dict[str, str | None]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what is missing and why
 
     @property
@@ -56,9 +59,11 @@ def build_body(
     max_tokens: int,
     salt: str | None = None,
     stream: bool = False,
+    model: str | None = None,
 ) -> dict[str, Any]:
-    """A greedy request using every option the server was found to accept."""
-    body: dict[str, Any] = {"model": cfg.model, "max_tokens": max_tokens, "temperature": 0}
+    """A greedy request using every option the server was found to accept, to `model` (None:
+    --model)."""
+    body: dict[str, Any] = {"model": model or cfg.model, "max_tokens": max_tokens, "temperature": 0}
     if caps.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": payload}]
         if caps.logprobs:
@@ -116,7 +121,9 @@ class Prober:
         except RequestRejected as err:
             self.caps.notes.append(f"/v1/models: {err} (model name not checked)")
             return
-        self.caps.models = [str(m.get("id")) for m in body.get("data") or [] if isinstance(m, dict)]
+        cards = [m for m in body.get("data") or [] if isinstance(m, dict)]
+        self.caps.models = [str(m.get("id")) for m in cards]
+        self.caps.model_cards = [_card(m) for m in cards]
         if self.caps.models and self.cfg.model not in self.caps.models:
             self.caps.notes.append(
                 f"/v1/models lists {self.caps.models}, not {self.cfg.model!r}: requests may fail"
@@ -295,3 +302,14 @@ class Prober:
         out = parse_body(body, self.caps.endpoint == "chat")
         self.caps.cached_tokens = self.caps.cached_tokens or out.cached_tokens is not None
         return out
+
+
+def _card(card: dict[str, Any]) -> dict[str, str | None]:
+    """What the models suite reads of a /v1/models card (vLLM's shape: an adapter's card names
+    its base as `parent`, every card its weights as `root`)."""
+
+    def text(key: str) -> str | None:
+        value = card.get(key)
+        return str(value) if value not in (None, "") else None
+
+    return {"id": str(card.get("id")), "root": text("root"), "parent": text("parent")}

@@ -14,8 +14,9 @@ from kvpage.audit.errors import AuditError, AuditUsageError
 
 DESCRIPTION = (
     "Audit a running OpenAI-compatible server through its API only: baseline determinism, batch "
-    "invariance under concurrency and pressure, prefix reuse at block boundaries, canaries and "
-    "cross-tenant timing; every divergence classed as noise, numeric drift or isolation failure. "
+    "invariance under concurrency and pressure, prefix reuse at block boundaries, canaries, "
+    "cross-tenant timing and isolation between the models it lists (LoRA adapters); every "
+    "divergence classed as noise, numeric drift or isolation failure. "
     "Exit 0: no isolation failure found; 1: isolation failure, cross-tenant leak or requests "
     "failing under sharing; 2: usage error or a server that cannot be audited."
 )
@@ -122,6 +123,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="victim prefix length (halved if refused)",
     )
     p.add_argument(
+        "--model-pairs",
+        type=_int_at_least(1),
+        default=6,
+        help="most pairs of the models /v1/models lists (base, adapters) probed for isolation",
+    )
+    p.add_argument(
         "--alpha", type=_fraction, default=0.01, help="significance level of the timing tests"
     )
     p.add_argument(
@@ -180,6 +187,7 @@ def config_from(args: argparse.Namespace) -> AuditConfig:
         canary_group=args.canary_group,
         timing_trials=args.timing_trials,
         timing_prefix_tokens=args.timing_prefix_tokens,
+        model_pairs=args.model_pairs,
         alpha=args.alpha,
         tolerances=Tolerances(logprob=args.logprob_tolerance, gap=args.gap_tolerance),
         seed=args.seed,

@@ -7,7 +7,7 @@ from urllib.parse import urlsplit
 
 from kvpage.audit.errors import AuditUsageError
 
-SUITES = ("baseline", "batch", "prefix", "canaries", "timing")
+SUITES = ("baseline", "batch", "prefix", "canaries", "timing", "models")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +33,7 @@ class AuditConfig:
     canary_group: int = 6  # concurrent requests per canary group
     timing_trials: int = 8  # victim prefixes in the timing suite
     timing_prefix_tokens: int = 1024  # long enough for a cache hit to show in TTFT
+    model_pairs: int = 6  # most pairs of listed models (base, adapters) probed for isolation
     alpha: float = 0.01  # significance level of the timing tests
     tolerances: Tolerances = field(default_factory=Tolerances)
     # The audit's own randomness (prompts, salts, orders). None: a fresh seed per run, so that
@@ -68,6 +69,8 @@ class AuditConfig:
             raise AuditUsageError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
         if self.budget_requests < 1:
             raise AuditUsageError("--budget-requests must be >= 1")
+        if self.model_pairs < 1:
+            raise AuditUsageError(f"--model-pairs must be >= 1, got {self.model_pairs}")
         if self.probes < 2 or self.canary_group < 2 or self.timing_trials < 3:
             raise AuditUsageError("probes and canary groups need >= 2 requests, timing >= 3 trials")
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 FAILED, SHARED = "isolation failure", "shared across tenants"
+SHARED_MODELS, NOT_APPLICABLE = "shared across models", "not applicable"
+MODEL_ROWS = 3  # model pairs named in the findings (the rest are in report.json)
 SERVER_ERRORS, SERVER_FAILED = "server errors", "server failed"
 
 
@@ -22,7 +24,9 @@ def findings(data: dict[str, Any]) -> dict[str, list[str]]:
 def _found(data: dict[str, Any], suites: list[dict[str, Any]]) -> list[str]:
     out = []
     for s in suites:
-        if s["verdict"] == FAILED and s["name"] == "reference":
+        if s["name"] == "models" and s["verdict"] in (FAILED, SHARED_MODELS):
+            out += _models_found(s)
+        elif s["verdict"] == FAILED and s["name"] == "reference":
             bad = [c for c in s["checks"] if c["class"] == "isolation"]
             out.append(
                 f"reference: {len(bad)} answer(s) differ from what the served checkpoint answers "
@@ -55,16 +59,29 @@ def _found(data: dict[str, Any], suites: list[dict[str, Any]]) -> list[str]:
     if extra > 0:
         out.append(f"... and {extra} more phantom cache hit(s) (report.json).")
     if not out:
-        judged = [s["name"] for s in suites if s["verdict"] != "untestable"]
+        judged = [s["name"] for s in suites if s["verdict"] not in ("untestable", NOT_APPLICABLE)]
         out.append(f"no isolation failure found in {', '.join(judged) or 'any suite'}.")
     return out
+
+
+def _models_found(suite: dict[str, Any]) -> list[str]:
+    """One sentence per pair of models whose caches were shared, naming both models."""
+    bad = [r for r in suite["data"].get("pairs", []) if r["verdict"] in (FAILED, SHARED_MODELS)]
+    out = [
+        f"models: {r['models'][0]} / {r['models'][1]}: a prefix cached under one model was "
+        f"served to the other ({r['reason']})."
+        for r in bad[:MODEL_ROWS]
+    ]
+    if len(bad) > MODEL_ROWS:
+        out.append(f"... and {len(bad) - MODEL_ROWS} more pair(s) of models (report.json).")
+    return out or [f"models: {suite['summary']}."]
 
 
 def _not_tested(suites: list[dict[str, Any]]) -> list[str]:
     """A suite that could not run, or ran reduced: its first reason (the rest are below)."""
     out = []
     for s in suites:
-        whole = s["verdict"] == "untestable" or "partial" in s["verdict"]
+        whole = s["verdict"] in ("untestable", NOT_APPLICABLE) or "partial" in s["verdict"]
         if whole or s["untested"]:
             why = s["untested"][0] if s["untested"] else s["summary"]
             more = len(s["untested"]) - 1
@@ -79,6 +96,12 @@ def _to_do(data: dict[str, Any], suites: list[dict[str, Any]]) -> list[str]:
     out = []
     if SHARED in verdicts:
         out.append(_shared_advice(data, timing))
+    if data["suites"].get("models", {}).get("verdict") in (FAILED, SHARED_MODELS):
+        out.append(
+            "give every served model (each LoRA adapter and the base) its own prefix-cache "
+            "namespace: the adapter's identity belongs in the block key, apart from the tenant's "
+            "salt; until then do not serve adapters side by side with prefix caching on."
+        )
     if FAILED in verdicts:
         out.append(
             "do not serve untrusted tenants from this server with prefix caching on until the "

@@ -6,7 +6,13 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from kvpage.audit.tables import DIVERGENCE_HEADER, FINDING_HEADINGS, divergence_rows
+from kvpage.audit.tables import (
+    DIVERGENCE_HEADER,
+    FINDING_HEADINGS,
+    MODEL_HEADER,
+    divergence_rows,
+    model_rows,
+)
 
 ARM_LABELS = {"cold": "cold", "same": "same tenant, warm", "cross": "other tenant"}
 ARM_COLOURS = {"cold": "#777", "same": "#2a7", "cross": "#c33"}
@@ -41,7 +47,7 @@ def html_page(data: dict[str, Any]) -> str:
         ),
         _table(
             ["capability", "found"],
-            [[k, v] for k, v in data["capabilities"].items() if k != "notes"],
+            [[k, v] for k, v in data["capabilities"].items() if k not in ("notes", "model_cards")],
         ),
         "<ul>" + "".join(f"<li>{e(n)}</li>" for n in data["capabilities"]["notes"]) + "</ul>",
     ]
@@ -53,6 +59,8 @@ def html_page(data: dict[str, Any]) -> str:
             parts.append("<ul>" + "".join(f"<li>{e(u)}</li>" for u in suite["untested"]) + "</ul>")
         if suite["name"] == "timing" and suite["data"].get("ttft_s"):
             parts.append(ttft_svg(suite["data"]["ttft_s"]))
+        if suite["name"] == "models" and suite["data"].get("pairs"):
+            parts.append(_table(MODEL_HEADER, model_rows(suite)))
         if suite["errors"]:
             rows = [[x["scenario"], x["status"], x["message"]] for x in suite["errors"]]
             parts.append(_table(["scenario", "status", "message"], rows))

@@ -10,7 +10,14 @@ from typing import Any
 
 from kvpage.audit.html import html_page
 from kvpage.audit.runner import AuditResult
-from kvpage.audit.tables import DIVERGENCE_HEADER, FINDING_HEADINGS, cell, divergence_rows
+from kvpage.audit.tables import (
+    DIVERGENCE_HEADER,
+    FINDING_HEADINGS,
+    MODEL_HEADER,
+    cell,
+    divergence_rows,
+    model_rows,
+)
 
 
 def write_reports(result: AuditResult, directory: str | Path) -> dict[str, Any]:
@@ -65,13 +72,20 @@ def markdown(data: dict[str, Any]) -> str:
 
 def _md_capabilities(data: dict[str, Any]) -> list[str]:
     caps = data["capabilities"]
-    shown = {k: v for k, v in caps.items() if k not in ("notes", "models")}
+    shown = {k: v for k, v in caps.items() if k not in ("notes", "models", "model_cards")}
     lines = ["## What the server offers", "", "| capability | found |", "|---|---|"]
     lines += [f"| {k} | {cell(v)} |" for k, v in shown.items()]
+    if caps.get("models"):
+        shown_models = ", ".join(_model_name(c) for c in caps.get("model_cards") or [])
+        lines += ["", f"Models listed: {shown_models or ', '.join(caps['models'])}."]
     lines += ["", *[f"- {note}" for note in caps["notes"]], ""]
     block = data.get("inferred_block_size")
     lines.append(f"Inferred caching block size: {block if block else 'not inferred'}.")
     return lines + [""]
+
+
+def _model_name(card: dict[str, Any]) -> str:
+    return f"{card['id']} (adapter of {card['parent']})" if card.get("parent") else card["id"]
 
 
 def _md_connection(data: dict[str, Any]) -> list[str]:
@@ -131,6 +145,8 @@ def _md_suite(suite: dict[str, Any]) -> list[str]:
         lines += _md_timing(suite["data"])
     if suite["name"] == "prefix" and suite["data"].get("shares"):
         lines += _md_shares(suite["data"]["shares"])
+    if suite["name"] == "models" and suite["data"].get("pairs"):
+        lines += _md_table(MODEL_HEADER, model_rows(suite))
     if suite["errors"]:
         lines += ["| scenario | status | message |", "|---|---|---|"]
         lines += [
@@ -139,13 +155,13 @@ def _md_suite(suite: dict[str, Any]) -> list[str]:
         lines.append("")
     rows = divergence_rows(suite)
     if rows:
-        lines += [
-            "| " + " | ".join(DIVERGENCE_HEADER) + " |",
-            "|" + "---|" * len(DIVERGENCE_HEADER),
-        ]
-        lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
-        lines.append("")
+        lines += _md_table(DIVERGENCE_HEADER, rows)
     return lines
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows] + [""]
 
 
 def _md_timing(data: dict[str, Any]) -> list[str]:

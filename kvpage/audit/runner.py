@@ -1,5 +1,5 @@
 """One audit, end to end: probe capabilities, fit the plan to the budget, run the suites, and
-decide the exit status (0 isolated, 1 isolation failure or cross-tenant leak)."""
+decide the exit status (0 isolated, 1 isolation failure or a leak across tenants or models)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,13 @@ from kvpage.audit.plan import estimate, fit
 from kvpage.audit.probes import PromptFactory
 from kvpage.audit.session import AuditSession
 from kvpage.audit.stats import block_size_from_cached
-from kvpage.audit.suites import RUNNERS, SuiteContext, SuiteResult
+from kvpage.audit.suites import RUNNERS, SuiteContext, SuiteResult, models
 from kvpage.audit.suites import reference as reference_suite
 from kvpage.audit.suites.base import UNTESTABLE
+from kvpage.audit.suites.models import NOT_APPLICABLE, SHARED_MODELS
 from kvpage.audit.suites.timing import SHARED
 
-ORDER = ("baseline", "batch", "prefix", "canaries", "timing")
+ORDER = ("baseline", "batch", "prefix", "canaries", "timing", "models")
 
 
 @dataclass(slots=True)
@@ -42,7 +43,7 @@ class AuditResult:
 
     @property
     def failed(self) -> bool:
-        bad = (FAILED, SHARED, SERVER_ERRORS, SERVER_FAILED)
+        bad = (FAILED, SHARED, SHARED_MODELS, SERVER_ERRORS, SERVER_FAILED)
         return bool(self.anomalies) or any(s.verdict in bad for s in self.suites)
 
     @property
@@ -54,13 +55,13 @@ class AuditResult:
         """The worst finding names it: isolation, then a server failing under sharing, then
         phantom cache hits."""
         verdicts = {s.verdict for s in self.suites}
-        if verdicts & {FAILED, SHARED}:
+        if verdicts & {FAILED, SHARED, SHARED_MODELS}:
             return "NOT ISOLATED"
         if self.failure is not None or verdicts & {SERVER_ERRORS, SERVER_FAILED}:
             return "SERVER FAILED UNDER CACHE SHARING"
         if self.anomalies:
             return "CACHE ACCOUNTING ANOMALY"
-        if all(s.verdict == UNTESTABLE for s in self.suites):
+        if all(s.verdict in (UNTESTABLE, NOT_APPLICABLE) for s in self.suites):
             return "NOTHING TESTABLE"
         incomplete = [
             s.name for s in self.suites if s.verdict == UNTESTABLE or "partial" in s.verdict
@@ -152,10 +153,12 @@ def run_audit(cfg: AuditConfig) -> AuditResult:
             caps = _probe(cfg, client)
             cold_refs = caps.cache_salt and not caps.salt_ignored
             client.accounting.separate_salts = cold_refs
-            planned, notes = fit(cfg, budget.remaining, cold_refs)
+            planned, notes = fit(cfg, budget.remaining, cold_refs, caps)
+            if "models" in planned.suites:  # whether the probe across models runs, or why not
+                notes.append(models.plan_note(planned, caps))
             factory = PromptFactory(cfg.seed or 0, caps.id_range, caps.chars_per_token)
             ctx = SuiteContext(planned, caps, AuditSession(planned, client, caps), factory)
-            shares = _shares(estimate(planned, cold_refs), budget.remaining)
+            shares = _shares(estimate(planned, cold_refs, caps), budget.remaining)
             results, failure = _run_suites(ctx, progress, budget, shares)
             if reference is not None:
                 progress.start("reference", budget)
@@ -166,7 +169,8 @@ def run_audit(cfg: AuditConfig) -> AuditResult:
     result.retries, result.failure = list(client.retries), failure
     result.anomalies = list(client.accounting.anomalies)
     cold_refs = caps.cache_salt and not caps.salt_ignored
-    result.plan_notes.append(f"planned requests per suite: {estimate(planned, cold_refs)}")
+    costs = estimate(planned, cold_refs, caps)
+    result.plan_notes.append(f"planned requests per suite: {costs}")
     return result
 
 

@@ -21,11 +21,13 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
-    """Who a request claims to be: an API key and/or a cache salt."""
+    """Who a request claims to be: an API key and/or a cache salt, and the model it names
+    (None: --model; the models suite sends the same prefix under each listed model)."""
 
     name: str
     key: str | None
     salt: str | None = None
+    model: str | None = None
 
 
 class AuditSession:
@@ -37,8 +39,9 @@ class AuditSession:
         self, prompt: Prompt, max_tokens: int | None = None, tenant: Tenant | None = None
     ) -> Completion:
         tenant = tenant or self.primary
+        tokens = max_tokens or self.cfg.max_tokens
         body = build_body(
-            self.cfg, self.caps, prompt.payload, max_tokens or self.cfg.max_tokens, tenant.salt
+            self.cfg, self.caps, prompt.payload, tokens, tenant.salt, model=tenant.model
         )
         sent = self.client.accounting.register(body)
         data, latency = self.client.post(self.caps.path, body, tenant.key)
@@ -53,7 +56,9 @@ class AuditSession:
             out = self.complete(prompt, 1, tenant)
             out.ttft_s = out.latency_s
             return out
-        body = build_body(self.cfg, self.caps, prompt.payload, 1, tenant.salt, stream=True)
+        body = build_body(
+            self.cfg, self.caps, prompt.payload, 1, tenant.salt, stream=True, model=tenant.model
+        )
         sent = self.client.accounting.register(body)
         timing = self.client.post_stream(self.caps.path, body, tenant.key)
         out = Completion("", ttft_s=timing.ttft_s, latency_s=timing.latency_s)
@@ -70,7 +75,9 @@ class AuditSession:
         """A streamed completion; `on_first` runs when its first token arrives (so another
         request can be sent while this one decodes)."""
         tenant = tenant or self.primary
-        body = build_body(self.cfg, self.caps, prompt.payload, max_tokens, tenant.salt, True)
+        body = build_body(
+            self.cfg, self.caps, prompt.payload, max_tokens, tenant.salt, True, tenant.model
+        )
         sent = self.client.accounting.register(body)
         timing = self.client.post_stream(self.caps.path, body, tenant.key, on_first)
         out = merge_chunks(timing.chunks, self.caps.endpoint == "chat")

@@ -56,6 +56,38 @@ def divergence_rows(suite: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+MODEL_HEADER = ["models", "relation", "verdict", "owner -> viewer", "cold / same / cross", "reason"]
+
+
+def model_rows(suite: dict[str, Any]) -> list[list[str]]:
+    """The models suite: one row per direction of each pair probed (cached tokens per arm, or
+    median TTFT in ms where timing decided; a salted arm's count after a slash)."""
+    rows = []
+    for pair in suite["data"].get("pairs", []):
+        for i, d in enumerate(pair["directions"]):
+            rows.append(
+                [
+                    " / ".join(pair["models"]) if i == 0 else "",
+                    pair["relation"] if i == 0 else "",
+                    pair["verdict"] if i == 0 else "",
+                    f"{d['owner']} -> {d['viewer']}",
+                    _arms(d),
+                    d.get("shared") or (pair["reason"] if i == 0 else ""),
+                ]
+            )
+    return rows
+
+
+def _arms(direction: dict[str, Any]) -> str:
+    if "cached_tokens" in direction:
+        c = direction["cached_tokens"]
+        text = " / ".join(str(c.get(a)) for a in ("cold", "same", "cross"))
+        return text + (f"; salted {c['salted']}" if c.get("salted") else "")
+    ttft = direction["ttft_s"]
+    medians = [sorted(ttft[a])[len(ttft[a]) // 2] * 1000 for a in ("cold", "same", "cross")]
+    return " / ".join(f"{m:.1f} ms" for m in medians)
+
+
 def _shared(context: dict[str, Any], ref: dict[str, Any], cand: dict[str, Any]) -> str:
     parts = [str(context.get("mode", ""))]
     if "shared_tokens" in context:

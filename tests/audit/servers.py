@@ -20,6 +20,7 @@ from starlette.background import BackgroundTask
 from kvpage import EngineConfig, LLMEngine
 from kvpage.server import ServerOptions, create_app
 from kvpage.server.background import BackgroundServer, free_port
+from kvpage.verify.lora_adapters import LoraSpec, make_adapter
 from kvpage.verify.mutants import MUTANTS
 from tests.waiting import wait_until
 
@@ -34,10 +35,15 @@ def kvpage_server(
     mutant: str | None = None,
     seam: Callable[[LLMEngine], None] | None = None,
     preemption_mode: str = "recompute",
+    adapters: tuple[LoraSpec, ...] = (),
 ) -> Iterator[str]:
-    """A kvpage server; `mutant` names a verifier mutant (kvpage.verify.mutants) to apply."""
+    """A kvpage server; `mutant` names a verifier mutant (kvpage.verify.mutants) to apply;
+    `adapters`: random LoRA adapters it serves as models of their names (listed in /v1/models
+    with the base as parent)."""
     found = {m.name: m for m in MUTANTS}[mutant] if mutant else None
-    overrides = found.config if found else {}
+    overrides = dict(found.config) if found else {}
+    if adapters:
+        overrides.update(enable_lora=True, max_loras=len(adapters))
     config = EngineConfig(
         model=MODEL,
         num_blocks=num_blocks,
@@ -46,6 +52,8 @@ def kvpage_server(
         **overrides,
     )
     engine = LLMEngine(config)
+    for spec in adapters:
+        engine.lora_slots.register(make_adapter(spec, engine.model.config))
     if found is not None:
         found.apply(engine)
     if seam is not None:

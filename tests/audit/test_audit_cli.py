@@ -69,6 +69,8 @@ def test_unreachable_server_and_bad_options_exit_2(tmp_path, capsys):
     assert "--block-sizes" in capsys.readouterr().err
     assert audit(dead, tmp_path, "--suites", "prefix,nope") == 2
     assert "unknown suite" in capsys.readouterr().err
+    assert audit(dead, tmp_path, "--model-pairs", "0") == 2
+    assert "--model-pairs" in capsys.readouterr().err
 
 
 def test_unauditable_setups_exit_2(tenant_url, tmp_path, capsys):

@@ -1,7 +1,7 @@
 """The audit's suites, in the order they run: the baseline first (it measures the noise the
 others are judged against, and its probes are the batch suite's)."""
 
-from kvpage.audit.suites import baseline, batch, canaries, prefix, timing
+from kvpage.audit.suites import baseline, batch, canaries, models, prefix, timing
 from kvpage.audit.suites.base import Check, SuiteContext, SuiteResult
 
 RUNNERS = {
@@ -10,6 +10,7 @@ RUNNERS = {
     "prefix": prefix.run,
     "canaries": canaries.run,
     "timing": timing.run,
+    "models": models.run,
 }
 
 __all__ = ["RUNNERS", "Check", "SuiteContext", "SuiteResult"]

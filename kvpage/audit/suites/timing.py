@@ -35,7 +35,7 @@ def run(ctx: SuiteContext) -> SuiteResult:
         result.untested.append(how)
     samples: dict[str, list[Completion]] = {arm: [] for arm in ARMS}
     rng = random.Random((ctx.cfg.seed or 0) + 101)
-    length = _fit_length(ctx, victim, result)
+    length = fit_length(ctx, victim, result)
     if length is None:
         return result
     for trial in range(ctx.cfg.timing_trials):
@@ -77,7 +77,7 @@ def _trial(
         samples[arm].append(out)
 
 
-def _fit_length(ctx: SuiteContext, victim: Tenant, result: SuiteResult) -> int | None:
+def fit_length(ctx: SuiteContext, victim: Tenant, result: SuiteResult) -> int | None:
     """The longest prefix (from --timing-prefix-tokens, halving) the server accepts: a small
     context or KV pool refuses long prompts with a 4xx."""
     length, floor = ctx.cfg.timing_prefix_tokens, 4 * max(ctx.cfg.block_sizes)
@@ -137,7 +137,7 @@ def _data(
     }
 
 
-def _faster(test: dict | None, alpha: float) -> bool:
+def faster(test: dict | None, alpha: float) -> bool:
     """Significantly and clearly faster than the comparison arm."""
     return bool(test) and test["p"] < alpha and test["effect"] <= -MIN_EFFECT
 
@@ -149,12 +149,12 @@ def _reported(values: list[int | None]) -> bool:
 def _verdict(ctx: SuiteContext, data: dict, has_cross: bool) -> tuple[str, str]:
     tests, cached, alpha = data["tests"], data["cached_tokens"], ctx.cfg.alpha
     same_hits = _reported(cached["same"]) and any(cached["same"])
-    same_fast = _faster(tests.get("same_vs_cold"), alpha)
+    same_fast = faster(tests.get("same_vs_cold"), alpha)
     within = _within(same_hits, same_fast)
     if not has_cross:
         return UNTESTABLE, within
     cross_hits = _reported(cached["cross"]) and any(cached["cross"])
-    cross_timed = _cross_hits_by_time(tests, alpha, same_fast)
+    cross_timed = cross_hits_by_time(tests, alpha, same_fast)
     if cross_hits or cross_timed:
         return SHARED, _shared_reason(data, cross_hits, cross_timed) + f"; {within}"
     cross_slower = bool(tests.get("cross_vs_same")) and tests["cross_vs_same"]["p"] < alpha
@@ -169,11 +169,11 @@ def _verdict(ctx: SuiteContext, data: dict, has_cross: bool) -> tuple[str, str]:
     )
 
 
-def _cross_hits_by_time(tests: dict, alpha: float, same_fast: bool) -> bool:
+def cross_hits_by_time(tests: dict, alpha: float, same_fast: bool) -> bool:
     """The second tenant is timed like a cache hit: clearly faster than cold, and not slower
     than the victim's own tenant (whose hits must show, or there is nothing to be like). Both
     conditions guard against a chance low p among the three tests."""
-    if not (same_fast and _faster(tests.get("cross_vs_cold"), alpha)):
+    if not (same_fast and faster(tests.get("cross_vs_cold"), alpha)):
         return False
     return tests["cross_vs_same"]["p"] >= alpha
 
