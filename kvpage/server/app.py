@@ -426,11 +426,12 @@ async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, cha
     )
     gen.echo_only = max_tokens == 0
     gen.lora = state.adapter_for(body.model)
-    state.audit.tenants[gen.request_id] = request.state.tenant
+    adapter = None if gen.lora is None else gen.lora.lora_name
+    state.audit.admit(gen.request_id, request.state.tenant, adapter)
     try:
         sink = await submit(state, gen)
     except InvalidRequest as err:
-        state.audit.tenants.pop(gen.request_id, None)
+        state.audit.forget(gen.request_id)
         raise _named_as_sent(invalid_request(err), body, chat) from err
     if body.stream:
         events = _stream(state, shape, gen, sink, body.include_usage, request.url.path)

@@ -1,8 +1,9 @@
 """Audit log: one JSON line per engine event — prefix hit, copy-on-write, preempt, swap out,
 swap in (the restore, with its latency), free, finish, abort, timeout — sampled at a configurable
 rate; cache corruption, requests failed with an error and shadow-comparison alerts are always
-written. Each line names the request and sample and the namespace digest (which identifies the
-tenant); the cache salt itself is not written, since it is the tenant's isolation key.
+written. Each line names the request and sample, the namespace digest (which identifies the
+tenant and the adapter), the tenant, and the LoRA adapter of a request that runs with one; the
+cache salt itself is not written, since it is the tenant's isolation key.
 
 `AuditObserver` is the engine observer that feeds it; admin switch changes are written by the
 admin API. Lines go to a file (`kvpage serve` writes ./kvpage-audit.jsonl unless `--audit-log`
@@ -43,8 +44,19 @@ class AuditLog:
         self._file = None if path is None else open(path, "a", encoding="utf-8")  # noqa: SIM115
         self._random = random.Random(seed)
         self._lock = threading.Lock()  # written from the engine and shadow threads
-        # request id -> tenant name while the request runs (set and cleared by the server)
+        # request id -> tenant name, and -> adapter name if it runs with one, while the request
+        # runs (set and cleared by the server: `admit`, `forget`)
         self.tenants: dict[str, str | None] = {}
+        self.adapters: dict[str, str] = {}
+
+    def admit(self, request_id: str, tenant: str | None, adapter: str | None) -> None:
+        self.tenants[request_id] = tenant
+        if adapter is not None:
+            self.adapters[request_id] = adapter
+
+    def forget(self, request_id: str) -> None:
+        self.tenants.pop(request_id, None)
+        self.adapters.pop(request_id, None)
 
     def write(self, event: str, always: bool = False, **fields: Any) -> None:
         with self._lock:
@@ -80,12 +92,15 @@ class AuditObserver(EngineObserver):
     def on_event(self, event: EngineEvent) -> None:
         fields = asdict(event)
         fields["tenant"] = self.audit.tenants.get(event.request_id)  # never the salt
+        adapter = self.audit.adapters.get(event.request_id)
+        if adapter is not None:  # the base model's lines stay as they were
+            fields["adapter"] = adapter
         alert = event.kind == "cache_corruption" or (
             isinstance(event, Finished) and event.reason == "error"
         )
         self.audit.write(event.kind, always=alert, **fields)
         if isinstance(event, Finished) and event.sample_id == event.request_id:
-            self.audit.tenants.pop(event.request_id, None)  # n == 1: that was its last line
+            self.audit.forget(event.request_id)  # n == 1: that was its last line
 
 
 def _plain(value: Any) -> Any:

@@ -24,11 +24,11 @@ async def submit_all(state: ServerState, gens: list[Generation], tenant) -> list
     the background) and the refusal names the prompt."""
     sinks: list[asyncio.Queue] = []
     for i, gen in enumerate(gens):
-        state.audit.tenants[gen.request_id] = tenant
+        state.audit.admit(gen.request_id, tenant, None if gen.lora is None else gen.lora.lora_name)
         try:
             sinks.append(await submit(state, gen))
         except InvalidRequest as err:
-            state.audit.tenants.pop(gen.request_id, None)
+            state.audit.forget(gen.request_id)
             for queued, sink in zip(gens, sinks, strict=False):
                 state.loop.abort(queued.request_id)
                 asyncio.get_running_loop().create_task(_drain(state, queued, sink))

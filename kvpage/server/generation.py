@@ -202,12 +202,14 @@ async def run(state: ServerState, gen: Generation, sink: asyncio.Queue) -> Async
     finally:  # every way out: finished, a stop string, the client gone, cancelled, an error
         # Its tenant goes after the engine's last event of it: the aborts queued above (a stop
         # string, a client gone) emit theirs later, on the engine thread, and name the tenant.
-        state.loop.run_later(state.audit.tenants.pop, gen.request_id, None)
+        state.loop.run_later(state.audit.forget, gen.request_id)
 
 
 async def _deltas(state: ServerState, gen: Generation, sink: asyncio.Queue) -> AsyncIterator[Delta]:
     start = last = time.perf_counter()
     state.metrics.prompt_tokens.inc(len(gen.prompt_ids))
+    if gen.lora is not None:
+        state.metrics.adapter_requests.labels(gen.lora.lora_name).inc()
     async with aclosing(state.loop.outputs(gen.request_id, sink)) as outputs:
         async for out in outputs:
             if out.new_token_ids:
@@ -220,6 +222,8 @@ async def _deltas(state: ServerState, gen: Generation, sink: asyncio.Queue) -> A
                 if delta.cut and not gen.finished:
                     state.loop.abort(f"{gen.request_id}#{delta.index}")
             state.metrics.generation_tokens.inc(gen.num_tokens - before)
+            if gen.lora is not None:
+                state.metrics.adapter_tokens.labels(gen.lora.lora_name).inc(gen.num_tokens - before)
             if gen.finished:
                 state.metrics.e2e.observe(time.perf_counter() - start)
                 break

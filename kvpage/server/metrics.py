@@ -122,6 +122,15 @@ class ServerMetrics(EngineObserver):
         self.generation_tokens = Counter(
             "kvpage_generation_tokens", "Tokens generated and sent to clients", registry=r
         )
+        self.adapter_requests = Counter(
+            "kvpage_lora_requests", "Requests admitted, by LoRA adapter", ["adapter"], registry=r
+        )
+        self.adapter_tokens = Counter(
+            "kvpage_lora_generation_tokens",
+            "Tokens generated and sent to clients, by LoRA adapter",
+            ["adapter"],
+            registry=r,
+        )
         self.restore_latency = Histogram(
             "kvpage_restore_latency_seconds",
             "Swap-in of a preempted request",

@@ -265,9 +265,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/admin/drain", "post"): Operation("DrainSwitched", (400, *_ADMIN), credential=_TOKEN),
     ("/admin/stats", "get"): Operation("AdminStats", _ADMIN, credential=_TOKEN),
     ("/admin/audit", "get"): Operation("AdminAudit", _ADMIN, credential=_TOKEN),
-    ("/v1/load_lora_adapter", "post"): Operation(
-        "LoraLoaded", (400, *_ADMIN), credential=_TOKEN
-    ),
+    ("/v1/load_lora_adapter", "post"): Operation("LoraLoaded", (400, *_ADMIN), credential=_TOKEN),
     ("/v1/unload_lora_adapter", "post"): Operation(
         "LoraUnloaded", (400, 404, *_ADMIN), credential=_TOKEN
     ),

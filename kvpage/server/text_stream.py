@@ -75,7 +75,6 @@ class Detokenizer:
             common = min(len(before), max(len(after) - 1, 0))
         return common - context
 
-
     def _lead_of(self, token_id: int) -> int | None:
         """If `token_id` is a UTF-8 continuation byte of the character the pending byte tokens
         began, the index of the token holding that character's first byte. Needed where a

@@ -8,6 +8,7 @@ from dataclasses import replace
 import httpx
 import pytest
 import transformers
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpage import EngineConfig, LLMEngine
 from kvpage.server import ServerOptions, create_app
@@ -75,6 +76,30 @@ def test_model_selects_the_adapter(served):
         r.raise_for_status()
         assert r.json()["model"] == model
         assert r.json()["choices"][0]["token_ids"] == _greedy_hf(oracle, prompt), model
+
+
+def test_audit_lines_and_metrics_name_the_adapter(served):
+    url, _, _ = served
+    body = {"prompt": _prompt(9, 77), "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    for model in ("a", "base"):
+        httpx.post(
+            f"{url}/v1/completions", json={**body, "model": model}, timeout=60
+        ).raise_for_status()
+    events = httpx.get(f"{url}/admin/audit", headers={"X-Admin-Token": ADMIN}, timeout=30).json()
+    finished = [e for e in events["events"] if e["event"] == "finish"]
+    named = {e["request_id"]: e.get("adapter") for e in finished}
+    assert set(named.values()) >= {"a", None}, named  # the base model's lines name none
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    found = {
+        (s.name, s.labels.get("adapter"), s.value)
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name.startswith("kvpage_lora_")
+    }
+    assert any(n == "kvpage_lora_requests_total" and a == "a" and v >= 1 for n, a, v in found)
+    assert any(
+        n == "kvpage_lora_generation_tokens_total" and a == "a" and v >= 3 for n, a, v in found
+    )
 
 
 def test_adapters_load_and_unload_at_run_time_behind_the_token(served):
