@@ -14,7 +14,7 @@ from kvpage.reference.generator import generate
 
 from .hf_models import VOCAB, save_hf
 
-ATOL = 1e-4
+ATOL = 1e-5  # measured: 0 for every Llama-shaped family, 2.9e-6 for GPT-2 (fp32, 100 tokens)
 
 
 def _prompt(length: int, seed: int = 0) -> list[int]:
