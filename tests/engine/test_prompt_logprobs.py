@@ -133,7 +133,12 @@ def test_rows_of_an_evicted_block_are_never_served(hf):
     first = _run(engine, {"a": ids}, params)["a"]
     for i in range(4):  # other prompts fill the pool: a's blocks are evicted and reused
         _run(engine, {f"f{i}": _prompt(70, 61 + i)}, SamplingParams(max_tokens=1))
-    assert _run(engine, {"plain": ids}, SamplingParams(max_tokens=1))["plain"].metrics.num_cached_tokens == 0
+    assert (
+        _run(engine, {"plain": ids}, SamplingParams(max_tokens=1))[
+            "plain"
+        ].metrics.num_cached_tokens
+        == 0
+    )
     again = _run(engine, {"b": ids}, params)["b"]
     assert again.metrics.num_cached_tokens == 0
     assert _run(engine, {"c": ids}, params)["c"].metrics.num_cached_tokens == 32  # b's rows

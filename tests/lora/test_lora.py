@@ -193,7 +193,9 @@ def test_unsupported_adapters_are_refused_by_name(setup, tmp_path, changes, name
     edit_config(path, **changes)
     engine = _engine(root)
     with pytest.raises(LoRAError, match=named):
-        engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=1), lora_request=LoRARequest("bad", str(path)))
+        engine.add_request(
+            "x", [5, 6, 7], SamplingParams(max_tokens=1), lora_request=LoRARequest("bad", str(path))
+        )
     assert not engine.has_unfinished_requests()
 
 

@@ -14,20 +14,12 @@ from kvpage import EngineConfig, LLMEngine
 from kvpage.server import ServerOptions, create_app
 from kvpage.server.background import BackgroundServer
 
-from ..real_servers.models import ModelSpec, build
+from ..real_servers.models import CLIENT_TINY, build
 from .adapters import peft_model, save_adapter
 from .test_lora import MAX_TOKENS, _greedy_hf, _prompt
 
 # A small Llama with a real BPE tokenizer (the server decodes text); wide init for clear argmaxes.
-SPEC = replace(
-    ModelSpec(),
-    name="lora-tiny",
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    max_position_embeddings=512,
-    init_std=0.15,
-)
+SPEC = replace(CLIENT_TINY, name="lora-tiny")
 
 ADMIN = "lora-admin"
 

@@ -26,6 +26,17 @@ class ModelSpec:
     seed: int = 26
 
 
+# A small Llama with a real BPE tokenizer, for the tests of clients that decode text (openai,
+# lm-eval, echo logprobs, LoRA serving); wide init for clear argmaxes.
+CLIENT_TINY = ModelSpec(
+    name="client-tiny",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    max_position_embeddings=512,
+    init_std=0.15,
+)
+
 # The 125M-class model of the measurements (bench/throughput.py's "125m": 12 layers,
 # d=768, 12 heads / 4 KV heads, a 32000-token vocabulary), too slow for CI on 2 cores.
 SPECS = {

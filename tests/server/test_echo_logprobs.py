@@ -16,20 +16,10 @@ from kvpage import EngineConfig, LLMEngine
 from kvpage.server import ServerOptions, create_app
 from kvpage.server.background import BackgroundServer
 
-from ..real_servers.models import ModelSpec, build
+from ..real_servers.models import CLIENT_TINY, build
 
 TOL = 1e-4  # fp32 on both sides
-SPEC = replace(
-    ModelSpec(),
-    name="echo-tiny",
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    init_std=0.15,
-)
+SPEC = replace(CLIENT_TINY, name="echo-tiny")
 NAME = "echo-model"
 
 

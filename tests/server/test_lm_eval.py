@@ -23,23 +23,13 @@ from kvpage.server import ServerOptions, create_app
 from kvpage.server.background import BackgroundServer
 from kvpage.server.text_stream import TextStream
 
-from ..real_servers.models import ModelSpec, build
+from ..real_servers.models import CLIENT_TINY, build
 
 pytestmark = pytest.mark.lm_eval
 
 TOL = 1e-4  # fp32 on both sides
 DATA = Path(__file__).parent / "lm_eval_data"
-SPEC = replace(
-    ModelSpec(),
-    name="lm-eval-tiny",
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    init_std=0.15,
-)
+SPEC = replace(CLIENT_TINY, name="lm-eval-tiny")
 NAME = "tiny"
 SPEC_BOS = 1  # models.build's bos_token_id
 # The model's chat template (in its tokenizer_config.json): BOS, then a tag per turn.

@@ -114,7 +114,9 @@ def test_credentials_are_those_the_server_has(apps):
     ]:
         assert list(doc["components"]["securitySchemes"]) == [scheme]
         for path, method, op in _operations(doc):
-            takes = path.startswith(paths) and (scheme == "AdminToken" or not path.startswith(admin))
+            takes = path.startswith(paths) and (
+                scheme == "AdminToken" or not path.startswith(admin)
+            )
             wanted = [{scheme: []}] if takes else None
             assert op.get("security") == wanted, (method, path)
             names = {p["name"].lower() for p in op.get("parameters", [])}
