@@ -62,6 +62,8 @@ class ModelConfig:
     # Per layer, the sliding window (a query at p sees keys p - W + 1 .. p) or None (global);
     # empty: every layer global.
     layer_windows: tuple[int | None, ...] = ()
+    # SmolLM3: layers that apply no rotary embedding (NoPE); their keys carry no position.
+    nope_layers: tuple[int, ...] = ()
     # Gemma 3: scores scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5), and the
     # sliding-window layers' own RoPE (None: `rope` for every layer).
     query_pre_attn_scalar: float | None = None
@@ -87,6 +89,9 @@ class ModelConfig:
         if any(w is not None and w < 1 for w in self.layer_windows):
             raise UnsupportedModel(f"a sliding window must be >= 1, got {self.layer_windows}")
 
+    def rope_on(self, layer: int) -> bool:
+        return layer not in self.nope_layers
+
     def window_of(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window, None for a global layer."""
         return self.layer_windows[layer] if self.layer_windows else None
@@ -100,11 +105,13 @@ class ModelConfig:
         # Written only when partial, so a full-rotary model keeps the namespace it always had.
         partial = "" if r.partial_rotary_factor == 1.0 else f":partial={r.partial_rotary_factor}"
         local = "" if self.local_rope is None else f":local-theta={self.local_rope.theta}"
+        nope = "" if not self.nope_layers else f":nope={','.join(map(str, self.nope_layers))}"
         return (
             f"rope:{r.rope_type}:theta={r.theta}:factor={r.factor}:low={r.low_freq_factor}"
             f":high={r.high_freq_factor}:orig={r.original_max_position_embeddings}:dim={self.head_dim}"
             + partial
             + local
+            + nope
         )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from kvpage.config import ModelConfig, RopeConfig
 from kvpage.errors import UnsupportedModel
 
-LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3")
 SUPPORTED_MODEL_TYPES = (*LLAMA_LIKE, "gemma3_text", "gpt2")
 
 
@@ -51,10 +51,22 @@ def _parse_llama_like(cfg: dict[str, Any], model_type: str, revision: str) -> Mo
         qk_norm=model_type == "qwen3",
         checkpoint_family=model_type,
         layer_windows=layer_windows(cfg, model_type),
+        nope_layers=nope_layers(cfg),
         bos_token_id=_single_id(cfg.get("bos_token_id")),
         eos_token_ids=_id_tuple(cfg.get("eos_token_id")),
         revision=revision,
     )
+
+
+def nope_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's `no_rope_layers` (one flag per layer, 0: no RoPE) as the NoPE layers' indices."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        return ()
+    n = cfg["num_hidden_layers"]
+    if len(flags) != n or any(f not in (0, 1) for f in flags):
+        raise UnsupportedModel(f"no_rope_layers must be {n} flags of 0 or 1, got {flags}")
+    return tuple(i for i, use_rope in enumerate(flags) if not use_rope)
 
 
 def _parse_gemma3(cfg: dict[str, Any], revision: str) -> ModelConfig:
@@ -122,7 +134,9 @@ def layer_windows(cfg: dict[str, Any], model_type: str) -> tuple[int | None, ...
     if window is not None and not kinds:
         if model_type == "gemma3_text":  # the older dialect's pattern: every Nth layer global
             every = cfg.get("sliding_window_pattern", 6)
-            kinds = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+            kinds = [
+                "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)
+            ]
         elif model_type in ("mistral", "phi3"):
             kinds = ["sliding_attention"] * n
         elif model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Phi-3, Mistral): RMSNorm, RoPE, SwiGLU,
-MHA/GQA/MQA, Qwen3's per-head q/k norm, a sliding window per layer. Parameter names mirror the Hugging Face checkpoint so loading is a name lookup."""
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Phi-3, Mistral, SmolLM3): RMSNorm, RoPE, SwiGLU,
+MHA/GQA/MQA, Qwen3's per-head q/k norm, a sliding window per layer, SmolLM3's NoPE layers. Parameter names mirror the Hugging Face checkpoint so loading is a name lookup."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ class LlamaAttention(nn.Module):
         )
         self.scale = cfg.head_dim**-0.5
         self.window = cfg.window_of(layer)
+        self.rope_on = cfg.rope_on(layer)
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
@@ -53,7 +54,8 @@ class LlamaAttention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)  # (N, KVH, D)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        if self.rope_on:
+            q, k = apply_rotary(q, k, *rope)
         out = attn.attend(self.layer, q, k, v, self.scale, self.window)  # (N, H, D)
         out = out.reshape(n, -1)
         y = self.out(out)[0]  # (N, C)

@@ -20,6 +20,8 @@ TP_MODELS = (
     "mistral-window",
     "qwen2-window",
     "gemma3",
+    "smollm3",
+    "llama3.2",
 )
 
 

@@ -78,6 +78,25 @@ def _qwen3(**kw):
     return transformers.Qwen3Config(**base)
 
 
+def _smollm3(**kw):
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=INIT_STD,
+        no_rope_layer_interval=2,  # layers 1 and 3 without RoPE
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    base.update(kw)
+    return transformers.SmolLM3Config(**base)
+
+
 def _phi3(**kw):
     base = dict(
         vocab_size=VOCAB,
@@ -150,6 +169,20 @@ HF_CONFIGS = {
         rope_theta=500000.0,
     ),
     "llama-tied": lambda: _llama(tie_word_embeddings=True),
+    # Llama 3.2's shape: tied head and llama3 rope scaling together.
+    "llama3.2": lambda: _llama(
+        tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        rope_theta=500000.0,
+    ),
+    # SmolLM3: every 4th layer without RoPE (NoPE), tied head.
+    "smollm3": lambda: _smollm3(),
     "qwen2-bias": _qwen2,
     # Sliding windows shorter than the test prompts: every layer (Mistral), or the layers from
     # max_window_layers on (Qwen2: layer 0 global, layer 1 windowed).
