@@ -1,7 +1,7 @@
 """The reference's LoRA: a copy of the base model with every adapted weight merged,
 W' = W + scale * B @ A, computed here in float64 from the adapter's tensors. It shares no code
-with the engine's low-rank path (kvpage/lora/apply.py, slots.py): a bug in the gathered
-products, the row groups or the scale shows as a divergence from this model."""
+with the engine's low-rank path (kvpage/lora/apply.py, tables.py, slots.py): a bug in the stacked
+slot tables, the row mask, the sharding or the scale shows as a divergence from this model."""
 
 from __future__ import annotations
 
