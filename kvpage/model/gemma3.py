@@ -12,10 +12,8 @@ from torch import nn
 
 from kvpage.config import ModelConfig
 from kvpage.model.attention import AttentionBackend
-from kvpage.model.base import CausalLM
 from kvpage.model.layers import RotaryEmbedding, SwiGLU
-from kvpage.model.llama import LlamaAttention
-from kvpage.model.projection import Projection
+from kvpage.model.llama import LlamaAttention, LlamaForCausalLM
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
@@ -79,21 +77,14 @@ class Gemma3Model(nn.Module):
         self.local_rotary = RotaryEmbedding(cfg.local_rope or cfg.rope, cfg.head_dim)
 
 
-class Gemma3ForCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        if cfg.rope is None or cfg.query_pre_attn_scalar is None:
-            raise ValueError("a Gemma 3 model needs a RoPE config and query_pre_attn_scalar")
-        self.config = cfg
-        self.model = Gemma3Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.logits = Projection(self.lm_head)
-        self.embed_scale = cfg.hidden_size**0.5
-        self.tie_weights()
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    body = Gemma3Model
 
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    def __init__(self, cfg: ModelConfig) -> None:
+        if cfg.query_pre_attn_scalar is None:
+            raise ValueError("a Gemma 3 model needs query_pre_attn_scalar")
+        super().__init__(cfg)
+        self.embed_scale = cfg.hidden_size**0.5
 
     def forward(self, input_ids, positions, attn) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (N, C)
@@ -106,6 +97,3 @@ class Gemma3ForCausalLM(CausalLM):
         for layer in self.model.layers:
             x = layer(x, ropes, attn)
         return self.model.norm(x)  # (N, C)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.logits(hidden)[0]  # (M, V)

@@ -87,12 +87,14 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    body: type[nn.Module] = LlamaModel  # the decoder stack; the head, tying and logits are shared
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if cfg.rope is None:
             raise ValueError("a Llama-family model needs a RoPE config")
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = self.body(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.logits = Projection(self.lm_head)
         self.tie_weights()
