@@ -11,131 +11,61 @@ VOCAB = 320
 INIT_STD = 0.15
 
 
-def _llama(**kw):
+def _config(cls, **fields):
+    """A small config of `cls`: the fields every test model shares, then `fields` over them."""
     base = dict(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=4,
+        num_key_value_heads=2,
         max_position_embeddings=512,
         initializer_range=INIT_STD,
         bos_token_id=1,
         eos_token_id=2,
     )
-    base.update(kw)
-    return transformers.LlamaConfig(**base)
+    return cls(**(base | fields))
+
+
+def _llama(**kw):
+    return _config(transformers.LlamaConfig, **({"num_key_value_heads": 4} | kw))
 
 
 def _qwen2(**kw):
-    return transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=INIT_STD,
-        bos_token_id=1,
-        eos_token_id=2,
-        **kw,
-    )
+    return _config(transformers.Qwen2Config, **kw)
 
 
 def _mistral(**kw):
-    return transformers.MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=INIT_STD,
-        bos_token_id=1,
-        eos_token_id=2,
-        **kw,
-    )
+    return _config(transformers.MistralConfig, **kw)
 
 
 def _qwen3(**kw):
-    base = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=24,  # Qwen3 sets head_dim apart from hidden_size / heads
-        max_position_embeddings=512,
-        initializer_range=INIT_STD,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    base.update(kw)
-    return transformers.Qwen3Config(**base)
+    # Qwen3 sets head_dim apart from hidden_size / heads.
+    return _config(transformers.Qwen3Config, **({"head_dim": 24} | kw))
 
 
 def _smollm3(**kw):
-    base = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=INIT_STD,
-        no_rope_layer_interval=2,  # layers 1 and 3 without RoPE
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    base.update(kw)
-    return transformers.SmolLM3Config(**base)
+    # Every 2nd layer without RoPE: layers 1 and 3 of 4.
+    fields = dict(num_hidden_layers=4, no_rope_layer_interval=2, pad_token_id=0)
+    return _config(transformers.SmolLM3Config, **(fields | kw))
 
 
 def _phi3(**kw):
-    base = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        original_max_position_embeddings=512,
-        initializer_range=INIT_STD,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    base.update(kw)
-    return transformers.Phi3Config(**base)
+    fields = dict(original_max_position_embeddings=512, pad_token_id=0)
+    return _config(transformers.Phi3Config, **(fields | kw))
 
 
 def _gemma3(**kw):
-    base = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
+    fields = dict(
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
         query_pre_attn_scalar=24,
         sliding_window=12,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        max_position_embeddings=512,
-        initializer_range=INIT_STD,
-        bos_token_id=1,
-        eos_token_id=2,
         pad_token_id=0,
     )
-    base.update(kw)
-    return transformers.Gemma3TextConfig(**base)
+    return _config(transformers.Gemma3TextConfig, **(fields | kw))
 
 
 def _gpt2():
