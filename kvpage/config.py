@@ -155,6 +155,10 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # A model with global and sliding-window layers keeps each kind's KV in its own layer groups
+    # (kvpage.cache.groups), and a window group gives back the blocks its window left behind;
+    # False: one table for every layer (the window is still masked).
+    kv_layer_groups: bool = True
 
     def __post_init__(self) -> None:
         _check_text("model", self.model)

@@ -20,6 +20,7 @@ class Configure:
     num_blocks: int
     block_size: int
     kv_cache_dtype: str
+    rows: int = 0  # layers per pool page (kvpage.cache.groups); 0: every layer
 
 
 @dataclass(slots=True)

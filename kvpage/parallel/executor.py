@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import torch
 
+from kvpage.cache.groups import kv_layout
 from kvpage.config import EngineConfig
 from kvpage.errors import WorkerFailure
 from kvpage.kv.format import KVFormat
@@ -62,6 +63,8 @@ class TensorParallelExecutor:
     def __init__(
         self, config: EngineConfig, model: CausalLM, num_blocks: int, fmt: KVFormat
     ) -> None:
+        mcfg = model.config
+        rows = kv_layout(mcfg.num_layers, mcfg.layer_windows, config.kv_layer_groups).rows
         self.workers, self.shared = _group_for(
             model, config.tensor_parallel_size, config.tensor_parallel_timeout_s
         )
@@ -69,13 +72,12 @@ class TensorParallelExecutor:
         self.deferred: list[Command] = []
         self.workers.lease = self.lease
         try:
-            self.send(Configure(num_blocks, config.block_size, config.kv_cache_dtype))
+            self.send(Configure(num_blocks, config.block_size, config.kv_cache_dtype, rows))
         except WorkerFailure:
             self.workers.shutdown()  # failed: not worth keeping, shared or not
             raise
-        mcfg = model.config
         shard = KVStorage(
-            mcfg.num_layers,
+            rows,
             num_blocks,
             config.block_size,
             self.workers.plan.num_kv_heads,

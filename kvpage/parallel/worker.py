@@ -14,7 +14,7 @@ from kvpage.config import ModelConfig
 from kvpage.errors import WorkerFailure
 from kvpage.kv.format import kv_format
 from kvpage.kv.storage import KVStorage
-from kvpage.model.paged_attention import PagedAttention
+from kvpage.model.paged_attention import paged_backend
 from kvpage.parallel.commands import (
     Configure,
     CopyBlock,
@@ -86,7 +86,7 @@ class Shard:
         fmt = kv_format(cmd.kv_cache_dtype, self.model.dtype)
         self.storage = None  # the previous engine's pool goes before the new one is allocated
         self.storage = KVStorage(
-            cfg.num_layers,
+            cmd.rows or cfg.num_layers,
             cmd.num_blocks,
             cmd.block_size,
             self.plan.num_kv_heads,
@@ -101,7 +101,7 @@ class Shard:
         if isinstance(cmd, Configure):
             self.configure(cmd)
         elif isinstance(cmd, Step):
-            self.model(cmd.ids_pos[0], cmd.ids_pos[1], PagedAttention(storage, cmd.meta))
+            self.model(cmd.ids_pos[0], cmd.ids_pos[1], paged_backend(storage, cmd.meta))
         elif isinstance(cmd, CopyBlock):
             storage.copy_block(cmd.src, cmd.dst)
         elif isinstance(cmd, Invalidate):
