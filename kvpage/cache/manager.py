@@ -150,7 +150,11 @@ class KVCacheManager:
         h = self._hybrid_hit_len(found, h)
         out = []
         for ids, window in zip(found, self.extra_windows, strict=True):
-            lo = 0 if window is None else first_needed_block(h * self.block_size, window, self.block_size)
+            lo = (
+                0
+                if window is None
+                else first_needed_block(h * self.block_size, window, self.block_size)
+            )
             out.append([NULL_BLOCK] * lo + [b for b in ids[lo:h]])
         return out
 
@@ -390,9 +394,7 @@ class KVCacheManager:
             table.num_published = i + 1
         self._debug()
 
-    def _publish_one(
-        self, table: BlockTable, chain: BlockKeyChain, i: int, group: int = 0
-    ) -> bool:
+    def _publish_one(self, table: BlockTable, chain: BlockKeyChain, i: int, group: int = 0) -> bool:
         ids = table.block_ids if group == 0 else table.extra[group - 1]
         bid = ids[i]
         state = self.pool.blocks[bid].state
