@@ -14,6 +14,7 @@ from kvpage.reference.records import (
     EMPTY_VIEW,
     TOP_K,
     CacheView,
+    GroupView,
     StepRecord,
     ViewEntry,
     logits_digests,
@@ -206,9 +207,22 @@ class EngineTracer:
         return self._pending.setdefault(seq.sample_id, _PendingInputs())
 
     def _view(self, seq, snap) -> CacheView:
+        entries = self._entries(enumerate(snap.entries))
+        groups = self._group_views(snap, snap.num_tokens) if snap.extra_entries else ()
+        return CacheView(
+            tuple(entries),
+            snap.epoch,
+            seq.chain.namespace_digest.hex(),
+            self._block_size,
+            kv_dtype=self._kv_format.name,
+            kv_layout=self._kv_format.layout_version,
+            groups=groups,
+        )
+
+    def _entries(self, numbered) -> list[ViewEntry]:
         blocks = self.engine.cache.pool.blocks
         entries = []
-        for i, (bid, generation, valid_len) in enumerate(snap.entries):
+        for i, (bid, generation, valid_len) in numbered:
             b = blocks[bid]
             owners = len(b.owners)
             entries.append(
@@ -222,14 +236,20 @@ class EngineTracer:
                     b.state._value_,  # the plain attribute: Enum.name/.value go through descriptors
                 )
             )
-        return CacheView(
-            tuple(entries),
-            snap.epoch,
-            seq.chain.namespace_digest.hex(),
-            self._block_size,
-            kv_dtype=self._kv_format.name,
-            kv_layout=self._kv_format.layout_version,
-        )
+        return entries
+
+    def _group_views(self, snap, num_tokens: int) -> tuple[GroupView, ...]:
+        """Every extra layer group's view: its held entries at their logical positions."""
+        layout = self.engine.cache.layout
+        views = []
+        pairs = zip(snap.extra_block_ids, snap.extra_entries, strict=True)
+        for g, (ids, held) in enumerate(pairs, start=1):
+            group = layout.groups[g]
+            logical = [i for i, bid in enumerate(ids) if bid >= 0]
+            start = 0 if group.window is None else max(0, num_tokens - group.window)
+            entries = tuple(self._entries(zip(logical, held, strict=True)))
+            views.append(GroupView(g, group.window, group.layers, start, entries))
+        return tuple(views)
 
     def _with_scales(self, view: CacheView, scales: torch.Tensor, at: dict[int, int]) -> CacheView:
         """The scales a quantized step read, per block and layer; `scales` holds block

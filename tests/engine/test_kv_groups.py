@@ -162,3 +162,29 @@ def test_quantized_kv_per_group_equals_the_round_trip_reference(kv_cache_dtype, 
     stats = engine.stats()
     assert stats["swap_outs"] > 0 and engine.cache.stats.window_frees > 0
     assert_idle_baseline(engine)
+
+
+def test_trace_records_every_groups_view(hf_greedy):
+    """The tracer's view of a step: group 0's table, and per extra group its window, layers,
+    window start and only the entries it still holds — within the window, never the freed."""
+    from kvpage.verify.trace import EngineTracer
+
+    oracle = hf_greedy("gemma3")
+    engine = LLMEngine(EngineConfig(model=oracle.directory, block_size=BLOCK), oracle.model)
+    tracer = EngineTracer(engine)
+    engine.add_observer(tracer)
+    prompt = prefix_prompts(BLOCK, VOCAB, n=1, seed=4)[0]
+    engine.add_request("r", prompt, GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    records = tracer.records["r"]
+    assert [r.chosen_token for r in records] == oracle.tokens(prompt)
+    last = records[-1].view
+    context = len(prompt) + MAX_TOKENS - 1  # the last step's keys
+    assert len(last.entries) == -(-context // BLOCK)
+    assert [(g.group, g.window, g.layers) for g in last.groups] == [(1, 12, (0,)), (2, 12, (1,))]
+    for g in last.groups:
+        assert g.window_start == context - 12
+        first = g.window_start // BLOCK
+        assert [e.logical for e in g.entries] == list(range(first, len(last.entries)))
+        assert not {e.physical for e in g.entries} & {e.physical for e in last.entries}
