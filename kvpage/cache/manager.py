@@ -117,7 +117,7 @@ class KVCacheManager:
         if max_blocks is not None:
             cap = min(cap, max_blocks)
         hits = self.index.match(chain, cap)
-        extra = self._extra_hits(chain, hits) if self.extra_windows else None
+        extra = self.extra_hits(chain, hits) if self.extra_windows else None
         for found in self.index.take_corruptions():  # the index knows keys, not sequences
             self._corruptions.append((table.seq_id, found))
         if extra is not None:
@@ -134,18 +134,17 @@ class KVCacheManager:
         self._debug()
         return table.num_tokens
 
-    def _extra_hits(self, chain: BlockKeyChain, hits: list) -> list[list[int]]:
-        """The hybrid rule: the longest h <= len(hits) for which every global group has the
-        prefix [0, h) and every window group the blocks of the window at h, and per extra group
-        its entries [0, h) (NULL_BLOCK where a window group needs none)."""
+    def extra_hits(self, chain: BlockKeyChain, hits: list) -> list[list[int]]:
+        """The hybrid rule (a declared seam, kvpage.engine.hooks): the longest h <= len(hits)
+        for which every global group has the prefix [0, h) and every window group the blocks of
+        the window at h; per extra group its entries [0, h) (NULL_BLOCK where a window group
+        needs none). `hits` are group 0's."""
         h = len(hits)
         found: list[list[int | None]] = []
         for g, window in enumerate(self.extra_windows, start=1):
-            if window is None:
-                ids = [e.block_id for e in self.index.match(chain, h, group=g)]
-                h = len(ids)
-            else:
-                ids = [self._lookup(chain, d, g) for d in range(h)]
+            ids = [self.lookup_group(chain, d, g) for d in range(h)]
+            if window is None:  # the whole prefix, up to the first miss
+                h = next((d for d, b in enumerate(ids) if b is None), h)
             found.append(ids)
         h = self._hybrid_hit_len(found, h)
         out = []
@@ -158,7 +157,8 @@ class KVCacheManager:
             out.append([NULL_BLOCK] * lo + [b for b in ids[lo:h]])
         return out
 
-    def _lookup(self, chain: BlockKeyChain, depth: int, group: int) -> int | None:
+    def lookup_group(self, chain: BlockKeyChain, depth: int, group: int) -> int | None:
+        """The joinable block layer group `group` published for the chain's block `depth`."""
         entry = self.index.confirmed(
             self.index.group_key(chain.keys[depth], group), chain.namespace_digest, depth
         )
@@ -289,7 +289,7 @@ class KVCacheManager:
 
     def trim(self, table: BlockTable) -> None:
         """Window groups give back the blocks no query from position num_tokens on can see
-        (kvpage.cache.groups): published ones go CACHED, the others FREE."""
+        (kvpage.cache.groups): published ones go CACHED, the others FREE (a declared seam)."""
         bs, start = self.block_size, table.num_tokens
         for g, window in enumerate(self.extra_windows):
             if window is None:

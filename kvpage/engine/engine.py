@@ -550,6 +550,7 @@ class LLMEngine:
             "block_allocations": cs.allocations,
             "block_frees": cs.frees,
             "generation_bumps": cs.generation_bumps,
+            "window_frees": cs.window_frees,  # blocks window layer groups gave back
             "preemptions": pre["recompute"] + pre["swap"],
             "preemptions_recompute": pre["recompute"],
             "preemptions_swap": pre["swap"],

@@ -41,6 +41,9 @@ class ModelRunner:
         self.device = model.device
         self.block_size = storage.block_size
         self._block_offsets = torch.arange(self.block_size, device=self.device)
+        # Layer -> (group, row) of its KV (kvpage.cache.groups): whose table each layer reads.
+        layout = cache.layout
+        self.layer_map = () if layout is None else layout.layer_map
         self._arange = torch.arange(0, device=self.device)  # grown on demand; rows and positions
         # With adapters served (kvpage.engine.engine): the model's context, the engine's slots.
         self.lora: LoraContext | None = None
@@ -190,7 +193,7 @@ class ModelRunner:
             meta.groups = [
                 self._group_meta(batch, meta, g) for g in range(len(self.cache.extra_windows))
             ]
-            meta.layer_map = self.cache.layout.layer_map
+            meta.layer_map = self.layer_map
         return meta
 
     def _group_meta(

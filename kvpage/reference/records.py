@@ -33,9 +33,13 @@ class GroupView(NamedTuple):
 
     group: int
     window: int | None
-    layers: tuple[int, ...]
-    window_start: int
+    layers: tuple[int, ...]  # the layers whose attention reads this table
+    window_start: int  # the first key the step's first query may see
     entries: tuple[ViewEntry, ...]
+    query_start: int = 0  # the step's first query position
+    # Per entry, the block position its prefix-index key names (-1: not published): a block
+    # published for one position and read at another holds another position's KV.
+    published_at: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +59,8 @@ class CacheView:
     scale_digests: tuple[str, ...] = ()
     # Layer groups 1.. (group 0 is `entries`); empty with one group (every layer, one table).
     groups: tuple[GroupView, ...] = ()
+    # The reference's side: each layer's sliding window (None: global), from its own config.
+    layer_windows: tuple[int | None, ...] = ()
 
     @property
     def last_block_len(self) -> int:

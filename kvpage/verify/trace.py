@@ -121,7 +121,7 @@ class EngineTracer:
                     zip(range(first + lo - start, first + end - start), rows, strict=True)
                 )
             if seq.seq_id in sampling:
-                self._views[seq.seq_id] = self._view(seq, snap)
+                self._views[seq.seq_id] = self._view(seq, snap, first)
 
     def on_step_ran(self, batch) -> None:
         """The model ran and the blocks are still pinned: a quantized view takes the scales its
@@ -206,9 +206,9 @@ class EngineTracer:
     def _pending_for(self, seq) -> _PendingInputs:
         return self._pending.setdefault(seq.sample_id, _PendingInputs())
 
-    def _view(self, seq, snap) -> CacheView:
+    def _view(self, seq, snap, query_start: int = 0) -> CacheView:
         entries = self._entries(enumerate(snap.entries))
-        groups = self._group_views(snap, snap.num_tokens) if snap.extra_entries else ()
+        groups = self._group_views(snap, query_start) if snap.extra_entries else ()
         return CacheView(
             tuple(entries),
             snap.epoch,
@@ -238,17 +238,26 @@ class EngineTracer:
             )
         return entries
 
-    def _group_views(self, snap, num_tokens: int) -> tuple[GroupView, ...]:
-        """Every extra layer group's view: its held entries at their logical positions."""
-        layout = self.engine.cache.layout
+    def _published_at(self, block_id: int) -> int:
+        entry = self.engine.cache.index.by_block.get(block_id)
+        return -1 if entry is None else entry.depth
+
+    def _group_views(self, snap, query_start: int) -> tuple[GroupView, ...]:
+        """Every extra layer group's view: the layers whose attention reads it (the runner's
+        map), its window, the first key the step's first query sees, its held entries at their
+        logical positions."""
+        windows = self.engine.cache.extra_windows
+        layer_map = self.engine.runner.layer_map
         views = []
         pairs = zip(snap.extra_block_ids, snap.extra_entries, strict=True)
         for g, (ids, held) in enumerate(pairs, start=1):
-            group = layout.groups[g]
+            window = windows[g - 1]
+            layers = tuple(i for i, (group, _) in enumerate(layer_map) if group == g)
             logical = [i for i, bid in enumerate(ids) if bid >= 0]
-            start = 0 if group.window is None else max(0, num_tokens - group.window)
+            start = 0 if window is None else max(0, query_start - window + 1)
             entries = tuple(self._entries(zip(logical, held, strict=True)))
-            views.append(GroupView(g, group.window, group.layers, start, entries))
+            at = tuple(self._published_at(e.block_id) for e in held)
+            views.append(GroupView(g, window, layers, start, entries, query_start, at))
         return tuple(views)
 
     def _with_scales(self, view: CacheView, scales: torch.Tensor, at: dict[int, int]) -> CacheView:
