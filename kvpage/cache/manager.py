@@ -473,6 +473,13 @@ class KVCacheManager:
             for b in group:
                 self.pool.pin(b.block_id)
         self._next_snap_id += 1
+        extra_ids, extra_entries = (), ()
+        if extra:  # one group: nothing more per step
+            extra_ids = tuple(tuple(ids) for ids in table.extra)
+            extra_entries = tuple(
+                tuple(SnapshotEntry(b.block_id, b.generation, b.valid_len) for b in group)
+                for group in extra
+            )
         snap = TableSnapshot(
             snap_id=self._next_snap_id,
             seq_id=table.seq_id,
@@ -480,11 +487,8 @@ class KVCacheManager:
             num_tokens=table.num_tokens,
             entries=tuple(SnapshotEntry(b.block_id, b.generation, b.valid_len) for b in blocks),
             block_ids=tuple(table.block_ids),
-            extra_block_ids=tuple(tuple(ids) for ids in table.extra),
-            extra_entries=tuple(
-                tuple(SnapshotEntry(b.block_id, b.generation, b.valid_len) for b in group)
-                for group in extra
-            ),
+            extra_block_ids=extra_ids,
+            extra_entries=extra_entries,
         )
         self.inflight[snap.snap_id] = snap
         return snap
