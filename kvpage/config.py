@@ -163,6 +163,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check_text("model", self.model)
         _check_bool("enable_lora", self.enable_lora)
+        _check_bool("kv_layer_groups", self.kv_layer_groups)
         _check_int("max_loras", self.max_loras, 1)
         _check_int("max_lora_rank", self.max_lora_rank, 1)
         _check_int("block_size", self.block_size, 1)

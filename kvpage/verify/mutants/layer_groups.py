@@ -6,6 +6,7 @@ without) any token differing, so each must be attributed to layer_group."""
 
 from __future__ import annotations
 
+from kvpage.cache.block_table import blocks_for
 from kvpage.cache.groups import NULL_BLOCK, first_needed_block
 from kvpage.config import ModelConfig
 from kvpage.engine.engine import LLMEngine
@@ -64,7 +65,7 @@ def hit_reuses_blocks_outside_window(engine: LLMEngine) -> None:
     table takes blocks published for positions outside the window, as if they were its own."""
     cache = engine.cache
     original = cache.extra_hits
-    shift = -(-max(w or 0 for w in cache.extra_windows) // cache.block_size)
+    shift = blocks_for(max(w or 0 for w in cache.extra_windows), cache.block_size)
 
     def extra_hits(self, chain, hits):
         out = original(chain, hits)
