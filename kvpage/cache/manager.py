@@ -335,7 +335,7 @@ class KVCacheManager:
         """The table's last block is readable, or being restored (a swap-in's copy lands before
         the step that writes after it), and the table holds it: appends go there."""
         for ids in (table.block_ids, *table.extra):
-            if not ids:
+            if not ids or ids[-1] == NULL_BLOCK:  # a window of 1 key gave its last block back
                 continue
             b = self.pool.blocks[ids[-1]]
             if b.state not in APPENDABLE or table.seq_id not in b.owners:

@@ -107,3 +107,21 @@ def test_fork_shares_every_group_and_copies_on_write_per_group():
     assert len(ops) == 3  # one copy-on-write per group
     assert {op.src for op in ops} == {table.block_ids[-1], *(ids[-1] for ids in table.extra)}
     cache.check_invariants()
+
+
+def test_a_window_of_one_key_restores_no_block_and_appends_after_it():
+    """W = 1 at a block boundary: a swap-out copies none of the window group's blocks, the
+    restore takes none, and the next append starts the group again."""
+    layout = kv_layout(2, (1, None), True)
+    cache = KVCacheManager(16, BS, debug_checks=True, layout=layout)
+    table, _, _ = _prefill(cache, 0, list(range(1, 9)))  # 8 tokens: blocks 0, 1 full
+    copied = cache.begin_evict(table)
+    assert copied == table.block_ids  # group 0's two blocks; the window group's are gone
+    cache.free_table(table)
+    cache.allocate_restoring(table, 8)
+    cache.finish_restore(table)
+    assert table.extra[0] == [NULL_BLOCK, NULL_BLOCK]
+    cache.append_slots(table, 1)  # the query at 8 sees position 8 only
+    assert table.extra[0][:2] == [NULL_BLOCK, NULL_BLOCK] and table.extra[0][2] != NULL_BLOCK
+    cache.free_table(table)
+    cache.check_invariants()
