@@ -289,19 +289,25 @@ class KVCacheManager:
 
     def trim(self, table: BlockTable) -> None:
         """Window groups give back the blocks no query from position num_tokens on can see
-        (kvpage.cache.groups): published ones go CACHED, the others FREE (a declared seam)."""
+        (kvpage.cache.groups): published ones go CACHED, the others FREE (a declared seam).
+        Position by position over the groups, head first: LRU then evicts the oldest positions
+        of every window group alike, and keeps the tails a hit needs in all of them."""
         bs, start = self.block_size, table.num_tokens
-        for g, window in enumerate(self.extra_windows):
-            if window is None:
-                continue
-            lo = first_needed_block(start, window, bs)
-            ids = table.extra[g]
-            for j in range(lo - 1, table.trimmed[g] - 1, -1):  # tail first, like free_table
-                if ids[j] != NULL_BLOCK:
+        los = [
+            None if w is None else first_needed_block(start, w, bs) for w in self.extra_windows
+        ]
+        first = min((table.trimmed[g] for g, lo in enumerate(los) if lo is not None), default=0)
+        last = max((lo for lo in los if lo is not None), default=0)
+        for j in range(first, last):
+            for g, lo in enumerate(los):
+                ids = table.extra[g]
+                if lo is not None and j < lo and ids[j] != NULL_BLOCK:
                     self.pool.remove_owner(ids[j], table.seq_id)
                     ids[j] = NULL_BLOCK
                     self.stats.window_frees += 1
-            table.trimmed[g] = max(lo, table.trimmed[g])
+        for g, lo in enumerate(los):
+            if lo is not None:
+                table.trimmed[g] = max(lo, table.trimmed[g])
 
     def make_writable(self, table: BlockTable, logical_block: int) -> int:
         """Copy-on-write of one table entry; returns the (possibly new) block id. Idempotent."""
@@ -354,7 +360,8 @@ class KVCacheManager:
         self.pool.set_valid(dst, self.pool.blocks[src].valid_len)
         ids[logical_block] = dst
         self.pool.remove_owner(src, table.seq_id)
-        self.stats.cow_copies += 1
+        if ids is table.block_ids:  # one copy-on-write per logical block, however many groups
+            self.stats.cow_copies += 1
         return dst
 
     def _reserve(self, n: int) -> None:
@@ -426,12 +433,15 @@ class KVCacheManager:
     # --- release ---------------------------------------------------------------------------
     def free_table(self, table: BlockTable) -> None:
         # Tail first: the tail gets the oldest release tick, so it is evicted before its prefix.
-        for ids in table.extra:
-            for bid in reversed(ids):
-                if bid != NULL_BLOCK:
-                    self.pool.remove_owner(bid, table.seq_id)
         for bid in reversed(table.block_ids):
             self.pool.remove_owner(bid, table.seq_id)
+        # The extra groups' tails are what a hit of the whole prefix needs (their heads only
+        # shorter hits): released last, head first and position by position over the groups
+        # (like trim), so they are evicted last and every group's alike.
+        for j in range(len(table.block_ids)):
+            for ids in table.extra:
+                if ids[j] != NULL_BLOCK:
+                    self.pool.remove_owner(ids[j], table.seq_id)
         table.reset()
         if self.live_tables.get(table.seq_id) is table:
             del self.live_tables[table.seq_id]
