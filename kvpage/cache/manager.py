@@ -293,9 +293,7 @@ class KVCacheManager:
         Position by position over the groups, head first: LRU then evicts the oldest positions
         of every window group alike, and keeps the tails a hit needs in all of them."""
         bs, start = self.block_size, table.num_tokens
-        los = [
-            None if w is None else first_needed_block(start, w, bs) for w in self.extra_windows
-        ]
+        los = [None if w is None else first_needed_block(start, w, bs) for w in self.extra_windows]
         first = min((table.trimmed[g] for g, lo in enumerate(los) if lo is not None), default=0)
         last = max((lo for lo in los if lo is not None), default=0)
         for j in range(first, last):

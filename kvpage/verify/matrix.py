@@ -34,11 +34,10 @@ first and the others fill the second lane beside it. Seconds per cell from `time
   tiny-qwen2/float32/kv-int8/tp2       batching                                  none         5.7
   tiny-qwen2/float32/w-int8/kv-auto/tp1  batching, preemption                    none         4.9
                                        (added later, timed alone at load ~1.7, not in the total)
-  tiny-hybrid/float32/kv-auto/tp1      layer_groups                              the 4     see below
+  tiny-hybrid/float32/kv-auto/tp1      layer_groups                              the 4       4.5
                                        (added with per-layer-group KV: 4 cases and its 4 mutants,
-                                       each caught by the first case; timed alone at load ~9 on
-                                       the 2 cores: 107 s wall for the 4 cases, 29 s of CPU, the
-                                       rest waiting for a core; not in the total)
+                                       each caught by the first case; from a `time make run` at
+                                       load 4-5, which took 5m31s in all: not in the total)
   total wall (two lanes)                                                                     65.2
                                                         (`time make run`: 1m07s, under 3 min)
 

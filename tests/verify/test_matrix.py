@@ -57,9 +57,7 @@ def test_full_matrix_is_every_combination_once():
     assert [(c.quantization, c.suites) for c in weights] == [("int8", SUITES)]
     hybrid = [c for c in full_cells() if c.model == matrix.HYBRID.model]
     assert hybrid == [matrix.HYBRID]
-    cells = [
-        c for c in full_cells() if not (c.generated or c.stack or c in weights or c in hybrid)
-    ]
+    cells = [c for c in full_cells() if not (c.generated or c.stack or c in weights or c in hybrid)]
     assert full_cells()[-2:] == (matrix.GENERATED, matrix.STACK)
     keys = [(c.model, c.dtype, c.kv_cache_dtype, c.tensor_parallel_size) for c in cells]
     assert len(keys) == len(set(keys))
