@@ -162,10 +162,15 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # A model with global and sliding-window layers keeps each kind's KV in its own layer groups
+    # (kvpage.cache.groups), and a window group gives back the blocks its window left behind;
+    # False: one table for every layer (the window is still masked).
+    kv_layer_groups: bool = True
 
     def __post_init__(self) -> None:
         _check_text("model", self.model)
         _check_bool("enable_lora", self.enable_lora)
+        _check_bool("kv_layer_groups", self.kv_layer_groups)
         _check_int("max_loras", self.max_loras, 1)
         _check_int("max_lora_rank", self.max_lora_rank, 1)
         _check_int("block_size", self.block_size, 1)

@@ -4,6 +4,9 @@ Logical block `pos // block_size` of a sequence lives in physical block `block_i
 at offset `pos % block_size`. `len(block_ids) == ceil(num_tokens / block_size)` always holds.
 The epoch is bumped on every change, so a snapshot names exactly the table version a step read.
 Only the manager mutates a table; everyone else reads it.
+
+With per-layer-group KV (kvpage.cache.groups) `block_ids` is group 0's table (a global group) and
+`extra` holds groups 1.., the same length, a window group's given-back entries NULL_BLOCK.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ class BlockTable:
     namespace: bytes | None = None  # digest of the namespace its prefix blocks were keyed in
     num_published: int = 0  # leading blocks known to be in the prefix index (publish cursor)
     publish_blocked: bool = False  # a block could not be published; later ones cannot chain to it
+    extra: list[list[int]] = field(default_factory=list)  # groups 1..; empty with one group
+    trimmed: list[int] = field(default_factory=list)  # per extra group: entries below are NULL
 
     def bump(self) -> None:
         self.epoch += 1
@@ -36,7 +41,22 @@ class BlockTable:
         self.namespace = None
         self.num_published = 0
         self.publish_blocked = False
+        if self.extra:
+            self.extra = [[] for _ in self.extra]
+            self.trimmed = [0] * len(self.extra)
         self.epoch += 1
+
+    def num_held(self) -> int:
+        """Blocks the table holds over every group."""
+        if not self.extra:
+            return len(self.block_ids)
+        return len(self.block_ids) + sum(b >= 0 for ids in self.extra for b in ids)
+
+    def held_ids(self) -> list[int]:
+        """Every block the table holds, every group (group 0 first, then each extra group's)."""
+        if not self.extra:
+            return list(self.block_ids)
+        return [*self.block_ids, *(b for ids in self.extra for b in ids if b >= 0)]
 
 
 class SnapshotEntry(NamedTuple):
@@ -55,3 +75,7 @@ class TableSnapshot:
     num_tokens: int
     entries: tuple[SnapshotEntry, ...]
     block_ids: tuple[int, ...]
+    # Groups 1.. (kvpage.cache.groups): their tables as read, NULL entries included, and the
+    # entries of the blocks held (pinned), in table order.
+    extra_block_ids: tuple[tuple[int, ...], ...] = ()
+    extra_entries: tuple[tuple[SnapshotEntry, ...], ...] = ()

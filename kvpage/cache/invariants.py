@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from kvpage.cache.block_pool import BlockPool, BlockState
 from kvpage.cache.block_table import BlockTable, TableSnapshot, blocks_for
+from kvpage.cache.groups import NULL_BLOCK
 from kvpage.cache.prefix_index import PrefixIndex
 from kvpage.errors import InvariantViolation
 
@@ -98,6 +99,26 @@ def _check_tables(
             out.append(f"seq {t.seq_id}: a block appears twice in {t.block_ids}")
         for i, bid in enumerate(t.block_ids):
             out += _check_entry(pool, index, t, i, bid)
+        for g, ids in enumerate(t.extra, start=1):
+            out += _check_group(pool, t, g, ids)
+    return out
+
+
+def _check_group(pool: BlockPool, t: BlockTable, g: int, ids: list[int]) -> list[str]:
+    """An extra layer group's table: as long as group 0's, no block twice or shared with
+    another group of the table, nothing held below its trim cursor, each held entry as sound
+    as group 0's."""
+    out = []
+    held = [b for b in ids if b != NULL_BLOCK]
+    if len(ids) != len(t.block_ids):
+        out.append(f"seq {t.seq_id} group {g}: {len(ids)} entries, group 0 has {len(t.block_ids)}")
+    if len(set(held)) != len(held) or set(held) & set(t.block_ids):
+        out.append(f"seq {t.seq_id} group {g}: a block appears twice in {ids}")
+    if any(b != NULL_BLOCK for b in ids[: t.trimmed[g - 1]]):
+        out.append(f"seq {t.seq_id} group {g}: holds a block below its window cursor")
+    for i, bid in enumerate(ids):
+        if bid != NULL_BLOCK:
+            out += [f"group {g}: {p}" for p in _check_entry(pool, None, t, i, bid)]
     return out
 
 
@@ -133,12 +154,12 @@ def _check_refs(
     out = []
     owners: dict[int, set[int]] = {}
     for t in tables:
-        for bid in t.block_ids:
+        for bid in t.held_ids():
             owners.setdefault(bid, set()).add(t.seq_id)
-    pins = Counter(bid for s in snapshots for bid in s.block_ids)
+    pins = Counter(e.block_id for s in snapshots for e in _snapshot_entries(s))
     free = set(pool.free_ids)
     for s in snapshots:
-        for e in s.entries:
+        for e in _snapshot_entries(s):
             if pool.blocks[e.block_id].generation != e.generation:
                 out.append(
                     f"snapshot {s.snap_id} (seq {s.seq_id}): block {e.block_id} "
@@ -164,6 +185,10 @@ def _check_refs(
         if b.ref_count and b.block_id in free:
             out.append(f"block {b.block_id}: on the free list with ref_count {b.ref_count}")
     return out
+
+
+def _snapshot_entries(s: TableSnapshot) -> list:
+    return [*s.entries, *(e for group in s.extra_entries for e in group)]
 
 
 def _check_index(pool: BlockPool, index: PrefixIndex) -> list[str]:

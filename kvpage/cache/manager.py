@@ -15,6 +15,10 @@ Order of operations for one sequence (engine side):
   snap = snapshot(table) ... run the step ... release_snapshot(snap)
   publish_full_blocks(table, chain)                        # only after the step wrote the KV
   free_table(table)                                        # tail first; published blocks -> CACHED
+
+With a hybrid layout (kvpage.cache.groups, which explains the design) every operation also covers
+the table's extra groups: window groups trim the blocks out of their window before each append,
+hits follow the hybrid rule, snapshots / swaps / forks / CoW cover every group.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Iterable
 from kvpage.cache.block_ops import BlockOp, CopyBlock, InvalidateBlock
 from kvpage.cache.block_pool import READABLE, BlockPool, BlockState, CacheUsage
 from kvpage.cache.block_table import BlockTable, SnapshotEntry, TableSnapshot, blocks_for
+from kvpage.cache.groups import NULL_BLOCK, KVLayout, first_needed_block
 from kvpage.cache.invariants import check_invariants
 from kvpage.cache.key_chain import BlockKey, BlockKeyChain
 from kvpage.cache.namespace import CacheNamespace
@@ -45,8 +50,12 @@ class KVCacheManager:
         fast_key_bits: int = 64,
         debug_checks: bool = False,
         invalidate_freed: bool = False,
+        layout: KVLayout | None = None,
     ):
         self.block_size = block_size
+        self.layout = layout
+        # Groups 1.. (one table each besides block_ids): their windows, None for a global one.
+        self.extra_windows: tuple[int | None, ...] = () if layout is None else layout.extra_windows
         self.enable_prefix_caching = enable_prefix_caching
         self.fast_key_bits = fast_key_bits
         self.debug_checks = debug_checks
@@ -70,6 +79,9 @@ class KVCacheManager:
         if old is not None and old.block_ids:
             raise InvariantViolation(f"seq {seq_id} already has a live table {old.block_ids}")
         table = BlockTable(seq_id)
+        if self.extra_windows:
+            table.extra = [[] for _ in self.extra_windows]
+            table.trimmed = [0] * len(self.extra_windows)
         self.live_tables[seq_id] = table
         return table
 
@@ -105,8 +117,12 @@ class KVCacheManager:
         if max_blocks is not None:
             cap = min(cap, max_blocks)
         hits = self.index.match(chain, cap)
+        extra = self.extra_hits(chain, hits) if self.extra_windows else None
         for found in self.index.take_corruptions():  # the index knows keys, not sequences
             self._corruptions.append((table.seq_id, found))
+        if extra is not None:
+            hits = hits[: len(extra[0])]
+            self._take_extra(table, extra)
         for e in hits:
             self.pool.add_owner(e.block_id, table.seq_id)
         table.block_ids = [e.block_id for e in hits]
@@ -117,6 +133,60 @@ class KVCacheManager:
         self.stats.hit_tokens += table.num_tokens
         self._debug()
         return table.num_tokens
+
+    def extra_hits(self, chain: BlockKeyChain, hits: list) -> list[list[int]]:
+        """The hybrid rule (a declared seam, kvpage.engine.hooks): the longest h <= len(hits)
+        for which every global group has the prefix [0, h) and every window group the blocks of
+        the window at h; per extra group its entries [0, h) (NULL_BLOCK where a window group
+        needs none). `hits` are group 0's."""
+        h = len(hits)
+        found: list[list[int | None]] = []
+        for g, window in enumerate(self.extra_windows, start=1):
+            ids = [self.lookup_group(chain, d, g) for d in range(h)]
+            if window is None:  # the whole prefix, up to the first miss
+                h = next((d for d, b in enumerate(ids) if b is None), h)
+            found.append(ids)
+        h = self._hybrid_hit_len(found, h)
+        out = []
+        for ids, window in zip(found, self.extra_windows, strict=True):
+            lo = (
+                0
+                if window is None
+                else first_needed_block(h * self.block_size, window, self.block_size)
+            )
+            out.append([NULL_BLOCK] * lo + [b for b in ids[lo:h]])
+        return out
+
+    def lookup_group(self, chain: BlockKeyChain, depth: int, group: int) -> int | None:
+        """The joinable block layer group `group` published for the chain's block `depth`."""
+        entry = self.index.confirmed(
+            self.index.group_key(chain.keys[depth], group), chain.namespace_digest, depth
+        )
+        return None if entry is None else entry.block_id
+
+    def _hybrid_hit_len(self, found: list[list[int | None]], h: int) -> int:
+        """The largest h' <= h that every window group can serve: the blocks its window needs
+        at h' are all present."""
+        bs = self.block_size
+        while h > 0:
+            ok = True
+            for ids, window in zip(found, self.extra_windows, strict=True):
+                lo = 0 if window is None else first_needed_block(h * bs, window, bs)
+                if len(ids) < h or any(b is None for b in ids[lo:h]):
+                    ok = False
+                    break
+            if ok:
+                return h
+            h -= 1
+        return 0
+
+    def _take_extra(self, table: BlockTable, extra: list[list[int]]) -> None:
+        for g, ids in enumerate(extra):
+            for bid in ids:
+                if bid != NULL_BLOCK:
+                    self.pool.add_owner(bid, table.seq_id)
+            table.extra[g] = ids
+            table.trimmed[g] = next((i for i, b in enumerate(ids) if b != NULL_BLOCK), len(ids))
 
     def published_block(self, key: BlockKey) -> tuple[int, int] | None:
         """The block published under `key` (its digest confirmed) and its generation, without
@@ -136,13 +206,31 @@ class KVCacheManager:
         """Blocks that hold `num_tokens` tokens from position 0."""
         return blocks_for(num_tokens, self.block_size)
 
+    def max_blocks_for(self, num_tokens: int) -> int:
+        """The most blocks a table of `num_tokens` tokens can hold over every group (a window
+        group holds a whole prompt while it is prefilled)."""
+        return self.blocks_for(num_tokens) * (1 + len(self.extra_windows))
+
+    def restore_need(self, num_tokens: int, num_new_tokens: int) -> int:
+        """Blocks a swap-in of `num_tokens` tokens and an append of `num_new_tokens` after it
+        take, over every group."""
+        bs, n = self.block_size, self.blocks_for(num_tokens)
+        grow = self.blocks_for(num_tokens + num_new_tokens) - n
+        need = n + grow
+        for w in self.extra_windows:
+            need += n - (0 if w is None else first_needed_block(num_tokens, w, bs)) + grow
+        return need
+
     def num_free_blocks(self) -> int:
         return self.pool.num_free + self.index.num_evictable()
 
     def blocks_needed(self, table: BlockTable, num_new_tokens: int) -> int:
         """New blocks plus one CoW copy if the first new token lands in a shared block."""
         new = self.blocks_for(table.num_tokens + num_new_tokens) - len(table.block_ids)
-        return max(new, 0) + int(self.cow_needed(table))
+        need = max(new, 0) + int(self.cow_needed(table))
+        if table.extra:  # every group grows by as many blocks (trimmed ones are not counted)
+            need += max(new, 0) * len(table.extra) + self._extra_cows(table)
+        return need
 
     def can_append(self, table: BlockTable, num_new_tokens: int) -> bool:
         return self.blocks_needed(table, num_new_tokens) <= self.num_free_blocks()
@@ -155,13 +243,19 @@ class KVCacheManager:
         self.check_appendable(table)
         bs = self.block_size
         start, end = table.num_tokens, table.num_tokens + num_new_tokens
+        if table.extra:
+            self.trim(table)  # before reserving: the window's old blocks are this step's room
         cow = self.cow_needed(table)
         new = self.blocks_for(end) - len(table.block_ids)
-        self._reserve(new + int(cow))  # all-or-nothing: past this line nothing can run out
+        extra_cows = self._extra_cows(table) if table.extra else 0
+        # all-or-nothing: past this line nothing can run out
+        self._reserve(new + int(cow) + new * len(table.extra) + extra_cows)
         if cow:
             self._copy_on_write(table, start // bs)
         if new:
             table.block_ids.extend(self.pool.allocate(new, table.seq_id))
+        if table.extra:
+            self._append_extra(table, start, end, new)
         slots: list[int] = []
         for j in range(start // bs, len(table.block_ids)):
             bid = table.block_ids[j]
@@ -174,6 +268,44 @@ class KVCacheManager:
         self.live_tables[table.seq_id] = table
         self._debug()
         return slots
+
+    def _append_extra(self, table: BlockTable, start: int, end: int, new: int) -> None:
+        """The extra groups' side of append_slots (the room is reserved): CoW of a shared last
+        block, the new blocks, valid lengths."""
+        bs = self.block_size
+        for ids in table.extra:
+            if start % bs and self.pool.blocks[ids[-1]].state is _S.SHARED_READONLY:
+                self._copy_on_write(table, start // bs, ids)
+            if new:
+                ids.extend(self.pool.allocate(new, table.seq_id))
+            for j in range(start // bs, len(ids)):
+                self.pool.set_valid(ids[j], min(end, (j + 1) * bs) - j * bs)
+
+    def _extra_cows(self, table: BlockTable) -> int:
+        if table.num_tokens % self.block_size == 0:
+            return 0
+        blocks = self.pool.blocks
+        return sum(blocks[ids[-1]].state is _S.SHARED_READONLY for ids in table.extra)
+
+    def trim(self, table: BlockTable) -> None:
+        """Window groups give back the blocks no query from position num_tokens on can see
+        (kvpage.cache.groups): published ones go CACHED, the others FREE (a declared seam).
+        Position by position over the groups, head first: LRU then evicts the oldest positions
+        of every window group alike, and keeps the tails a hit needs in all of them."""
+        bs, start = self.block_size, table.num_tokens
+        los = [None if w is None else first_needed_block(start, w, bs) for w in self.extra_windows]
+        first = min((table.trimmed[g] for g, lo in enumerate(los) if lo is not None), default=0)
+        last = max((lo for lo in los if lo is not None), default=0)
+        for j in range(first, last):
+            for g, lo in enumerate(los):
+                ids = table.extra[g]
+                if lo is not None and j < lo and ids[j] != NULL_BLOCK:
+                    self.pool.remove_owner(ids[j], table.seq_id)
+                    ids[j] = NULL_BLOCK
+                    self.stats.window_frees += 1
+        for g, lo in enumerate(los):
+            if lo is not None:
+                table.trimmed[g] = max(lo, table.trimmed[g])
 
     def make_writable(self, table: BlockTable, logical_block: int) -> int:
         """Copy-on-write of one table entry; returns the (possibly new) block id. Idempotent."""
@@ -206,22 +338,28 @@ class KVCacheManager:
     def check_appendable(self, table: BlockTable) -> None:
         """The table's last block is readable, or being restored (a swap-in's copy lands before
         the step that writes after it), and the table holds it: appends go there."""
-        if table.block_ids:
-            b = self.pool.blocks[table.block_ids[-1]]
+        for ids in (table.block_ids, *table.extra):
+            if not ids or ids[-1] == NULL_BLOCK:  # a window of 1 key gave its last block back
+                continue
+            b = self.pool.blocks[ids[-1]]
             if b.state not in APPENDABLE or table.seq_id not in b.owners:
                 raise InvariantViolation(
                     f"seq {table.seq_id}: append to a table whose last block {b.block_id} is "
                     f"{b.state.name} (owners {sorted(b.owners)})"
                 )
 
-    def _copy_on_write(self, table: BlockTable, logical_block: int) -> int:
-        src = table.block_ids[logical_block]
+    def _copy_on_write(
+        self, table: BlockTable, logical_block: int, ids: list[int] | None = None
+    ) -> int:
+        ids = table.block_ids if ids is None else ids
+        src = ids[logical_block]
         dst = self.pool.allocate(1, table.seq_id)[0]
         self._ops.append(CopyBlock(src, dst, table.seq_id, logical_block))
         self.pool.set_valid(dst, self.pool.blocks[src].valid_len)
-        table.block_ids[logical_block] = dst
+        ids[logical_block] = dst
         self.pool.remove_owner(src, table.seq_id)
-        self.stats.cow_copies += 1
+        if ids is table.block_ids:  # one copy-on-write per logical block, however many groups
+            self.stats.cow_copies += 1
         return dst
 
     def _reserve(self, n: int) -> None:
@@ -253,28 +391,55 @@ class KVCacheManager:
             return
         full = min(table.num_tokens // self.block_size, len(chain.keys))
         for i in range(table.num_published, full):
-            if not self._publish_one(table, chain, i):
+            if not self._publish_one(table, chain, i) or (
+                table.extra and not self._publish_extra(table, chain, i)
+            ):
                 table.publish_blocked = True
                 break
             table.num_published = i + 1
         self._debug()
 
-    def _publish_one(self, table: BlockTable, chain: BlockKeyChain, i: int) -> bool:
-        bid = table.block_ids[i]
+    def _publish_one(self, table: BlockTable, chain: BlockKeyChain, i: int, group: int = 0) -> bool:
+        ids = table.block_ids if group == 0 else table.extra[group - 1]
+        bid = ids[i]
         state = self.pool.blocks[bid].state
         if state not in READABLE:
             raise InvariantViolation(f"seq {table.seq_id}: publish of block {bid} in {state.name}")
-        parent = None if i == 0 else self.index.by_block.get(table.block_ids[i - 1])
+        parent = None if i == 0 else self.index.by_block.get(ids[i - 1])
         if i > 0 and parent is None:
             return False
-        result = self.index.publish(chain.keys[i], bid, i, parent, chain.namespace_digest)
+        key = chain.keys[i] if group == 0 else self.index.group_key(chain.keys[i], group)
+        result = self.index.publish(key, bid, i, parent, chain.namespace_digest)
         return result in (PublishResult.PUBLISHED, PublishResult.ALREADY)
+
+    def _publish_extra(self, table: BlockTable, chain: BlockKeyChain, i: int) -> bool:
+        """Block i of every extra group: a global group chains like group 0 (a failure blocks
+        later publishes); a window group's entry is flat, published while still held."""
+        for g, window in enumerate(self.extra_windows, start=1):
+            if window is None:
+                if not self._publish_one(table, chain, i, g):
+                    return False
+                continue
+            bid = table.extra[g - 1][i]
+            if bid != NULL_BLOCK and self.pool.blocks[bid].state in READABLE:
+                key = self.index.group_key(chain.keys[i], g)
+                result = self.index.publish(key, bid, i, None, chain.namespace_digest)
+                if result not in (PublishResult.PUBLISHED, PublishResult.ALREADY):
+                    return False
+        return True
 
     # --- release ---------------------------------------------------------------------------
     def free_table(self, table: BlockTable) -> None:
         # Tail first: the tail gets the oldest release tick, so it is evicted before its prefix.
         for bid in reversed(table.block_ids):
             self.pool.remove_owner(bid, table.seq_id)
+        # The extra groups' tails are what a hit of the whole prefix needs (their heads only
+        # shorter hits): released last, head first and position by position over the groups
+        # (like trim), so they are evicted last and every group's alike.
+        for j in range(len(table.block_ids)):
+            for ids in table.extra:
+                if ids[j] != NULL_BLOCK:
+                    self.pool.remove_owner(ids[j], table.seq_id)
         table.reset()
         if self.live_tables.get(table.seq_id) is table:
             del self.live_tables[table.seq_id]
@@ -287,6 +452,12 @@ class KVCacheManager:
         for bid in table.block_ids:
             self.pool.add_owner(bid, child_seq_id)
         child.block_ids = list(table.block_ids)
+        for g, ids in enumerate(table.extra):
+            for bid in ids:
+                if bid != NULL_BLOCK:
+                    self.pool.add_owner(bid, child_seq_id)
+            child.extra[g] = list(ids)
+        child.trimmed = list(table.trimmed)
         child.num_tokens = table.num_tokens
         child.namespace = table.namespace
         child.num_published = table.num_published
@@ -303,9 +474,20 @@ class KVCacheManager:
                 raise InvariantViolation(
                     f"seq {table.seq_id}: snapshot reads block[{i}]={b.block_id} in {b.state.name}"
                 )
+        extra = self._extra_blocks(table) if table.extra else ()
         for b in blocks:
             self.pool.pin(b.block_id)
+        for group in extra:
+            for b in group:
+                self.pool.pin(b.block_id)
         self._next_snap_id += 1
+        extra_ids, extra_entries = (), ()
+        if extra:  # one group: nothing more per step
+            extra_ids = tuple(tuple(ids) for ids in table.extra)
+            extra_entries = tuple(
+                tuple(SnapshotEntry(b.block_id, b.generation, b.valid_len) for b in group)
+                for group in extra
+            )
         snap = TableSnapshot(
             snap_id=self._next_snap_id,
             seq_id=table.seq_id,
@@ -313,13 +495,32 @@ class KVCacheManager:
             num_tokens=table.num_tokens,
             entries=tuple(SnapshotEntry(b.block_id, b.generation, b.valid_len) for b in blocks),
             block_ids=tuple(table.block_ids),
+            extra_block_ids=extra_ids,
+            extra_entries=extra_entries,
         )
         self.inflight[snap.snap_id] = snap
         return snap
 
+    def _extra_blocks(self, table: BlockTable) -> list[list]:
+        """The held blocks of each extra group, each checked readable."""
+        out = []
+        for g, ids in enumerate(table.extra, start=1):
+            group = [self.pool.blocks[bid] for bid in ids if bid != NULL_BLOCK]
+            for b in group:
+                if b.state not in READABLE:
+                    raise InvariantViolation(
+                        f"seq {table.seq_id}: snapshot reads group {g} block {b.block_id} in "
+                        f"{b.state.name}"
+                    )
+            out.append(group)
+        return out
+
     def release_snapshot(self, snap: TableSnapshot) -> None:
         if self.inflight.pop(snap.snap_id, None) is None:
             raise InvariantViolation(f"snapshot {snap.snap_id} of seq {snap.seq_id} released twice")
+        for group in snap.extra_entries:
+            for e in reversed(group):
+                self.pool.unpin(e.block_id)
         for bid in reversed(snap.block_ids):  # tail first, like free_table (LRU ticks)
             self.pool.unpin(bid)
         self._debug()
@@ -328,7 +529,8 @@ class KVCacheManager:
         """Every entry still names the same block incarnation, readable and owned by the seq."""
         if snap.snap_id not in self.inflight:
             raise InvariantViolation(f"snapshot {snap.snap_id} of seq {snap.seq_id} not in flight")
-        for i, e in enumerate(snap.entries):
+        entries = [*snap.entries, *(e for group in snap.extra_entries for e in group)]
+        for i, e in enumerate(entries):
             b = self.pool.blocks[e.block_id]
             if (
                 b.generation != e.generation
@@ -346,16 +548,20 @@ class KVCacheManager:
     def begin_evict(self, table: BlockTable) -> list[int]:
         """Mark the table's private blocks EVICTING while their KV is copied out. Returns every
         block id of the table in logical order (shared ones stay readable for their other
-        holders but must be copied too). Follow with free_table, or cancel_evict on failure."""
-        for bid in table.block_ids:
+        holders but must be copied too). Follow with free_table, or cancel_evict on failure.
+        Extra groups: trimmed first, then their held blocks follow group 0's, group by group."""
+        if table.extra:
+            self.trim(table)
+        held = table.held_ids()
+        for bid in held:
             if self.pool.blocks[bid].state is _S.PRIVATE_WRITABLE:
                 self.pool.begin_evict(bid)
         table.bump()
         self._debug()
-        return list(table.block_ids)
+        return held
 
     def cancel_evict(self, table: BlockTable) -> None:
-        for bid in table.block_ids:
+        for bid in table.held_ids():
             if self.pool.blocks[bid].state is _S.EVICTING:
                 self.pool.cancel_evict(bid)
         table.bump()
@@ -369,19 +575,34 @@ class KVCacheManager:
         if num_tokens <= 0:
             raise InvariantViolation(f"seq {table.seq_id}: restore of {num_tokens} tokens")
         n = self.blocks_for(num_tokens)
-        self._reserve(n)
-        ids = self.pool.allocate(n, table.seq_id, _S.RESTORING)
-        for j, bid in enumerate(ids):
-            self.pool.set_valid(bid, min(self.block_size, num_tokens - j * self.block_size))
+        first, end = len(table.block_ids), table.num_tokens + num_tokens
+        los = [
+            first if w is None else max(first, first_needed_block(end, w, self.block_size))
+            for w in self.extra_windows
+        ]
+        self._reserve(n + sum(first + n - lo for lo in los))
+        ids = self._restoring(table, first, n, end)
         table.block_ids.extend(ids)
+        for g, lo in enumerate(los):  # the pages begin_evict copied out: same groups, same order
+            own = self._restoring(table, lo, first + n - lo, end)
+            table.extra[g].extend([NULL_BLOCK] * (lo - first) + own)
+            table.trimmed[g] = max(table.trimmed[g], lo)
+            ids += own
         table.num_tokens += num_tokens
         table.bump()
         self.live_tables[table.seq_id] = table
         self._debug()
         return ids
 
+    def _restoring(self, table: BlockTable, first: int, n: int, end: int) -> list[int]:
+        """n RESTORING blocks for logical blocks first.., valid up to position `end`."""
+        ids = self.pool.allocate(n, table.seq_id, _S.RESTORING)
+        for j, bid in enumerate(ids, start=first):
+            self.pool.set_valid(bid, min(self.block_size, end - j * self.block_size))
+        return ids
+
     def finish_restore(self, table: BlockTable) -> None:
-        for bid in table.block_ids:
+        for bid in table.held_ids():
             if self.pool.blocks[bid].state is _S.RESTORING:
                 self.pool.finish_restore(bid)
         table.bump()

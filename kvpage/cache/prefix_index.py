@@ -15,10 +15,16 @@ only leaves (entries without children) is enough to evict parents after their ch
 Evictable leaves sit in a heap ordered by the tick at which their ref_count fell to 0 (lazy
 deletion: an entry is stale if the block was hit again since). Eviction removes the entry from the
 index before the pool bumps the generation and puts the block on the free list.
+
+Layer groups (kvpage.cache.groups): group g > 0 publishes under its own key (`group_key`, the chained
+key salted by g), so one index and one LRU serve every group. A window group's entries have no
+parent: each is a leaf on its own.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import heapq
 from dataclasses import dataclass
 
@@ -88,12 +94,20 @@ class PrefixIndex:
             self.disabled.add(namespace)
 
     # --- lookup ----------------------------------------------------------------------------
-    def match(self, chain: BlockKeyChain, max_blocks: int) -> list[IndexEntry]:
-        """Longest run of published blocks for chain.keys[0:max_blocks], each confirmed."""
+    def group_key(self, key: BlockKey, group: int) -> BlockKey:
+        """Layer group `group`'s key for the block `key` names in group 0: the same prefix, a
+        different page (its own fast key and a digest group 0's never equals)."""
+        mask = (1 << self.fast_key_bits) - 1
+        return BlockKey((key.fast ^ _group_salt(group)) & mask, key.digest + bytes((group,)))
+
+    def match(self, chain: BlockKeyChain, max_blocks: int, group: int = 0) -> list[IndexEntry]:
+        """Longest run of published blocks for chain.keys[0:max_blocks], each confirmed (in
+        layer group `group`)."""
         hits: list[IndexEntry] = []
         parent: IndexEntry | None = None
         for depth in range(min(max_blocks, len(chain.keys))):
-            entry = self.confirmed(chain.keys[depth], chain.namespace_digest, depth)
+            key = chain.keys[depth] if group == 0 else self.group_key(chain.keys[depth], group)
+            entry = self.confirmed(key, chain.namespace_digest, depth)
             if entry is None:
                 break
             if entry.parent is not parent:
@@ -216,3 +230,8 @@ class PrefixIndex:
     def evictable_leaves(self) -> list[int]:
         """Block ids in eviction order (for tests and the invariant checker); O(heap log heap)."""
         return [b for t, b in sorted(self._heap) if self._is_evictable_leaf(b, t)]
+
+
+@functools.cache
+def _group_salt(group: int) -> int:
+    return int.from_bytes(hashlib.sha256(b"kvpage.group%d" % group).digest()[:8], "little")

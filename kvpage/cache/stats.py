@@ -21,3 +21,4 @@ class CacheStats:
     generation_bumps: int = 0
     allocations: int = 0  # blocks taken from the free list
     frees: int = 0  # blocks returned to the free list
+    window_frees: int = 0  # blocks a sliding-window layer group gave back (kvpage.cache.groups)

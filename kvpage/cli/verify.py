@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
         "win over the flags: the case is built around them; fields no case sets run as given.",
     )
     add_engine_args(ver, defaults=False)
-    from kvpage.verify.cases import SUITES
+    from kvpage.verify.cases import ALL_SUITES
     from kvpage.verify.matrix import MATRICES
 
     ver.add_argument(
@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
     ver.add_argument(
         "--suite",
         default="all",
-        help=f"comma-separated suite names, or all; one of {', '.join(SUITES)}, or the parts "
+        help=f"comma-separated suite names, or all; one of {', '.join(ALL_SUITES)}, or the parts "
         "generated (the generated stage) and stack (server and router). The mutation "
         "check runs against the chosen suites only, so a subset misses mutants of other "
         "classes: add --no-mutants for a quick partial run",
@@ -110,10 +110,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _suites(text: str) -> tuple[str, ...] | None:
+    from kvpage.verify.cases import ALL_SUITES
     from kvpage.verify.matrix import PARTS
-    from kvpage.verify.suites import SUITES
 
-    known = (*SUITES, *PARTS)
+    known = (*ALL_SUITES, *PARTS)
     suites = known if text == "all" else tuple(text.split(","))
     unknown = set(suites) - set(known)
     if unknown:

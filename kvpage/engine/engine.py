@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from kvpage.cache.block_table import blocks_for
+from kvpage.cache.groups import kv_layout
 from kvpage.cache.manager import KVCacheManager
 from kvpage.config import EngineConfig
 from kvpage.engine.events import EngineObserver
@@ -72,7 +73,11 @@ class LLMEngine:
             limit if config.max_model_len is None else min(config.max_model_len, limit)
         )
         self.kv_format = kv_format(config.kv_cache_dtype, model.dtype)
-        num_blocks = self._num_blocks()
+        self.kv_layout = kv_layout(mcfg.num_layers, mcfg.layer_windows, config.kv_layer_groups)
+        # A page holds `rows` layers of one group: as many pages as the memory of the blocks
+        # asked for (num_blocks counts whole-model blocks).
+        pages_per_block = self.kv_layout.pages_per_block(mcfg.num_layers)
+        num_blocks = self._num_blocks() * pages_per_block
         self.tp = (
             TensorParallelExecutor(config, model, num_blocks, self.kv_format)
             if config.tensor_parallel_size > 1
@@ -87,9 +92,10 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             fast_key_bits=config.fast_key_bits,
             invalidate_freed=self.kv_format.quantized,
+            layout=self.kv_layout if self.kv_layout.num_groups > 1 else None,
         )
         self._observers: list[EngineObserver] = []  # shared with the scheduler
-        self.swap_space = SwapSpace(config.swap_space_blocks)
+        self.swap_space = SwapSpace(config.swap_space_blocks * pages_per_block)
         self.requests = Requests(self.cache, config.seed, model.device, mcfg.eos_token_ids)
         decode = tokenizer.decode if tokenizer is not None else None
         self.scheduler = Scheduler(
@@ -142,7 +148,7 @@ class LLMEngine:
     def _local_storage(self, num_blocks: int) -> KVStorage:
         mcfg = self.model.config
         return KVStorage(
-            mcfg.num_layers,
+            self.kv_layout.rows,
             num_blocks,
             self.config.block_size,
             mcfg.num_kv_heads,
@@ -555,6 +561,7 @@ class LLMEngine:
             "block_allocations": cs.allocations,
             "block_frees": cs.frees,
             "generation_bumps": cs.generation_bumps,
+            "window_frees": cs.window_frees,  # blocks window layer groups gave back
             "preemptions": pre["recompute"] + pre["swap"],
             "preemptions_recompute": pre["recompute"],
             "preemptions_swap": pre["swap"],

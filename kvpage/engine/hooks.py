@@ -52,6 +52,8 @@ SEAMS: dict[str, Seam] = {
         Seam("cache", "cow_needed", "the copy-on-write decision"),
         Seam("cache", "max_hit_blocks", "how much of a prompt a prefix hit may cover"),
         Seam("cache", "new_key_chain", "the block-key builder (chained digests)"),
+        Seam("cache", "trim", "which blocks a sliding-window layer group gives back"),
+        Seam("cache", "extra_hits", "the hybrid prefix-hit rule of the extra layer groups"),
         Seam("index", "confirmed", "the digest confirmation of a fast-key hit"),
         Seam("index", "match", "the prefix lookup's walk down the index"),
         Seam("index", "choose_victim", "which cached block is evicted (LRU leaf)"),

@@ -14,9 +14,9 @@ from kvpage.lora.apply import AdapterRows, LoraBatch, LoraContext
 from kvpage.lora.slots import LoraSlots
 from kvpage.model.base import CausalLM
 from kvpage.model.paged_attention import (
-    PagedAttention,
     PagedAttentionMetadata,
     PrefillChunk,
+    paged_backend,
     validate_cu_seqlens,
 )
 
@@ -41,6 +41,9 @@ class ModelRunner:
         self.device = model.device
         self.block_size = storage.block_size
         self._block_offsets = torch.arange(self.block_size, device=self.device)
+        # Layer -> (group, row) of its KV (kvpage.cache.groups): whose table each layer reads.
+        layout = cache.layout
+        self.layer_map = () if layout is None else layout.layer_map
         self._arange = torch.arange(0, device=self.device)  # grown on demand; rows and positions
         # With adapters served (kvpage.engine.engine): the model's context, the engine's slots.
         self.lora: LoraContext | None = None
@@ -137,7 +140,7 @@ class ModelRunner:
         """Hidden states (N, C); under tensor parallelism every worker runs the same inputs."""
 
         def local() -> torch.Tensor:
-            return self.model(ids_pos[0], ids_pos[1], PagedAttention(self.storage, meta))
+            return self.model(ids_pos[0], ids_pos[1], paged_backend(self.storage, meta))
 
         return local() if self.around_forward is None else self.around_forward(ids_pos, meta, local)
 
@@ -174,7 +177,7 @@ class ModelRunner:
             decode_tables, decode_lens
         )
         decode_only = not prefills and len(decode_rows) == len(batch.input_ids)
-        return PagedAttentionMetadata(
+        meta = PagedAttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             cu_seqlens_q=batch.cu_seqlens_q,
             decode_rows=self._rows(len(decode_rows))
@@ -186,6 +189,46 @@ class ModelRunner:
             prefills=prefills,
             decode_only=decode_only,
         )
+        if self.cache.extra_windows:
+            meta.groups = [
+                self._group_meta(batch, meta, g) for g in range(len(self.cache.extra_windows))
+            ]
+            meta.layer_map = self.layer_map
+        return meta
+
+    def _group_meta(
+        self, batch: StepBatch, base: PagedAttentionMetadata, g: int
+    ) -> PagedAttentionMetadata:
+        """Extra group g's view of the step: the same rows and lengths as group 0's, its own
+        slots and tables (a NULL entry reads block 0: outside every window it is masked)."""
+        bs = self.block_size
+        slots: list[int] = []
+        decode_tables: list[tuple[int, ...]] = []
+        prefills: list[PrefillChunk] = []
+        chunks = iter(base.prefills)
+        for item, snap, context_len in zip(
+            batch.scheduled, batch.snapshots, batch.context_lens, strict=False
+        ):
+            ids = tuple(max(b, 0) for b in snap.extra_block_ids[g])
+            start = item.seq.num_computed
+            slots += [ids[p // bs] * bs + p % bs for p in range(start, start + item.num_new_tokens)]
+            if item.num_new_tokens == 1:
+                decode_tables.append(ids)
+            else:
+                chunk = next(chunks)
+                ctx = None if chunk.context_slots is None else self._slots_of(ids, context_len)
+                prefills.append(PrefillChunk(chunk.token_start, chunk.token_end, ctx))
+        tables, _, _ = self._decode_tables(decode_tables, [1] * len(decode_tables))
+        return PagedAttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            cu_seqlens_q=base.cu_seqlens_q,
+            decode_rows=base.decode_rows,
+            decode_tables=tables,
+            decode_mask=base.decode_mask,
+            decode_lens=base.decode_lens,
+            prefills=prefills,
+            decode_only=base.decode_only,
+        )
 
     def _rows(self, n: int) -> torch.Tensor:
         """arange(n) as a view of one cached tensor (no per-step allocation)."""
@@ -194,7 +237,10 @@ class ModelRunner:
         return self._arange[:n]
 
     def _context_slots(self, snap: TableSnapshot, context_len: int) -> torch.Tensor:
-        blocks = torch.tensor(snap.block_ids, dtype=torch.long, device=self.device)
+        return self._slots_of(snap.block_ids, context_len)
+
+    def _slots_of(self, block_ids: tuple[int, ...], context_len: int) -> torch.Tensor:
+        blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         return (blocks[:, None] * self.block_size + self._block_offsets).flatten()[:context_len]
 
     def _decode_tables(self, tables: list[tuple[int, ...]], lens: list[int]):

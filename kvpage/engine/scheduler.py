@@ -188,7 +188,7 @@ class Scheduler:
             if budget <= 0 or running + _sequences(seq) > self.config.max_num_seqs:
                 break
             n = self.restore_chunk(seq, budget)
-            if n is None or self.cache.blocks_for(seq.swapped_tokens + n) > (
+            if n is None or self.cache.restore_need(seq.swapped_tokens, n) > (
                 self.cache.num_free_blocks()
             ):
                 break
@@ -311,7 +311,7 @@ class Scheduler:
     def fits_worst_case(self, seq: Sequence) -> bool:
         """Without preemption nothing can be taken back, so admit a request only if it and every
         running request can grow to max_tokens in the blocks that are left (a declared seam)."""
-        growth = sum(self._worst_case_blocks(s) - len(s.table.block_ids) for s in self.running)
+        growth = sum(self._worst_case_blocks(s) - s.table.num_held() for s in self.running)
         # A parallel request whose samples together could outgrow the whole pool is admitted
         # once it has the pool to itself, never left waiting for a pool it cannot get.
         need = min(self._worst_case_blocks(seq), self.cache.pool.num_blocks)
@@ -320,7 +320,7 @@ class Scheduler:
     def _worst_case_blocks(self, seq: Sequence) -> int:
         """Blocks the sequence may come to hold. A parallel request before its fork (one sequence
         until its first token) becomes n sequences: n times as many."""
-        blocks = self.cache.blocks_for(len(seq.prompt_ids) + seq.params.max_tokens)
+        blocks = self.cache.max_blocks_for(len(seq.prompt_ids) + seq.params.max_tokens)
         return blocks * _sequences(seq)
 
     def _note_resume(self, seq: Sequence) -> None:
@@ -336,7 +336,7 @@ class Scheduler:
         if not plan.stalled or plan.scheduled or plan.preempted:
             return
         victim = plan.stalled[-1]  # running is oldest first
-        held = len({b for s in self.running for b in s.table.block_ids})
+        held = len({b for s in self.running for b in s.table.held_ids()})
         plan.failed.append(
             (
                 victim,
@@ -442,7 +442,7 @@ class Scheduler:
         held = held_blocks(seq, self.cache.pool) if self.observers else None
         self.running.remove(seq)
         seq.num_preemptions += 1
-        if mode == "swap" and self.swap_space.can_store(len(seq.table.block_ids)):
+        if mode == "swap" and self.swap_space.can_store(seq.table.num_held()):
             self._swap_out(seq, plan)
         else:
             mode = "recompute"

@@ -72,6 +72,25 @@ BUILTIN_CONFIGS: dict[str, ModelConfig] = {
         eos_token_ids=(_BYTES.eos_token_id,),
         revision="builtin:tiny-qwen2@seed0",
     ),
+    # Hybrid attention (kvpage.cache.groups): 1 global : 2 sliding-window layers, a window of
+    # 12 keys, so 8- and 16-token blocks fall out of it within a short decode.
+    "tiny-hybrid": ModelConfig(
+        model_type="llama",
+        vocab_size=_BYTES.vocab_size,
+        hidden_size=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_position_embeddings=4096,
+        norm_eps=1e-6,
+        rope=RopeConfig(theta=10000.0),
+        layer_windows=(12, 12, None),
+        bos_token_id=_BYTES.bos_token_id,
+        eos_token_ids=(_BYTES.eos_token_id,),
+        revision="builtin:tiny-hybrid@seed0",
+    ),
 }
 
 # Bias scale per model (default BIAS_STD). Qwen2 checkpoints carry large q/k biases; at the

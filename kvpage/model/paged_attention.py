@@ -3,11 +3,14 @@ writing KV through block tables into a pre-allocated pool.
 
 Per layer: the new tokens' K/V are written through `slot_mapping` (slot = block * B + offset), then
 decode tokens (one query each) attend in one batched SDPA over their gathered contexts, and each
-prefill chunk attends causally to its cached prefix and to itself."""
+prefill chunk attends causally to its cached prefix and to itself.
+
+Per-layer-group KV (kvpage.cache.groups): the metadata carries one view per group, and
+`paged_backend` sends each layer to its group's view, at the layer's row of the group's pages."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +42,17 @@ class PagedAttentionMetadata:
     # as it is, with no row gather or scatter.
     decode_only: bool = False
     decode_lens: torch.Tensor | None = None  # (Sd,) long context lengths: the native kernel's
+    # Layer groups 1.. (this view is group 0's) and layer -> (group, row); empty: one group,
+    # row = layer.
+    groups: list[PagedAttentionMetadata] = field(default_factory=list)
+    layer_map: tuple[tuple[int, int], ...] = ()
+
+
+def paged_backend(storage: KVStorage, meta: PagedAttentionMetadata):
+    """The step's attention backend: plain for one group, per group otherwise."""
+    if not meta.groups:
+        return PagedAttention(storage, meta)
+    return GroupedAttention(storage, meta)
 
 
 def validate_cu_seqlens(cu_seqlens: list[int], num_tokens: int) -> None:
@@ -135,3 +149,16 @@ class PagedAttention:
         k_ctx, v_ctx = self.storage.read_slots(layer, chunk.context_slots)  # (ctx, KVH, D)
         mask = causal_mask(q.shape[0], k_ctx.shape[0], q.device, window)
         return masked_attention(q, k_ctx, v_ctx, mask, scale)
+
+
+class GroupedAttention:
+    """Each layer attends through its own group's view (tables, slots) at its row of the pages:
+    one PagedAttention per group, sharing the storage."""
+
+    def __init__(self, storage: KVStorage, meta: PagedAttentionMetadata) -> None:
+        self.layer_map = meta.layer_map
+        self.backends = [PagedAttention(storage, m) for m in (meta, *meta.groups)]
+
+    def attend(self, layer: int, q, k, v, scale: float, window: int | None = None) -> torch.Tensor:
+        group, row = self.layer_map[layer]
+        return self.backends[group].attend(row, q, k, v, scale, window)

@@ -22,6 +22,7 @@ class Configure:
     num_blocks: int
     block_size: int
     kv_cache_dtype: str
+    rows: int = 0  # layers per pool page (kvpage.cache.groups); 0: every layer
     max_loras: int = 0  # > 0: the engine serves LoRA adapters, in tables of this many slots
     max_lora_rank: int = 0
 

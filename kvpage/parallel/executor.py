@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import torch
 
+from kvpage.cache.groups import kv_layout
 from kvpage.config import EngineConfig
 from kvpage.errors import WorkerFailure
 from kvpage.kv.format import KVFormat
@@ -65,6 +66,8 @@ class TensorParallelExecutor:
     def __init__(
         self, config: EngineConfig, model: CausalLM, num_blocks: int, fmt: KVFormat
     ) -> None:
+        mcfg = model.config
+        rows = kv_layout(mcfg.num_layers, mcfg.layer_windows, config.kv_layer_groups).rows
         self.workers, self.shared = _group_for(
             model, config.tensor_parallel_size, config.tensor_parallel_timeout_s
         )
@@ -77,16 +80,16 @@ class TensorParallelExecutor:
                     num_blocks,
                     config.block_size,
                     config.kv_cache_dtype,
-                    config.max_loras if config.enable_lora else 0,
-                    config.max_lora_rank,
+                    rows,
+                    max_loras=config.max_loras if config.enable_lora else 0,
+                    max_lora_rank=config.max_lora_rank,
                 )
             )
         except WorkerFailure:
             self.workers.shutdown()  # failed: not worth keeping, shared or not
             raise
-        mcfg = model.config
         shard = KVStorage(
-            mcfg.num_layers,
+            rows,
             num_blocks,
             config.block_size,
             self.workers.plan.num_kv_heads,

@@ -16,7 +16,7 @@ from kvpage.kv.format import kv_format
 from kvpage.kv.storage import KVStorage
 from kvpage.lora.apply import LoraContext
 from kvpage.lora.tables import SlotTables
-from kvpage.model.paged_attention import PagedAttention
+from kvpage.model.paged_attention import paged_backend
 from kvpage.parallel.commands import (
     Configure,
     CopyBlock,
@@ -90,7 +90,7 @@ class Shard:
         fmt = kv_format(cmd.kv_cache_dtype, self.model.dtype)
         self.storage = None  # the previous engine's pool goes before the new one is allocated
         self.storage = KVStorage(
-            cfg.num_layers,
+            cmd.rows or cfg.num_layers,
             cmd.num_blocks,
             cmd.block_size,
             self.plan.num_kv_heads,
@@ -130,7 +130,7 @@ class Shard:
         if self.lora is not None:
             self.lora.use_rows(cmd.lora_rows)
         try:
-            self.model(cmd.ids_pos[0], cmd.ids_pos[1], PagedAttention(self.storage, cmd.meta))
+            self.model(cmd.ids_pos[0], cmd.ids_pos[1], paged_backend(self.storage, cmd.meta))
         finally:
             if self.lora is not None:
                 self.lora.use_rows(None)

@@ -103,6 +103,7 @@ def _record(
         kv_dtype=trip.kv_dtype(model.dtype),
         kv_layout=trip.layout_version,
         scale_digests=_span_digests(cache, scale_span),
+        layer_windows=model.config.layer_windows,
     )
     return make_record(
         request_id, len(out.token_ids), step_input, out.positions[-1], logits, token, view

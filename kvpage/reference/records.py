@@ -26,6 +26,22 @@ class ViewEntry(NamedTuple):  # a tuple: one is built per block per traced step
     scale: str = ""  # digest of the block's scales over its valid tokens (quantized KV only)
 
 
+class GroupView(NamedTuple):
+    """One extra layer group's table as a step read it (kvpage.cache.groups): its window (None:
+    global), its layers, the first position its window lets the step's last query see, and its
+    entries (a window group's given-back ones are absent)."""
+
+    group: int
+    window: int | None
+    layers: tuple[int, ...]  # the layers whose attention reads this table
+    window_start: int  # the first key the step's first query may see
+    entries: tuple[ViewEntry, ...]
+    query_start: int = 0  # the step's first query position
+    # Per entry, the block position its prefix-index key names (-1: not published): a block
+    # published for one position and read at another holds another position's KV.
+    published_at: tuple[int, ...] = ()
+
+
 @dataclass(frozen=True, slots=True)
 class CacheView:
     """The KV one step read for one request. Every layer reads through the same table here (the
@@ -41,6 +57,10 @@ class CacheView:
     # Quantized KV: one digest of the scales read per block (the reference: per block-sized
     # span of its contiguous cache, so the two line up block by block).
     scale_digests: tuple[str, ...] = ()
+    # Layer groups 1.. (group 0 is `entries`); empty with one group (every layer, one table).
+    groups: tuple[GroupView, ...] = ()
+    # The reference's side: each layer's sliding window (None: global), from its own config.
+    layer_windows: tuple[int | None, ...] = ()
 
     @property
     def last_block_len(self) -> int:

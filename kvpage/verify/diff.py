@@ -8,6 +8,10 @@ matrix, so where the first divergence falls names what to check:
                                                suite: the same case with unquantized KV matches)
   diverges at the end of prefill / a hit    -> prefix_key:   namespace, prefix digest, position ids
   diverges later (after a block boundary)   -> block_table:  in-block offset, last-block length
+  a layer group's view is not the window's   -> layer_group:  the group and its first layer, the
+                                               blocks its window needs and those it held
+                                               (kvpage.verify.group_views; found on the view itself,
+                                               so it comes first)
 
 The first two come first: when the logits agree, no KV was read wrongly, so the cause is in what
 turns logits into tokens or decides when to stop, whatever the cache did before.
@@ -21,6 +25,7 @@ from typing import Any
 import torch
 
 from kvpage.reference.records import StepRecord
+from kvpage.verify.group_views import group_mismatch
 from kvpage.verify.sampling_oracle import filtered_support  # the oracle, not the sampler
 
 DEFAULT_ATOL = 1e-4  # callers that give no tolerance (the diff's own unit tests)
@@ -175,6 +180,15 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
         "position_ids_cand",
     ),
     "block_table": ("in_block_offset", "last_block_len", "block_ids", "generations"),
+    "layer_group": (
+        "group",
+        "first_layer",
+        "window_start",
+        "needed_blocks",
+        "held_blocks",
+        "block_ids",
+        "generations",
+    ),
     "prompt_logprobs": ("position", "token", "expected", "actual", "num_cached_tokens"),
     "lora": (
         "adapter_ref",
@@ -224,6 +238,9 @@ WHERE_TO_LOOK = {
     "version, the quantiser's rounding",
     "prefix_key": "prefix key (namespace, chained digest) and position ids",
     "block_table": "in-block offset and last-block valid length in the block table",
+    "layer_group": "per-layer-group KV: the window trim, the hybrid prefix-hit rule, which "
+    "group's table each layer reads (kvpage/cache/groups.py, manager.trim / extra_hits, "
+    "runner.layer_map)",
     "lora": "LoRA: the adapter's identity in the namespace (name and weights digest, apart "
     "from the salt), the mixed batch's row groups, the adapter's factors and scale "
     "(kvpage/lora/, LLMEngine.request_namespace)",
@@ -395,6 +412,9 @@ def _compare(ref: StepRecord, cand: StepRecord, atol: float):
             f"keyed in {cand.view.namespace[:16]}, expected {ref.view.namespace[:16]}",
             None,
         )
+    groups = group_mismatch(ref, cand)
+    if groups is not None:
+        return "layer_group", groups.reason, _max_abs(ref, cand)
     if ref.input_ids != cand.input_ids:
         return "input_ids", f"{cand.input_ids[:8]} != {ref.input_ids[:8]}", None
     if ref.position_ids != cand.position_ids:
@@ -420,6 +440,10 @@ def attribute(
     drift: float | None = None,
     atol: float = DEFAULT_ATOL,
 ) -> Attribution:
+    groups = group_mismatch(ref, cand)
+    if groups is not None:
+        missing = [f for f in REQUIRED_FIELDS["layer_group"] if groups.fields.get(f) is None]
+        return Attribution("layer_group", groups.reason, groups.fields, missing)
     if (
         ref.chosen_token != cand.chosen_token
         and drift is not None

@@ -35,6 +35,10 @@ first and the others fill the second lane beside it. Seconds per cell from `time
   tiny-qwen2/float32/kv-int8/tp2       batching                                  none         5.7
   tiny-qwen2/float32/w-int8/kv-auto/tp1  batching, preemption                    none         4.9
                                        (added later, timed alone at load ~1.7, not in the total)
+  tiny-hybrid/float32/kv-auto/tp1      layer_groups                              the 4       4.5
+                                       (added with per-layer-group KV: 4 cases and its 4 mutants,
+                                       each caught by the first case; from a `time make run` at
+                                       load 4-5, which took 5m31s in all: not in the total)
   total wall (two lanes)                                                                     65.2
                                                         (`time make run`: 1m07s, under 3 min)
 
@@ -59,16 +63,17 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from multiprocessing import get_context
 
-from kvpage.verify.cases import SUITES
+from kvpage.verify.cases import ALL_SUITES, SUITES
 from kvpage.verify.gate import run_gate
 from kvpage.verify.generated.stage import GeneratedStage
 from kvpage.verify.mutants import MUTANTS
+from kvpage.verify.mutants.layer_groups import LAYER_GROUP_MUTANTS
 
 MODELS = ("builtin:tiny-llama", "builtin:tiny-qwen2")
 DTYPES = ("float32", "bfloat16")
 KV_DTYPES = ("auto", "bfloat16", "int8", "fp8_e4m3")
 TP_SIZES = (1, 2)
-MUTANT_PARTS = ("all", "format", "none")
+MUTANT_PARTS = ("all", "format", "groups", "none")
 # Scenarios of the default generated stage: the generality figure is measured over the same
 # ones on every machine (a time budget alone would make it depend on the machine's speed).
 DEFAULT_SCENARIOS = 60
@@ -126,6 +131,8 @@ class Cell:
             return False
         if self.mutants == "all":
             return True
+        if self.mutants == "groups":
+            return tuple(m.name for m in LAYER_GROUP_MUTANTS)
         formats = (self.kv_cache_dtype, *self.kv_copies)
         return tuple(m.name for m in MUTANTS if m.kv_cache_dtype in formats)
 
@@ -141,6 +148,9 @@ STACK = Cell("builtin:tiny-llama", suites=(), mutants="all", stack=True)
 # What `--suite` may name besides the hand-written suites.
 PARTS = ("generated", "stack")
 QWEN2 = "builtin:tiny-qwen2"
+# Global and sliding-window layers (kvpage.cache.groups): the layer-group suite and mutants,
+# which cannot be expressed on the other models (they are "not applicable" on the main cell).
+HYBRID = Cell("builtin:tiny-hybrid", suites=("layer_groups",), mutants="groups")
 
 # Int8 weights (EngineConfig.quantization): the engine's fused int8 matmul against the
 # reference's own dequantise-then-float32-matmul of the same codes (kvpage.reference
@@ -170,6 +180,7 @@ DEFAULT: tuple[Cell, ...] = (
     Cell(QWEN2, kv_cache_dtype="int8", suites=("prefix", "batching", "preemption", "parallel")),
     Cell(QWEN2, kv_cache_dtype="int8", tensor_parallel_size=2, suites=("batching",)),
     INT8_WEIGHTS,
+    HYBRID,
     GENERATED,
     STACK,
 )
@@ -192,7 +203,7 @@ def full_cells() -> tuple[Cell, ...]:
                     cell = Cell(model, dtype, kv, tp, mutants=_full_mutants(model, dtype, kv, tp))
                     if _key(cell) != _key(MAIN):
                         cells.append(cell)
-    return (*cells, replace(INT8_WEIGHTS, suites=SUITES), GENERATED, STACK)
+    return (*cells, replace(INT8_WEIGHTS, suites=SUITES), HYBRID, GENERATED, STACK)
 
 
 def _full_mutants(model: str, dtype: str, kv: str, tp: int) -> str:
@@ -220,7 +231,7 @@ def matrix_cells(name: str) -> tuple[Cell, ...]:
 
 
 def pin(
-    cells: Iterable[Cell], dims: dict, suites: tuple[str, ...] = SUITES, mutants: bool = True
+    cells: Iterable[Cell], dims: dict, suites: tuple[str, ...] = ALL_SUITES, mutants: bool = True
 ) -> list[Cell]:
     """The cells with `dims` (Cell fields: the user's --model, --dtype, ...) fixed, narrowed
     to `suites`, without mutants when `mutants` is False. A cell left with no suite, or that

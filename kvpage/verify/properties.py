@@ -18,7 +18,6 @@ set are computed here from the configuration and public sequence state."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from itertools import combinations, takewhile
 
@@ -199,7 +198,7 @@ class StepProperties(EngineObserver):
 
     def _worst(self, seq: Sequence) -> int:
         total = len(seq.prompt_ids) + seq.params.max_tokens
-        return math.ceil(total / self.config.block_size) * self._unforked_n(seq)
+        return self.engine.cache.max_blocks_for(total) * self._unforked_n(seq)  # all groups
 
     def _unforked_n(self, seq: Sequence) -> int:
         unforked = seq.params.n > 1 and seq.sample_index == 0 and not seq.output_ids
@@ -207,7 +206,7 @@ class StepProperties(EngineObserver):
 
     def _growth(self) -> int:
         running = self.engine.scheduler.running
-        return sum(max(0, self._worst(s) - len(s.table.block_ids)) for s in running)
+        return sum(max(0, self._worst(s) - s.table.num_held()) for s in running)
 
     def _fits(self, seq: Sequence) -> bool:
         need = min(self._worst(seq), self.engine.cache.pool.num_blocks)
@@ -270,7 +269,7 @@ class StepProperties(EngineObserver):
             return False
         if not self.engine.scheduler.preemption_enabled:
             return self._fits(seq)
-        whole = math.ceil(seq.num_tokens / self.config.block_size)
+        whole = self.engine.cache.max_blocks_for(seq.num_tokens)  # every layer group's
         return whole <= self.engine.cache.num_free_blocks()
 
     def _held_too_long(self, plan: StepPlan, held: _Held, passed: list[int]) -> None:

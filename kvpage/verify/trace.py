@@ -14,6 +14,7 @@ from kvpage.reference.records import (
     EMPTY_VIEW,
     TOP_K,
     CacheView,
+    GroupView,
     StepRecord,
     ViewEntry,
     logits_digests,
@@ -120,7 +121,7 @@ class EngineTracer:
                     zip(range(first + lo - start, first + end - start), rows, strict=True)
                 )
             if seq.seq_id in sampling:
-                self._views[seq.seq_id] = self._view(seq, snap)
+                self._views[seq.seq_id] = self._view(seq, snap, first)
 
     def on_step_ran(self, batch) -> None:
         """The model ran and the blocks are still pinned: a quantized view takes the scales its
@@ -205,10 +206,23 @@ class EngineTracer:
     def _pending_for(self, seq) -> _PendingInputs:
         return self._pending.setdefault(seq.sample_id, _PendingInputs())
 
-    def _view(self, seq, snap) -> CacheView:
+    def _view(self, seq, snap, query_start: int = 0) -> CacheView:
+        entries = self._entries(enumerate(snap.entries))
+        groups = self._group_views(snap, query_start) if snap.extra_entries else ()
+        return CacheView(
+            tuple(entries),
+            snap.epoch,
+            seq.chain.namespace_digest.hex(),
+            self._block_size,
+            kv_dtype=self._kv_format.name,
+            kv_layout=self._kv_format.layout_version,
+            groups=groups,
+        )
+
+    def _entries(self, numbered) -> list[ViewEntry]:
         blocks = self.engine.cache.pool.blocks
         entries = []
-        for i, (bid, generation, valid_len) in enumerate(snap.entries):
+        for i, (bid, generation, valid_len) in numbered:
             b = blocks[bid]
             owners = len(b.owners)
             entries.append(
@@ -222,14 +236,29 @@ class EngineTracer:
                     b.state._value_,  # the plain attribute: Enum.name/.value go through descriptors
                 )
             )
-        return CacheView(
-            tuple(entries),
-            snap.epoch,
-            seq.chain.namespace_digest.hex(),
-            self._block_size,
-            kv_dtype=self._kv_format.name,
-            kv_layout=self._kv_format.layout_version,
-        )
+        return entries
+
+    def _published_at(self, block_id: int) -> int:
+        entry = self.engine.cache.index.by_block.get(block_id)
+        return -1 if entry is None else entry.depth
+
+    def _group_views(self, snap, query_start: int) -> tuple[GroupView, ...]:
+        """Every extra layer group's view: the layers whose attention reads it (the runner's
+        map), its window, the first key the step's first query sees, its held entries at their
+        logical positions."""
+        windows = self.engine.cache.extra_windows
+        layer_map = self.engine.runner.layer_map
+        views = []
+        pairs = zip(snap.extra_block_ids, snap.extra_entries, strict=True)
+        for g, (ids, held) in enumerate(pairs, start=1):
+            window = windows[g - 1]
+            layers = tuple(i for i, (group, _) in enumerate(layer_map) if group == g)
+            logical = [i for i, bid in enumerate(ids) if bid >= 0]
+            start = 0 if window is None else max(0, query_start - window + 1)
+            entries = tuple(self._entries(zip(logical, held, strict=True)))
+            at = tuple(self._published_at(e.block_id) for e in held)
+            views.append(GroupView(g, window, layers, start, entries, query_start, at))
+        return tuple(views)
 
     def _with_scales(self, view: CacheView, scales: torch.Tensor, at: dict[int, int]) -> CacheView:
         """The scales a quantized step read, per block and layer; `scales` holds block

@@ -68,11 +68,16 @@ def _hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt) :]
 
 
-def _config(directory, **kw) -> dict:
+# Gemma 3's window groups give blocks back (kvpage.cache.groups), which moves its schedule: at 16
+# blocks its fork's samples are both swapped out before either writes (no copy-on-write).
+POOL = {"gemma3": 12}
+
+
+def _config(directory, num_blocks: int = 16, **kw) -> dict:
     return dict(
         model=str(directory),
         block_size=BLOCK,
-        num_blocks=16,  # well under what all requests need at once: preemption must happen
+        num_blocks=num_blocks,  # well under what all requests need at once: preemption must happen
         max_num_batched_tokens=24,  # prompts up to 37 tokens: chunked prefill
         preemption_mode="swap",
         debug_checks=True,
@@ -94,7 +99,7 @@ def _assert_same_tokens(name: str, tp_out, ref_out, stats) -> None:
 def test_tp2_equals_tp1_and_hf(name, hf_dirs):
     hf_model, directory = hf_dirs[name]
     prompts = prefix_prompts(BLOCK, hf_model.config.vocab_size, n=10, seed=3)
-    config = _config(directory)
+    config = _config(directory, POOL.get(name, 16))
     ref_out, ref_logits, _ = _run(EngineConfig(**config), prompts)
     tp_out, tp_logits, stats = _run(EngineConfig(**config, tensor_parallel_size=2), prompts)
 

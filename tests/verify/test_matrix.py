@@ -12,6 +12,7 @@ from kvpage.verify.cases import SUITES
 from kvpage.verify.gate import GatePlan
 from kvpage.verify.matrix import DEFAULT, MAIN, Cell, MatrixResult, full_cells, pin, run_matrix
 from kvpage.verify.mutants import MUTANTS
+from kvpage.verify.mutants.layer_groups import LAYER_GROUP_MUTANTS
 from kvpage.verify.report import summary_table, write_reports
 from kvpage.verify.suites import Runtime
 
@@ -24,7 +25,10 @@ def _formats(cell: Cell) -> set[str]:
 
 def test_default_matrix_covers_every_value_of_every_dimension():
     assert DEFAULT[0] == MAIN and MAIN.mutants == "all" and MAIN.suites == SUITES
-    assert {c.model for c in DEFAULT} == set(matrix.MODELS)
+    assert {c.model for c in DEFAULT} == {*matrix.MODELS, matrix.HYBRID.model}
+    # the layer-group suite and mutants, on the one model that has global and window layers
+    assert [c for c in DEFAULT if c.mutants == "groups"] == [matrix.HYBRID]
+    assert matrix.HYBRID.mutant_names() == tuple(m.name for m in LAYER_GROUP_MUTANTS)
     assert {c.dtype for c in DEFAULT} == set(matrix.DTYPES)
     assert set().union(*map(_formats, DEFAULT)) == set(matrix.KV_DTYPES)
     assert {c.tensor_parallel_size for c in DEFAULT} == set(matrix.TP_SIZES)
@@ -51,7 +55,9 @@ def test_pin_keeps_the_generated_and_stack_cells_only_when_their_part_is_asked_f
 def test_full_matrix_is_every_combination_once():
     weights = [c for c in full_cells() if c.quantization != "none"]
     assert [(c.quantization, c.suites) for c in weights] == [("int8", SUITES)]
-    cells = [c for c in full_cells() if not (c.generated or c.stack or c in weights)]
+    hybrid = [c for c in full_cells() if c.model == matrix.HYBRID.model]
+    assert hybrid == [matrix.HYBRID]
+    cells = [c for c in full_cells() if not (c.generated or c.stack or c in weights or c in hybrid)]
     assert full_cells()[-2:] == (matrix.GENERATED, matrix.STACK)
     keys = [(c.model, c.dtype, c.kv_cache_dtype, c.tensor_parallel_size) for c in cells]
     assert len(keys) == len(set(keys))

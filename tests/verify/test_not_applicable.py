@@ -9,6 +9,7 @@ import pytest
 import kvpage.verify.gate as gate
 from kvpage.model import load_model
 from kvpage.verify.mutants import MUTANTS
+from kvpage.verify.mutants.layer_groups import LAYER_GROUP_MUTANTS
 from kvpage.verify.report import markdown as report_markdown
 from kvpage.verify.report import scores, summary_table
 from tests.model.hf_models import save_hf
@@ -22,7 +23,8 @@ def test_one_scale_for_all_heads_needs_two_kv_heads(tmp_path):
     save_hf("llama-mqa", tmp_path)
     mqa, _ = load_model(str(tmp_path), "float32")
     assert "one KV head" in ONE_SCALE.not_applicable(mqa.config)
-    others = [m for m in MUTANTS if m is not ONE_SCALE]
+    # The layer-group mutants need global and window layers (tests/verify/test_layer_groups.py).
+    others = [m for m in MUTANTS if m is not ONE_SCALE and m not in LAYER_GROUP_MUTANTS]
     assert all(m.not_applicable(mqa.config) is None for m in others)
 
 

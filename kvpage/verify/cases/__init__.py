@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvpage.verify.case import Case
 from kvpage.verify.cases.batching import batching_cases
 from kvpage.verify.cases.failure import failure_cases
+from kvpage.verify.cases.layer_groups import layer_group_cases
 from kvpage.verify.cases.lora import lora_cases
 from kvpage.verify.cases.namespaces import namespace_cases
 from kvpage.verify.cases.parallel import parallel_cases
@@ -31,6 +32,10 @@ SUITES = (
     "prompt_logprobs",
     "lora",
 )
+# Suites that need a model of a given shape, run by the cells of such a model (kvpage.verify
+# .matrix): layer_groups needs global and sliding-window layers (builtin:tiny-hybrid).
+SHAPED_SUITES = ("layer_groups",)
+ALL_SUITES = (*SUITES, *SHAPED_SUITES)
 BLOCK_SIZES = (8, 16)
 
 
@@ -58,6 +63,7 @@ def build_suites(
         "parallel": parallel_cases,
         "prompt_logprobs": prompt_logprob_cases,
         "lora": lora_cases,
+        "layer_groups": layer_group_cases,
     }
     for name, build in builders.items():
         if name in suites:

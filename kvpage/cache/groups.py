@@ -1,0 +1,113 @@
+"""Per-layer-group KV: layers grouped by attention kind, each group with its own block tables over
+one shared pool, and a sliding-window group giving back the blocks that fell out of its window.
+
+Design (issue 24, items 2-3).
+
+Storage. One pool of pages; a page holds the K/V of `rows` layers of ONE group (vLLM's hybrid
+allocator). Layers are grouped by kind (global, or sliding window W), each kind split into groups
+of `rows` layers, `rows` = the gcd of the kinds' layer counts, so no page row is padding: Gemma 3's
+5 local : 1 global over 6 layers is 6 groups of 1 layer; 22 : 4 over 26 layers 13 groups of 2.
+Layer l lives in row `row_of[l]` of the pages of group `group_of[l]` (`KVLayout.layer_map`). The
+storage tensor is (rows, 2, num_blocks, B, KVH, D): a block id names one page, and a page a
+window group frees is memory any group can take next. A model without two kinds of layer is one
+group of every layer (rows = num_layers): today's layout, tables and code path, unchanged.
+An all-windowed model (Mistral) is one group too: the model masks the window, nothing is freed
+(group 0 must hold the whole prefix: see below).
+
+Tables. Group 0 is always a global group, and it is the table everyone already reads
+(`BlockTable.block_ids`: events, traces, prefix-hit reports, swap accounting). Groups 1.. are
+`BlockTable.extra[g - 1]`, one list per group, the same length as block_ids
+(ceil(num_tokens / B)); a window group's leading entries that fell out of the window are
+NULL_BLOCK. All groups of a table advance together: one num_tokens, one publish cursor.
+
+Freeing. A query at position p sees keys p - W + 1 .. p, so once the next token to compute is at
+`start` no query will read a block whose last position is below start - W + 1:
+`first_needed_block(start)` = max(0, start - W + 1) // B. Before each append (and before a swap-out)
+the manager drops the window group's entries below it (`trim`): the block's owner goes, a
+published block goes CACHED (still hit-able, evictable), an unpublished one FREE. Freeing happens
+before the step's allocation, so the pages come back in time to be reused by that very step.
+
+Prefix hits (vLLM's hybrid rule). Every group publishes its full blocks under its own key (the
+chained key salted by the group: one index, one LRU over all groups). A global group's entries form
+the radix tree as today; a window group's are flat (no parent: its table no longer holds the
+blocks before the window), so each is an evictable leaf on its own. A hit of h blocks needs the
+whole prefix [0, h) in every global group, and in every window group only the blocks
+[first_needed_block(h * B), h): the longest h that all groups satisfy is taken; the window
+groups hold only those blocks (NULL before them).
+
+Preemption, swap and CoW work per group: a swap-out trims first and copies every group's held
+pages (group 0's, then each extra group's non-NULL ones, in order); the restore allocates the
+same pages again (the trim of the same position) and copies them back in the same order. CoW
+copies a page (all its rows). Quantized KV: scales live per page row, invalidated per page, so
+it is the same code. Tensor parallelism shards the KV heads of the same layout.
+
+Attention. The runner builds one PagedAttentionMetadata per group (its slots, decode tables with
+NULL entries read as block 0, which the window mask and the kernel's per-sequence start never
+reach); `GroupedAttention` sends each layer to its group's backend with its row."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+NULL_BLOCK = -1  # a table entry a window group gave back (or never took: before a hit's window)
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    window: int | None  # None: a global group (holds the whole prefix)
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    groups: tuple[KVGroup, ...]
+    rows: int  # layers per page
+    layer_map: tuple[tuple[int, int], ...]  # layer -> (group, row in the group's pages)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def extra_windows(self) -> tuple[int | None, ...]:
+        """The windows of groups 1.. (the extra tables of a BlockTable)."""
+        return tuple(g.window for g in self.groups[1:])
+
+    def pages_per_block(self, num_layers: int) -> int:
+        """Pages that hold the memory of one whole-model block."""
+        return num_layers // self.rows
+
+
+def single_group(num_layers: int) -> KVLayout:
+    """Every layer in one global group: one table per sequence, page row = layer."""
+    layers = tuple(range(num_layers))
+    return KVLayout((KVGroup(None, layers),), num_layers, tuple((0, i) for i in layers))
+
+
+def kv_layout(num_layers: int, layer_windows: tuple[int | None, ...], enabled: bool) -> KVLayout:
+    """Groups for a model whose layers have these windows (empty: all global). Hybrid only with
+    both global and windowed layers, and when enabled."""
+    windows = layer_windows or (None,) * num_layers
+    kinds: dict[int | None, list[int]] = {}
+    for layer, w in enumerate(windows):
+        kinds.setdefault(w, []).append(layer)
+    if not enabled or len(kinds) < 2 or None not in kinds:
+        return single_group(num_layers)
+    rows = math.gcd(*(len(v) for v in kinds.values()))
+    order = [None] + sorted(w for w in kinds if w is not None)  # global first: group 0
+    groups: list[KVGroup] = []
+    layer_map: dict[int, tuple[int, int]] = {}
+    for w in order:
+        layers = kinds[w]
+        for at in range(0, len(layers), rows):
+            part = tuple(layers[at : at + rows])
+            for row, layer in enumerate(part):
+                layer_map[layer] = (len(groups), row)
+            groups.append(KVGroup(w, part))
+    return KVLayout(tuple(groups), rows, tuple(layer_map[i] for i in range(num_layers)))
+
+
+def first_needed_block(start: int, window: int, block_size: int) -> int:
+    """The first block a query at a position >= start can see under a window of `window` keys."""
+    return max(0, start - window + 1) // block_size
