@@ -9,7 +9,12 @@ copy is a cache keyed by each weight's storage and version counter, so an in-pla
 `.to()` repacks instead of serving stale weights. Autograd never sees the packed path.
 
 Int8Linear layers (kvpage.model.int8) take the int8 kernel instead: their codes and scales are
-concatenated once (the same cache key) and the dequantisation stays fused in the matmul."""
+concatenated once (the same cache key) and the dequantisation stays fused in the matmul.
+
+Decode-sized inputs (at most `native_gemv.max_rows` rows: batch-1 decode, the LM head on a few
+rows) go to kvpage's weight GEMV kernel (kvpage.model.native_gemv) where it is built: it reads
+the layers' own weights (no copy), one pass per call, and is faster there than either torch
+kernel; the same cache key rebuilds it."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpage.errors import InvariantViolation
+from kvpage.model import native_gemv
 from kvpage.model.int8 import Int8Linear, int8_matmul
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -41,6 +47,8 @@ class Projection:
         self._weight: torch.Tensor | None = None
         self._scales: torch.Tensor | None = None  # int8 layers only
         self._bias: torch.Tensor | None = None
+        self._gemv: native_gemv.WeightGemv | None = None  # built with the pack, if it runs
+        self._gemv_rows = 0  # the most rows of x it takes
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.int8:
@@ -49,15 +57,45 @@ class Projection:
             return tuple(F.linear(x, lin.weight, _bias(lin)) for lin in self.linears)
         if self._key != self._current_key():
             self._pack()
+        if self._use_gemv(x):
+            return self._split(self._gemv(x))
         y = torch.ops.mkldnn._linear_pointwise(x, self._weight, self._bias, "none", [], "")
+        return self._split(y)
+
+    def _use_gemv(self, x: torch.Tensor) -> bool:
+        # No autograd through the kernel: an input that needs gradients takes torch's path.
+        return (
+            0 < _rows(x) <= self._gemv_rows
+            and x.dtype == self._gemv.x_dtype
+            and x.is_cpu
+            and not x.requires_grad
+        )
+
+    def _split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (y,)
 
     def _int8_call(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self._key != self._current_key():
             self._concat_int8()
+        if self._use_gemv(x):
+            return self._split(self._gemv(x))  # the bias added in the kernel, in float32
         y = int8_matmul(x, self._weight, self._scales)
         y = y if self._bias is None else y + self._bias
-        return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (y,)
+        return self._split(y)
+
+    def _build_gemv(self, weights: list, scales: list, x_dtype: torch.dtype) -> None:
+        """The native kernel over the layers' own tensors, where it runs for these dtypes."""
+        self._gemv, self._gemv_rows = None, 0
+        rows = native_gemv.max_rows(x_dtype, weights[0].dtype)
+        tensors = [*weights, *(s for s in scales if s is not None)]
+        if rows == 0 or not all(t.is_contiguous() and t.is_cpu for t in tensors):
+            return
+        biases = [_bias(lin) for lin in self.linears]
+        biases = [None if b is None else b.detach() for b in biases]
+        if any(b is not None and (b.dtype != x_dtype or not b.is_contiguous()) for b in biases):
+            return
+        self._gemv = native_gemv.WeightGemv(weights, scales, biases, x_dtype)
+        self._gemv_rows = rows
 
     def _concat_int8(self) -> None:
         with torch.no_grad():
@@ -65,6 +103,8 @@ class Projection:
             self._scales = torch.cat([lin.scales for lin in self.linears])
             biases = [_bias(lin) for lin in self.linears]
             self._bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+            codes = [lin.weight_int8 for lin in self.linears]
+            self._build_gemv(codes, [lin.scales for lin in self.linears], self._scales.dtype)
         self._key = self._current_key()
 
     def _packable(self, x: torch.Tensor) -> bool:
@@ -87,7 +127,13 @@ class Projection:
             self._weight = torch.ops.mkldnn._reorder_linear_weight(weight)
             biases = [_bias(lin) for lin in self.linears]
             self._bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+            weights = [lin.weight.detach() for lin in self.linears]
+            self._build_gemv(weights, [None] * len(weights), weights[0].dtype)
         self._key = self._current_key()
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.shape[0] if x.dim() == 2 else x.numel() // max(x.shape[-1], 1)
 
 
 def _all_int8(linears: tuple[nn.Module, ...]) -> bool:
