@@ -4,7 +4,7 @@ pins, sampling, observers, outputs).
 
     python bench/decode_profile.py [--seqs 32] [--prompt 128] [--gen 64] [--steps 12]
                                    [--windows 3] [--threads 2] [--kv-heads 4] [--top 15]
-                                   [--dtype float32|bfloat16]
+                                   [--dtype float32|bfloat16] [--quantization none|int8]
 
 Builds the 125M Llama of bench/throughput.py (`build_model`, same seed and init) with `--kv-heads`
 KV heads, adds `--seqs` requests of `--prompt` random tokens (`--gen` outputs, EOS ignored) to one
@@ -75,6 +75,7 @@ def make_engine(model_dir: str, args) -> LLM:
         max_num_seqs=args.seqs,
         max_num_batched_tokens=2048,
         dtype=args.dtype,
+        quantization=args.quantization,
         device="cpu",
         seed=0,
     )
@@ -176,6 +177,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--quantization", default="none", choices=("none", "int8"))
     ap.add_argument("--no-profile", action="store_true", help="skip cProfile / torch.profiler")
     args = ap.parse_args()
     needed = 2 + args.steps * (args.windows + (0 if args.no_profile else 1))
@@ -186,7 +188,8 @@ def main() -> None:
     name = f"125m-kv{args.kv_heads}"
     MODELS.setdefault(name, {**MODELS["120m"], "num_key_value_heads": args.kv_heads})
     print(
-        f"torch {torch.__version__}, {args.threads} threads, fp32, model {name} "
+        f"torch {torch.__version__}, {args.threads} threads, {args.dtype}, weights "
+        f"{args.quantization}, model {name} "
         f"(d768, 12 layers, 12 heads / {args.kv_heads} kv heads, vocab 32000), "
         f"{args.seqs} seqs x ({args.prompt} prompt + {args.gen} generated), block {BLOCK_SIZE}"
     )

@@ -37,8 +37,10 @@ KINDS = {
     (torch.float32, torch.float32): 3,
 }
 # Per kind the most rows of x the kernel takes (bench/int8_weights.py --kernel-sweep): above it
-# torch is faster. 0: torch always.
-MAX_ROWS = {0: 64, 1: 64, 2: 8, 3: 0}
+# torch is faster. 0: torch always. int8: every row count; torch's int8 kernel is slower at one
+# row and ~100x slower at 16 (and in torch 2.13 wrong for bfloat16 when K % 16 != 0).
+ALL_ROWS = 1 << 62
+MAX_ROWS = {0: ALL_ROWS, 1: ALL_ROWS, 2: 8, 3: 0}
 
 
 def available() -> bool:

@@ -49,6 +49,9 @@ class Projection:
         self._bias: torch.Tensor | None = None
         self._gemv: native_gemv.WeightGemv | None = None  # built with the pack, if it runs
         self._gemv_rows = 0  # the most rows of x it takes
+        # Where each layer keeps its tensors (read on every call for the cache key: a dict
+        # lookup, not nn.Module.__getattr__, which cost more than the batch-1 matmul it guards).
+        self._slots = [slot for lin in linears for slot in _slots(lin)]
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.int8:
@@ -76,9 +79,11 @@ class Projection:
 
     def _int8_call(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self._key != self._current_key():
-            self._concat_int8()
+            self._refresh_int8()
         if self._use_gemv(x):
             return self._split(self._gemv(x))  # the bias added in the kernel, in float32
+        if self._weight is None:  # torch's kernel takes one matrix: concatenated at first use
+            self._concat_int8()
         y = int8_matmul(x, self._weight, self._scales)
         y = y if self._bias is None else y + self._bias
         return self._split(y)
@@ -97,20 +102,26 @@ class Projection:
         self._gemv = native_gemv.WeightGemv(weights, scales, biases, x_dtype)
         self._gemv_rows = rows
 
+    def _refresh_int8(self) -> None:
+        """After a change of the layers' tensors: the kernel rebuilt on them, the concatenation
+        for torch's kernel dropped (remade if torch's path runs again)."""
+        self._weight = self._scales = self._bias = None
+        codes = [lin.weight_int8 for lin in self.linears]
+        scales = [lin.scales for lin in self.linears]
+        self._build_gemv(codes, scales, scales[0].dtype)
+        self._key = self._current_key()
+
     def _concat_int8(self) -> None:
         with torch.no_grad():
             self._weight = torch.cat([lin.weight_int8 for lin in self.linears])
             self._scales = torch.cat([lin.scales for lin in self.linears])
             biases = [_bias(lin) for lin in self.linears]
             self._bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-            codes = [lin.weight_int8 for lin in self.linears]
-            self._build_gemv(codes, [lin.scales for lin in self.linears], self._scales.dtype)
-        self._key = self._current_key()
 
     def _packable(self, x: torch.Tensor) -> bool:
         weight = self.linears[0].weight
         return (
-            x.device.type == "cpu"
+            x.is_cpu
             and x.dtype == weight.dtype
             and weight.dtype in PACKABLE_DTYPES
             and not (torch.is_grad_enabled() and weight.requires_grad)
@@ -118,8 +129,12 @@ class Projection:
         )
 
     def _current_key(self) -> tuple:
-        params = [p for lin in self.linears for p in (*_weights(lin), _bias(lin)) if p is not None]
-        return tuple((p.data_ptr(), _version(p), p.dtype) for p in params)
+        key = []
+        for table, layer, name in self._slots:
+            p = table.get(name) if table is not None else getattr(layer, name, None)
+            if p is not None:
+                key.append((p.data_ptr(), _version(p), p.dtype))
+        return tuple(key)
 
     def _pack(self) -> None:
         with torch.no_grad():
@@ -147,10 +162,15 @@ def _out_features(layer: nn.Module) -> int:
     return layer.out_features if isinstance(layer, Int8Linear) else layer.weight.shape[0]
 
 
-def _weights(layer: nn.Module) -> tuple[torch.Tensor, ...]:
-    if isinstance(layer, Int8Linear):
-        return layer.weight_int8, layer.scales
-    return (layer.weight,)
+def _slots(layer: nn.Module) -> list[tuple[dict | None, nn.Module, str]]:
+    """(the dict holding it or None: read the attribute, the layer, name) per tensor of
+    `layer` that the packed copies depend on: its weight (int8: codes and scales) and bias."""
+    names = ("weight_int8", "scales") if isinstance(layer, Int8Linear) else ("weight",)
+    out = []
+    for name in (*names, "bias"):
+        table = next((t for t in (layer._parameters, layer._buffers) if name in t), None)
+        out.append((table, layer, name))
+    return out
 
 
 def _bias(layer: nn.Module) -> torch.Tensor | None:

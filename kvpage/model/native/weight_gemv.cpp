@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 #include <omp.h>
 #if defined(__AVX512F__) || defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -64,6 +65,8 @@ inline f32x16 load(const int8_t* p) {
 #endif
 }
 
+inline void store(float* p, f32x16 x) { std::memcpy(p, &x, sizeof x); }
+
 inline float widen(float x) { return x; }
 inline float widen(int8_t x) { return static_cast<float>(x); }
 inline float widen(BF16 x) {
@@ -111,16 +114,18 @@ struct Rows {  // the activations: M rows of K, row stride ld (K contiguous)
 };
 
 // acc[m][r] = x[m0 + m] . w[r] for MB activation rows and NR weight rows (w: NR rows of K),
-// both widened to float32 and multiplied-added in 16 lanes.
-template <int MB, int NR, typename X, typename W>
-inline void dot_tile_widened(const Rows<X>& in, int64_t m0, const W* w, int64_t K, float acc[MB][NR]) {
+// both widened to float32 and multiplied-added in 16 lanes. kStream: w is read from memory
+// (prefetch ahead); else it is a tile already widened into L1.
+template <int MB, int NR, bool kStream, typename X, typename W>
+inline void dot_tile_widened(const Rows<X>& in, int64_t m0, const W* w, int64_t K,
+                             float acc[MB][NR]) {
     f32x16 sum[MB][NR];
     for (int m = 0; m < MB; m++)
         for (int r = 0; r < NR; r++) sum[m][r] = f32x16{};
     const int64_t body = K / kLanes * kLanes;
     for (int64_t k = 0; k < body; k += kLanes) {
         f32x16 wv[NR];
-        if ((k * sizeof(W)) % 64 == 0)  // once per cache line of each row
+        if (kStream && (k * sizeof(W)) % 64 == 0)  // once per cache line of each row
             for (int r = 0; r < NR; r++) prefetch(w + r * K + k);
         for (int r = 0; r < NR; r++) wv[r] = load(w + r * K + k);
         for (int m = 0; m < MB; m++) {
@@ -169,7 +174,7 @@ inline void dot_tile_bf16(const Rows<BF16>& in, int64_t m0, const BF16* w, int64
 }
 #endif
 
-template <int MB, int NR, typename X, typename W>
+template <int MB, int NR, bool kStream, typename X, typename W>
 inline void dot_tile(const Rows<X>& in, int64_t m0, const W* w, int64_t K, float acc[MB][NR]) {
 #ifdef __AVX512BF16__
     if constexpr (std::is_same_v<X, BF16> && std::is_same_v<W, BF16>) {
@@ -177,23 +182,25 @@ inline void dot_tile(const Rows<X>& in, int64_t m0, const W* w, int64_t K, float
         return;
     }
 #endif
-    dot_tile_widened<MB, NR>(in, m0, w, K, acc);
+    dot_tile_widened<MB, NR, kStream>(in, m0, w, K, acc);
 }
 
-template <typename X, typename W>
+template <typename Y, typename W>
 struct Segment {
     const W* w;        // (rows, K)
-    const X* scale;    // (rows,) or null
-    const X* bias;     // (rows,) or null
+    const Y* scale;    // (rows,) or null
+    const Y* bias;     // (rows,) or null
     int64_t rows;
     int64_t out_col;   // where its outputs start in a row of y
 };
 
-template <int MB, int NR, typename X, typename W>
-inline void rows_block(const Rows<X>& in, int64_t m0, const Segment<X, W>& seg, int64_t r0,
-                       int64_t K, X* y, int64_t ldy) {
+// y[m0.., r0..] for MB activation rows and NR weight rows `w` (the segment's rows r0.. as they
+// lie, or widened into L1): the dot products, then scale, bias and one rounding to Y.
+template <int MB, int NR, bool kStream, typename X, typename W, typename Y, typename SW>
+inline void rows_block(const Rows<X>& in, int64_t m0, const W* w, const Segment<Y, SW>& seg,
+                       int64_t r0, int64_t K, Y* y, int64_t ldy) {
     float acc[MB][NR];
-    dot_tile<MB, NR>(in, m0, seg.w + r0 * K, K, acc);
+    dot_tile<MB, NR, kStream>(in, m0, w, K, acc);
     for (int r = 0; r < NR; r++) {
         const float scale = seg.scale ? widen(seg.scale[r0 + r]) : 1.0f;
         const float bias = seg.bias ? widen(seg.bias[r0 + r]) : 0.0f;
@@ -202,35 +209,51 @@ inline void rows_block(const Rows<X>& in, int64_t m0, const Segment<X, W>& seg, 
     }
 }
 
-// One tile: NR weight rows (fewer at a segment's end, one at a time) times all M activation
-// rows, MB at a time while the tile's weights stay in L1.
-template <int NR, typename X, typename W>
-void tile(const Rows<X>& in, int64_t M, const Segment<X, W>& seg, int64_t r0, int64_t K, X* y,
-          int64_t ldy) {
-    const bool full = r0 + NR <= seg.rows;
-    const int64_t stop = full ? r0 + 1 : seg.rows;  // partial tile: row by row
-    for (int64_t r = r0; r < stop; r++) {
-        int64_t m = 0;
-        if (full) {
-            for (; m + 4 <= M; m += 4) rows_block<4, NR>(in, m, seg, r, K, y, ldy);
-            switch (M - m) {
-                case 3: rows_block<3, NR>(in, m, seg, r, K, y, ldy); break;
-                case 2: rows_block<2, NR>(in, m, seg, r, K, y, ldy); break;
-                case 1: rows_block<1, NR>(in, m, seg, r, K, y, ldy); break;
-            }
-        } else {
-            for (; m + 4 <= M; m += 4) rows_block<4, 1>(in, m, seg, r, K, y, ldy);
-            switch (M - m) {
-                case 3: rows_block<3, 1>(in, m, seg, r, K, y, ldy); break;
-                case 2: rows_block<2, 1>(in, m, seg, r, K, y, ldy); break;
-                case 1: rows_block<1, 1>(in, m, seg, r, K, y, ldy); break;
-            }
-        }
+// All M activation rows against NR weight rows `w`, MB = 4 at a time, then the remainder.
+template <int NR, bool kStream, typename X, typename W, typename Y, typename SW>
+inline void all_rows(const Rows<X>& in, int64_t M, const W* w, const Segment<Y, SW>& seg,
+                     int64_t r0, int64_t K, Y* y, int64_t ldy) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) rows_block<4, NR, kStream>(in, m, w, seg, r0, K, y, ldy);
+    switch (M - m) {
+        case 3: rows_block<3, NR, kStream>(in, m, w, seg, r0, K, y, ldy); break;
+        case 2: rows_block<2, NR, kStream>(in, m, w, seg, r0, K, y, ldy); break;
+        case 1: rows_block<1, NR, kStream>(in, m, w, seg, r0, K, y, ldy); break;
     }
 }
 
-template <typename X, typename W>
-void linear(const Rows<X>& in, int64_t M, int64_t K, const Segment<X, W>* segs, int nseg, X* y,
+// One tile: NR weight rows (fewer at a segment's end: one at a time) times all M activation rows.
+// int8 weights meeting more than one block of activation rows are widened once into a float
+// tile in L1 first: the conversion (two instructions per 16 weights) is then paid once per
+// weight, not once per 4 rows, and the rows blocks run at the float kernel's speed.
+template <int NR, typename X, typename Y, typename W>
+void tile(const Rows<X>& in, int64_t M, const Segment<Y, W>& seg, int64_t r0, int64_t K, Y* y,
+          int64_t ldy) {
+    const W* w = seg.w + r0 * K;
+    if (r0 + NR > seg.rows) {
+        for (int64_t r = r0; r < seg.rows; r++, w += K)
+            all_rows<1, true>(in, M, w, seg, r, K, y, ldy);
+        return;
+    }
+    if constexpr (std::is_same_v<W, int8_t>) {
+        if (M > 4) {
+            static thread_local std::vector<float> wide;
+            wide.resize(NR * K);
+            const int64_t body = NR * K / kLanes * kLanes;
+            for (int64_t i = 0; i < body; i += kLanes) {
+                if (i % 64 == 0) prefetch(w + i);
+                store(wide.data() + i, load(w + i));
+            }
+            for (int64_t i = body; i < NR * K; i++) wide[i] = widen(w[i]);
+            all_rows<NR, false>(in, M, wide.data(), seg, r0, K, y, ldy);
+            return;
+        }
+    }
+    all_rows<NR, true>(in, M, w, seg, r0, K, y, ldy);
+}
+
+template <typename X, typename Y, typename W>
+void linear(const Rows<X>& in, int64_t M, int64_t K, const Segment<Y, W>* segs, int nseg, Y* y,
             int64_t ldy, int num_threads) {
     constexpr int NR = 4;
     int64_t first[kMaxSegments + 1] = {0};  // first[s]: segment s's first tile
@@ -267,8 +290,21 @@ void run(const Plan& p, const void* x, int64_t ldx, int64_t M, void* y, int num_
                    static_cast<const X*>(p.bias[s]), p.rows[s], col};
         col += p.rows[s];
     }
-    linear(Rows<X>{static_cast<const X*>(x), ldx}, M, p.in_features, segs, p.segments,
-           static_cast<X*>(y), p.out_features, num_threads);
+    const Rows<X> in{static_cast<const X*>(x), ldx};
+    if constexpr (std::is_same_v<X, BF16> && std::is_same_v<W, int8_t>) {
+        // bfloat16 activations against int8 codes: widen x once (M x K floats) rather than in
+        // every tile's inner loop; the result is the same (widening is exact).
+        static thread_local std::vector<float> wide;
+        const int64_t K = p.in_features;
+        wide.resize(M * K);
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k++) wide[m * K + k] = widen(in.x[m * ldx + k]);
+        linear(Rows<float>{wide.data(), K}, M, K, segs, p.segments, static_cast<X*>(y),
+               p.out_features, num_threads);
+    } else {
+        linear(in, M, p.in_features, segs, p.segments, static_cast<X*>(y), p.out_features,
+               num_threads);
+    }
 }
 
 }  // namespace
