@@ -36,11 +36,14 @@ KINDS = {
     (torch.bfloat16, torch.bfloat16): 2,
     (torch.float32, torch.float32): 3,
 }
-# Per kind the most rows of x the kernel takes (bench/int8_weights.py --kernel-sweep): above it
-# torch is faster. 0: torch always. int8: every row count; torch's int8 kernel is slower at one
-# row and ~100x slower at 16 (and in torch 2.13 wrong for bfloat16 when K % 16 != 0).
+# Per kind the most rows of x the kernel takes (bench/int8_weights.py --kernel-sweep, 125M
+# shapes, 2 threads): above it oneDNN's blocked GEMM is faster. bf16 and fp32: the kernel is
+# 1.2-1.8x oneDNN's speed at 1-8 rows (it reads each weight once at close to the memory's
+# bandwidth); bf16 still ahead at 16, both behind at 32. int8: every row count; torch's int8
+# kernel is slower at one row, ~30x slower at 16 with float32 x, and in torch 2.13 wrong for
+# bfloat16 x when K % 16 != 0 (tests/model/test_native_gemv.py).
 ALL_ROWS = 1 << 62
-MAX_ROWS = {0: ALL_ROWS, 1: ALL_ROWS, 2: 8, 3: 0}
+MAX_ROWS = {0: ALL_ROWS, 1: ALL_ROWS, 2: 16, 3: 8}
 
 
 def available() -> bool:

@@ -117,7 +117,7 @@ def test_misuse_is_a_typed_error():
 
 
 @pytest.mark.parametrize(("dtype", "int8"), [(torch.float32, True), (torch.bfloat16, True),
-                                             (torch.bfloat16, False)])  # fmt: skip
+                                             (torch.bfloat16, False), (torch.float32, False)])  # fmt: skip
 def test_projection_takes_the_kernel_for_few_rows_and_agrees_with_torch(dtype, int8, monkeypatch):
     gen = torch.Generator().manual_seed(3)
     # K = 48: torch 2.13's bfloat16 int8 kernel is wrong (or crashes) for K not a multiple of 16

@@ -54,9 +54,12 @@ def _kernel_rows(monkeypatch) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("off", [{"KVPAGE_GEMV_MAX_ROWS": "0"}, {"KVPAGE_NATIVE": "0"}])
 @pytest.mark.parametrize("model", ["builtin:tiny-llama", "builtin:tiny-qwen2", "builtin:tiny-gpt2"])
-def test_int8_greedy_tokens_equal_with_the_kernel_on_and_off(model, off, monkeypatch):
+@pytest.mark.parametrize("quantization", ["int8", "none"])
+def test_float32_greedy_tokens_equal_with_the_kernel_on_and_off(
+    model, quantization, off, monkeypatch
+):
     calls = _kernel_rows(monkeypatch)
-    on = _generate(model, "int8", "float32", seqs=3)
+    on = _generate(model, quantization, "float32", seqs=3)
     assert any(rows == 1 for rows, _ in calls)  # batch-1 decode went through the kernel
     calls.clear()
     for key, value in off.items():
@@ -64,7 +67,7 @@ def test_int8_greedy_tokens_equal_with_the_kernel_on_and_off(model, off, monkeyp
     native_gemv._library.cache_clear()
     native_attention._library.cache_clear()
     try:
-        reference = _generate(model, "int8", "float32", seqs=3)
+        reference = _generate(model, quantization, "float32", seqs=3)
     finally:
         for key in off:
             monkeypatch.delenv(key)

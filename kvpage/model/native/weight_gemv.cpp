@@ -146,7 +146,7 @@ inline void dot_tile_widened(const Rows<X>& in, int64_t m0, const W* w, int64_t 
 // bfloat16 x and w: vdpbf16ps multiplies pairs of bfloat16 (exact products) and adds them into
 // 16 float32 lanes, 32 weights per instruction and no widening (oneDNN's bf16 GEMM uses it too;
 // like it, the instruction treats bfloat16 subnormals, below 1.2e-38, as zero).
-template <int MB, int NR>
+template <int MB, int NR, bool kStream>
 inline void dot_tile_bf16(const Rows<BF16>& in, int64_t m0, const BF16* w, int64_t K,
                           float acc[MB][NR]) {
     __m512 sum[MB][NR];
@@ -155,7 +155,8 @@ inline void dot_tile_bf16(const Rows<BF16>& in, int64_t m0, const BF16* w, int64
     const int64_t body = K / (2 * kLanes) * (2 * kLanes);
     for (int64_t k = 0; k < body; k += 2 * kLanes) {
         __m512bh wv[NR];
-        for (int r = 0; r < NR; r++) prefetch(w + r * K + k);  // 32 bf16: one cache line
+        if (kStream)
+            for (int r = 0; r < NR; r++) prefetch(w + r * K + k);  // 32 bf16: one cache line
         for (int r = 0; r < NR; r++) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
         for (int m = 0; m < MB; m++) {
             const __m512bh xv = (__m512bh)_mm512_loadu_si512(in.x + (m0 + m) * in.ld + k);
@@ -178,7 +179,7 @@ template <int MB, int NR, bool kStream, typename X, typename W>
 inline void dot_tile(const Rows<X>& in, int64_t m0, const W* w, int64_t K, float acc[MB][NR]) {
 #ifdef __AVX512BF16__
     if constexpr (std::is_same_v<X, BF16> && std::is_same_v<W, BF16>) {
-        dot_tile_bf16<MB, NR>(in, m0, w, K, acc);
+        dot_tile_bf16<MB, NR, kStream>(in, m0, w, K, acc);
         return;
     }
 #endif
@@ -222,10 +223,36 @@ inline void all_rows(const Rows<X>& in, int64_t M, const W* w, const Segment<Y, 
     }
 }
 
+// int8 codes as bfloat16, exactly: a code has at most 7 significant bits, so its float32 value's
+// low 16 bits are zero and the top half is the bfloat16.
+inline void store_codes(BF16* p, const int8_t* codes) {
+    const f32x16 f = load(codes);
+    u32x16 bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    const u16x16 half = __builtin_convertvector(bits >> 16, u16x16);
+    std::memcpy(p, &half, sizeof half);
+}
+
+inline void store_codes(float* p, const int8_t* codes) { store(p, load(codes)); }
+
+inline void widen_code(BF16* p, int8_t code) { store(p, static_cast<float>(code)); }
+inline void widen_code(float* p, int8_t code) { *p = static_cast<float>(code); }
+
+// NR rows of int8 codes widened into `wide` (NR * K, in L1), streaming them in once.
+template <typename T>
+inline void widen_tile(const int8_t* w, int64_t n, T* wide) {
+    const int64_t body = n / kLanes * kLanes;
+    for (int64_t i = 0; i < body; i += kLanes) {
+        if (i % 64 == 0) prefetch(w + i);
+        store_codes(wide + i, w + i);
+    }
+    for (int64_t i = body; i < n; i++) widen_code(wide + i, w[i]);
+}
+
 // One tile: NR weight rows (fewer at a segment's end: one at a time) times all M activation rows.
-// int8 weights meeting more than one block of activation rows are widened once into a float
-// tile in L1 first: the conversion (two instructions per 16 weights) is then paid once per
-// weight, not once per 4 rows, and the rows blocks run at the float kernel's speed.
+// int8 weights meeting more than one block of activation rows are widened once into a tile in
+// L1 first, so the conversion is paid once per weight, not once per 4 rows: to float32 for
+// float32 x, to bfloat16 for bfloat16 x (vdpbf16ps then does 32 multiply-adds an instruction).
 template <int NR, typename X, typename Y, typename W>
 void tile(const Rows<X>& in, int64_t M, const Segment<Y, W>& seg, int64_t r0, int64_t K, Y* y,
           int64_t ldy) {
@@ -237,14 +264,10 @@ void tile(const Rows<X>& in, int64_t M, const Segment<Y, W>& seg, int64_t r0, in
     }
     if constexpr (std::is_same_v<W, int8_t>) {
         if (M > 4) {
-            static thread_local std::vector<float> wide;
+            using T = std::conditional_t<std::is_same_v<X, BF16>, BF16, float>;
+            static thread_local std::vector<T> wide;
             wide.resize(NR * K);
-            const int64_t body = NR * K / kLanes * kLanes;
-            for (int64_t i = 0; i < body; i += kLanes) {
-                if (i % 64 == 0) prefetch(w + i);
-                store(wide.data() + i, load(w + i));
-            }
-            for (int64_t i = body; i < NR * K; i++) wide[i] = widen(w[i]);
+            widen_tile(w, NR * K, wide.data());
             all_rows<NR, false>(in, M, wide.data(), seg, r0, K, y, ldy);
             return;
         }
@@ -292,8 +315,13 @@ void run(const Plan& p, const void* x, int64_t ldx, int64_t M, void* y, int num_
     }
     const Rows<X> in{static_cast<const X*>(x), ldx};
     if constexpr (std::is_same_v<X, BF16> && std::is_same_v<W, int8_t>) {
-        // bfloat16 activations against int8 codes: widen x once (M x K floats) rather than in
-        // every tile's inner loop; the result is the same (widening is exact).
+        if (M > 4) {  // the tiles are widened to bfloat16 instead (see tile)
+            linear(in, M, p.in_features, segs, p.segments, static_cast<X*>(y), p.out_features,
+                   num_threads);
+            return;
+        }
+        // A few rows of bfloat16 activations against streamed int8 codes: widen x once (M x K
+        // floats) rather than in every tile's inner loop; the result is the same (exact).
         static thread_local std::vector<float> wide;
         const int64_t K = p.in_features;
         wide.resize(M * K);
