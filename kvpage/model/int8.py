@@ -22,7 +22,7 @@ float16; codes (N, K) int8; scales (N,) in x's dtype exactly (a float32 scale wi
 is refused). `check_supported` probes it on the dtype and device a model is loaded in, and raises
 UnsupportedQuantization where it does not run; there is no silent float fallback. kvpage's
 kernel takes the same codes and scales (float32 and bfloat16 x; float16 stays on torch's) and
-Projection uses it for every row count: torch's is several times slower at one row, ~30x at 16
+Projection uses it for every row count: torch's is several times slower at one row, ~27x at 16
 rows of float32 x, and for bfloat16 x with K % 16 != 0 returns wrong values or crashes."""
 
 from __future__ import annotations

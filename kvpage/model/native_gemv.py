@@ -40,7 +40,7 @@ KINDS = {
 # shapes, 2 threads): above it oneDNN's blocked GEMM is faster. bf16 and fp32: the kernel is
 # 1.2-1.8x oneDNN's speed at 1-8 rows (it reads each weight once at close to the memory's
 # bandwidth); bf16 still ahead at 16, both behind at 32. int8: every row count; torch's int8
-# kernel is slower at one row, ~30x slower at 16 with float32 x, and in torch 2.13 wrong for
+# kernel is slower at one row, ~27x slower at 16 with float32 x, and in torch 2.13 wrong for
 # bfloat16 x when K % 16 != 0 (tests/model/test_native_gemv.py).
 ALL_ROWS = 1 << 62
 MAX_ROWS = {0: ALL_ROWS, 1: ALL_ROWS, 2: 16, 3: 8}
