@@ -129,7 +129,7 @@ class WeightGemv:
         # The tensors stay referenced: the kernel reads them through the plan's raw pointers.
         self._keep = [t for t in (*weights, *scales, *biases) if t is not None]
         self.in_features, self.out_features = k, sum(w.shape[0] for w in weights)
-        self.x_dtype = x_dtype
+        self.x_dtype, self.weight_dtype = x_dtype, weights[0].dtype
         plan = _Plan(kind=kind, segments=n, in_features=k, out_features=self.out_features)
         for i, (w, s, b) in enumerate(zip(weights, scales, biases, strict=True)):
             plan.w[i] = w.data_ptr()
