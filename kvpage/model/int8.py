@@ -93,6 +93,13 @@ class Int8Linear(nn.Module):
                 out.bias.copy_(linear.bias)
         return out
 
+    def quantized_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(codes, scales, bias) as the layer holds them now, by dict lookups: Projection reads
+        them on every call (its cache key), where nn.Module.__getattr__ would cost more than a
+        batch-1 matmul of a small layer."""
+        bias = self._parameters.get("bias") if "bias" in self._parameters else self.bias
+        return self._buffers["weight_int8"], self._buffers["scales"], bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = int8_matmul(x, self.weight_int8, self.scales)
         return y if self.bias is None else y + self.bias

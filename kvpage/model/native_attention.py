@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kvpage.model import native_build
+import kvpage.model.native_build as native_build  # not `from kvpage.model`: an import cycle
 from kvpage.model.native_build import NativeBuildError
 
 SOURCE = Path(__file__).parent / "native" / "paged_decode.cpp"

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpage.errors import InvariantViolation
-from kvpage.model import native_gemv
 from kvpage.model.int8 import Int8Linear, int8_matmul
+from kvpage.model.native_gemv import WeightGemv, max_rows
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -47,11 +47,11 @@ class Projection:
         self._weight: torch.Tensor | None = None
         self._scales: torch.Tensor | None = None  # int8 layers only
         self._bias: torch.Tensor | None = None
-        self._gemv: native_gemv.WeightGemv | None = None  # built with the pack, if it runs
+        self._gemv: WeightGemv | None = None  # built with the pack, if it runs
         self._gemv_rows = 0  # the most rows of x it takes
-        # Where each layer keeps its tensors (read on every call for the cache key: a dict
+        # Where each float layer keeps its tensors (read on every call for the cache key: a dict
         # lookup, not nn.Module.__getattr__, which cost more than the batch-1 matmul it guards).
-        self._slots = [slot for lin in linears for slot in _slots(lin)]
+        self._slots = [_slots(lin) for lin in linears]
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.int8:
@@ -91,7 +91,7 @@ class Projection:
     def _build_gemv(self, weights: list, scales: list, x_dtype: torch.dtype) -> None:
         """The native kernel over the layers' own tensors, where it runs for these dtypes."""
         self._gemv, self._gemv_rows = None, 0
-        rows = native_gemv.max_rows(x_dtype, weights[0].dtype)
+        rows = max_rows(x_dtype, weights[0].dtype)
         tensors = [*weights, *(s for s in scales if s is not None)]
         if rows == 0 or not all(t.is_contiguous() and t.is_cpu for t in tensors):
             return
@@ -99,7 +99,7 @@ class Projection:
         biases = [None if b is None else b.detach() for b in biases]
         if any(b is not None and (b.dtype != x_dtype or not b.is_contiguous()) for b in biases):
             return
-        self._gemv = native_gemv.WeightGemv(weights, scales, biases, x_dtype)
+        self._gemv = WeightGemv(weights, scales, biases, x_dtype)
         self._gemv_rows = rows
 
     def _refresh_int8(self) -> None:
@@ -130,10 +130,9 @@ class Projection:
 
     def _current_key(self) -> tuple:
         key = []
-        for table, layer, name in self._slots:
-            p = table.get(name) if table is not None else getattr(layer, name, None)
-            if p is not None:
-                key.append((p.data_ptr(), _version(p), p.dtype))
+        for lin, slots in zip(self.linears, self._slots, strict=True):
+            tensors = lin.quantized_tensors() if self.int8 else _read(lin, slots)
+            key += [(p.data_ptr(), _version(p), p.dtype) for p in tensors if p is not None]
         return tuple(key)
 
     def _pack(self) -> None:
@@ -162,15 +161,15 @@ def _out_features(layer: nn.Module) -> int:
     return layer.out_features if isinstance(layer, Int8Linear) else layer.weight.shape[0]
 
 
-def _slots(layer: nn.Module) -> list[tuple[dict | None, nn.Module, str]]:
-    """(the dict holding it or None: read the attribute, the layer, name) per tensor of
-    `layer` that the packed copies depend on: its weight (int8: codes and scales) and bias."""
-    names = ("weight_int8", "scales") if isinstance(layer, Int8Linear) else ("weight",)
-    out = []
-    for name in (*names, "bias"):
-        table = next((t for t in (layer._parameters, layer._buffers) if name in t), None)
-        out.append((table, layer, name))
-    return out
+def _slots(layer: nn.Module) -> list[tuple[dict | None, str]]:
+    """(the parameter dict holding it, or None: read the attribute; name) for a float layer's
+    weight and bias, the tensors its packed copies depend on."""
+    params = layer._parameters
+    return [(params if name in params else None, name) for name in ("weight", "bias")]
+
+
+def _read(layer: nn.Module, slots: list[tuple[dict | None, str]]) -> list[torch.Tensor | None]:
+    return [t.get(name) if t is not None else getattr(layer, name, None) for t, name in slots]
 
 
 def _bias(layer: nn.Module) -> torch.Tensor | None:
