@@ -4,13 +4,14 @@ pins, sampling, observers, outputs).
 
     python bench/decode_profile.py [--seqs 32] [--prompt 128] [--gen 64] [--steps 12]
                                    [--windows 3] [--threads 2] [--kv-heads 4] [--top 15]
-                                   [--dtype float32|bfloat16]
+                                   [--dtype float32|bfloat16] [--quantization none|int8]
 
 Builds the 125M Llama of bench/throughput.py (`build_model`, same seed and init) with `--kv-heads`
 KV heads, adds `--seqs` requests of `--prompt` random tokens (`--gen` outputs, EOS ignored) to one
 kvpage engine and steps it until every sequence decodes. Then `--windows` consecutive windows of
 `--steps` decode steps are timed: per step the wall time of `engine.step()`, the model's share
-(forward hooks on the model and its LM head: no profiler running) and the rest, in ms and as a %
+(forward hooks on the model and its LM head: no profiler running; of it, the linear layers'
+share, from a timer around every Projection call) and the rest, in ms and as a %
 (target: non-model <= 10% at batch 32), in wall time and in this process's CPU time (with
 `--threads 1` the CPU time is the one to compare across runs on a shared machine: waiting for a
 core does not count). Last, one window under cProfile (Python functions by self
@@ -34,16 +35,20 @@ import transformers
 from throughput import BLOCK_SIZE, FIRST_TOKEN_ID, MODELS, build_model
 
 from kvpage import LLM, SamplingParams
+from kvpage.model.projection import Projection
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process, all threads
 
 
 class ModelClock:
-    """Wall and CPU time spent inside the model (forward + LM head), from module hooks."""
+    """Wall and CPU time spent inside the model (forward + LM head), from module hooks, and the
+    part of it in the linear layers (every Projection call: the matmul kernels and their Python)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.total = dict.fromkeys(CLOCKS, 0.0)
+        self.linear = dict.fromkeys(CLOCKS, 0.0)
         self._start = dict.fromkeys(CLOCKS, 0.0)
+        self._time_projections()
         model.register_forward_pre_hook(self._enter)
         model.register_forward_hook(self._leave)
         # The LM head is not a module call (a fused, prepacked Projection): time compute_logits.
@@ -57,6 +62,20 @@ class ModelClock:
                 self._leave()
 
         model.compute_logits = timed_logits
+
+    def _time_projections(self) -> None:
+        call = Projection.__call__
+        clocks = list(CLOCKS.items())
+
+        def timed(proj, x):
+            start = [clock() for _, clock in clocks]
+            try:
+                return call(proj, x)
+            finally:
+                for (name, clock), t0 in zip(clocks, start, strict=True):
+                    self.linear[name] += clock() - t0
+
+        Projection.__call__ = timed
 
     def _enter(self, *_) -> None:
         self._start = {name: clock() for name, clock in CLOCKS.items()}
@@ -75,6 +94,7 @@ def make_engine(model_dir: str, args) -> LLM:
         max_num_seqs=args.seqs,
         max_num_batched_tokens=2048,
         dtype=args.dtype,
+        quantization=args.quantization,
         device="cpu",
         seed=0,
     )
@@ -95,36 +115,38 @@ def start_decoding(llm: LLM, args) -> None:
         llm.engine.step()
 
 
-def timed_window(llm: LLM, clock: ModelClock, steps: int) -> dict[str, list[tuple[float, float]]]:
-    """Per clock, (total s, model s) of each decode step."""
-    out: dict[str, list[tuple[float, float]]] = {name: [] for name in CLOCKS}
+def timed_window(llm: LLM, clock: ModelClock, steps: int) -> dict[str, list[tuple]]:
+    """Per clock, (total s, model s, linear layers s) of each decode step."""
+    out: dict[str, list[tuple]] = {name: [] for name in CLOCKS}
     for _ in range(steps):
         clock.total = dict.fromkeys(CLOCKS, 0.0)
+        clock.linear = dict.fromkeys(CLOCKS, 0.0)
         start = {name: c() for name, c in CLOCKS.items()}
         llm.engine.step()
         for name, c in CLOCKS.items():
-            out[name].append((c() - start[name], clock.total[name]))
+            out[name].append((c() - start[name], clock.total[name], clock.linear[name]))
     return out
 
 
-def print_window(index: int, rows: dict[str, list[tuple[float, float]]], batch: int) -> None:
+def print_window(index: int, rows: dict[str, list[tuple]], batch: int) -> None:
     print(f"\nwindow {index}: batch {batch}; wall | process CPU time")
     head = f"{'total ms':>9} {'model ms':>9} {'other ms':>9} {'other %':>8}"
     print(f"{'step':>4} {head} | {head}")
     for i, steps in enumerate(zip(*rows.values(), strict=True)):
         cells = [
             f"{t * 1e3:>9.2f} {m * 1e3:>9.2f} {(t - m) * 1e3:>9.2f} {100 * (t - m) / t:>7.1f}%"
-            for t, m in steps
+            for t, m, _ in steps
         ]
         print(f"{i:>4} " + " | ".join(cells))
 
 
-def summarise(name: str, windows: list[list[tuple[float, float]]]) -> None:
+def summarise(name: str, windows: list[list[tuple]]) -> None:
     """Per window the median step; across windows the min and median of those."""
     med = [
-        (statistics.median(t for t, _ in w), statistics.median(t - m for t, m in w))
+        (statistics.median(t for t, _, _ in w), statistics.median(t - m for t, m, _ in w))
         for w in windows
     ]
+    linear = [statistics.median(lin for _, _, lin in w) for w in windows]
     totals = [t for t, _ in med]
     others = [o for _, o in med]
     shares = [100 * o / t for t, o in med]
@@ -132,10 +154,14 @@ def summarise(name: str, windows: list[list[tuple[float, float]]]) -> None:
     print(f"  total    {min(totals) * 1e3:8.2f} / {statistics.median(totals) * 1e3:8.2f} ms")
     model = [t - o for t, o in med]
     print(f"  model    {min(model) * 1e3:8.2f} / {statistics.median(model) * 1e3:8.2f} ms")
+    print(
+        f"   linears {min(linear) * 1e3:8.2f} / {statistics.median(linear) * 1e3:8.2f} ms  "
+        "(the model's Projection calls, the LM head's included)"
+    )
     print(f"  other    {min(others) * 1e3:8.2f} / {statistics.median(others) * 1e3:8.2f} ms")
     print(f"  other %  {min(shares):8.1f} / {statistics.median(shares):8.1f} %  (target <= 10%)")
     fastest = min((step for w in windows for step in w), key=lambda step: step[0])
-    total, model = fastest
+    total, model, _ = fastest
     print(
         f"fastest step: total {total * 1e3:.2f} ms, model {model * 1e3:.2f} ms, other "
         f"{(total - model) * 1e3:.2f} ms ({100 * (total - model) / total:.1f}%): on a shared "
@@ -176,6 +202,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--quantization", default="none", choices=("none", "int8"))
     ap.add_argument("--no-profile", action="store_true", help="skip cProfile / torch.profiler")
     args = ap.parse_args()
     needed = 2 + args.steps * (args.windows + (0 if args.no_profile else 1))
@@ -186,7 +213,8 @@ def main() -> None:
     name = f"125m-kv{args.kv_heads}"
     MODELS.setdefault(name, {**MODELS["120m"], "num_key_value_heads": args.kv_heads})
     print(
-        f"torch {torch.__version__}, {args.threads} threads, fp32, model {name} "
+        f"torch {torch.__version__}, {args.threads} threads, {args.dtype}, weights "
+        f"{args.quantization}, model {name} "
         f"(d768, 12 layers, 12 heads / {args.kv_heads} kv heads, vocab 32000), "
         f"{args.seqs} seqs x ({args.prompt} prompt + {args.gen} generated), block {BLOCK_SIZE}"
     )

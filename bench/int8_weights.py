@@ -1,8 +1,33 @@
-"""Int8 weights against unquantized weights: decode speed on the 125M bench model, one process:
+"""Int8 weights against unquantized weights, and kvpage's weight GEMV kernel against torch's
+kernels, on the 125M bench model. Three modes:
 
     python bench/int8_weights.py [--model 125m] [--dtype float32] [--batch 16] [--prompt 32]
                                  [--output 32] [--rounds 5] [--threads 2] [--seed 0]
+    python bench/int8_weights.py --single [--configs fp32,bf16,int8-fp32,int8-bf16]
+                                 [--rounds 3] [--prompt 128] [--output 128] [--threads 2]
+                                 [--peers llama.cpp] [--llama-cpp-types f32,bf16,q8_0]
+    python bench/int8_weights.py --kernel-sweep [--rows 1,2,4,8,16] [--threads 2]
 
+Single-stream mode (`--single`): one request of `--prompt` random tokens and `--output` tokens
+(EOS ignored; 1 x 128 + 128 by default, bench/solo.py's `single` workload), kvpage with its
+native kernels on and off (KVPAGE_NATIVE=0: the paged attention and the weight GEMV kernels
+both off), per config: fp32, bf16, int8 weights with fp32 / bf16 activations. Every cell is a
+fresh process (bench/int8_weights.py --worker), alone, once per round; the rounds interleave
+every cell, the order rotating each round. The model is bench/throughput.py's 125m as a
+Hugging Face checkpoint (seeded), so `--peers llama.cpp` runs `llama-batched-bench -npp P -ntg O
+-npl 1` on its GGUFs (`--llama-cpp-types`; q8_0 is the format to compare int8 with) in the same
+rounds. Printed: output tok/s (output tokens / wall of the generate call) at the fastest round
+and the median; prefill ms and decode tok/s likewise; and whether kernel-on tokens equal
+kernel-off tokens (greedy) per config.
+
+Kernel sweep (`--kernel-sweep`): per linear shape of the model (qkv 768->1280, o 768->768,
+gate_up 768->4096, down 2048->768, LM head 768->32000) and rows of x, the microseconds of one call
+of kvpage's kernel and of torch's (int8: aten::_weight_int8pack_mm; bf16 and fp32: oneDNN with a
+prepacked weight, as kvpage.model.projection calls it), min and median over calls that cycle
+through enough weight copies to exceed the L3 (so weights come from memory, as in a model).
+kvpage.model.native_gemv.MAX_ROWS comes from it.
+
+Decode-step mode (the default):
 The model is bench/throughput.py's `--models 120m` / `125m` shape (12 layers, d=768, ffn 2048,
 vocab 32000; 125m: 12 heads / 4 KV heads), built in kvpage with seeded weights (no checkpoint,
 no transformers). Two workloads, each timed per decode step after its prefill step (so only
@@ -16,16 +41,22 @@ CPU contention skews everything: run it on an otherwise idle machine."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from kvpage import LLMEngine, SamplingParams
+from kvpage import LLM, LLMEngine, SamplingParams
 from kvpage.config import EngineConfig, ModelConfig, RopeConfig
-from kvpage.model import build_model, init_seeded_, quantize_model_, resolve_dtype
-from kvpage.model.int8 import Int8Linear
+from kvpage.model import build_model, init_seeded_, native_gemv, quantize_model_, resolve_dtype
+from kvpage.model.int8 import Int8Linear, quantize_per_channel
 
 SHAPES = {  # bench/throughput.py's MODELS
     "120m": dict(num_kv_heads=12),
@@ -97,13 +128,31 @@ def main() -> None:
     p.add_argument("--model", choices=tuple(SHAPES), default="125m")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--prompt", type=int, default=32)
-    p.add_argument("--output", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--prompt", type=int, default=None, help="32; --single: 128")
+    p.add_argument("--output", type=int, default=None, help="32; --single: 128")
+    p.add_argument("--rounds", type=int, default=None, help="5; --single: 3")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--single", action="store_true", help="single-stream tok/s, kernels on/off")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="--single: " + ",".join(CONFIGS))
+    p.add_argument("--native", default=",".join(NATIVE_ENV), help="--single: on,gemv-off,off")
+    p.add_argument("--peers", default="", help="--single: llama.cpp")
+    p.add_argument("--llama-cpp-types", default="f32,bf16,q8_0")
+    p.add_argument("--kernel-sweep", action="store_true", help="kernel vs torch per shape, rows")
+    p.add_argument("--rows", default="1,2,4,8,16,32", help="--kernel-sweep: rows of x")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # a --single cell: its spec (JSON)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.worker:
+        return single_worker(json.loads(args.worker))
+    if args.kernel_sweep:
+        return kernel_sweep(args)
+    single = args.single
+    args.prompt = args.prompt or (128 if single else 32)
+    args.output = args.output or (128 if single else 32)
+    args.rounds = args.rounds or (3 if single else 5)
+    if single:
+        return single_rounds(args)
     models = {q: build(args.model, args.dtype, q) for q in WEIGHTS}
     for q, m in models.items():
         print(f"{q:>5}: linear-layer weights {linear_bytes(m) / 2**20:.1f} MiB")
@@ -131,6 +180,187 @@ def report(times: dict, args) -> None:
                 f"{label:>10} {q:>7} {min(ts) * 1e3:8.2f} {med * 1e3:10.2f} {b / med:8.1f} "
                 f"{min(base) / min(ts):9.2f} {statistics.median(base) / med:9.2f}"
             )
+
+
+# --- single stream: kernels on and off, each cell a process of its own --------------------------
+CONFIGS = {  # name -> (dtype, quantization)
+    "fp32": ("float32", "none"),
+    "bf16": ("bfloat16", "none"),
+    "int8-fp32": ("float32", "int8"),
+    "int8-bf16": ("bfloat16", "int8"),
+}
+NATIVE_ENV = {  # kernel state -> the environment that sets it
+    "on": {},
+    "gemv-off": {"KVPAGE_GEMV_MAX_ROWS": "0"},  # the weight kernel off, attention kernel on
+    "off": {"KVPAGE_NATIVE": "0"},  # every native kernel off: torch throughout
+}
+
+
+def single_rounds(args) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import throughput  # noqa: E402 (bench/ on the path: the HF model builder)
+
+    configs = args.configs.split(",")
+    states = args.native.split(",")
+    bad = set(configs) - set(CONFIGS) or set(states) - set(NATIVE_ENV)
+    if bad:
+        raise SystemExit(f"unknown config or kernel state {sorted(bad)}")
+    rng = random.Random(args.seed)
+    prompt = [rng.randrange(3, 32000) for _ in range(args.prompt)]
+    with tempfile.TemporaryDirectory() as tmp:
+        throughput.build_model(args.model, 1024, tmp)
+        cells = [(c, s) for c in configs for s in states]
+        peers = llama_cpp_cells(args, Path(tmp)) if "llama.cpp" in args.peers else {}
+        print(
+            f"single stream: 1 x ({args.prompt} prompt + {args.output} out), model {args.model}, "
+            f"{args.threads} threads, {args.rounds} rounds; kernel states: "
+            + ", ".join(f"{k} = {v or 'default'}" for k, v in NATIVE_ENV.items() if k in states)
+        )
+        results: dict = {cell: [] for cell in [*cells, *peers]}
+        for r in range(args.rounds):
+            order = [*cells, *peers]
+            order = order[r % len(order) :] + order[: r % len(order)]
+            for cell in order:
+                out = peers[cell]() if cell in peers else run_cell(cell, tmp, prompt, args)
+                results[cell].append(out)
+                print(f"round {r + 1} {cell[0]} {cell[1]}: {out['wall']:.2f}s", flush=True)
+    single_report(results, cells, list(peers), args)
+
+
+def run_cell(cell: tuple[str, str], model_dir: str, prompt: list[int], args) -> dict:
+    dtype, quantization = CONFIGS[cell[0]]
+    spec = dict(model_dir=model_dir, dtype=dtype, quantization=quantization, prompt=prompt)
+    spec |= dict(output=args.output, seed=args.seed)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    for key in ("KVPAGE_NATIVE", "KVPAGE_GEMV_MAX_ROWS"):
+        env.pop(key, None)
+    env |= NATIVE_ENV[cell[1]]
+    cmd = [sys.executable, __file__, "--threads", str(args.threads), "--worker", json.dumps(spec)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"{cell} failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def single_worker(spec: dict) -> None:
+    """One cell: build, warm up (untimed), run the request once; print one JSON line."""
+    llm = LLM(
+        spec["model_dir"], dtype=spec["dtype"], quantization=spec["quantization"], device="cpu",
+        block_size=16, num_blocks=64, max_num_seqs=64, max_num_batched_tokens=2048,
+        seed=spec["seed"],
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=spec["output"], ignore_eos=True)
+    llm.generate(spec["prompt"][:48], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    start = time.monotonic()
+    out = llm.generate(spec["prompt"], params, use_tqdm=False)[0]
+    end = time.monotonic()
+    first = out.metrics.first_token_time
+    tokens = list(out.outputs[0].token_ids)
+    result = dict(wall=end - start, prefill=first - start, decode=(end - first) / (len(tokens) - 1))
+    result |= dict(tokens=tokens, gemv=native_gemv.available())
+    llm.close()
+    print(json.dumps(result))
+
+
+def llama_cpp_cells(args, model_dir: Path) -> dict:
+    """(type, "llama.cpp") -> a run of llama-batched-bench -npl 1 on that GGUF type."""
+    from peers import llama_cpp
+
+    llama_cpp.build()
+    cells = {}
+    for outtype in args.llama_cpp_types.split(","):
+        gguf = llama_cpp.convert(model_dir, outtype)
+
+        def run(gguf=gguf) -> dict:
+            r = llama_cpp.run_batched_bench(gguf, args.prompt, args.output, 1, args.threads)
+            return dict(wall=r.t, prefill=r.t_pp, decode=r.t_tg / args.output, tokens=None)
+
+        cells[(outtype, "llama.cpp")] = run
+    return cells
+
+
+def single_report(results: dict, cells: list, peers: list, args) -> None:
+    n = args.output
+    print(
+        f"\nout tok/s = {n} / wall of the generate call (llama.cpp: / its T); decode tok/s = 1 / "
+        f"time per decode token; fastest (median) of {args.rounds} rounds"
+    )
+    head = (
+        f"{'config':<10} {'kernels':<9} {'out tok/s':>16} {'prefill ms':>16} {'decode tok/s':>16}"
+    )
+    print(f"{head}  {'tokens = kernels off':<20}")
+    for cell in [*cells, *peers]:
+        runs = results[cell]
+        walls, pre, dec = ([r[k] for r in runs] for k in ("wall", "prefill", "decode"))
+        rate = f"{n / min(walls):.1f} ({n / statistics.median(walls):.1f})"
+        pms = f"{min(pre) * 1e3:.0f} ({statistics.median(pre) * 1e3:.0f})"
+        dps = f"{1 / min(dec):.1f} ({1 / statistics.median(dec):.1f})"
+        same = ""
+        if cell[1] != "llama.cpp" and (cell[0], "off") in results:
+            ref = results[(cell[0], "off")][-1]["tokens"]
+            same = "yes" if runs[-1]["tokens"] == ref else "NO"
+        print(f"{cell[0]:<10} {cell[1]:<9} {rate:>16} {pms:>16} {dps:>16}  {same:<20}")
+
+
+# --- kernel sweep -------------------------------------------------------------------------------
+SWEEP_SHAPES = [(768, 1280), (768, 768), (768, 4096), (2048, 768), (768, 32000)]  # (K, N)
+SWEEP_KINDS = {  # name -> (activation dtype, weight bytes)
+    "int8-fp32": (torch.float32, 1),
+    "int8-bf16": (torch.bfloat16, 1),
+    "bf16": (torch.bfloat16, 2),
+    "fp32": (torch.float32, 4),
+}
+
+
+def kernel_sweep(args) -> None:
+    if not native_gemv.available():
+        raise SystemExit("the weight GEMV kernel is not available (a compiler? KVPAGE_NATIVE?)")
+    rows = [int(r) for r in args.rows.split(",")]
+    print(f"{args.threads} threads; us per call, min / median; ratio = torch / kernel")
+    torch.manual_seed(args.seed)
+    for name, (x_dtype, wbytes) in SWEEP_KINDS.items():
+        print(f"== {name}")
+        for k, n in SWEEP_SHAPES:
+            copies = int(96e6 // (n * k * wbytes)) + 1  # together beyond the L3
+            pairs = [sweep_pair(torch.randn(n, k) * 0.02, name, x_dtype) for _ in range(copies)]
+            for m in rows:
+                x = torch.randn(m, k).to(x_dtype)
+                mine = time_calls([(lambda g=g, x=x: g(x)) for g, _ in pairs])
+                theirs = time_calls([(lambda t=t, x=x: t(x)) for _, t in pairs])
+                gbs = n * k * wbytes / mine[0] / 1e9
+                print(
+                    f"K {k:5d} N {n:6d} rows {m:3d}  kernel {mine[0] * 1e6:8.1f} / "
+                    f"{mine[1] * 1e6:8.1f} ({gbs:5.1f} GB/s)  torch {theirs[0] * 1e6:8.1f} / "
+                    f"{theirs[1] * 1e6:8.1f}  ratio {theirs[0] / mine[0]:5.2f} / "
+                    f"{theirs[1] / mine[1]:5.2f}",
+                    flush=True,
+                )
+
+
+def sweep_pair(w: torch.Tensor, name: str, x_dtype: torch.dtype):
+    """(kvpage's kernel, torch's) on one weight."""
+    if name.startswith("int8"):
+        codes, scales = quantize_per_channel(w, x_dtype)
+        gemv = native_gemv.WeightGemv([codes], [scales], [None], x_dtype)
+        return gemv, lambda x: torch.ops.aten._weight_int8pack_mm(x, codes, scales)
+    wd = w.to(x_dtype).contiguous()
+    packed = torch.ops.mkldnn._reorder_linear_weight(wd)
+    gemv = native_gemv.WeightGemv([wd], [None], [None], x_dtype)
+    return gemv, lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def time_calls(calls: list, seconds: float = 0.4) -> tuple[float, float]:
+    """(min, median) seconds of one call, cycling through `calls` for at least `seconds`."""
+    for call in calls:
+        call()
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 2 * len(calls):
+        call = calls[len(times) % len(calls)]
+        t = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t)
+    return min(times), statistics.median(times)
 
 
 if __name__ == "__main__":

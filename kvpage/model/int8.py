@@ -12,14 +12,18 @@ scale_o / 2 of W' (the round-trip bound tests/model/test_int8_weights.py checks 
 
 Why per output channel: the scale then multiplies whole output features, so y = (x @ code^T) *
 scale — the dequantisation is one multiply after the integer-weight matmul, fused in the kernel
-(`aten::_weight_int8pack_mm`), never a materialised float weight. It also shards cleanly: a
+(kvpage's own, kvpage.model.native_gemv, where it is built; else `aten::_weight_int8pack_mm`),
+never a materialised float weight. It also shards cleanly: a
 column-parallel rank keeps its rows' scales, a row-parallel rank keeps every scale and the
 all-reduce sums (x_r @ code_r^T) * scale over ranks = (x @ code^T) * scale.
 
-The kernel (torch 2.13, CPU): x (M, K) 2-D and contiguous in K, in float32, bfloat16 or float16;
-codes (N, K) int8; scales (N,) in x's dtype exactly (a float32 scale with a bfloat16 x is refused).
-`check_supported` probes it on the dtype and device a model is loaded in, and raises
-UnsupportedQuantization where it does not run; there is no silent float fallback."""
+torch's kernel (torch 2.13, CPU): x (M, K) 2-D and contiguous in K, in float32, bfloat16 or
+float16; codes (N, K) int8; scales (N,) in x's dtype exactly (a float32 scale with a bfloat16 x
+is refused). `check_supported` probes it on the dtype and device a model is loaded in, and raises
+UnsupportedQuantization where it does not run; there is no silent float fallback. kvpage's
+kernel takes the same codes and scales (float32 and bfloat16 x; float16 stays on torch's) and
+Projection uses it for every row count: torch's is several times slower at one row, ~27x at 16
+rows of float32 x, and for bfloat16 x with K % 16 != 0 returns wrong values or crashes."""
 
 from __future__ import annotations
 
@@ -88,6 +92,13 @@ class Int8Linear(nn.Module):
             if linear.bias is not None:
                 out.bias.copy_(linear.bias)
         return out
+
+    def quantized_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(codes, scales, bias) as the layer holds them now, by dict lookups: Projection reads
+        them on every call (its cache key), where nn.Module.__getattr__ would cost more than a
+        batch-1 matmul of a small layer."""
+        bias = self._parameters.get("bias") if "bias" in self._parameters else self.bias
+        return self._buffers["weight_int8"], self._buffers["scales"], bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = int8_matmul(x, self.weight_int8, self.scales)

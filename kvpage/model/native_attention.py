@@ -1,5 +1,5 @@
 """The paged decode kernel (native/paged_decode.cpp): built with the system C++ compiler at first
-use, cached by source and flags, called through ctypes.
+use, cached by source and flags, called through ctypes (kvpage.model.native_build).
 
 Why native: a decode step's attention over gathered copies spent more time copying K/V (the block
 gather, then a layout copy for the matmuls) than attending; the kernel reads each K/V row where it
@@ -12,28 +12,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvpage.errors import KVPageError
+import kvpage.model.native_build as native_build  # not `from kvpage.model`: an import cycle
+from kvpage.model.native_build import NativeBuildError
 
 SOURCE = Path(__file__).parent / "native" / "paged_decode.cpp"
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FLAGS = native_build.FLAGS
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # The kernel is instantiated for head_dim = 16 * C, C = 1..8 (a row in registers): 16..128.
 HEAD_DIMS = tuple(range(16, 129, 16))
-
-
-class NativeBuildError(KVPageError, RuntimeError):
-    """The kernel did not compile or load; the message has the compiler's output."""
 
 
 def available() -> bool:
@@ -46,9 +38,9 @@ def supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("KVPAGE_NATIVE", "1") == "0":
+    if not native_build.enabled():
         return None
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    compiler = native_build.compiler()
     if compiler is None:
         warnings.warn("no C++ compiler: paged decode attention uses the torch path", stacklevel=2)
         return None
@@ -61,41 +53,7 @@ def _library() -> ctypes.CDLL | None:
 
 def build(compiler: str) -> Path:
     """The shared library for this source, flags and CPU, compiled once into the cache dir."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join((compiler, *FLAGS, _cpu_signature())).encode())
-    target = _cache_dir() / f"paged_decode-{digest.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    # Compile beside the target and rename: concurrent first uses never load a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    proc = subprocess.run(
-        [compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=False
-    )
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        raise NativeBuildError(f"{compiler} failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    os.replace(tmp, target)
-    return target
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("KVPAGE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvpage"
-    )
-    path = Path(base) / "kernels"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _cpu_signature() -> str:
-    """-march=native code must not be loaded on another CPU sharing the cache (a network home)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha256(flags.encode()).hexdigest()[:16]
+    return native_build.build(SOURCE, compiler, FLAGS)
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:

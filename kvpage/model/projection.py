@@ -9,7 +9,12 @@ copy is a cache keyed by each weight's storage and version counter, so an in-pla
 `.to()` repacks instead of serving stale weights. Autograd never sees the packed path.
 
 Int8Linear layers (kvpage.model.int8) take the int8 kernel instead: their codes and scales are
-concatenated once (the same cache key) and the dequantisation stays fused in the matmul."""
+concatenated once (the same cache key) and the dequantisation stays fused in the matmul.
+
+Decode-sized inputs (at most `native_gemv.max_rows` rows: batch-1 decode, the LM head on a few
+rows) go to kvpage's weight GEMV kernel (kvpage.model.native_gemv) where it is built: it reads
+the layers' own weights (no copy), one pass per call, and is faster there than either torch
+kernel; the same cache key rebuilds it."""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from torch import nn
 
 from kvpage.errors import InvariantViolation
 from kvpage.model.int8 import Int8Linear, int8_matmul
+from kvpage.model.native_gemv import WeightGemv, max_rows
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -41,6 +47,11 @@ class Projection:
         self._weight: torch.Tensor | None = None
         self._scales: torch.Tensor | None = None  # int8 layers only
         self._bias: torch.Tensor | None = None
+        self._gemv: WeightGemv | None = None  # built with the pack, if it runs
+        self._gemv_rows = 0  # the most rows of x it takes
+        # Where each float layer keeps its tensors (read on every call for the cache key: a dict
+        # lookup, not nn.Module.__getattr__, which cost more than the batch-1 matmul it guards).
+        self._slots = [_slots(lin) for lin in linears]
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.int8:
@@ -49,15 +60,56 @@ class Projection:
             return tuple(F.linear(x, lin.weight, _bias(lin)) for lin in self.linears)
         if self._key != self._current_key():
             self._pack()
+        if self._use_gemv(x):
+            return self._split(self._gemv(x))
         y = torch.ops.mkldnn._linear_pointwise(x, self._weight, self._bias, "none", [], "")
+        return self._split(y)
+
+    def _use_gemv(self, x: torch.Tensor) -> bool:
+        # No autograd through the kernel: an input that needs gradients takes torch's path.
+        return (
+            0 < _rows(x) <= self._gemv_rows
+            and x.dtype == self._gemv.x_dtype
+            and x.is_cpu
+            and not x.requires_grad
+        )
+
+    def _split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (y,)
 
     def _int8_call(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self._key != self._current_key():
+            self._refresh_int8()
+        if self._use_gemv(x):
+            return self._split(self._gemv(x))  # the bias added in the kernel, in float32
+        if self._weight is None:  # torch's kernel takes one matrix: concatenated at first use
             self._concat_int8()
         y = int8_matmul(x, self._weight, self._scales)
         y = y if self._bias is None else y + self._bias
-        return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (y,)
+        return self._split(y)
+
+    def _build_gemv(self, weights: list, scales: list, x_dtype: torch.dtype) -> None:
+        """The native kernel over the layers' own tensors, where it runs for these dtypes."""
+        self._gemv, self._gemv_rows = None, 0
+        rows = max_rows(x_dtype, weights[0].dtype)
+        tensors = [*weights, *(s for s in scales if s is not None)]
+        if rows == 0 or not all(t.is_contiguous() and t.is_cpu for t in tensors):
+            return
+        biases = [_bias(lin) for lin in self.linears]
+        biases = [None if b is None else b.detach() for b in biases]
+        if any(b is not None and (b.dtype != x_dtype or not b.is_contiguous()) for b in biases):
+            return
+        self._gemv = WeightGemv(weights, scales, biases, x_dtype)
+        self._gemv_rows = rows
+
+    def _refresh_int8(self) -> None:
+        """After a change of the layers' tensors: the kernel rebuilt on them, the concatenation
+        for torch's kernel dropped (remade if torch's path runs again)."""
+        self._weight = self._scales = self._bias = None
+        codes = [lin.weight_int8 for lin in self.linears]
+        scales = [lin.scales for lin in self.linears]
+        self._build_gemv(codes, scales, scales[0].dtype)
+        self._key = self._current_key()
 
     def _concat_int8(self) -> None:
         with torch.no_grad():
@@ -65,12 +117,11 @@ class Projection:
             self._scales = torch.cat([lin.scales for lin in self.linears])
             biases = [_bias(lin) for lin in self.linears]
             self._bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        self._key = self._current_key()
 
     def _packable(self, x: torch.Tensor) -> bool:
         weight = self.linears[0].weight
         return (
-            x.device.type == "cpu"
+            x.is_cpu
             and x.dtype == weight.dtype
             and weight.dtype in PACKABLE_DTYPES
             and not (torch.is_grad_enabled() and weight.requires_grad)
@@ -78,8 +129,11 @@ class Projection:
         )
 
     def _current_key(self) -> tuple:
-        params = [p for lin in self.linears for p in (*_weights(lin), _bias(lin)) if p is not None]
-        return tuple((p.data_ptr(), _version(p), p.dtype) for p in params)
+        key = []
+        for lin, slots in zip(self.linears, self._slots, strict=True):
+            tensors = lin.quantized_tensors() if self.int8 else _read(lin, slots)
+            key += [(p.data_ptr(), _version(p), p.dtype) for p in tensors if p is not None]
+        return tuple(key)
 
     def _pack(self) -> None:
         with torch.no_grad():
@@ -87,7 +141,13 @@ class Projection:
             self._weight = torch.ops.mkldnn._reorder_linear_weight(weight)
             biases = [_bias(lin) for lin in self.linears]
             self._bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+            weights = [lin.weight.detach() for lin in self.linears]
+            self._build_gemv(weights, [None] * len(weights), weights[0].dtype)
         self._key = self._current_key()
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.shape[0] if x.dim() == 2 else x.numel() // max(x.shape[-1], 1)
 
 
 def _all_int8(linears: tuple[nn.Module, ...]) -> bool:
@@ -101,10 +161,15 @@ def _out_features(layer: nn.Module) -> int:
     return layer.out_features if isinstance(layer, Int8Linear) else layer.weight.shape[0]
 
 
-def _weights(layer: nn.Module) -> tuple[torch.Tensor, ...]:
-    if isinstance(layer, Int8Linear):
-        return layer.weight_int8, layer.scales
-    return (layer.weight,)
+def _slots(layer: nn.Module) -> list[tuple[dict | None, str]]:
+    """(the parameter dict holding it, or None: read the attribute; name) for a float layer's
+    weight and bias, the tensors its packed copies depend on."""
+    params = layer._parameters
+    return [(params if name in params else None, name) for name in ("weight", "bias")]
+
+
+def _read(layer: nn.Module, slots: list[tuple[dict | None, str]]) -> list[torch.Tensor | None]:
+    return [t.get(name) if t is not None else getattr(layer, name, None) for t, name in slots]
 
 
 def _bias(layer: nn.Module) -> torch.Tensor | None:

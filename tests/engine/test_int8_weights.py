@@ -13,7 +13,7 @@ from kvpage import LLMEngine, SamplingParams
 from kvpage.config import EngineConfig
 from kvpage.engine.events import EngineObserver
 from kvpage.model import int8 as int8_format
-from kvpage.model import load_model, projection
+from kvpage.model import load_model, native_gemv, projection
 from kvpage.reference.generator import generate
 from kvpage.reference.weight_oracle import reference_model
 
@@ -116,6 +116,12 @@ def test_reference_never_calls_the_engine_int8_kernel(monkeypatch):
     monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", refuse, raising=False)
     monkeypatch.setattr(projection, "int8_matmul", refuse)
     monkeypatch.setattr(int8_format, "int8_matmul", refuse)
+    kernel = native_gemv.WeightGemv.__call__  # kvpage's kernel: refused on int8 weights only
+
+    def refuse_int8(self, x):
+        return refuse() if self.weight_dtype == torch.int8 else kernel(self, x)
+
+    monkeypatch.setattr(native_gemv.WeightGemv, "__call__", refuse_int8)
     out = generate(model, prompt, GREEDY)
     assert len(out.token_ids) == MAX_TOKENS
     with pytest.raises(AssertionError, match="reached"):  # the patch does bite the engine path
@@ -134,6 +140,13 @@ def test_a_planted_scale_bug_in_the_engine_path_is_caught(monkeypatch):
     refs = [generate(model, p, GREEDY) for p in prompts]  # before the bug: the twin is cached
     honest = int8_format.int8_matmul
     monkeypatch.setattr(projection, "int8_matmul", lambda x, c, s: honest(x, c, s.roll(1)))
+    honest_kernel = native_gemv.WeightGemv.__init__  # the same bug in kvpage's kernel
+
+    def shifted(self, weights, scales, biases, x_dtype):
+        scales = [None if s is None else s.roll(1) for s in scales]
+        honest_kernel(self, weights, scales, biases, x_dtype)
+
+    monkeypatch.setattr(native_gemv.WeightGemv, "__init__", shifted)
     tokens, rows = _engine_run(model, tokenizer, name, "float32", prompts)
     errors = [_max_error(rows, i, ref) for i, ref in enumerate(refs)]
     assert min(errors) > 100 * TOLERANCE["float32"], errors

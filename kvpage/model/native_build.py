@@ -1,0 +1,71 @@
+"""Building kvpage's native kernels (kvpage/model/native/*.cpp): each is one C++ file with no
+torch dependency, compiled with the system C++ compiler at first use into a cache directory,
+keyed by its source, the compiler, the flags and the CPU, and loaded through ctypes.
+
+Why not a torch extension: the torch headers take a minute to compile on two cores and need
+ninja; these files build in about a second. KVPAGE_NATIVE=0 (`enabled()` False) turns every
+kernel off, and callers keep their torch path."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from kvpage.errors import KVPageError
+
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
+class NativeBuildError(KVPageError, RuntimeError):
+    """A kernel did not compile or load; the message has the compiler's output."""
+
+
+def enabled() -> bool:
+    return os.environ.get("KVPAGE_NATIVE", "1") != "0"
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def build(source: Path, compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """The shared library for this source, flags and CPU, compiled once into the cache dir."""
+    digest = hashlib.sha256(source.read_bytes())
+    digest.update(" ".join((compiler, *flags, _cpu_signature())).encode())
+    target = _cache_dir() / f"{source.stem}-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    # Compile beside the target and rename: concurrent first uses never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    proc = subprocess.run(
+        [compiler, *flags, str(source), "-o", tmp], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise NativeBuildError(f"{compiler} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    os.replace(tmp, target)
+    return target
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("KVPAGE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvpage"
+    )
+    path = Path(base) / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _cpu_signature() -> str:
+    """-march=native code must not be loaded on another CPU sharing the cache (a network home)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256(flags.encode()).hexdigest()[:16]
