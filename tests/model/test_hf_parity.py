@@ -14,7 +14,10 @@ from kvpage.reference.generator import generate
 
 from .hf_models import VOCAB, save_hf
 
-ATOL = 1e-5  # measured: 0 for every Llama-shaped family, 2.9e-6 for GPT-2 (fp32, 100 tokens)
+ATOL = 1e-5  # vs transformers, fp32, 100 tokens: measured 0 (Llama-shaped), 2.9e-6 (GPT-2)
+# One token at a time takes the decode-sized weight kernel (kvpage.model.native_gemv), another
+# summation order than the full pass's GEMM: measured 1.03e-5 (llama-gqa-8q-2kv).
+STEP_ATOL = 1e-4
 
 
 def _prompt(length: int, seed: int = 0) -> list[int]:
@@ -61,7 +64,7 @@ def test_reference_step_logits_match_full_forward(hf_checkpoint):
     out = generate(model, prompt, SamplingParams(max_tokens=12, ignore_eos=True))
     full = model.forward_full(prompt + out.token_ids[:-1])[len(prompt) - 1 :]
     err = (torch.stack(out.step_logits) - full).abs().max().item()
-    assert err <= ATOL, f"{name}: incremental vs full max-abs error {err:.3g}"
+    assert err <= STEP_ATOL, f"{name}: incremental vs full max-abs error {err:.3g}"
 
 
 def test_sharded_checkpoint_with_index_loads(tmp_path):
