@@ -17,8 +17,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sampling",),
     ("cache",),
     ("kv",),
-    ("lora",),
     ("model",),
+    ("lora",),  # computed over the model's projections (their oneDNN packing)
     ("parallel",),
     ("engine",),
     ("reference",),

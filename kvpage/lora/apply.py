@@ -72,6 +72,12 @@ class LoraContext:
             return y  # no adapter rows, or no resident adapter targets this projection
         if step.mask is None:
             step.mask = self.tables.row_mask(step.slot_rows, x.shape[0])
+        packed = self.tables.packed.get((layer, module))
+        if packed is not None and x.dtype == self.tables.dtype and x.is_cpu:
+            a_packed, b_packed = packed
+            t = torch.ops.mkldnn._linear_pointwise(x, a_packed, None, "none", [], "")
+            t = torch.ops.mkldnn._linear_pointwise(t * step.mask, b_packed, None, "none", [], "")
+            return y + t
         a_stack, b_stack = tables
         return torch.addmm(y, (x @ a_stack) * step.mask, b_stack)
 

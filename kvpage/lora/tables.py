@@ -6,13 +6,19 @@ zeros up to (s + 1) * R.
 Why stacked: a mixed batch then costs the same three ops per projection however many adapters
 it mixes (kvpage.lora.apply), where a gather, two matmuls and a scatter per adapter group made
 the dispatch, not the arithmetic, the cost of a decode step. Under tensor parallelism every rank
-keeps tables of its own shard of each factor (kvpage.parallel.sharding.shard_lora_factors)."""
+keeps tables of its own shard of each factor (kvpage.parallel.sharding.shard_lora_factors).
+
+On CPU in float32 or bfloat16 the tables are also kept reordered for oneDNN (`packed`), remade
+whenever a slot is written: at decode shapes (tens of rows by a few dozen rank columns) a plain
+GEMM ran the two products at a fraction of oneDNN's speed on a prepacked weight
+(bench/lora_mixed.py), as for the base projections (kvpage.model.projection)."""
 
 from __future__ import annotations
 
 import torch
 
 from kvpage.errors import LoRAError
+from kvpage.model.projection import PACKABLE_DTYPES, onednn_available
 
 # (layer, module) -> (A^T (in, r), scale * B^T (r, out)): x @ A^T @ B^T is the delta
 Factors = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
@@ -25,6 +31,8 @@ class SlotTables:
         self.max_loras, self.max_rank, self.dtype, self.device = max_loras, max_rank, dtype, device
         # (layer, module) -> (A^T of every slot (in, L * R), scale * B^T of every slot (L * R, out))
         self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        # the same, as oneDNN weights ((L * R, in) and (out, L * R), reordered), where they run
+        self.packed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def width(self) -> int:
@@ -46,6 +54,23 @@ class SlotTables:
             a_stack, b_stack = self.stacks[where]
             a_stack[:, lo : lo + rank] = a_t
             b_stack[lo : lo + rank] = b_t
+        self._repack()
+
+    def _repack(self) -> None:
+        """Every table's oneDNN copy, after a write (every table's slot changed: zeros at least)."""
+        packable = (
+            torch.device(self.device).type == "cpu"
+            and self.dtype in PACKABLE_DTYPES
+            and onednn_available()
+        )
+        if not packable:
+            self.packed = {}
+            return
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+        self.packed = {
+            where: (reorder(a.t().contiguous()), reorder(b.t().contiguous()))
+            for where, (a, b) in self.stacks.items()
+        }
 
     def row_mask(self, slot_rows, num_rows: int) -> torch.Tensor:
         """(N, L * R): ones over the slot columns of each row's adapter, zeros elsewhere (a base
