@@ -118,7 +118,8 @@ def logit_scale(records: list[StepRecord]) -> float:
 
 
 def is_numeric_tie(ref: StepRecord, cand: StepRecord, atol: float, greedy: bool) -> bool:
-    """16-bit compute only. Same inputs, every logit within `atol`, yet another token: for a
+    """16-bit compute or a rounded KV format only. Same inputs, every logit within `atol`, yet
+    another token: for a
     greedy step, one the reference scored within `atol` of its own choice (rounding decided
     between near-equal tokens); for a sampled step, a draw from the same generator state as the
     reference's that fell on the boundary the drift moved (the draw itself is still checked
