@@ -14,7 +14,7 @@ from kvpage.cli import verify as verify_cli
 from kvpage.cli.common import ENGINE_FLAGS, engine_fields
 from kvpage.config import EngineConfig
 from kvpage.verify import matrix
-from kvpage.verify.cases import SUITES
+from kvpage.verify.cases import ALL_SUITES
 
 ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
@@ -81,7 +81,7 @@ def test_a_model_is_one_cell_with_the_users_configuration(monkeypatch):
         "bfloat16",
         "fp8_e4m3",
     )
-    assert cell.suites == SUITES and cell.mutants == "none" and cell.kv_copies == ()
+    assert cell.suites == ALL_SUITES and cell.mutants == "none" and cell.kv_copies == ()
     assert base == {"block_size": 32, "enable_prefix_caching": False}  # the rest is the cell's
     engine = cell.engine(base)
     assert engine["kv_cache_dtype"] == "fp8_e4m3" and engine["block_size"] == 32
