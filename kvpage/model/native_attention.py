@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 import kvpage.model.native_build as native_build  # not `from kvpage.model`: an import cycle
-from kvpage.model.native_build import NativeBuildError
 
 SOURCE = Path(__file__).parent / "native" / "paged_decode.cpp"
 FLAGS = native_build.FLAGS
@@ -38,17 +36,7 @@ def supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if not native_build.enabled():
-        return None
-    compiler = native_build.compiler()
-    if compiler is None:
-        warnings.warn("no C++ compiler: paged decode attention uses the torch path", stacklevel=2)
-        return None
-    try:
-        return _bind(ctypes.CDLL(str(build(compiler))))
-    except (NativeBuildError, OSError) as err:
-        warnings.warn(f"paged decode kernel unavailable, using the torch path: {err}", stacklevel=2)
-        return None
+    return native_build.load(SOURCE, "paged decode attention", _bind, flags=FLAGS)
 
 
 def build(compiler: str) -> Path:

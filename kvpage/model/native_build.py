@@ -8,11 +8,14 @@ kernel off, and callers keep their torch path."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from kvpage.errors import KVPageError
@@ -30,6 +33,25 @@ def enabled() -> bool:
 
 def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def load(
+    source: Path, what: str, bind: Callable[[ctypes.CDLL], ctypes.CDLL], flags=FLAGS
+) -> ctypes.CDLL | None:
+    """The kernel in `source`, built and bound; None (with a warning naming `what` and the
+    cause) where it is off, no compiler is found, or it does not build or load: the caller's
+    torch path then runs."""
+    if not enabled():
+        return None
+    cxx = compiler()
+    if cxx is None:
+        warnings.warn(f"no C++ compiler: {what} uses the torch path", stacklevel=3)
+        return None
+    try:
+        return bind(ctypes.CDLL(str(build(source, cxx, flags))))
+    except (NativeBuildError, OSError) as err:
+        warnings.warn(f"{what} kernel unavailable, using the torch path: {err}", stacklevel=3)
+        return None
 
 
 def build(source: Path, compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -61,17 +60,7 @@ def max_rows(x_dtype: torch.dtype, w_dtype: torch.dtype) -> int:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if not native_build.enabled():
-        return None
-    compiler = native_build.compiler()
-    if compiler is None:
-        warnings.warn("no C++ compiler: linear layers use torch", stacklevel=2)
-        return None
-    try:
-        return _bind(ctypes.CDLL(str(native_build.build(SOURCE, compiler))))
-    except (NativeBuildError, OSError) as err:
-        warnings.warn(f"weight GEMV kernel unavailable, using torch: {err}", stacklevel=2)
-        return None
+    return native_build.load(SOURCE, "the weight GEMV", _bind)
 
 
 MAX_SEGMENTS = 8  # kMaxSegments in the kernel

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from kvpage import LLM, SamplingParams
 from kvpage.model import native_attention
 from kvpage.model.decode_attention import decode_attention
-from kvpage.model.native_attention import NativeBuildError, PagedDecode
+from kvpage.model.native_attention import PagedDecode
+from kvpage.model.native_build import NativeBuildError
 
 pytestmark = pytest.mark.skipif(
     not native_attention.available(), reason="needs a C++ compiler"
