@@ -99,7 +99,7 @@ def _error(module: str, name: str) -> type[BaseException]:
     [
         ("kvpage.server.engine_loop", "EngineFailure", RuntimeError),
         ("kvpage.server.engine_loop", "ServerShutdown", RuntimeError),
-        ("kvpage.model.native_attention", "NativeBuildError", RuntimeError),
+        ("kvpage.model.native_build", "NativeBuildError", RuntimeError),
         ("kvpage.verify.mutants.base", "MissingSeam", AttributeError),
         ("kvpage.errors", "InvalidConfig", ValueError),
         ("kvpage.errors", "InvalidRequest", ValueError),
