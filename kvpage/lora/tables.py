@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvpage.errors import LoRAError
-from kvpage.model.projection import PACKABLE_DTYPES, onednn_available
+from kvpage.model.projection import onednn_available, packable_dtype
 
 # (layer, module) -> (A^T (in, r), scale * B^T (r, out)): x @ A^T @ B^T is the delta
 Factors = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
@@ -60,7 +60,7 @@ class SlotTables:
         """Every table's oneDNN copy, after a write (every table's slot changed: zeros at least)."""
         packable = (
             torch.device(self.device).type == "cpu"
-            and self.dtype in PACKABLE_DTYPES
+            and packable_dtype(self.dtype)
             and onednn_available()
         )
         if not packable:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kvpage.config import RopeConfig
+from kvpage.model import native_small_ops
 from kvpage.model.projection import Projection
 
 
@@ -19,6 +20,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and native_small_ops.supports(x) and self._native_weight(x):
+            return native_small_ops.rms_norm(x, self.weight, self.eps)[1]
+        return self._torch_forward(x)
+
+    def add_forward(
+        self, x: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, RMSNorm(x + delta)): the residual add and the next norm in one pass."""
+        if x.dim() == 2 and native_small_ops.supports(x) and self._native_weight(x):
+            return native_small_ops.rms_norm(x, self.weight, self.eps, delta)
+        x = x + delta
+        return x, self._torch_forward(x)
+
+    def _native_weight(self, x: torch.Tensor) -> bool:
+        w = self.weight
+        return w.dtype == x.dtype and not (w.requires_grad and torch.is_grad_enabled())
+
+    def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 whatever the activation dtype, as the HF reference does.
         dtype = x.dtype
         x32 = x.float()
@@ -80,12 +99,21 @@ def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: (N, H, D), k: (N, KVH, D); cos, sin: (N, 1, R) for the first R <= D dims (R < D with
-    a partial rotary factor: the other dims pass through)."""
+    a partial rotary factor: the other dims pass through). The native kernel rotates q and k in
+    place (callers pass their own fresh projections and use only what is returned)."""
     r = cos.shape[-1]
+    if r == q.shape[-1] and native_small_ops.supports(q) and _rows_of_heads(q, k):
+        native_small_ops.rotary_(q, k, cos, sin)  # in place: q and k are this layer's own
+        return q, k
     if r < q.shape[-1]:
         q_rot, k_rot = apply_rotary(q[..., :r], k[..., :r], cos, sin)
         return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rows_of_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
+    d = q.shape[-1]
+    return q.stride()[1:] == (d, 1) and k.stride()[1:] == (d, 1) and k.dtype == q.dtype
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -73,8 +73,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(self, x, rope, attn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(
+            x, self.self_attn(self.input_layernorm(x), rope, attn)
+        )
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):

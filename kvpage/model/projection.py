@@ -18,6 +18,8 @@ kernel; the same cache key rebuilds it."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +34,19 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 def onednn_available() -> bool:
     """oneDNN built in and not switched off (`torch.backends.mkldnn.flags(enabled=False)`)."""
     return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+
+
+def packable_dtype(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked linear runs in this dtype on this CPU: its bfloat16 path
+    needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and refuses to pack without them."""
+    if dtype is torch.bfloat16:
+        return _onednn_bf16()
+    return dtype in PACKABLE_DTYPES
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Projection:
@@ -56,14 +71,19 @@ class Projection:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.int8:
             return self._int8_call(x)
-        if not self._packable(x):
-            return tuple(F.linear(x, lin.weight, _bias(lin)) for lin in self.linears)
+        if not self._fast(x):
+            return self._plain(x)
         if self._key != self._current_key():
             self._pack()
         if self._use_gemv(x):
             return self._split(self._gemv(x))
+        if self._weight is None:  # oneDNN cannot pack this dtype on this CPU
+            return self._plain(x)
         y = torch.ops.mkldnn._linear_pointwise(x, self._weight, self._bias, "none", [], "")
         return self._split(y)
+
+    def _plain(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(F.linear(x, lin.weight, _bias(lin)) for lin in self.linears)
 
     def _use_gemv(self, x: torch.Tensor) -> bool:
         # No autograd through the kernel: an input that needs gradients takes torch's path.
@@ -118,14 +138,14 @@ class Projection:
             biases = [_bias(lin) for lin in self.linears]
             self._bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
 
-    def _packable(self, x: torch.Tensor) -> bool:
+    def _fast(self, x: torch.Tensor) -> bool:
+        """Whether x can take the packed or the native path (else plain F.linear)."""
         weight = self.linears[0].weight
         return (
             x.is_cpu
             and x.dtype == weight.dtype
             and weight.dtype in PACKABLE_DTYPES
             and not (torch.is_grad_enabled() and weight.requires_grad)
-            and onednn_available()
         )
 
     def _current_key(self) -> tuple:
@@ -137,10 +157,13 @@ class Projection:
 
     def _pack(self) -> None:
         with torch.no_grad():
-            weight = torch.cat([lin.weight.detach() for lin in self.linears])
-            self._weight = torch.ops.mkldnn._reorder_linear_weight(weight)
-            biases = [_bias(lin) for lin in self.linears]
-            self._bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+            self._weight = self._bias = None
+            dtype = self.linears[0].weight.dtype
+            if onednn_available() and packable_dtype(dtype):
+                weight = torch.cat([lin.weight.detach() for lin in self.linears])
+                self._weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+                biases = [_bias(lin) for lin in self.linears]
+                self._bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
             weights = [lin.weight.detach() for lin in self.linears]
             self._build_gemv(weights, [None] * len(weights), weights[0].dtype)
         self._key = self._current_key()

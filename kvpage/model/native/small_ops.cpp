@@ -1,0 +1,179 @@
+// The small per-token ops of a decoder layer, each one pass instead of a chain of torch ops:
+// RMSNorm (optionally after the residual add), and rotary embedding applied to q and k in place.
+//
+// At batch 1 a 125M model's decode step runs ~40 torch ops per layer besides its matmuls, and
+// each op's dispatch costs more than its arithmetic on a 768-wide row. The numerics follow the
+// torch code they replace (kvpage/model/layers.py) operation by operation, each intermediate
+// rounded to the activation dtype where torch rounds it, so only the order of the sum of squares
+// differs (float32, 16 lanes then pairwise). Built with -ffp-contract=off so that a * b + c is
+// never fused into one rounding where torch rounds twice. Shapes and dtypes are checked in
+// kvpage/model/native_small_ops.py.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <omp.h>
+
+namespace {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+constexpr int64_t kParallelElements = 1 << 16;  // below this a step runs on one thread
+
+struct F32 {
+    using T = float;
+    static float get(const float* p) { return *p; }
+    static void put(float* p, float x) { *p = x; }
+    static float round(float x) { return x; }
+};
+
+struct BF16 {
+    using T = uint16_t;
+    static float get(const uint16_t* p) {
+        uint32_t bits = static_cast<uint32_t>(*p) << 16;
+        float f;
+        std::memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    static uint16_t bits(float x) {  // to nearest even, as torch rounds
+        uint32_t u;
+        std::memcpy(&u, &x, sizeof u);
+        if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+        return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+    static void put(uint16_t* p, float x) { *p = bits(x); }
+    static float round(float x) {
+        uint16_t b = bits(x);
+        return get(&b);
+    }
+};
+
+inline f32x16 load16(const float* p) {
+    f32x16 x;
+    std::memcpy(&x, p, sizeof x);
+    return x;
+}
+
+inline f32x16 load16(const uint16_t* p) {
+    u16x16 half;
+    std::memcpy(&half, p, sizeof half);
+    u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
+    f32x16 x;
+    std::memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+// sum of x[i]^2 over c values, the values as the dtype holds them widened to float32
+template <class D>
+float sum_squares(const typename D::T* x, int64_t c) {
+    f32x16 acc = {};
+    int64_t i = 0;
+    for (; i + kLanes <= c; i += kLanes) {
+        f32x16 v = load16(x + i);
+        acc += v * v;
+    }
+    float lanes[kLanes];
+    std::memcpy(lanes, &acc, sizeof lanes);
+    for (int64_t width = kLanes / 2; width > 0; width /= 2)
+        for (int64_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+    float total = lanes[0];
+    for (; i < c; ++i) {
+        float v = D::get(x + i);
+        total += v * v;
+    }
+    return total;
+}
+
+// One row: [sum = round(x + delta)]; out = round(w * round(s * rsqrt(mean(s^2) + eps))) with s
+// the row (or the sum), as RMSNorm.forward computes it in float32 and rounds twice.
+template <class D>
+void norm_row(const typename D::T* x, const typename D::T* delta, const typename D::T* w,
+              float eps, int64_t c, typename D::T* sum, typename D::T* out) {
+    const typename D::T* s = x;
+    if (delta != nullptr) {
+        for (int64_t i = 0; i < c; ++i) D::put(sum + i, D::get(x + i) + D::get(delta + i));
+        s = sum;
+    }
+    const float r = 1.0f / std::sqrt(sum_squares<D>(s, c) / static_cast<float>(c) + eps);
+    for (int64_t i = 0; i < c; ++i) D::put(out + i, D::get(w + i) * D::round(D::get(s + i) * r));
+}
+
+template <class D>
+void rms_norm(const void* x, int64_t x_stride, const void* delta, int64_t delta_stride,
+              const void* w, float eps, int64_t n, int64_t c, void* sum, void* out, int threads) {
+    using T = typename D::T;
+    const T* xs = static_cast<const T*>(x);
+    const T* ds = static_cast<const T*>(delta);
+    T* sums = static_cast<T*>(sum);
+    T* outs = static_cast<T*>(out);
+#pragma omp parallel for num_threads(threads) if (n * c >= kParallelElements && threads > 1)
+    for (int64_t row = 0; row < n; ++row) {
+        norm_row<D>(xs + row * x_stride, ds == nullptr ? nullptr : ds + row * delta_stride,
+                    static_cast<const T*>(w), eps, c, sums == nullptr ? nullptr : sums + row * c,
+                    outs + row * c);
+    }
+}
+
+// x = round(round(x * cos) + round(rotate_half(x) * sin)) for every head of one row, in place:
+// apply_rotary's q * cos + _rotate_half(q) * sin, each op rounded as torch rounds it.
+template <class D>
+void rotate_heads(typename D::T* x, int64_t heads, int64_t d, const typename D::T* cos,
+                  const typename D::T* sin) {
+    const int64_t half = d / 2;
+    for (int64_t h = 0; h < heads; ++h) {
+        typename D::T* v = x + h * d;
+        for (int64_t i = 0; i < half; ++i) {
+            const float a = D::get(v + i), b = D::get(v + i + half);
+            const float lo = D::round(D::round(a * D::get(cos + i)) +
+                                      D::round(-b * D::get(sin + i)));
+            const float hi = D::round(D::round(b * D::get(cos + i + half)) +
+                                      D::round(a * D::get(sin + i + half)));
+            D::put(v + i, lo);
+            D::put(v + i + half, hi);
+        }
+    }
+}
+
+template <class D>
+void rotary(void* q, int64_t q_stride, int64_t q_heads, void* k, int64_t k_stride,
+            int64_t k_heads, int64_t d, const void* cos, const void* sin, int64_t n, int threads) {
+    using T = typename D::T;
+    T* qs = static_cast<T*>(q);
+    T* ks = static_cast<T*>(k);
+    const T* cs = static_cast<const T*>(cos);
+    const T* ss = static_cast<const T*>(sin);
+#pragma omp parallel for num_threads(threads) if (n * (q_heads + k_heads) * d >= kParallelElements && threads > 1)
+    for (int64_t row = 0; row < n; ++row) {
+        rotate_heads<D>(qs + row * q_stride, q_heads, d, cs + row * d, ss + row * d);
+        rotate_heads<D>(ks + row * k_stride, k_heads, d, cs + row * d, ss + row * d);
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype 0: float32, 1: bfloat16. delta and sum null: a plain RMSNorm of x; otherwise
+// sum = x + delta (written, contiguous rows of c) and out = RMSNorm(sum). out: contiguous rows.
+void kvpage_rms_norm(int dtype, const void* x, int64_t x_stride, const void* delta,
+                     int64_t delta_stride, const void* w, float eps, int64_t n, int64_t c,
+                     void* sum, void* out, int threads) {
+    if (dtype == 0)
+        rms_norm<F32>(x, x_stride, delta, delta_stride, w, eps, n, c, sum, out, threads);
+    else
+        rms_norm<BF16>(x, x_stride, delta, delta_stride, w, eps, n, c, sum, out, threads);
+}
+
+// q: n rows of q_heads heads of d values (heads contiguous, rows q_stride apart), k likewise;
+// cos, sin: (n, d) contiguous. Rotates both in place.
+void kvpage_rotary(int dtype, void* q, int64_t q_stride, int64_t q_heads, void* k,
+                   int64_t k_stride, int64_t k_heads, int64_t d, const void* cos,
+                   const void* sin, int64_t n, int threads) {
+    if (dtype == 0)
+        rotary<F32>(q, q_stride, q_heads, k, k_stride, k_heads, d, cos, sin, n, threads);
+    else
+        rotary<BF16>(q, q_stride, q_heads, k, k_stride, k_heads, d, cos, sin, n, threads);
+}
+
+}  // extern "C"

@@ -1,0 +1,110 @@
+"""RMSNorm (with the residual add before it) and rotary embedding as single native calls
+(native/small_ops.cpp), built at first use like the other kernels (kvpage.model.native_build).
+
+Why: at batch 1 a decode step is ~40 torch ops per layer besides the matmuls, and on a 768-wide
+row each op's dispatch costs more than its arithmetic: RMSNorm alone is six ops, rotary on q and
+k fourteen. The kernels compute what the torch code in kvpage.model.layers computes, rounding
+where it rounds; only the sum of squares is added in another order (float32 either way).
+
+`supports(x)` says whether a tensor can take them: float32 or bfloat16 on CPU, no autograd, the
+kernel built (KVPAGE_NATIVE=0 turns it off). Callers keep their torch path for the rest."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+import kvpage.model.native_build as native_build  # not `from kvpage.model`: an import cycle
+
+SOURCE = Path(__file__).parent / "native" / "small_ops.cpp"
+FLAGS = (*native_build.FLAGS, "-ffp-contract=off")  # torch rounds a * b and + c apart
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    return native_build.load(SOURCE, "the small ops", _bind, FLAGS)
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    lib.kvpage_rms_norm.restype = None
+    lib.kvpage_rms_norm.argtypes = [i32, ptr, i64, ptr, i64, ptr, f32, i64, i64, ptr, ptr, i32]
+    lib.kvpage_rotary.restype = None
+    lib.kvpage_rotary.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i32]
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def supports(x: torch.Tensor) -> bool:
+    return x.dtype in DTYPES and x.is_cpu and not x.requires_grad and available()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(x + delta or None, RMSNorm(x + delta)) over the last dim of 2-D x; x and delta may be
+    row-strided views, the outputs are new contiguous tensors."""
+    n, c = x.shape
+    _check_rows(x, c)
+    if weight.shape != (c,) or weight.dtype != x.dtype or not weight.is_contiguous():
+        raise ValueError(f"RMSNorm weight {tuple(weight.shape)} {weight.dtype} for rows {x.shape}")
+    out = torch.empty(n, c, dtype=x.dtype)
+    total = None
+    if delta is not None:
+        if delta.shape != x.shape or delta.dtype != x.dtype:
+            raise ValueError(f"residual {tuple(delta.shape)} {delta.dtype} for {tuple(x.shape)}")
+        _check_rows(delta, c)
+        total = torch.empty(n, c, dtype=x.dtype)
+    _library().kvpage_rms_norm(
+        DTYPES[x.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        None if delta is None else delta.data_ptr(),
+        0 if delta is None else delta.stride(0),
+        weight.data_ptr(),
+        eps,
+        n,
+        c,
+        None if total is None else total.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return total, out
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q (N, H, D) and k (N, KVH, D) in place by cos, sin (N, 1, D): full rotary only.
+    Each row's heads must be contiguous (a view of a fused qkv output is)."""
+    n, _, d = q.shape
+    for t in (q, k):
+        if t.dtype != q.dtype or t.shape[0] != n or t.shape[2] != d or t.stride()[1:] != (d, 1):
+            raise ValueError(f"rotary input {tuple(t.shape)} strides {t.stride()}")
+    for t in (cos, sin):
+        if t.shape != (n, 1, d) or t.dtype != q.dtype or not t.is_contiguous():
+            raise ValueError(f"rotary table {tuple(t.shape)} {t.dtype} for q {tuple(q.shape)}")
+    _library().kvpage_rotary(
+        DTYPES[q.dtype],
+        q.data_ptr(),
+        q.stride(0),
+        q.shape[1],
+        k.data_ptr(),
+        k.stride(0),
+        k.shape[1],
+        d,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        n,
+        torch.get_num_threads(),
+    )
+
+
+def _check_rows(x: torch.Tensor, c: int) -> None:
+    if x.dim() != 2 or x.stride(1) != 1 or x.stride(0) < c:
+        raise ValueError(f"rows of {tuple(x.shape)} with strides {x.stride()}: each row contiguous")
