@@ -74,6 +74,11 @@ class KVLayout:
         """The windows of groups 1.. (the extra tables of a BlockTable)."""
         return tuple(g.window for g in self.groups[1:])
 
+    @property
+    def plain(self) -> bool:
+        """One global group: today's single table, no per-group work at all."""
+        return len(self.groups) == 1 and self.groups[0].window is None
+
     def pages_per_block(self, num_layers: int) -> int:
         """Pages that hold the memory of one whole-model block."""
         return num_layers // self.rows
@@ -86,16 +91,17 @@ def single_group(num_layers: int) -> KVLayout:
 
 
 def kv_layout(num_layers: int, layer_windows: tuple[int | None, ...], enabled: bool) -> KVLayout:
-    """Groups for a model whose layers have these windows (empty: all global). Hybrid only with
-    both global and windowed layers, and when enabled."""
+    """Groups for a model whose layers have these windows (empty: all global). Plain (one
+    global group) when disabled or when every layer is global."""
     windows = layer_windows or (None,) * num_layers
     kinds: dict[int | None, list[int]] = {}
     for layer, w in enumerate(windows):
         kinds.setdefault(w, []).append(layer)
-    if not enabled or len(kinds) < 2 or None not in kinds:
+    if not enabled or list(kinds) == [None]:
         return single_group(num_layers)
     rows = math.gcd(*(len(v) for v in kinds.values()))
-    order = [None] + sorted(w for w in kinds if w is not None)  # global first: group 0
+    # Global first: group 0. An all-windowed model's group 0 is its smallest window's group.
+    order = ([None] if None in kinds else []) + sorted(w for w in kinds if w is not None)
     groups: list[KVGroup] = []
     layer_map: dict[int, tuple[int, int]] = {}
     for w in order:
