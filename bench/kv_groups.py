@@ -10,7 +10,10 @@ give back the blocks their window left, kvpage.cache.groups) and with one table 
 (`kv_layer_groups=False`). Held KV is counted in layer-blocks (one block of one layer: a page
 of `rows` layers counts `rows`), so the two runs are in the same unit of memory; reported per
 request at its last step (the steady state) and at the peak over every step, and the ratio
-single / grouped. The tokens of both runs are compared (they must be equal)."""
+single / grouped. The tokens of both runs are compared (they must be equal).
+
+Then the same for a Mistral-shaped model (`--layers` layers, every one windowed by `--window`):
+one window group 0 that gives back what its window left, against the same plain table."""
 
 from __future__ import annotations
 
@@ -49,6 +52,23 @@ def build(directory: str, args) -> None:
     )
     torch.manual_seed(0)
     transformers.Gemma3ForCausalLM(cfg).save_pretrained(directory)
+
+
+def build_mistral(directory: str, args) -> None:
+    cfg = transformers.MistralConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        sliding_window=args.window,
+        max_position_embeddings=args.context + 64,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(cfg).save_pretrained(directory)
 
 
 def run(directory: str, model, args, grouped: bool) -> tuple[dict[str, list[int]], dict]:
@@ -97,17 +117,25 @@ def main() -> None:
     p.add_argument("--output", type=int, default=32)
     p.add_argument("--block", type=int, default=16)
     args = p.parse_args()
+    local = args.layers - args.layers // args.pattern
+    shapes = (
+        (build, f"gemma3-shaped: {args.layers} layers ({local} local : {args.layers - local} "),
+        (build_mistral, f"mistral-shaped: {args.layers} layers (all windowed, 0 "),
+    )
+    for make, title in shapes:
+        print(
+            f"{title}global), window {args.window}, context {args.context}, "
+            f"block {args.block}, {args.requests} requests"
+        )
+        report(make, args)
+
+
+def report(make, args) -> None:
     with tempfile.TemporaryDirectory() as directory:
-        build(directory, args)
+        make(directory, args)
         model = load_model(directory)[0]
         tok_on, on = run(directory, model, args, grouped=True)
         tok_off, off = run(directory, model, args, grouped=False)
-    local = args.layers - args.layers // args.pattern
-    print(
-        f"gemma3-shaped: {args.layers} layers ({local} local : {args.layers - local} global), "
-        f"window {args.window}, context {args.context}, block {args.block}, "
-        f"{args.requests} requests"
-    )
     for name, r in (("window freeing", on), ("one global table", off)):
         print(
             f"  {name:17s} layer-blocks held per request: last step {r['last']:.0f}, "

@@ -7,6 +7,8 @@ Only the manager mutates a table; everyone else reads it.
 
 With per-layer-group KV (kvpage.cache.groups) `block_ids` is group 0's table (a global group) and
 `extra` holds groups 1.., the same length, a window group's given-back entries NULL_BLOCK.
+An all-windowed model's group 0 is a window group: block_ids then has NULL_BLOCK entries too,
+all below `trimmed0` (0 for a global group 0, so `trimmed0 == 0` means no NULL in block_ids).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class BlockTable:
     publish_blocked: bool = False  # a block could not be published; later ones cannot chain to it
     extra: list[list[int]] = field(default_factory=list)  # groups 1..; empty with one group
     trimmed: list[int] = field(default_factory=list)  # per extra group: entries below are NULL
+    trimmed0: int = 0  # the same for group 0 (only a window group 0 moves it)
 
     def bump(self) -> None:
         self.epoch += 1
@@ -41,6 +44,7 @@ class BlockTable:
         self.namespace = None
         self.num_published = 0
         self.publish_blocked = False
+        self.trimmed0 = 0
         if self.extra:
             self.extra = [[] for _ in self.extra]
             self.trimmed = [0] * len(self.extra)
@@ -48,15 +52,15 @@ class BlockTable:
 
     def num_held(self) -> int:
         """Blocks the table holds over every group."""
-        if not self.extra:
+        if not self.extra and not self.trimmed0:
             return len(self.block_ids)
-        return len(self.block_ids) + sum(b >= 0 for ids in self.extra for b in ids)
+        return sum(b >= 0 for ids in (self.block_ids, *self.extra) for b in ids)
 
     def held_ids(self) -> list[int]:
         """Every block the table holds, every group (group 0 first, then each extra group's)."""
-        if not self.extra:
+        if not self.extra and not self.trimmed0:
             return list(self.block_ids)
-        return [*self.block_ids, *(b for ids in self.extra for b in ids if b >= 0)]
+        return [b for ids in (self.block_ids, *self.extra) for b in ids if b >= 0]
 
 
 class SnapshotEntry(NamedTuple):

@@ -10,13 +10,28 @@ of `rows` layers, `rows` = the gcd of the kinds' layer counts, so no page row is
 Layer l lives in row `row_of[l]` of the pages of group `group_of[l]` (`KVLayout.layer_map`). The
 storage tensor is (rows, 2, num_blocks, B, KVH, D): a block id names one page, and a page a
 window group frees is memory any group can take next. A model without two kinds of layer is one
-group of every layer (rows = num_layers): today's layout, tables and code path, unchanged.
-An all-windowed model (Mistral) is one group too: the model masks the window, nothing is freed
-(group 0 must hold the whole prefix: see below).
+group of every layer (rows = num_layers): today's layout, tables and code path, unchanged
+(`KVLayout.plain`; so is any model with kv_layer_groups off: one table, nothing freed).
 
-Tables. Group 0 is always a global group, and it is the table everyone already reads
-(`BlockTable.block_ids`: events, traces, prefix-hit reports, swap accounting). Groups 1.. are
-`BlockTable.extra[g - 1]`, one list per group, the same length as block_ids
+All-windowed models (Mistral / Qwen2 with `sliding_window` on every layer, windowed Phi-3).
+There is no global layer, so group 0 is a WINDOW group (the smallest window's; one group when
+every layer has the same window, the storage layout of a plain model). Of the two designs
+weighed, (a) a window group 0 and (b) keeping group 0 global with an extra window table for
+the layers, only (a) frees anything: under (b) the global table would keep every page of the
+prefix, the memory the window no longer needs. So group 0 trims like any window group:
+`block_ids` entries below its window are NULL_BLOCK, all of them below `BlockTable.trimmed0`
+(0, and no NULL, whenever group 0 is global: a global model's hot paths pay one flag test, no
+more, and run as before). A window group 0 publishes flat (no parent) and its hits
+follow the hybrid rule below, group 0 included (`KVCacheManager._acquire_windowed`). Readers of
+block_ids skip NULL: the runner reads it as block 0 (masked, as for extra groups), the debug
+written-slot check, held-block events and hit reports, swap (`held_ids`), snapshots (their
+entries are the held blocks only, in order; the tracer and provenance put them back at their
+logical positions), invariants (flat: no radix chain to check for group 0), and the tracer
+records group 0's view as a GroupView, so a trim bug in it is attributed to group 0.
+
+Tables. Group 0 is a global group but in an all-windowed model, and it is the table everyone
+already reads (`BlockTable.block_ids`: events, traces, prefix-hit reports, swap accounting).
+Groups 1.. are `BlockTable.extra[g - 1]`, one list per group, the same length as block_ids
 (ceil(num_tokens / B)); a window group's leading entries that fell out of the window are
 NULL_BLOCK. All groups of a table advance together: one num_tokens, one publish cursor.
 
@@ -74,6 +89,11 @@ class KVLayout:
         """The windows of groups 1.. (the extra tables of a BlockTable)."""
         return tuple(g.window for g in self.groups[1:])
 
+    @property
+    def plain(self) -> bool:
+        """One global group: today's single table, no per-group work at all."""
+        return len(self.groups) == 1 and self.groups[0].window is None
+
     def pages_per_block(self, num_layers: int) -> int:
         """Pages that hold the memory of one whole-model block."""
         return num_layers // self.rows
@@ -86,16 +106,17 @@ def single_group(num_layers: int) -> KVLayout:
 
 
 def kv_layout(num_layers: int, layer_windows: tuple[int | None, ...], enabled: bool) -> KVLayout:
-    """Groups for a model whose layers have these windows (empty: all global). Hybrid only with
-    both global and windowed layers, and when enabled."""
+    """Groups for a model whose layers have these windows (empty: all global). Plain (one
+    global group) when disabled or when every layer is global."""
     windows = layer_windows or (None,) * num_layers
     kinds: dict[int | None, list[int]] = {}
     for layer, w in enumerate(windows):
         kinds.setdefault(w, []).append(layer)
-    if not enabled or len(kinds) < 2 or None not in kinds:
+    if not enabled or list(kinds) == [None]:
         return single_group(num_layers)
     rows = math.gcd(*(len(v) for v in kinds.values()))
-    order = [None] + sorted(w for w in kinds if w is not None)  # global first: group 0
+    # Global first: group 0. An all-windowed model's group 0 is its smallest window's group.
+    order = ([None] if None in kinds else []) + sorted(w for w in kinds if w is not None)
     groups: list[KVGroup] = []
     layer_map: dict[int, tuple[int, int]] = {}
     for w in order:

@@ -24,11 +24,13 @@ def check_invariants(
     tables: Iterable[BlockTable],
     index: PrefixIndex | None = None,
     snapshots: Iterable[TableSnapshot] = (),
+    window0: bool = False,
 ) -> None:
+    """`window0`: group 0 is a window group (an all-windowed model, kvpage.cache.groups)."""
     tables = list(tables)
     problems: list[str] = []
     problems += _check_counts(pool)
-    problems += _check_tables(pool, tables, index)
+    problems += _check_tables(pool, tables, index, window0)
     problems += _check_refs(pool, tables, list(snapshots))
     if index is not None:
         problems += _check_index(pool, index)
@@ -84,7 +86,7 @@ def _check_block_state(pool: BlockPool, b) -> list[str]:
 
 
 def _check_tables(
-    pool: BlockPool, tables: list[BlockTable], index: PrefixIndex | None
+    pool: BlockPool, tables: list[BlockTable], index: PrefixIndex | None, window0: bool = False
 ) -> list[str]:
     out = []
     bs = pool.block_size
@@ -95,12 +97,28 @@ def _check_tables(
         seen_seq.add(t.seq_id)
         if len(t.block_ids) != blocks_for(t.num_tokens, bs):
             out.append(f"seq {t.seq_id}: {len(t.block_ids)} blocks for {t.num_tokens} tokens")
-        if len(set(t.block_ids)) != len(t.block_ids):
-            out.append(f"seq {t.seq_id}: a block appears twice in {t.block_ids}")
+        if window0:  # flat (no chain to check), NULL below its cursor
+            out += _check_window0(t)
+        elif len(set(t.block_ids)) != len(t.block_ids) or t.trimmed0:
+            out.append(f"seq {t.seq_id}: a block appears twice in {t.block_ids}, or a NULL")
         for i, bid in enumerate(t.block_ids):
-            out += _check_entry(pool, index, t, i, bid)
+            if bid != NULL_BLOCK or not window0:
+                out += _check_entry(pool, None if window0 else index, t, i, bid)
         for g, ids in enumerate(t.extra, start=1):
             out += _check_group(pool, t, g, ids)
+    return out
+
+
+def _check_window0(t: BlockTable) -> list[str]:
+    """Group 0 as a window group: no block twice, nothing held below its trim cursor, NULL
+    nowhere above it (its entries publish flat: no chain to check)."""
+    out = []
+    held = [b for b in t.block_ids if b != NULL_BLOCK]
+    if len(set(held)) != len(held):
+        out.append(f"seq {t.seq_id}: a block appears twice in {t.block_ids}")
+    cut = t.trimmed0
+    if any(b != NULL_BLOCK for b in t.block_ids[:cut]) or NULL_BLOCK in t.block_ids[cut:]:
+        out.append(f"seq {t.seq_id} group 0: NULL and held entries split at {cut}: {t.block_ids}")
     return out
 
 

@@ -56,6 +56,10 @@ class KVCacheManager:
         self.layout = layout
         # Groups 1.. (one table each besides block_ids): their windows, None for a global one.
         self.extra_windows: tuple[int | None, ...] = () if layout is None else layout.extra_windows
+        # Group 0's window: None (global, the radix tree) but in an all-windowed model.
+        self.window0: int | None = None if layout is None else layout.groups[0].window
+        # Some group trims: before each append and swap-out (a plain layout never does).
+        self.windowed = self.window0 is not None or any(w is not None for w in self.extra_windows)
         self.enable_prefix_caching = enable_prefix_caching
         self.fast_key_bits = fast_key_bits
         self.debug_checks = debug_checks
@@ -116,6 +120,8 @@ class KVCacheManager:
         cap = self.max_hit_blocks(prompt_len)
         if max_blocks is not None:
             cap = min(cap, max_blocks)
+        if self.window0 is not None:
+            return self._acquire_windowed(table, chain, cap)
         hits = self.index.match(chain, cap)
         extra = self.extra_hits(chain, hits) if self.extra_windows else None
         for found in self.index.take_corruptions():  # the index knows keys, not sequences
@@ -159,18 +165,56 @@ class KVCacheManager:
 
     def lookup_group(self, chain: BlockKeyChain, depth: int, group: int) -> int | None:
         """The joinable block layer group `group` published for the chain's block `depth`."""
+        key = chain.keys[depth]
         entry = self.index.confirmed(
-            self.index.group_key(chain.keys[depth], group), chain.namespace_digest, depth
+            key if group == 0 else self.index.group_key(key, group), chain.namespace_digest, depth
         )
         return None if entry is None else entry.block_id
 
-    def _hybrid_hit_len(self, found: list[list[int | None]], h: int) -> int:
-        """The largest h' <= h that every window group can serve: the blocks its window needs
-        at h' are all present."""
+    def _acquire_windowed(self, table: BlockTable, chain: BlockKeyChain, cap: int) -> int:
+        """acquire_prefix with a window group 0 (an all-windowed model): group 0 is flat like
+        every window group, so the hybrid rule decides for it too."""
+        windows = (self.window0, *self.extra_windows)
+        found: list[list[int | None]] = []
+        h = min(cap, len(chain.keys))
+        for g, window in enumerate(windows):
+            ids = [self.lookup_group(chain, d, g) for d in range(h)]
+            if window is None:
+                h = next((d for d, b in enumerate(ids) if b is None), h)
+            found.append(ids)
+        for found_bad in self.index.take_corruptions():
+            self._corruptions.append((table.seq_id, found_bad))
+        h = self._hybrid_hit_len(found, h, windows)
         bs = self.block_size
+        groups = []
+        for ids, window in zip(found, windows, strict=True):
+            lo = 0 if window is None else first_needed_block(h * bs, window, bs)
+            groups.append([NULL_BLOCK] * lo + [b for b in ids[lo:h]])
+        for bid in groups[0]:
+            if bid != NULL_BLOCK:
+                self.pool.add_owner(bid, table.seq_id)
+        table.block_ids = groups[0]
+        table.trimmed0 = next((i for i, b in enumerate(groups[0]) if b != NULL_BLOCK), h)
+        if table.extra:
+            self._take_extra(table, groups[1:])
+        table.num_tokens = h * bs
+        table.num_published = h
+        table.bump()
+        self.live_tables[table.seq_id] = table
+        self.stats.hit_tokens += table.num_tokens
+        self._debug()
+        return table.num_tokens
+
+    def _hybrid_hit_len(
+        self, found: list[list[int | None]], h: int, windows: tuple[int | None, ...] | None = None
+    ) -> int:
+        """The largest h' <= h that every window group can serve: the blocks its window needs
+        at h' are all present (`windows`: found's groups, the extra groups by default)."""
+        bs = self.block_size
+        windows = self.extra_windows if windows is None else windows
         while h > 0:
             ok = True
-            for ids, window in zip(found, self.extra_windows, strict=True):
+            for ids, window in zip(found, windows, strict=True):
                 lo = 0 if window is None else first_needed_block(h * bs, window, bs)
                 if len(ids) < h or any(b is None for b in ids[lo:h]):
                     ok = False
@@ -217,6 +261,8 @@ class KVCacheManager:
         bs, n = self.block_size, self.blocks_for(num_tokens)
         grow = self.blocks_for(num_tokens + num_new_tokens) - n
         need = n + grow
+        if self.window0 is not None:
+            need -= first_needed_block(num_tokens, self.window0, bs)
         for w in self.extra_windows:
             need += n - (0 if w is None else first_needed_block(num_tokens, w, bs)) + grow
         return need
@@ -243,7 +289,7 @@ class KVCacheManager:
         self.check_appendable(table)
         bs = self.block_size
         start, end = table.num_tokens, table.num_tokens + num_new_tokens
-        if table.extra:
+        if self.windowed:
             self.trim(table)  # before reserving: the window's old blocks are this step's room
         cow = self.cow_needed(table)
         new = self.blocks_for(end) - len(table.block_ids)
@@ -293,17 +339,23 @@ class KVCacheManager:
         Position by position over the groups, head first: LRU then evicts the oldest positions
         of every window group alike, and keeps the tails a hit needs in all of them."""
         bs, start = self.block_size, table.num_tokens
-        los = [None if w is None else first_needed_block(start, w, bs) for w in self.extra_windows]
-        first = min((table.trimmed[g] for g, lo in enumerate(los) if lo is not None), default=0)
+        # Every group, group 0 first (a window group only in an all-windowed model).
+        tables = [table.block_ids, *table.extra]
+        cursors = [table.trimmed0, *table.trimmed]
+        windows = (self.window0, *self.extra_windows)
+        los = [None if w is None else first_needed_block(start, w, bs) for w in windows]
+        first = min((cursors[g] for g, lo in enumerate(los) if lo is not None), default=0)
         last = max((lo for lo in los if lo is not None), default=0)
         for j in range(first, last):
             for g, lo in enumerate(los):
-                ids = table.extra[g]
+                ids = tables[g]
                 if lo is not None and j < lo and ids[j] != NULL_BLOCK:
                     self.pool.remove_owner(ids[j], table.seq_id)
                     ids[j] = NULL_BLOCK
                     self.stats.window_frees += 1
-        for g, lo in enumerate(los):
+        if los[0] is not None:
+            table.trimmed0 = max(los[0], table.trimmed0)
+        for g, lo in enumerate(los[1:]):
             if lo is not None:
                 table.trimmed[g] = max(lo, table.trimmed[g])
 
@@ -390,10 +442,14 @@ class KVCacheManager:
         if table.publish_blocked or not self._caching_on(chain.namespace_digest):
             return
         full = min(table.num_tokens // self.block_size, len(chain.keys))
+        flat0 = self.window0 is not None  # a window group 0 publishes flat, like window extras
         for i in range(table.num_published, full):
-            if not self._publish_one(table, chain, i) or (
-                table.extra and not self._publish_extra(table, chain, i)
-            ):
+            ok = (
+                self._publish_flat(table, chain, i, 0)
+                if flat0
+                else self._publish_one(table, chain, i)
+            )
+            if not ok or (table.extra and not self._publish_extra(table, chain, i)):
                 table.publish_blocked = True
                 break
             table.num_published = i + 1
@@ -420,19 +476,26 @@ class KVCacheManager:
                 if not self._publish_one(table, chain, i, g):
                     return False
                 continue
-            bid = table.extra[g - 1][i]
-            if bid != NULL_BLOCK and self.pool.blocks[bid].state in READABLE:
-                key = self.index.group_key(chain.keys[i], g)
-                result = self.index.publish(key, bid, i, None, chain.namespace_digest)
-                if result not in (PublishResult.PUBLISHED, PublishResult.ALREADY):
-                    return False
+            if not self._publish_flat(table, chain, i, g):
+                return False
         return True
+
+    def _publish_flat(self, table: BlockTable, chain: BlockKeyChain, i: int, group: int) -> bool:
+        """Block i of a window group, without a parent (its table no longer holds the blocks
+        before the window), published while still held."""
+        bid = (table.block_ids if group == 0 else table.extra[group - 1])[i]
+        if bid == NULL_BLOCK or self.pool.blocks[bid].state not in READABLE:
+            return True
+        key = chain.keys[i] if group == 0 else self.index.group_key(chain.keys[i], group)
+        result = self.index.publish(key, bid, i, None, chain.namespace_digest)
+        return result in (PublishResult.PUBLISHED, PublishResult.ALREADY)
 
     # --- release ---------------------------------------------------------------------------
     def free_table(self, table: BlockTable) -> None:
         # Tail first: the tail gets the oldest release tick, so it is evicted before its prefix.
         for bid in reversed(table.block_ids):
-            self.pool.remove_owner(bid, table.seq_id)
+            if bid != NULL_BLOCK:  # only a window group 0 has any
+                self.pool.remove_owner(bid, table.seq_id)
         # The extra groups' tails are what a hit of the whole prefix needs (their heads only
         # shorter hits): released last, head first and position by position over the groups
         # (like trim), so they are evicted last and every group's alike.
@@ -450,8 +513,10 @@ class KVCacheManager:
         self.check_appendable(table)
         child = self.new_table(child_seq_id)
         for bid in table.block_ids:
-            self.pool.add_owner(bid, child_seq_id)
+            if bid != NULL_BLOCK:
+                self.pool.add_owner(bid, child_seq_id)
         child.block_ids = list(table.block_ids)
+        child.trimmed0 = table.trimmed0
         for g, ids in enumerate(table.extra):
             for bid in ids:
                 if bid != NULL_BLOCK:
@@ -468,7 +533,8 @@ class KVCacheManager:
 
     # --- snapshots -------------------------------------------------------------------------
     def snapshot(self, table: BlockTable) -> TableSnapshot:
-        blocks = [self.pool.blocks[bid] for bid in table.block_ids]
+        held0 = [b for b in table.block_ids if b >= 0] if table.trimmed0 else table.block_ids
+        blocks = [self.pool.blocks[bid] for bid in held0]
         for i, b in enumerate(blocks):
             if b.state not in READABLE:
                 raise InvariantViolation(
@@ -521,8 +587,8 @@ class KVCacheManager:
         for group in snap.extra_entries:
             for e in reversed(group):
                 self.pool.unpin(e.block_id)
-        for bid in reversed(snap.block_ids):  # tail first, like free_table (LRU ticks)
-            self.pool.unpin(bid)
+        for e in reversed(snap.entries):  # tail first, like free_table (LRU ticks)
+            self.pool.unpin(e.block_id)
         self._debug()
 
     def validate_snapshot(self, snap: TableSnapshot) -> None:
@@ -550,7 +616,7 @@ class KVCacheManager:
         block id of the table in logical order (shared ones stay readable for their other
         holders but must be copied too). Follow with free_table, or cancel_evict on failure.
         Extra groups: trimmed first, then their held blocks follow group 0's, group by group."""
-        if table.extra:
+        if self.windowed:
             self.trim(table)
         held = table.held_ids()
         for bid in held:
@@ -574,15 +640,19 @@ class KVCacheManager:
             raise InvariantViolation(f"seq {table.seq_id}: restore after a partial block")
         if num_tokens <= 0:
             raise InvariantViolation(f"seq {table.seq_id}: restore of {num_tokens} tokens")
-        n = self.blocks_for(num_tokens)
+        n, bs = self.blocks_for(num_tokens), self.block_size
         first, end = len(table.block_ids), table.num_tokens + num_tokens
         los = [
-            first if w is None else max(first, first_needed_block(end, w, self.block_size))
+            first if w is None else max(first, first_needed_block(end, w, bs))
             for w in self.extra_windows
         ]
-        self._reserve(n + sum(first + n - lo for lo in los))
-        ids = self._restoring(table, first, n, end)
-        table.block_ids.extend(ids)
+        lo0 = first if self.window0 is None else first_needed_block(end, self.window0, bs)
+        lo0 = max(first, lo0)
+        self._reserve(first + n - lo0 + sum(first + n - lo for lo in los))
+        ids = self._restoring(table, lo0, first + n - lo0, end)
+        table.block_ids.extend([NULL_BLOCK] * (lo0 - first) + ids)
+        if lo0 > first:
+            table.trimmed0 = max(table.trimmed0, lo0)
         for g, lo in enumerate(los):  # the pages begin_evict copied out: same groups, same order
             own = self._restoring(table, lo, first + n - lo, end)
             table.extra[g].extend([NULL_BLOCK] * (lo - first) + own)
@@ -631,7 +701,9 @@ class KVCacheManager:
 
     def check_invariants(self, tables: Iterable[BlockTable] | None = None) -> None:
         tables = self.live_tables.values() if tables is None else tables
-        check_invariants(self.pool, tables, self.index, self.inflight.values())
+        check_invariants(
+            self.pool, tables, self.index, self.inflight.values(), self.window0 is not None
+        )
 
     # --- internals -------------------------------------------------------------------------
     def _caching_on(self, namespace: bytes) -> bool:

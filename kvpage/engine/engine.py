@@ -92,7 +92,7 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             fast_key_bits=config.fast_key_bits,
             invalidate_freed=self.kv_format.quantized,
-            layout=self.kv_layout if self.kv_layout.num_groups > 1 else None,
+            layout=None if self.kv_layout.plain else self.kv_layout,
         )
         self._observers: list[EngineObserver] = []  # shared with the scheduler
         self.swap_space = SwapSpace(config.swap_space_blocks * pages_per_block)

@@ -199,14 +199,14 @@ def who(seq: Sequence) -> dict[str, Any]:
 
 def held_blocks(seq: Sequence, pool: BlockPool) -> dict[str, tuple[int, ...]]:
     """The blocks a sequence holds and their generations (read before they are given back)."""
-    ids = tuple(seq.table.block_ids)
+    ids = tuple(b for b in seq.table.block_ids if b >= 0)  # a window's given-back NULLs out
     return {"blocks": ids, "generations": tuple(pool.blocks[b].generation for b in ids)}
 
 
 def prefix_hit(seq: Sequence, cache: KVCacheManager, first_admission: bool) -> PrefixHit:
     """The hit `seq` was admitted with: its first `num_computed` tokens, from its own table."""
     size, n = cache.block_size, seq.num_computed
-    blocks = tuple(seq.table.block_ids[: cache.blocks_for(n)])
+    blocks = tuple(b for b in seq.table.block_ids[: cache.blocks_for(n)] if b >= 0)
     full = n // size
     return PrefixHit(
         **who(seq),

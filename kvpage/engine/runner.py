@@ -44,6 +44,8 @@ class ModelRunner:
         # Layer -> (group, row) of its KV (kvpage.cache.groups): whose table each layer reads.
         layout = cache.layout
         self.layer_map = () if layout is None else layout.layer_map
+        # A windowed group 0 (an all-windowed model) has NULL entries in block_ids too.
+        self._null0 = layout is not None and layout.groups[0].window is not None
         self._arange = torch.arange(0, device=self.device)  # grown on demand; rows and positions
         # With adapters served (kvpage.engine.engine): the model's context, the engine's slots.
         self.lora: LoraContext | None = None
@@ -167,7 +169,7 @@ class ModelRunner:
             slots += item.slots
             if item.num_new_tokens == 1:
                 decode_rows.append(start)
-                decode_tables.append(snap.block_ids)
+                decode_tables.append(self._ids0(snap))
                 decode_lens.append(context_len)
             else:
                 fresh = item.seq.num_computed == 0
@@ -237,7 +239,12 @@ class ModelRunner:
         return self._arange[:n]
 
     def _context_slots(self, snap: TableSnapshot, context_len: int) -> torch.Tensor:
-        return self._slots_of(snap.block_ids, context_len)
+        return self._slots_of(self._ids0(snap), context_len)
+
+    def _ids0(self, snap: TableSnapshot) -> tuple[int, ...]:
+        """Group 0's table as the kernels read it: a NULL entry reads block 0, outside the
+        window the layer masks (only an all-windowed model has any)."""
+        return tuple(max(b, 0) for b in snap.block_ids) if self._null0 else snap.block_ids
 
     def _slots_of(self, block_ids: tuple[int, ...], context_len: int) -> torch.Tensor:
         blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)

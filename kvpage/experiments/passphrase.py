@@ -156,7 +156,8 @@ def _record_ref_counts(engine: LLMEngine, group: GroupResult) -> None:
     seen: dict[int, int] = {}
     for t in tables:
         for bid in t.block_ids:
-            seen[bid] = seen.get(bid, 0) + 1
+            if bid >= 0:  # a window group 0 gave its NULL entries back (kvpage.cache.groups)
+                seen[bid] = seen.get(bid, 0) + 1
     for bid, n_tables in seen.items():
         if n_tables > 1:
             key = str(engine.cache.pool.blocks[bid].ref_count - engine.cache.pool.blocks[bid].pins)

@@ -126,6 +126,8 @@ class KVStorage:
             n = min(self.block_size, num_tokens - j * self.block_size)
             if n <= 0:
                 return
+            if bid < 0:  # a window group gave it back (kvpage.cache.groups): nothing reads it
+                continue
             if not bool(self.scales[:, :, bid, :n].ne(0).all()):
                 raise InvariantViolation(
                     f"{who} block[{j}]={bid}: a read of {n} tokens finds scales nobody wrote "

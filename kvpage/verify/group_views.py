@@ -34,7 +34,8 @@ def group_mismatch(ref: StepRecord, cand: StepRecord) -> GroupMismatch | None:
     groups, windows = cand.view.groups, ref.view.layer_windows
     if not groups or not windows:
         return None
-    n, bs = len(cand.view.entries), cand.view.block_size
+    entries, bs = cand.view.entries, cand.view.block_size
+    n = entries[-1].logical + 1 if entries else 0  # a window group 0 holds no leading NULLs
     in_extra = {layer for g in groups for layer in g.layers}
     global_layers = [layer for layer in range(len(windows)) if layer not in in_extra]
     wrong = [layer for layer in global_layers if windows[layer] is not None]

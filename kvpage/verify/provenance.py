@@ -163,7 +163,7 @@ class KVProvenance:
         self._blocks: dict[int, _Incarnation] = {}  # block id -> its latest recorded incarnation
         self._chains: dict[int, _Chain] = {}  # seq id -> prefix digests
         # seq id -> (epoch, leading full-block entries verified at that epoch)
-        self._verified: dict[int, tuple[int, tuple]] = {}
+        self._verified: dict[int, tuple[tuple[int, int], tuple]] = {}
         self._epoch = 0  # bumped when recorded KV changes in place (never, in a correct engine)
         self._sample_ids: dict[int, str] = {}  # seq id -> sample id, for copies (no seq given)
         self._reported: set[tuple] = set()
@@ -195,7 +195,10 @@ class KVProvenance:
         kvpage.cache.manager.allocate_restoring)."""
         self._sample_ids[seq.seq_id] = seq.sample_id
         B = self.block_size
-        for i, bid in enumerate(block_ids):
+        # The restored table's held entries, in order (a window group 0 holds none for its
+        # leading NULL blocks; extra groups' blocks follow and are not group 0's).
+        logical = [i for i, b in enumerate(seq.table.block_ids) if b >= 0]
+        for i, bid in zip(logical, block_ids, strict=False):
             hi = min(B, seq.swapped_tokens - i * B)
             if hi > 0:
                 self.stats.restored_blocks += 1
@@ -300,20 +303,24 @@ class KVProvenance:
         whatever valid_len the metadata claims). Leading full blocks verified at an earlier step
         are skipped while their entries and every recorded incarnation's content stand."""
         B, entries = self.block_size, snap.entries
+        # A window group 0 (an all-windowed model) holds no entry for its leading NULL blocks:
+        # entry k is logical block k + skip.
+        skip = len(snap.block_ids) - len(entries)
         cached = self._verified.get(seq.seq_id)
         start = 0
-        if cached is not None and cached[0] == self._epoch:
+        if cached is not None and cached[0] == (self._epoch, skip):
             start = len(cached[1])
             if entries[:start] != cached[1]:
                 start = 0
         verified_full = start
-        for j in range(start, len(entries)):
+        for k in range(start, len(entries)):
+            j = k + skip
             need = min(B, context_len - j * B)
             if need <= 0:
                 break
-            if self._check_entry(seq, j, entries[j], need) and j == verified_full and need == B:
+            if self._check_entry(seq, j, entries[k], need) and k == verified_full and need == B:
                 verified_full += 1
-        self._verified[seq.seq_id] = (self._epoch, entries[:verified_full])
+        self._verified[seq.seq_id] = ((self._epoch, skip), entries[:verified_full])
 
     def _check_entry(self, seq: Seq, j: int, entry, need: int) -> bool:
         """Offsets [0, need) of logical block j, read through entry, are seq's own KV."""

@@ -207,8 +207,13 @@ class EngineTracer:
         return self._pending.setdefault(seq.sample_id, _PendingInputs())
 
     def _view(self, seq, snap, query_start: int = 0) -> CacheView:
-        entries = self._entries(enumerate(snap.entries))
-        groups = self._group_views(snap, query_start) if snap.extra_entries else ()
+        skip = len(snap.block_ids) - len(snap.entries)  # a window group 0's leading NULLs
+        entries = self._entries(enumerate(snap.entries, start=skip))
+        groups = ()
+        if self.engine.cache.window0 is not None:  # group 0 is a window group: a view too
+            groups = (self._group_view(snap.block_ids, snap.entries, 0, query_start),)
+        if snap.extra_entries:
+            groups += self._group_views(snap, query_start)
         return CacheView(
             tuple(entries),
             snap.epoch,
@@ -246,19 +251,20 @@ class EngineTracer:
         """Every extra layer group's view: the layers whose attention reads it (the runner's
         map), its window, the first key the step's first query sees, its held entries at their
         logical positions."""
-        windows = self.engine.cache.extra_windows
-        layer_map = self.engine.runner.layer_map
-        views = []
         pairs = zip(snap.extra_block_ids, snap.extra_entries, strict=True)
-        for g, (ids, held) in enumerate(pairs, start=1):
-            window = windows[g - 1]
-            layers = tuple(i for i, (group, _) in enumerate(layer_map) if group == g)
-            logical = [i for i, bid in enumerate(ids) if bid >= 0]
-            start = 0 if window is None else max(0, query_start - window + 1)
-            entries = tuple(self._entries(zip(logical, held, strict=True)))
-            at = tuple(self._published_at(e.block_id) for e in held)
-            views.append(GroupView(g, window, layers, start, entries, query_start, at))
-        return tuple(views)
+        return tuple(
+            self._group_view(ids, held, g, query_start) for g, (ids, held) in enumerate(pairs, 1)
+        )
+
+    def _group_view(self, ids, held, g: int, query_start: int) -> GroupView:
+        cache = self.engine.cache
+        window = (cache.window0, *cache.extra_windows)[g]
+        layers = tuple(i for i, (group, _) in enumerate(self.engine.runner.layer_map) if group == g)
+        logical = [i for i, bid in enumerate(ids) if bid >= 0]
+        start = 0 if window is None else max(0, query_start - window + 1)
+        entries = tuple(self._entries(zip(logical, held, strict=True)))
+        at = tuple(self._published_at(e.block_id) for e in held)
+        return GroupView(g, window, layers, start, entries, query_start, at)
 
     def _with_scales(self, view: CacheView, scales: torch.Tensor, at: dict[int, int]) -> CacheView:
         """The scales a quantized step read, per block and layer; `scales` holds block

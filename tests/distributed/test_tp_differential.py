@@ -71,6 +71,7 @@ def _hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
 # Gemma 3's window groups give blocks back (kvpage.cache.groups), which moves its schedule: at 16
 # blocks its fork's samples are both swapped out before either writes (no copy-on-write).
 POOL = {"gemma3": 12}
+WINDOWED = ("mistral-window", "qwen2-window", "gemma3")
 
 
 def _config(directory, num_blocks: int = 16, **kw) -> dict:
@@ -104,6 +105,8 @@ def test_tp2_equals_tp1_and_hf(name, hf_dirs):
     tp_out, tp_logits, stats = _run(EngineConfig(**config, tensor_parallel_size=2), prompts)
 
     _assert_same_tokens(name, tp_out, ref_out, stats)
+    if name in WINDOWED:  # every window group gives blocks back, Mistral's all-window one too
+        assert stats["window_frees"] > 0, f"{name}: no window block given back"
     for i, prompt in enumerate(prompts):
         expected = _hf_greedy(hf_model, prompt, MAX_TOKENS)
         assert tp_out[str(i)].outputs[0].token_ids == expected, f"{name}: request {i} vs HF"

@@ -95,3 +95,51 @@ def test_diff_names_the_group_whose_view_lacks_a_block_of_its_window():
     extra = bad._replace(entries=entries, published_at=(-1, -1, -1))
     found = first_divergence([ref], [_make(dataclasses.replace(cand, groups=(good, extra)))])
     assert found.attribution.reason.endswith("holds blocks outside its window")
+
+
+# An all-windowed model (Mistral, window 24 on both layers): one window group 0, whose block_ids
+# the engine trims. The trim mutants apply; a planted one is found in group 0 at layer 0.
+TRIM_MUTANTS = ("window_off_by_one", "freed_inside_window")
+
+
+@pytest.fixture(scope="module")
+def all_window_gate(tmp_path_factory):
+    from ..model.hf_models import save_hf
+
+    directory = tmp_path_factory.mktemp("mistral-window")
+    save_hf("mistral-window", directory)
+    return run_gate(
+        str(directory),
+        suites=("layer_groups",),
+        mutants=list(TRIM_MUTANTS),
+        progress=False,
+        kv_cache_dtypes=(),
+    )
+
+
+def test_all_window_suite_passes_and_frees(all_window_gate):
+    gate = all_window_gate
+    assert [c.case for c in gate.cases if not c.passed] == []
+    stats = {c.case.split("/")[1]: c.stats for c in gate.cases}
+    assert stats["long_decodes_free_window_blocks"]["window_frees"] > 0
+    assert stats["prefix_across_window_edge"]["prefix_hits"] > 0
+
+
+@pytest.mark.parametrize("name", TRIM_MUTANTS)
+def test_all_window_trim_mutant_is_caught_in_group_0(all_window_gate, name):
+    result = next(m for m in all_window_gate.mutants if m.mutant.name == name)
+    assert result.caught, f"{name} escaped the suite"
+    attribution = result.divergence["attribution"]
+    assert attribution["class"] == "layer_group" and attribution["missing"] == []
+    assert (attribution["fields"]["group"], attribution["fields"]["first_layer"]) == (0, 0)
+    assert "inside the window was given back" in attribution["reason"]
+    assert attribution["fields"]["window"] == 24
+
+
+def test_only_the_trim_mutants_apply_to_an_all_window_model():
+    import dataclasses as dc
+
+    hybrid = load_model(MODEL)[0].config
+    all_window = dc.replace(hybrid, layer_windows=(12, 12, 12))
+    applies = [m.name for m in LAYER_GROUP_MUTANTS if not m.not_applicable(all_window)]
+    assert applies == list(TRIM_MUTANTS)

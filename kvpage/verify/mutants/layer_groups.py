@@ -1,7 +1,8 @@
 """Per-layer-group KV mutants (kvpage.cache.groups), on a model with global and sliding-window
 layers (builtin:tiny-hybrid): the window trim off by one, a block freed while its window still
 reaches it, a global layer reading a window group's table, a prefix hit that takes a window
-group's blocks from outside the window. Each shows in the step's group views before (or
+group's blocks from outside the window. The two trim mutants apply to an all-windowed model too
+(Mistral: one window group 0, whose block_ids they trim). Each shows in the step's group views before (or
 without) any token differing, so each must be attributed to layer_group."""
 
 from __future__ import annotations
@@ -22,21 +23,32 @@ def _not_hybrid(cfg: ModelConfig) -> str | None:
     return "the model has no global and sliding-window layers: one KV group, nothing to trim"
 
 
+def _no_window(cfg: ModelConfig) -> str | None:
+    if any(w is not None for w in cfg.layer_windows or ()):
+        return None
+    return "the model has no sliding-window layer: nothing to trim"
+
+
 def _trim_from(first_block):
     """A trim whose first kept block is `first_block(start, window, block_size)`."""
 
     def trim(self, table):
         bs, start = self.block_size, table.num_tokens
-        for g, window in enumerate(self.extra_windows):
+        # Every group, group 0 first (a window group only in an all-windowed model).
+        tables = [table.block_ids, *table.extra]
+        for g, window in enumerate((self.window0, *self.extra_windows)):
             if window is None:
                 continue
             lo = min(first_block(start, window, bs), start // bs)  # never the block written next
-            ids = table.extra[g]
-            for j in range(table.trimmed[g], lo):
+            ids, cursor = tables[g], table.trimmed0 if g == 0 else table.trimmed[g - 1]
+            for j in range(cursor, lo):
                 if ids[j] != NULL_BLOCK:
                     self.pool.remove_owner(ids[j], table.seq_id)
                     ids[j] = NULL_BLOCK
-            table.trimmed[g] = max(lo, table.trimmed[g])
+            if g == 0:
+                table.trimmed0 = max(lo, cursor)
+            else:
+                table.trimmed[g - 1] = max(lo, cursor)
 
     return trim
 
@@ -83,16 +95,22 @@ def hit_reuses_blocks_outside_window(engine: LLMEngine) -> None:
     plant(engine, "cache.extra_hits", extra_hits)
 
 
-def _mutant(name: str, bug: str, apply) -> Mutant:
-    return Mutant(name, bug, "layer_group", apply, suites=SUITES, not_applicable_on=_not_hybrid)
+def _mutant(name: str, bug: str, apply, needs=_not_hybrid) -> Mutant:
+    return Mutant(name, bug, "layer_group", apply, suites=SUITES, not_applicable_on=needs)
 
 
 LAYER_GROUP_MUTANTS = (
-    _mutant("window_off_by_one", "the window trim keeps one key too few", window_off_by_one),
+    _mutant(
+        "window_off_by_one",
+        "the window trim keeps one key too few",
+        window_off_by_one,
+        _no_window,
+    ),
     _mutant(
         "freed_inside_window",
         "a window group gives back a block its window still reaches",
         freed_inside_window,
+        _no_window,
     ),
     _mutant(
         "global_reads_local_table",

@@ -13,7 +13,11 @@ from kvpage.verify.mutants.base import Mutant, plant
 
 
 def adapter_left_out(engine: LLMEngine) -> None:
-    plant(engine, "engine.request_namespace", lambda self, salt, adapter: self.namespace.with_salt(salt))
+    plant(
+        engine,
+        "engine.request_namespace",
+        lambda self, salt, adapter: self.namespace.with_salt(salt),
+    )
 
 
 def keyed_by_name(engine: LLMEngine) -> None:
@@ -63,10 +67,22 @@ def alpha_not_divided_by_rank(engine: LLMEngine) -> None:
 LORA_MUTANTS: tuple[Mutant, ...] = tuple(
     Mutant(name, what, "lora", apply, suites=("lora",))
     for name, what, apply in (
-        ("lora_left_out_of_namespace", "the adapter is not part of the block key", adapter_left_out),
-        ("lora_keyed_by_name", "adapters keyed by name alone: a reload hits old blocks", keyed_by_name),
+        (
+            "lora_left_out_of_namespace",
+            "the adapter is not part of the block key",
+            adapter_left_out,
+        ),
+        (
+            "lora_keyed_by_name",
+            "adapters keyed by name alone: a reload hits old blocks",
+            keyed_by_name,
+        ),
         ("lora_name_in_salt_field", "the adapter name keyed as a tenant salt", name_in_salt_field),
-        ("lora_rows_shifted", "an adapter applied to the wrong rows of a mixed batch", rows_shifted),
+        (
+            "lora_rows_shifted",
+            "an adapter applied to the wrong rows of a mixed batch",
+            rows_shifted,
+        ),
         ("lora_wrong_scale", "lora_alpha not divided by the rank", alpha_not_divided_by_rank),
     )
 )
