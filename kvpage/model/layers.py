@@ -8,8 +8,8 @@ import math
 import torch
 from torch import nn
 
+import kvpage.model.native_small_ops as native_small_ops  # not `from kvpage.model`: a cycle
 from kvpage.config import RopeConfig
-from kvpage.model import native_small_ops
 from kvpage.model.projection import Projection
 
 
