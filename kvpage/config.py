@@ -191,7 +191,8 @@ class EngineConfig:
         _check_bool("quantize_lm_head", self.quantize_lm_head)
         if self.quantize_lm_head and self.quantization != "int8":
             raise InvalidConfig(
-                f"quantize_lm_head needs quantization 'int8', got {self.quantization!r}"
+                f"quantize_lm_head must be False unless quantization is 'int8', got "
+                f"{self.quantize_lm_head!r} with quantization {self.quantization!r}"
             )
         _check_device(self.device)
         _check_int("seed", self.seed, SEED_MIN, SEED_MAX)

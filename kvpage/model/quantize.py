@@ -35,7 +35,10 @@ def quantize_model_(model: CausalLM, quantization: str, lm_head: bool = False) -
     if quantization not in QUANTIZATIONS:
         raise InvalidConfig(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if lm_head and quantization != "int8":
-        raise InvalidConfig(f"quantize_lm_head needs quantization 'int8', got {quantization!r}")
+        raise InvalidConfig(
+            f"quantize_lm_head must be False unless quantization is 'int8', got True with "
+            f"quantization {quantization!r}"
+        )
     if quantization == "none":
         return model
     check_supported(model.dtype, model.device)
