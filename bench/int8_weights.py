@@ -6,7 +6,13 @@ kernels, on the 125M bench model. Three modes:
     python bench/int8_weights.py --single [--configs fp32,bf16,int8-fp32,int8-bf16]
                                  [--rounds 3] [--prompt 128] [--output 128] [--threads 2]
                                  [--peers llama.cpp] [--llama-cpp-types f32,bf16,q8_0]
+    python bench/int8_weights.py --batched [--requests 32] [--prompt 128] [--output 64]
+                                 [--configs int8-fp32,int8h-fp32,int8-bf16,int8h-bf16]
+                                 [--rounds 3] [--peers llama.cpp] [--llama-cpp-types q8_0]
     python bench/int8_weights.py --kernel-sweep [--rows 1,2,4,8,16] [--threads 2]
+
+Configs `int8h-*`: int8 weights with the LM head quantized too (EngineConfig.quantize_lm_head),
+what llama.cpp's Q8_0 does with output.weight.
 
 Single-stream mode (`--single`): one request of `--prompt` random tokens and `--output` tokens
 (EOS ignored; 1 x 128 + 128 by default, bench/solo.py's `single` workload), kvpage with its
@@ -16,9 +22,14 @@ fresh process (bench/int8_weights.py --worker), alone, once per round; the round
 every cell, the order rotating each round. The model is bench/throughput.py's 125m as a
 Hugging Face checkpoint (seeded), so `--peers llama.cpp` runs `llama-batched-bench -npp P -ntg O
 -npl 1` on its GGUFs (`--llama-cpp-types`; q8_0 is the format to compare int8 with) in the same
-rounds. Printed: output tok/s (output tokens / wall of the generate call) at the fastest round
+rounds. The machine's load average is printed before and after. Printed: output tok/s (output tokens / wall of the generate call) at the fastest round
 and the median; prefill ms and decode tok/s likewise; and whether kernel-on tokens equal
 kernel-off tokens (greedy) per config.
+
+Batched mode (`--batched`): bench/throughput.py's scenario bb, `--requests` x (`--prompt` +
+`--output`) = 32 x (128 + 64), all added at once, kvpage int8 with the head float and int8 against
+`llama-batched-bench -npl 32` on the Q8_0 GGUF; every cell a fresh process, alone, once per round,
+the order rotating; out tok/s, prefill tok/s and decode tok/s, fastest (median) round.
 
 Kernel sweep (`--kernel-sweep`): per linear shape of the model (qkv 768->1280, o 768->768,
 gate_up 768->4096, down 2048->768, LM head 768->32000) and rows of x, the microseconds of one call
@@ -134,6 +145,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--single", action="store_true", help="single-stream tok/s, kernels on/off")
+    p.add_argument("--batched", action="store_true", help="--requests at once vs llama.cpp")
+    p.add_argument("--requests", type=int, default=32, help="--batched: requests (llama -npl)")
     p.add_argument("--configs", default=",".join(CONFIGS), help="--single: " + ",".join(CONFIGS))
     p.add_argument("--native", default=",".join(NATIVE_ENV), help="--single: on,gemv-off,off")
     p.add_argument("--peers", default="", help="--single: llama.cpp")
@@ -148,6 +161,10 @@ def main() -> None:
     if args.kernel_sweep:
         return kernel_sweep(args)
     single = args.single
+    if args.batched:
+        args.prompt, args.output = args.prompt or 128, args.output or 64
+        args.rounds = args.rounds or 3
+        return batched_rounds(args)
     args.prompt = args.prompt or (128 if single else 32)
     args.output = args.output or (128 if single else 32)
     args.rounds = args.rounds or (3 if single else 5)
@@ -183,11 +200,13 @@ def report(times: dict, args) -> None:
 
 
 # --- single stream: kernels on and off, each cell a process of its own --------------------------
-CONFIGS = {  # name -> (dtype, quantization)
-    "fp32": ("float32", "none"),
-    "bf16": ("bfloat16", "none"),
-    "int8-fp32": ("float32", "int8"),
-    "int8-bf16": ("bfloat16", "int8"),
+CONFIGS = {  # name -> (dtype, quantization, LM head in int8 too)
+    "fp32": ("float32", "none", False),
+    "bf16": ("bfloat16", "none", False),
+    "int8-fp32": ("float32", "int8", False),
+    "int8-bf16": ("bfloat16", "int8", False),
+    "int8h-fp32": ("float32", "int8", True),  # EngineConfig.quantize_lm_head: as Q8_0 does
+    "int8h-bf16": ("bfloat16", "int8", True),
 }
 NATIVE_ENV = {  # kernel state -> the environment that sets it
     "on": {},
@@ -213,24 +232,31 @@ def single_rounds(args) -> None:
         peers = llama_cpp_cells(args, Path(tmp)) if "llama.cpp" in args.peers else {}
         print(
             f"single stream: 1 x ({args.prompt} prompt + {args.output} out), model {args.model}, "
-            f"{args.threads} threads, {args.rounds} rounds; kernel states: "
+            f"{args.threads} threads, {args.rounds} rounds, {_load()}; kernel states: "
             + ", ".join(f"{k} = {v or 'default'}" for k, v in NATIVE_ENV.items() if k in states)
         )
         results: dict = {cell: [] for cell in [*cells, *peers]}
+        failed: set = set()
         for r in range(args.rounds):
             order = [*cells, *peers]
             order = order[r % len(order) :] + order[: r % len(order)]
-            for cell in order:
+            for cell in [c for c in order if c not in failed]:
                 out = peers[cell]() if cell in peers else run_cell(cell, tmp, prompt, args)
+                if out is None:
+                    failed.add(cell)
+                    continue
                 results[cell].append(out)
                 print(f"round {r + 1} {cell[0]} {cell[1]}: {out['wall']:.2f}s", flush=True)
-    single_report(results, cells, list(peers), args)
+    single_report(results, [c for c in cells if c not in failed], list(peers), args)
+    print(f"load after: {_load()}")
 
 
-def run_cell(cell: tuple[str, str], model_dir: str, prompt: list[int], args) -> dict:
-    dtype, quantization = CONFIGS[cell[0]]
-    spec = dict(model_dir=model_dir, dtype=dtype, quantization=quantization, prompt=prompt)
-    spec |= dict(output=args.output, seed=args.seed)
+def run_cell(cell: tuple[str, str], model_dir: str, prompt, args, batched: bool = False) -> dict:
+    """`prompt`: one prompt, or (`batched`) a list of them, generated at once."""
+    dtype, quantization, head = CONFIGS[cell[0]]
+    spec = dict(model_dir=model_dir, dtype=dtype, quantization=quantization)
+    spec |= dict(prompts=prompt) if batched else dict(prompt=prompt)
+    spec |= dict(output=args.output, seed=args.seed, quantize_lm_head=head)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     for key in ("KVPAGE_NATIVE", "KVPAGE_GEMV_MAX_ROWS"):
         env.pop(key, None)
@@ -238,26 +264,34 @@ def run_cell(cell: tuple[str, str], model_dir: str, prompt: list[int], args) -> 
     cmd = [sys.executable, __file__, "--threads", str(args.threads), "--worker", json.dumps(spec)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise SystemExit(f"{cell} failed: {proc.stderr[-2000:]}")
+        # A cell that cannot run here (bfloat16's oneDNN pack needs AVX-512 or AVX-NE-CONVERT) is
+        # reported and dropped; the other cells go on.
+        print(f"{cell} FAILED: {proc.stderr.strip().splitlines()[-1][:300]}", flush=True)
+        return None
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def single_worker(spec: dict) -> None:
-    """One cell: build, warm up (untimed), run the request once; print one JSON line."""
+    """One cell: build, warm up (untimed), run the request(s) once; print one JSON line. A
+    `batched` spec: `prompts` (every one at once) instead of `prompt`."""
+    prompts = spec.get("prompts") or [spec["prompt"]]
+    blocks = len(prompts) * -(-(len(prompts[0]) + spec["output"]) // 16) + 16
     llm = LLM(
         spec["model_dir"], dtype=spec["dtype"], quantization=spec["quantization"], device="cpu",
-        block_size=16, num_blocks=64, max_num_seqs=64, max_num_batched_tokens=2048,
+        quantize_lm_head=spec.get("quantize_lm_head", False), block_size=16,
+        num_blocks=max(64, blocks), max_num_seqs=64, max_num_batched_tokens=2048,
         seed=spec["seed"],
     )  # fmt: skip
     params = SamplingParams(max_tokens=spec["output"], ignore_eos=True)
-    llm.generate(spec["prompt"][:48], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    llm.generate(prompts[0][:48], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     start = time.monotonic()
-    out = llm.generate(spec["prompt"], params, use_tqdm=False)[0]
+    outs = llm.generate(prompts, params, use_tqdm=False)
     end = time.monotonic()
-    first = out.metrics.first_token_time
-    tokens = list(out.outputs[0].token_ids)
-    result = dict(wall=end - start, prefill=first - start, decode=(end - first) / (len(tokens) - 1))
-    result |= dict(tokens=tokens, gemv=native_gemv.available())
+    first = max(o.metrics.first_token_time for o in outs)  # the last prompt's first token
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    steps = len(tokens[0]) - 1  # decode tokens per request after the first
+    result = dict(wall=end - start, prefill=first - start, decode=(end - first) / steps)
+    result |= dict(tokens=tokens[0] if len(outs) == 1 else tokens, gemv=native_gemv.available())
     llm.close()
     print(json.dumps(result))
 
@@ -296,10 +330,98 @@ def single_report(results: dict, cells: list, peers: list, args) -> None:
         pms = f"{min(pre) * 1e3:.0f} ({statistics.median(pre) * 1e3:.0f})"
         dps = f"{1 / min(dec):.1f} ({1 / statistics.median(dec):.1f})"
         same = ""
-        if cell[1] != "llama.cpp" and (cell[0], "off") in results:
+        if cell[1] != "llama.cpp" and results.get((cell[0], "off")):
             ref = results[(cell[0], "off")][-1]["tokens"]
             same = "yes" if runs[-1]["tokens"] == ref else "NO"
         print(f"{cell[0]:<10} {cell[1]:<9} {rate:>16} {pms:>16} {dps:>16}  {same:<20}")
+
+
+# --- batched: kvpage int8 (head on/off) against llama.cpp Q8_0, each engine alone per round ------
+BATCHED_CONFIGS = "int8-fp32,int8h-fp32,int8-bf16,int8h-bf16"
+
+
+def batched_rounds(args) -> None:
+    """bench/throughput.py's scenario bb: `--requests` prompts of `--prompt` random tokens, all
+    added at once, `--output` tokens each (EOS ignored); llama.cpp: `llama-batched-bench -npp P
+    -ntg O -npl R` on the same model's GGUFs (`--llama-cpp-types`, default q8_0 here). kvpage with
+    its native kernels on (the default). Every cell a fresh process, alone, once per round; the
+    order rotates each round."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import throughput  # noqa: E402 (bench/ on the path: the HF model builder)
+
+    configs = (args.configs if args.configs != ",".join(CONFIGS) else BATCHED_CONFIGS).split(",")
+    if set(configs) - set(CONFIGS):
+        raise SystemExit(f"unknown config {sorted(set(configs) - set(CONFIGS))}")
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(3, 32000) for _ in range(args.prompt)] for _ in range(args.requests)]
+    if args.llama_cpp_types == "f32,bf16,q8_0":  # the --single default; Q8_0 is the peer here
+        args.llama_cpp_types = "q8_0"
+    with tempfile.TemporaryDirectory() as tmp:
+        throughput.build_model(args.model, 1024, tmp)
+        cells = [(c, "on") for c in configs]
+        peers = batched_peers(args, Path(tmp)) if "llama.cpp" in args.peers else {}
+        print(
+            f"batched: {args.requests} x ({args.prompt} prompt + {args.output} out), model "
+            f"{args.model}, {args.threads} threads, {args.rounds} rounds; load: {_load()}"
+        )
+        results: dict = {cell: [] for cell in [*cells, *peers]}
+        failed: set = set()
+        for r in range(args.rounds):
+            order = [*cells, *peers]
+            order = order[r % len(order) :] + order[: r % len(order)]
+            for cell in [c for c in order if c not in failed]:
+                out = peers[cell]() if cell in peers else run_cell(cell, tmp, prompts, args, True)
+                if out is None:
+                    failed.add(cell)
+                    continue
+                results[cell].append(out)
+                print(f"round {r + 1} {cell[0]} {cell[1]}: {out['wall']:.2f}s", flush=True)
+    batched_report(results, [c for c in [*cells, *peers] if c not in failed], args)
+    print(f"load after: {_load()}")
+
+
+def batched_peers(args, model_dir: Path) -> dict:
+    """(type, "llama.cpp") -> a run of llama-batched-bench -npl `--requests` on that GGUF."""
+    from peers import llama_cpp
+
+    llama_cpp.build()
+    cells = {}
+    for outtype in args.llama_cpp_types.split(","):
+        gguf = llama_cpp.convert(model_dir, outtype)
+
+        def run(gguf=gguf) -> dict:
+            r = llama_cpp.run_batched_bench(
+                gguf, args.prompt, args.output, args.requests, args.threads
+            )
+            # T_TG covers `ntg` decode passes; kvpage samples its first token in the prefill.
+            return dict(wall=r.t, prefill=r.t_pp, decode=r.t_tg / args.output)
+
+        cells[(outtype, "llama.cpp")] = run
+    return cells
+
+
+def batched_report(results: dict, cells: list, args) -> None:
+    n, p = args.requests * args.output, args.requests * args.prompt
+    print(
+        f"\nout tok/s = {n} output tokens / wall (llama.cpp: / its T = T_PP + T_TG); prefill "
+        f"tok/s = {p} prompt tokens / time to the last first token (llama.cpp: / T_PP); decode "
+        f"tok/s = {args.requests} / time per decode step; fastest (median) of {args.rounds} rounds"
+    )
+    print(
+        f"{'config':<11} {'engine':<9} {'out tok/s':>16} {'prefill tok/s':>16} {'decode tok/s':>16}"
+    )
+    for cell in cells:
+        runs = results[cell]
+        walls, pre, dec = ([r[k] for r in runs] for k in ("wall", "prefill", "decode"))
+        rate = f"{n / min(walls):.1f} ({n / statistics.median(walls):.1f})"
+        pps = f"{p / min(pre):.0f} ({p / statistics.median(pre):.0f})"
+        dps = f"{args.requests / min(dec):.1f} ({args.requests / statistics.median(dec):.1f})"
+        engine = "llama.cpp" if cell[1] == "llama.cpp" else "kvpage"
+        print(f"{cell[0]:<11} {engine:<9} {rate:>16} {pps:>16} {dps:>16}")
+
+
+def _load() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 # --- kernel sweep -------------------------------------------------------------------------------

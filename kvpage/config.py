@@ -150,6 +150,9 @@ class EngineConfig:
     dtype: str = "float32"  # one of MODEL_DTYPES
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     quantization: str = "none"  # one of QUANTIZATIONS: the linear layers' weights
+    # The LM head quantized too (the same int8 format; needs quantization "int8"). A tied model
+    # keeps its embedding in the model dtype and holds an int8 copy for the head.
+    quantize_lm_head: bool = False
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     seed: int = 0
     debug_checks: bool = False
@@ -185,6 +188,12 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, MODEL_DTYPES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
+        _check_bool("quantize_lm_head", self.quantize_lm_head)
+        if self.quantize_lm_head and self.quantization != "int8":
+            raise InvalidConfig(
+                f"quantize_lm_head must be False unless quantization is 'int8', got "
+                f"{self.quantize_lm_head!r} with quantization {self.quantization!r}"
+            )
         _check_device(self.device)
         _check_int("seed", self.seed, SEED_MIN, SEED_MAX)
         _check_bool("debug_checks", self.debug_checks)

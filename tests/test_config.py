@@ -43,6 +43,7 @@ BAD = {
     "tensor_parallel_size": [0, -1, 2.0, True, None],
     "tensor_parallel_timeout_s": [0, 0.0, -1.0, math.nan, None, True, "20"],
     "enable_lora": [1, "yes", None],
+    "quantize_lm_head": [1, "yes", None, True],  # True: only with quantization "int8"
     "kv_layer_groups": [1, "no", None],
     "max_loras": [0, -1, None, True, 1.5],
     "max_lora_rank": [0, -2, None, False, "16"],
@@ -71,6 +72,7 @@ GOOD = {
     "tensor_parallel_size": [1, 2],
     "tensor_parallel_timeout_s": [1e-3, 3],
     "enable_lora": [True, False],
+    "quantize_lm_head": [False],  # True needs quantization "int8" (tests/model/test_int8_head.py)
     "kv_layer_groups": [True, False],
     "max_loras": [1, 8],
     "max_lora_rank": [1, 64],

@@ -129,6 +129,7 @@ ENGINE_FLAGS = {
     "no_prefix_caching": "enable_prefix_caching",
     "kv_cache_dtype": "kv_cache_dtype",
     "quantization": "quantization",
+    "quantize_lm_head": "quantize_lm_head",
     "preemption_mode": "preemption_mode",
     "tensor_parallel_size": "tensor_parallel_size",
     "enable_lora": "enable_lora",
@@ -147,6 +148,7 @@ ENGINE_DEFAULTS = {
     "no_prefix_caching": False,
     "kv_cache_dtype": "auto",
     "quantization": "none",
+    "quantize_lm_head": False,
     "preemption_mode": "recompute",
     "tensor_parallel_size": 1,
     "enable_lora": False,
@@ -199,6 +201,12 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: bool = True) -> None:
         default=default("quantization"),
         help="the linear layers' weights (none: the model dtype; int8: per-output-channel "
         "weight-only int8, CPU)",
+    )
+    p.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        default=default("quantize_lm_head"),
+        help="the LM head in int8 too (needs --quantization int8; a tied embedding stays float)",
     )
     p.add_argument(
         "--preemption-mode",

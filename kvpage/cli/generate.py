@@ -6,6 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from kvpage.cli.common import (
+    CliError,
     add_model_args,
     add_tensor_parallel,
     count,
@@ -44,6 +45,11 @@ def add_parser(sub) -> None:
         default="none",
         help="the linear layers' weights (int8: per-output-channel weight-only int8)",
     )
+    gen.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="the LM head in int8 too (needs --quantization int8; a tied embedding stays float)",
+    )
     add_tensor_parallel(gen)
     gen.set_defaults(func=run)
 
@@ -61,7 +67,11 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
-    model, tokenizer = load_model(args.model, args.dtype, args.device, args.quantization)
+    if args.quantize_lm_head and args.quantization != "int8":
+        raise CliError("--quantize-lm-head needs --quantization int8")
+    model, tokenizer = load_model(
+        args.model, args.dtype, args.device, args.quantization, args.quantize_lm_head
+    )
     if args.prompt is not None:
         prompt_ids = encode_text(tokenizer, args.prompt, args.model)
     else:
@@ -89,6 +99,7 @@ def _generate_tensor_parallel(args, model, tokenizer, prompt_ids, params):
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
+        quantize_lm_head=args.quantize_lm_head,
         tensor_parallel_size=args.tensor_parallel_size,
     )
     engine = LLMEngine(config, model, tokenizer)

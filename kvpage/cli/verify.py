@@ -11,7 +11,13 @@ from kvpage.cli.common import CliError, add_engine_args, count, engine_fields, n
 
 # The engine flags that are a dimension of the matrix: given without --model, they fix that
 # dimension in every cell; the other engine flags are the base of every cell's engine.
-CELL_FIELDS = ("dtype", "kv_cache_dtype", "quantization", "tensor_parallel_size")
+CELL_FIELDS = (
+    "dtype",
+    "kv_cache_dtype",
+    "quantization",
+    "quantize_lm_head",
+    "tensor_parallel_size",
+)
 
 
 def add_parser(sub) -> None:
@@ -136,7 +142,10 @@ def _replay(args: argparse.Namespace) -> int:
     model_name = engine.pop("model", None) or "builtin:tiny-llama"
     dtype = engine.pop("dtype", "float32")
     model, tokenizer = load_model(
-        model_name, dtype, quantization=engine.get("quantization", "none")
+        model_name,
+        dtype,
+        quantization=engine.get("quantization", "none"),
+        quantize_lm_head=engine.get("quantize_lm_head", False),
     )
     result = run_scenario(scenario, Runtime(model, tokenizer, model_name, engine=engine))
     verdict = "passed" if result.passed else "FAILED"

@@ -44,7 +44,7 @@ from kvpage.lora.request import LoRARequest
 from kvpage.lora.slots import LoraSlots
 from kvpage.model import load_model
 from kvpage.model.base import CausalLM
-from kvpage.model.quantize import weight_quantization
+from kvpage.model.quantize import head_quantized, weight_quantization
 from kvpage.model.tokenizer import Tokenizer, encode_text
 from kvpage.parallel.executor import TensorParallelExecutor
 from kvpage.sampling import chosen_logprobs
@@ -63,9 +63,13 @@ class LLMEngine:
         self.config = config
         if model is None:
             model, tokenizer = load_model(
-                config.model, config.dtype, config.device, config.quantization
+                config.model,
+                config.dtype,
+                config.device,
+                config.quantization,
+                config.quantize_lm_head,
             )
-        _check_quantization(model, config.quantization)
+        _check_quantization(model, config.quantization, config.quantize_lm_head)
         self.model, self.tokenizer = model, tokenizer
         mcfg = model.config
         limit = mcfg.max_position_embeddings
@@ -579,7 +583,7 @@ def _positive_seconds(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
-def _check_quantization(model: CausalLM, quantization: str) -> None:
+def _check_quantization(model: CausalLM, quantization: str, lm_head: bool) -> None:
     """A model handed in must already be what the config says (the engine never quantizes a
     caller's model behind its back: the verifier's reference shares it)."""
     found = weight_quantization(model)
@@ -587,4 +591,10 @@ def _check_quantization(model: CausalLM, quantization: str) -> None:
         raise InvalidConfig(
             f"quantization is {quantization!r} but the model given has {found!r} weights "
             f"(load it with load_model(..., quantization={quantization!r}))"
+        )
+    if head_quantized(model) != lm_head:
+        raise InvalidConfig(
+            f"quantize_lm_head is {lm_head} but the model given has "
+            f"{'an int8' if not lm_head else 'a float'} LM head "
+            f"(load it with load_model(..., quantize_lm_head={lm_head}))"
         )

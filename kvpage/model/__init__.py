@@ -39,16 +39,18 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str = "cpu",
     quantization: str = "none",
+    quantize_lm_head: bool = False,
 ) -> tuple[CausalLM, Tokenizer | None]:
     """`builtin:NAME` or a local Hugging Face directory. The tokenizer is None when the directory
     has no tokenizer.json (token-id prompts still work). `quantization` (EngineConfig's):
-    "int8" quantizes the linear layers after loading (kvpage.model.quantize)."""
+    "int8" quantizes the linear layers after loading (kvpage.model.quantize);
+    `quantize_lm_head` the LM head too."""
     torch_dtype = resolve_dtype(dtype)
     if name_or_path.startswith(BUILTIN_PREFIX):
         model, tok = _load_builtin(name_or_path[len(BUILTIN_PREFIX) :], torch_dtype, device)
     else:
         model, tok = load_hf_directory(name_or_path, torch_dtype, device)
-    return quantize_model_(model, quantization), tok
+    return quantize_model_(model, quantization, quantize_lm_head), tok
 
 
 def _load_builtin(name: str, dtype: torch.dtype, device: str) -> tuple[CausalLM, Tokenizer]:

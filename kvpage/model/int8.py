@@ -82,15 +82,20 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
-        weight = linear.weight
-        out = cls(linear.in_features, linear.out_features, linear.bias is not None, weight.dtype)
+        return cls.from_weight(linear.weight, linear.bias)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        """A (out, in) weight (an nn.Linear's, or a tied embedding's as the LM head) quantized;
+        the tensors given are copied, never shared: a tied embedding stays as it was."""
+        out = cls(weight.shape[1], weight.shape[0], bias is not None, weight.dtype)
         out.to(weight.device)
         codes, scales = quantize_per_channel(weight, weight.dtype)
         with torch.no_grad():
             out.weight_int8.copy_(codes)
             out.scales.copy_(scales)
-            if linear.bias is not None:
-                out.bias.copy_(linear.bias)
+            if bias is not None:
+                out.bias.copy_(bias)
         return out
 
     def quantized_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -4,7 +4,8 @@ Rank 0 keeps its unsharded model too (the engine's own, which the verifier's ref
 An int8 model (its state holds `weight_int8` codes) is quantized *before* it is sharded, on rank
 0, once: every rank receives the same codes and per-output-channel scales and slices them, so
 TP=N computes with the very weights of TP=1 (quantizing each shard would give a row-parallel
-shard scales of its own input slice, other weights)."""
+shard scales of its own input slice, other weights). A quantized LM head (replicated, like the
+float one) comes with its codes too."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from kvpage.config import ModelConfig
 from kvpage.model.base import CausalLM
 from kvpage.model.loader import build_model
-from kvpage.model.quantize import quantize_model_
+from kvpage.model.quantize import quantize_model_, state_quantization
 from kvpage.parallel.group import TPGroup
 from kvpage.parallel.sharding import ShardPlan, shard_model, shard_plan
 
@@ -25,7 +26,7 @@ def build_shard(
     dtype = next(t.dtype for t in state.values() if t.is_floating_point())
     model = build_model(cfg).to(dtype)
     # The structure of an int8 model (its random init's codes are overwritten just below).
-    quantize_model_(model, "int8" if any(k.endswith(".weight_int8") for k in state) else "none")
+    quantize_model_(model, *state_quantization(state))
     model.load_state_dict(state)
     model.tie_weights()
     return shard_model(model.eval(), plan, group.all_reduce), plan

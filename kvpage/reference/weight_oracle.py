@@ -8,8 +8,11 @@ stale concatenation) shows up as a divergence instead of being shared by both si
   y  = (float32(x) @ W'^T + float32(bias)).to(x's dtype)
 
 The twin is a copy of the model: the same codes and scales (the quantized weights) and the rest
-of the model (embeddings, norms, the unquantized head, which keep the engine's layers: the reference
-may share model layers, not the int8 path). Float models are returned as they are."""
+of the model (embeddings, norms, a float head, which keep the engine's layers: the reference
+may share model layers, not the int8 path). An int8 LM head (EngineConfig.quantize_lm_head: the
+untied `lm_head`, or a tied model's `lm_head_int8` copy beside its float embedding) is an
+Int8Linear like the others, so it is dequantised here too. Float models are returned as they
+are."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import torch
 from kvpage.config import KV_CACHE_DTYPES, EngineConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.model import load_model
-from kvpage.model.quantize import weight_quantization
+from kvpage.model.quantize import head_quantized, weight_quantization
 from kvpage.verify.cases import BLOCK_SIZES, quantized_suite_names
 from kvpage.verify.cases.prefix import prefix_cases
 from kvpage.verify.generated.alone import alone_summary, generated_alone
@@ -259,6 +259,7 @@ def _run_gate(plan: GatePlan, progress: bool) -> GateResult:
         plan.dtype,
         plan.engine.get("device", "cpu"),
         plan.engine.get("quantization", "none"),
+        plan.engine.get("quantize_lm_head", False),
     )
     kv_copies = tuple(d for d in plan.kv_cache_dtypes if d not in ("auto", plan.pool_kv_dtype))
     cases, unfit = _cases(plan, model.config, kv_copies)
@@ -429,7 +430,7 @@ def _environment(model) -> dict:
     return {
         "model_revision": model.config.revision,
         "dtype": str(model.dtype),
-        "weights": weight_quantization(model),
+        "weights": weight_quantization(model) + ("+lm_head" if head_quantized(model) else ""),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),

@@ -96,6 +96,7 @@ class Cell:
     generated: bool = False  # the generated stage (and, with mutants, the generality figure)
     stack: bool = False  # the whole-stack suite: server and router (and their mutants)
     quantization: str = "none"  # the weights (EngineConfig.quantization); the reference's too
+    quantize_lm_head: bool = False  # the LM head in int8 too (EngineConfig.quantize_lm_head)
 
     def __post_init__(self) -> None:
         if self.mutants not in MUTANT_PARTS:
@@ -110,6 +111,7 @@ class Cell:
         )
         kv = self.kv_cache_dtype or "drawn"
         weights = "" if self.quantization == "none" else f"/w-{self.quantization}"
+        weights += "+head" if self.quantize_lm_head else ""
         dims = f"{self.dtype}{weights}/kv-{kv}{copies}/tp{self.tensor_parallel_size}"
         return f"{model}/{dims}{parts}"
 
@@ -118,6 +120,7 @@ class Cell:
         is left to the cases: the generated scenarios draw theirs)."""
         kv = {} if self.kv_cache_dtype is None else {"kv_cache_dtype": self.kv_cache_dtype}
         weights = {} if self.quantization == "none" else {"quantization": self.quantization}
+        weights |= {"quantize_lm_head": True} if self.quantize_lm_head else {}
         return {
             **base,
             "dtype": self.dtype,
@@ -159,6 +162,12 @@ HYBRID = Cell("builtin:tiny-hybrid", suites=("layer_groups",), mutants="groups")
 # after preemption) through the same weights. Not prefix: 12 cases, 15 of the cell's 20 s (the
 # float32 int8 kernel is slow at more than one row), and a prefix hit reads KV, not weights.
 INT8_WEIGHTS = Cell(QWEN2, quantization="int8", suites=("batching", "preemption"))
+# The LM head in int8 too (EngineConfig.quantize_lm_head) on a tied model: the embedding stays
+# float, the head is an int8 copy, dequantised by the reference's own code like the other layers.
+# One suite: the decoder layers' int8 path is INT8_WEIGHTS' to cover; this cell adds the head.
+INT8_HEAD = Cell(
+    "builtin:tiny-gpt2", quantization="int8", quantize_lm_head=True, suites=("batching",)
+)
 
 # Suites per cell: those whose cases exercise what the cell varies. Head_dim 64 and biases live
 # in the KV layout and the attention read (prefix hits at offsets, packed batches, preempted and
@@ -180,6 +189,7 @@ DEFAULT: tuple[Cell, ...] = (
     Cell(QWEN2, kv_cache_dtype="int8", suites=("prefix", "batching", "preemption", "parallel")),
     Cell(QWEN2, kv_cache_dtype="int8", tensor_parallel_size=2, suites=("batching",)),
     INT8_WEIGHTS,
+    INT8_HEAD,
     HYBRID,
     GENERATED,
     STACK,
@@ -203,7 +213,8 @@ def full_cells() -> tuple[Cell, ...]:
                     cell = Cell(model, dtype, kv, tp, mutants=_full_mutants(model, dtype, kv, tp))
                     if _key(cell) != _key(MAIN):
                         cells.append(cell)
-    return (*cells, replace(INT8_WEIGHTS, suites=SUITES), HYBRID, GENERATED, STACK)
+    weights = (replace(INT8_WEIGHTS, suites=SUITES), replace(INT8_HEAD, suites=SUITES))
+    return (*cells, *weights, HYBRID, GENERATED, STACK)
 
 
 def _full_mutants(model: str, dtype: str, kv: str, tp: int) -> str:
@@ -218,6 +229,7 @@ def _key(cell: Cell) -> tuple:
         cell.kv_cache_dtype,
         cell.tensor_parallel_size,
         cell.quantization,
+        cell.quantize_lm_head,
         cell.generated,
         cell.stack,
     )
@@ -261,6 +273,7 @@ def single_cell(model: str, engine: dict, suites: tuple[str, ...], mutants: bool
         kv_cache_dtype=engine.get("kv_cache_dtype", "auto"),
         tensor_parallel_size=engine.get("tensor_parallel_size", 1),
         quantization=engine.get("quantization", "none"),
+        quantize_lm_head=engine.get("quantize_lm_head", False),
         suites=tuple(s for s in suites if s not in PARTS),
         mutants="all" if mutants else "none",
         generated="generated" in suites,
@@ -326,6 +339,7 @@ def _cell_dict(cell: Cell, result: dict) -> dict:
         "kv_copies": list(cell.kv_copies),
         "tensor_parallel_size": cell.tensor_parallel_size,
         "quantization": cell.quantization,
+        "quantize_lm_head": cell.quantize_lm_head,
         "parts": {
             "suites": list(cell.suites),
             "mutants": cell.mutants,

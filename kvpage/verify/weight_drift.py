@@ -5,14 +5,15 @@ itself costs.
 
 For each prompt the unquantized model generates greedily (the contiguous reference); then the
 prompt plus those tokens go once through the int8 model as the engine computes it (the fused
-kernel), so every position is judged on the same context."""
+kernel), so every position is judged on the same context. A model whose LM head is int8 too
+(EngineConfig.quantize_lm_head) is reported as weights "int8+lm_head"."""
 
 from __future__ import annotations
 
 import torch
 
 from kvpage.model.base import CausalLM
-from kvpage.model.quantize import weight_quantization
+from kvpage.model.quantize import head_quantized, weight_quantization
 from kvpage.reference.generator import generate
 from kvpage.sampling_params import SamplingParams
 from kvpage.verify.kv_drift import DriftReport
@@ -23,7 +24,8 @@ def measure_weight_drift(
     plain: CausalLM, quantized: CausalLM, prompts: list[tuple[list[int], int]]
 ) -> DriftReport:
     """`plain` and `quantized`: the same model and dtype, unquantized and quantized."""
-    report = DriftReport("auto", weights=weight_quantization(quantized))
+    head = "+lm_head" if head_quantized(quantized) else ""
+    report = DriftReport("auto", weights=weight_quantization(quantized) + head)
     for prompt, max_tokens in prompts:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         expected = generate(plain, prompt, params)

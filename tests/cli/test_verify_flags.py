@@ -117,5 +117,6 @@ def test_engine_fields_sets_only_what_was_given():
         "dtype",
         "kv_cache_dtype",
         "quantization",
+        "quantize_lm_head",
         "tensor_parallel_size",
     )

@@ -20,11 +20,14 @@ from tests.engine.workload import prefix_prompts
 from .test_tp_differential import BLOCK, _assert_same_tokens, _config, _run
 
 
-@pytest.mark.parametrize("name", ["llama-gqa-8q-2kv", "gpt2"])
-def test_tp2_int8_weights_equals_tp1_int8_weights(name, hf_dirs):
+@pytest.mark.parametrize(
+    ("name", "head"), [("llama-gqa-8q-2kv", False), ("gpt2", False), ("gpt2", True)]
+)
+def test_tp2_int8_weights_equals_tp1_int8_weights(name, head, hf_dirs):
+    """`head`: the LM head in int8 too (tied in GPT-2: the ranks receive the int8 copy)."""
     hf_model, directory = hf_dirs[name]
     prompts = prefix_prompts(BLOCK, hf_model.config.vocab_size, n=10, seed=3)
-    config = _config(directory, quantization="int8")
+    config = _config(directory, quantization="int8", quantize_lm_head=head)
     ref_out, ref_logits, _ = _run(EngineConfig(**config), prompts)
     tp_out, tp_logits, stats = _run(EngineConfig(**config, tensor_parallel_size=2), prompts)
     _assert_same_tokens(name, tp_out, ref_out, stats)

@@ -25,7 +25,9 @@ def _formats(cell: Cell) -> set[str]:
 
 def test_default_matrix_covers_every_value_of_every_dimension():
     assert DEFAULT[0] == MAIN and MAIN.mutants == "all" and MAIN.suites == SUITES
-    assert {c.model for c in DEFAULT} == {*matrix.MODELS, matrix.HYBRID.model}
+    # tiny-gpt2 in the int8-head cell alone: its tied head is the int8 copy beside the embedding
+    extra = {matrix.HYBRID.model, matrix.INT8_HEAD.model}
+    assert {c.model for c in DEFAULT} == {*matrix.MODELS, *extra}
     # the layer-group suite and mutants, on the one model that has global and window layers
     assert [c for c in DEFAULT if c.mutants == "groups"] == [matrix.HYBRID]
     assert matrix.HYBRID.mutant_names() == tuple(m.name for m in LAYER_GROUP_MUTANTS)
@@ -39,8 +41,12 @@ def test_default_matrix_covers_every_value_of_every_dimension():
     assert [c for c in DEFAULT if not c.suites] == [matrix.GENERATED, matrix.STACK]
     assert matrix.GENERATED.generated and matrix.STACK.stack
     int8 = [c for c in DEFAULT if c.quantization == "int8"]
-    assert int8 == [matrix.INT8_WEIGHTS] and 2 <= len(int8[0].suites) <= 3  # a small cell
+    assert int8 == [matrix.INT8_WEIGHTS, matrix.INT8_HEAD] and 2 <= len(int8[0].suites) <= 3
     assert "/w-int8/" in int8[0].name and int8[0].engine({})["quantization"] == "int8"
+    assert "quantize_lm_head" not in int8[0].engine({})  # the head stays float by default
+    head = matrix.INT8_HEAD
+    assert head.quantize_lm_head and len(head.suites) == 1 and "/w-int8+head/" in head.name
+    assert head.engine({})["quantize_lm_head"] is True
     assert "quantization" not in MAIN.engine({})  # unquantized cells' engines are unchanged
 
 
@@ -54,7 +60,10 @@ def test_pin_keeps_the_generated_and_stack_cells_only_when_their_part_is_asked_f
 
 def test_full_matrix_is_every_combination_once():
     weights = [c for c in full_cells() if c.quantization != "none"]
-    assert [(c.quantization, c.suites) for c in weights] == [("int8", SUITES)]
+    assert [(c.quantization, c.quantize_lm_head, c.suites) for c in weights] == [
+        ("int8", False, SUITES),
+        ("int8", True, SUITES),
+    ]
     hybrid = [c for c in full_cells() if c.model == matrix.HYBRID.model]
     assert hybrid == [matrix.HYBRID]
     cells = [c for c in full_cells() if not (c.generated or c.stack or c in weights or c in hybrid)]

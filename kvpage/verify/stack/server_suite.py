@@ -23,7 +23,7 @@ from kvpage.config import EngineConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.namespace import base_namespace
 from kvpage.kv.format import kv_format
-from kvpage.model.quantize import weight_quantization
+from kvpage.model.quantize import head_quantized, weight_quantization
 from kvpage.server import ServerOptions, create_app
 from kvpage.server.state import ServerState
 from kvpage.verify.checks import Failure
@@ -127,6 +127,7 @@ def _target(scenario: Scenario, model, tokenizer, model_name: str) -> StackTarge
         num_blocks=tokens // scenario.block_size + 64,
         max_num_seqs=16,
         quantization=weight_quantization(model),  # the model's weights, whatever they are
+        quantize_lm_head=head_quantized(model),
     )
     engine = LLMEngine(config, model, tokenizer)
     keys = {key_of(t): t for t in TENANTS} if scenario.with_keys else {}
