@@ -68,6 +68,7 @@ from kvpage import LLM, LLMEngine, SamplingParams
 from kvpage.config import EngineConfig, ModelConfig, RopeConfig
 from kvpage.model import build_model, init_seeded_, native_gemv, quantize_model_, resolve_dtype
 from kvpage.model.int8 import Int8Linear, quantize_per_channel
+from kvpage.model.projection import packable_dtype
 
 SHAPES = {  # bench/throughput.py's MODELS
     "120m": dict(num_kv_heads=12),
@@ -153,6 +154,8 @@ def main() -> None:
     p.add_argument("--llama-cpp-types", default="f32,bf16,q8_0")
     p.add_argument("--kernel-sweep", action="store_true", help="kernel vs torch per shape, rows")
     p.add_argument("--rows", default="1,2,4,8,16,32", help="--kernel-sweep: rows of x")
+    p.add_argument("--kinds", default="", help="--kernel-sweep: int8-fp32,int8-bf16,bf16,fp32")
+    p.add_argument("--shapes", type=int, default=len(SWEEP_SHAPES), help="--kernel-sweep: first N")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # a --single cell: its spec (JSON)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -440,9 +443,11 @@ def kernel_sweep(args) -> None:
     rows = [int(r) for r in args.rows.split(",")]
     print(f"{args.threads} threads; us per call, min / median; ratio = torch / kernel")
     torch.manual_seed(args.seed)
-    for name, (x_dtype, wbytes) in SWEEP_KINDS.items():
+    kinds = args.kinds.split(",") if args.kinds else list(SWEEP_KINDS)
+    for name in kinds:
+        x_dtype, wbytes = SWEEP_KINDS[name]
         print(f"== {name}")
-        for k, n in SWEEP_SHAPES:
+        for k, n in SWEEP_SHAPES[: args.shapes]:
             copies = int(96e6 // (n * k * wbytes)) + 1  # together beyond the L3
             pairs = [sweep_pair(torch.randn(n, k) * 0.02, name, x_dtype) for _ in range(copies)]
             for m in rows:
@@ -466,8 +471,10 @@ def sweep_pair(w: torch.Tensor, name: str, x_dtype: torch.dtype):
         gemv = native_gemv.WeightGemv([codes], [scales], [None], x_dtype)
         return gemv, lambda x: torch.ops.aten._weight_int8pack_mm(x, codes, scales)
     wd = w.to(x_dtype).contiguous()
-    packed = torch.ops.mkldnn._reorder_linear_weight(wd)
     gemv = native_gemv.WeightGemv([wd], [None], [None], x_dtype)
+    if not packable_dtype(x_dtype):  # oneDNN cannot pack bf16 without AVX-512: torch's plain GEMM
+        return gemv, lambda x: torch.nn.functional.linear(x, wd)
+    packed = torch.ops.mkldnn._reorder_linear_weight(wd)
     return gemv, lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 

@@ -12,8 +12,9 @@ scale_o / 2 of W' (the round-trip bound tests/model/test_int8_weights.py checks 
 
 Why per output channel: the scale then multiplies whole output features, so y = (x @ code^T) *
 scale — the dequantisation is one multiply after the integer-weight matmul, fused in the kernel
-(kvpage's own, kvpage.model.native_gemv, where it is built; else `aten::_weight_int8pack_mm`),
-never a materialised float weight. It also shards cleanly: a
+(kvpage's own, kvpage.model.native_gemv) for decode-sized row counts. Above them (prefill), or
+where that kernel is not built, Projection widens the codes one tile of output channels at a
+time for torch's float32 GEMM (kvpage.model.widened): never the whole matrix in float. It also shards cleanly: a
 column-parallel rank keeps its rows' scales, a row-parallel rank keeps every scale and the
 all-reduce sums (x_r @ code_r^T) * scale over ranks = (x @ code^T) * scale.
 
@@ -21,9 +22,10 @@ torch's kernel (torch 2.13, CPU): x (M, K) 2-D and contiguous in K, in float32, 
 float16; codes (N, K) int8; scales (N,) in x's dtype exactly (a float32 scale with a bfloat16 x
 is refused). `check_supported` probes it on the dtype and device a model is loaded in, and raises
 UnsupportedQuantization where it does not run; there is no silent float fallback. kvpage's
-kernel takes the same codes and scales (float32 and bfloat16 x; float16 stays on torch's) and
-Projection uses it for every row count: torch's is several times slower at one row, ~27x at 16
-rows of float32 x, and for bfloat16 x with K % 16 != 0 returns wrong values or crashes."""
+kernel takes the same codes and scales (float32 and bfloat16 x); Projection uses neither torch
+kernel: torch's is several times slower at one row, ~27x at 16 rows of float32 x, and for
+bfloat16 x with K % 16 != 0 returns wrong values or crashes. Int8Linear.forward, outside
+Projection, keeps it."""
 
 from __future__ import annotations
 

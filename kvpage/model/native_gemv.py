@@ -7,13 +7,14 @@ torch's int8 kernel (`aten::_weight_int8pack_mm`) reads int8 codes but runs slow
 GEMM at one row (bench/int8_weights.py), and oneDNN's bf16 GEMM is slower at one row than its
 bandwidth allows; this kernel streams each weight row once, widening it in registers, and
 applies the int8 scale and the bias in its epilogue. It runs while the rows of x are at most
-`max_rows(kind)` (measured: beyond it torch's GEMM, blocked for reuse, is faster); Projection
-keeps torch for the rest, and for everything when `available()` is False (no compiler, or
+`max_rows(kind)` (measured, per vector width: beyond it a GEMM blocked for reuse is faster);
+Projection keeps torch's GEMMs (or kvpage.model.widened) for the rest, and for everything when `available()` is False (no compiler, or
 KVPAGE_NATIVE=0).
 
 Numerics: float32 accumulation, the epilogue `acc * scale + bias` in float32 and one rounding to
-x's dtype; the summation order (16 interleaved partial sums, then pairwise) differs from torch's,
-so results agree with torch to accumulation-order rounding, not bit for bit."""
+x's dtype; the summation order (16 or 8 interleaved partial sums, by the CPU's vector width,
+then pairwise) differs from torch's, so results agree with torch to accumulation-order rounding,
+not bit for bit."""
 
 from __future__ import annotations
 
@@ -35,14 +36,21 @@ KINDS = {
     (torch.bfloat16, torch.bfloat16): 2,
     (torch.float32, torch.float32): 3,
 }
-# Per kind the most rows of x the kernel takes (bench/int8_weights.py --kernel-sweep, 125M
-# shapes, 2 threads): above it oneDNN's blocked GEMM is faster. bf16 and fp32: the kernel is
-# 1.2-1.8x oneDNN's speed at 1-8 rows (it reads each weight once at close to the memory's
-# bandwidth); bf16 still ahead at 16, both behind at 32. int8: every row count; torch's int8
-# kernel is slower at one row, ~27x slower at 16 with float32 x, and in torch 2.13 wrong for
-# bfloat16 x when K % 16 != 0 (tests/model/test_native_gemv.py).
+# Per vector width of the built kernel (16 float lanes: AVX-512; 8: AVX2), per kind, the most
+# rows of x the kernel takes (bench/int8_weights.py --kernel-sweep, 125M shapes, 2 threads).
+# 16 lanes (a Xeon with AVX512-BF16): bf16 and fp32 1.2-1.8x oneDNN's speed at 1-8 rows (the
+# kernel reads each weight once at close to the memory's bandwidth), bf16 still ahead at 16, both
+# behind at 32; int8 every row count: torch's int8 kernel is slower at one row, ~27x slower at 16
+# with float32 x, and in torch 2.13 wrong for bfloat16 x when K % 16 != 0
+# (tests/model/test_native_gemv.py). 8 lanes (an AMD EPYC with AVX2, where oneDNN has no bf16
+# GEMM): fp32 1.2-1.8x oneDNN's to 16 rows, 0.8x at 32; bf16 and int8 ahead of float32 GEMMs on
+# widened weights (kvpage.model.widened) to 64 rows, 0.5x of them at 2048 rows, where the
+# kernel's re-reading of x for every few weight rows costs more than widening the weight once.
 ALL_ROWS = 1 << 62
-MAX_ROWS = {0: ALL_ROWS, 1: ALL_ROWS, 2: 16, 3: 8}
+MAX_ROWS = {
+    16: {0: ALL_ROWS, 1: ALL_ROWS, 2: 16, 3: 8},
+    8: {0: 64, 1: 64, 2: 64, 3: 16},
+}
 
 
 def available() -> bool:
@@ -55,7 +63,12 @@ def max_rows(x_dtype: torch.dtype, w_dtype: torch.dtype) -> int:
     if kind is None or not available():
         return 0
     override = os.environ.get("KVPAGE_GEMV_MAX_ROWS")  # benchmarks sweep the threshold
-    return int(override) if override is not None else MAX_ROWS[kind]
+    return int(override) if override is not None else MAX_ROWS[lanes()][kind]
+
+
+def lanes() -> int:
+    """float32 lanes of the built kernel's vectors (16: AVX-512, 8: AVX2 and the rest)."""
+    return _library().kvpage_gemv_lanes()
 
 
 @functools.cache
@@ -84,6 +97,10 @@ class _Plan(ctypes.Structure):
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvpage_gemv_max_segments.restype = ctypes.c_int
     lib.kvpage_gemv_max_segments.argtypes = []
+    lib.kvpage_gemv_lanes.restype = ctypes.c_int
+    lib.kvpage_gemv_lanes.argtypes = []
+    if lib.kvpage_gemv_lanes() not in MAX_ROWS:
+        raise NativeBuildError(f"weight_gemv.cpp built with {lib.kvpage_gemv_lanes()} lanes")
     if lib.kvpage_gemv_max_segments() != MAX_SEGMENTS:
         raise NativeBuildError("weight_gemv.cpp and native_gemv.py disagree on MAX_SEGMENTS")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -8,13 +8,13 @@ nn.Linear modules stay the owners of the parameters (checkpoint names, tying, tr
 copy is a cache keyed by each weight's storage and version counter, so an in-place update or a
 `.to()` repacks instead of serving stale weights. Autograd never sees the packed path.
 
-Int8Linear layers (kvpage.model.int8) take the int8 kernel instead: their codes and scales are
-concatenated once (the same cache key) and the dequantisation stays fused in the matmul.
-
 Decode-sized inputs (at most `native_gemv.max_rows` rows: batch-1 decode, the LM head on a few
 rows) go to kvpage's weight GEMV kernel (kvpage.model.native_gemv) where it is built: it reads
 the layers' own weights (no copy), one pass per call, and is faster there than either torch
-kernel; the same cache key rebuilds it."""
+kernel; the same cache key rebuilds it. Int8Linear layers (kvpage.model.int8) take it with their
+scales fused in its epilogue. Above its rows, and where oneDNN cannot pack the dtype (bfloat16
+without AVX-512), int8 and bfloat16 weights are widened to float32 a tile at a time for torch's
+float32 GEMM (kvpage.model.widened)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpage.errors import InvariantViolation
-from kvpage.model.int8 import Int8Linear, int8_matmul
+from kvpage.model.int8 import Int8Linear
 from kvpage.model.native_gemv import WeightGemv, max_rows
+from kvpage.model.widened import widened_linear
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -60,7 +61,6 @@ class Projection:
         self.sizes = [_out_features(lin) for lin in linears]
         self._key: tuple | None = None
         self._weight: torch.Tensor | None = None
-        self._scales: torch.Tensor | None = None  # int8 layers only
         self._bias: torch.Tensor | None = None
         self._gemv: WeightGemv | None = None  # built with the pack, if it runs
         self._gemv_rows = 0  # the most rows of x it takes
@@ -78,12 +78,21 @@ class Projection:
         if self._use_gemv(x):
             return self._split(self._gemv(x))
         if self._weight is None:  # oneDNN cannot pack this dtype on this CPU
-            return self._plain(x)
+            return self._unpacked(x)
         y = torch.ops.mkldnn._linear_pointwise(x, self._weight, self._bias, "none", [], "")
         return self._split(y)
 
     def _plain(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(F.linear(x, lin.weight, _bias(lin)) for lin in self.linears)
+
+    def _unpacked(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # torch's unpacked bfloat16 GEMM runs ~5x slower than its float32 one on the same values.
+        if x.dtype is not torch.bfloat16:
+            return self._plain(x)
+        return tuple(
+            widened_linear(x, lin.weight.detach(), None, _detached(_bias(lin)))
+            for lin in self.linears
+        )
 
     def _use_gemv(self, x: torch.Tensor) -> bool:
         # No autograd through the kernel: an input that needs gradients takes torch's path.
@@ -102,11 +111,7 @@ class Projection:
             self._refresh_int8()
         if self._use_gemv(x):
             return self._split(self._gemv(x))  # the bias added in the kernel, in float32
-        if self._weight is None:  # torch's kernel takes one matrix: concatenated at first use
-            self._concat_int8()
-        y = int8_matmul(x, self._weight, self._scales)
-        y = y if self._bias is None else y + self._bias
-        return self._split(y)
+        return tuple(widened_linear(x, *lin.quantized_tensors()) for lin in self.linears)
 
     def _build_gemv(self, weights: list, scales: list, x_dtype: torch.dtype) -> None:
         """The native kernel over the layers' own tensors, where it runs for these dtypes."""
@@ -123,20 +128,11 @@ class Projection:
         self._gemv_rows = rows
 
     def _refresh_int8(self) -> None:
-        """After a change of the layers' tensors: the kernel rebuilt on them, the concatenation
-        for torch's kernel dropped (remade if torch's path runs again)."""
-        self._weight = self._scales = self._bias = None
+        """After a change of the layers' tensors: the kernel rebuilt on them."""
         codes = [lin.weight_int8 for lin in self.linears]
         scales = [lin.scales for lin in self.linears]
         self._build_gemv(codes, scales, scales[0].dtype)
         self._key = self._current_key()
-
-    def _concat_int8(self) -> None:
-        with torch.no_grad():
-            self._weight = torch.cat([lin.weight_int8 for lin in self.linears])
-            self._scales = torch.cat([lin.scales for lin in self.linears])
-            biases = [_bias(lin) for lin in self.linears]
-            self._bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
 
     def _fast(self, x: torch.Tensor) -> bool:
         """Whether x can take the packed or the native path (else plain F.linear)."""
@@ -197,6 +193,10 @@ def _read(layer: nn.Module, slots: list[tuple[dict | None, str]]) -> list[torch.
 
 def _bias(layer: nn.Module) -> torch.Tensor | None:
     return getattr(layer, "bias", None)
+
+
+def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
 
 
 def _version(t: torch.Tensor) -> int:

@@ -12,7 +12,6 @@ import torch
 
 from kvpage import LLM, LLMEngine
 from kvpage.config import EngineConfig
-from kvpage.model import int8 as int8_format
 from kvpage.model import load_model, native_build, native_gemv, projection
 from kvpage.reference import weight_oracle
 from kvpage.reference.generator import generate
@@ -109,9 +108,11 @@ def test_a_planted_head_bug_in_the_engine_is_caught(monkeypatch):
     vocab = model.config.vocab_size
     prompts = prefix_prompts(BLOCK, vocab, n=2)
     refs = [generate(model, p, GREEDY) for p in prompts]  # before the bug: the twin is cached
-    honest = int8_format.int8_matmul
+    honest = projection.widened_linear  # the engine's int8 path for many rows (prefill)
     monkeypatch.setattr(
-        projection, "int8_matmul", lambda x, c, s: honest(x, c, *_shift_head([s], vocab))
+        projection,
+        "widened_linear",
+        lambda x, c, s, b: honest(x, c, *_shift_head([s], vocab), b),
     )
     honest_kernel = native_gemv.WeightGemv.__init__
 

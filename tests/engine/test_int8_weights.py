@@ -114,7 +114,7 @@ def test_reference_never_calls_the_engine_int8_kernel(monkeypatch):
         raise AssertionError("the reference reached the engine's int8 matmul")
 
     monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", refuse, raising=False)
-    monkeypatch.setattr(projection, "int8_matmul", refuse)
+    monkeypatch.setattr(projection, "widened_linear", refuse)
     monkeypatch.setattr(int8_format, "int8_matmul", refuse)
     kernel = native_gemv.WeightGemv.__call__  # kvpage's kernel: refused on int8 weights only
 
@@ -138,8 +138,8 @@ def test_a_planted_scale_bug_in_the_engine_path_is_caught(monkeypatch):
     model, tokenizer = load_model(name, quantization="int8")
     prompts = prefix_prompts(BLOCK, model.config.vocab_size, n=2)
     refs = [generate(model, p, GREEDY) for p in prompts]  # before the bug: the twin is cached
-    honest = int8_format.int8_matmul
-    monkeypatch.setattr(projection, "int8_matmul", lambda x, c, s: honest(x, c, s.roll(1)))
+    honest = projection.widened_linear  # the engine's int8 path for many rows (prefill)
+    monkeypatch.setattr(projection, "widened_linear", lambda x, c, s, b: honest(x, c, s.roll(1), b))
     honest_kernel = native_gemv.WeightGemv.__init__  # the same bug in kvpage's kernel
 
     def shifted(self, weights, scales, biases, x_dtype):

@@ -3,9 +3,9 @@
 // Decode multiplies 1..a few dozen rows by every weight, so a step is bound by reading the
 // weights once: the kernel streams each weight row from memory exactly once per call, widening
 // it to float32 in registers (int8 codes: sign-extend + convert; bfloat16: a shift) and using it
-// for every activation row while it is there. Accumulation is float32 in 16 lanes (lane j sums
-// k = j mod 16, then the lanes are added pairwise), products exact for int8 and bfloat16
-// weights. The epilogue multiplies by the int8 per-output-channel scale (the weight-only format
+// for every activation row while it is there. Accumulation is float32 in the vector's L lanes
+// (16 with AVX-512, else 8; lane j sums k = j mod L, then the lanes are added pairwise),
+// products exact for int8 and bfloat16 weights. The epilogue multiplies by the int8 per-output-channel scale (the weight-only format
 // of kvpage/model/int8.py: activations are never quantized), adds the bias, and rounds once to
 // the output dtype (bfloat16: to nearest even). Work is split over output channels (tiles of
 // NR rows, contiguous in memory), statically over the threads. Weights may come as several
@@ -16,56 +16,79 @@
 #include <type_traits>
 #include <vector>
 #include <omp.h>
-#if defined(__AVX512F__) || defined(__AVX512BF16__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+// The vector is the CPU's widest: 16 float32 lanes with AVX-512, else 8 (AVX2 and the rest).
+#ifdef __AVX512F__
+#define KV_LANES 16
+#else
+#define KV_LANES 8
 #endif
 
 namespace {
 
-typedef float f32x16 __attribute__((vector_size(64)));
+typedef float fvec __attribute__((vector_size(KV_LANES * 4)));
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
-typedef int8_t i8x16 __attribute__((vector_size(16)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
+typedef int8_t i8vec __attribute__((vector_size(KV_LANES)));
+typedef int32_t i32vec __attribute__((vector_size(KV_LANES * 4)));
+typedef uint16_t u16vec __attribute__((vector_size(KV_LANES * 2)));
+typedef uint32_t u32vec __attribute__((vector_size(KV_LANES * 4)));
+constexpr int64_t kLanes = KV_LANES;
+// Activation rows per register tile (times NR = 4 weight rows): the accumulators, the weight
+// vectors and one x vector must fit the register file, or every step spills. AVX-512:
+// 16 + 4 + 1 of 32 registers; 16 registers (AVX2): 8 + 4 + 1.
+constexpr int kMB = KV_LANES == 16 ? 4 : 2;
 constexpr int kMaxSegments = 8;
 
 struct BF16 {
     uint16_t bits;
 };
 
-inline f32x16 load(const float* p) {
-    f32x16 x;
+inline fvec load(const float* p) {
+    fvec x;
     std::memcpy(&x, p, sizeof x);
     return x;
 }
 
-inline f32x16 load(const BF16* p) {
-    u16x16 half;
-    std::memcpy(&half, p, sizeof half);
-    u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
-    f32x16 x;
+inline fvec load(const BF16* p) {
+#if !defined(__AVX512F__) && defined(__AVX2__)
+    // GCC widens u16 -> u32 lane by lane here: zero-extend and shift explicitly.
+    const __m256i bits = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
+    fvec x;
     std::memcpy(&x, &bits, sizeof x);
     return x;
-}
-
-inline f32x16 load(const int8_t* p) {
-#ifdef __AVX512F__
-    // GCC scalarises __builtin_convertvector from int8: sign-extend and convert explicitly.
-    const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-    f32x16 out;
-    std::memcpy(&out, &x, sizeof out);
-    return out;
 #else
-    i8x16 codes;
-    std::memcpy(&codes, p, sizeof codes);
-    return __builtin_convertvector(__builtin_convertvector(codes, i32x16), f32x16);
+    u16vec half;
+    std::memcpy(&half, p, sizeof half);
+    u32vec bits = __builtin_convertvector(half, u32vec) << 16;
+    fvec x;
+    std::memcpy(&x, &bits, sizeof x);
+    return x;
 #endif
 }
 
-inline void store(float* p, f32x16 x) { std::memcpy(p, &x, sizeof x); }
+inline fvec load(const int8_t* p) {
+    // GCC scalarises __builtin_convertvector from int8: sign-extend and convert explicitly.
+#if defined(__AVX512F__)
+    const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif defined(__AVX2__)
+    const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#endif
+#if defined(__AVX512F__) || defined(__AVX2__)
+    fvec out;
+    std::memcpy(&out, &x, sizeof out);
+    return out;
+#else
+    i8vec codes;
+    std::memcpy(&codes, p, sizeof codes);
+    return __builtin_convertvector(__builtin_convertvector(codes, i32vec), fvec);
+#endif
+}
+
+inline void store(float* p, fvec x) { std::memcpy(p, &x, sizeof x); }
 
 inline float widen(float x) { return x; }
 inline float widen(int8_t x) { return static_cast<float>(x); }
@@ -89,9 +112,13 @@ inline void store(BF16* p, float x) {  // round to nearest even, as torch does; 
     p->bits = static_cast<uint16_t>(bits >> 16);
 }
 
-inline float hsum(f32x16 v) {  // pairwise: 8 + 4 + 2 + 1 adds
+inline float hsum(fvec v) {  // pairwise: (8 +) 4 + 2 + 1 adds
+#if KV_LANES == 16
     f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    f32x8 a = v;
+#endif
     f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
@@ -119,17 +146,17 @@ struct Rows {  // the activations: M rows of K, row stride ld (K contiguous)
 template <int MB, int NR, bool kStream, typename X, typename W>
 inline void dot_tile_widened(const Rows<X>& in, int64_t m0, const W* w, int64_t K,
                              float acc[MB][NR]) {
-    f32x16 sum[MB][NR];
+    fvec sum[MB][NR];
     for (int m = 0; m < MB; m++)
-        for (int r = 0; r < NR; r++) sum[m][r] = f32x16{};
+        for (int r = 0; r < NR; r++) sum[m][r] = fvec{};
     const int64_t body = K / kLanes * kLanes;
     for (int64_t k = 0; k < body; k += kLanes) {
-        f32x16 wv[NR];
+        fvec wv[NR];
         if (kStream && (k * sizeof(W)) % 64 == 0)  // once per cache line of each row
             for (int r = 0; r < NR; r++) prefetch(w + r * K + k);
         for (int r = 0; r < NR; r++) wv[r] = load(w + r * K + k);
         for (int m = 0; m < MB; m++) {
-            const f32x16 xv = load(in.x + (m0 + m) * in.ld + k);
+            const fvec xv = load(in.x + (m0 + m) * in.ld + k);
             for (int r = 0; r < NR; r++) sum[m][r] += xv * wv[r];
         }
     }
@@ -165,7 +192,7 @@ inline void dot_tile_bf16(const Rows<BF16>& in, int64_t m0, const BF16* w, int64
     }
     for (int m = 0; m < MB; m++)
         for (int r = 0; r < NR; r++) {
-            f32x16 v;
+            fvec v;
             std::memcpy(&v, &sum[m][r], sizeof v);
             float s = hsum(v);
             const BF16* xr = in.x + (m0 + m) * in.ld;
@@ -173,6 +200,12 @@ inline void dot_tile_bf16(const Rows<BF16>& in, int64_t m0, const BF16* w, int64
             acc[m][r] = s;
         }
 }
+#endif
+
+#ifdef __AVX512BF16__
+constexpr bool kDotBf16 = true;
+#else
+constexpr bool kDotBf16 = false;
 #endif
 
 template <int MB, int NR, bool kStream, typename X, typename W>
@@ -210,26 +243,27 @@ inline void rows_block(const Rows<X>& in, int64_t m0, const W* w, const Segment<
     }
 }
 
-// All M activation rows against NR weight rows `w`, MB = 4 at a time, then the remainder.
+// All M activation rows against NR weight rows `w`, kMB at a time, then the remainder.
 template <int NR, bool kStream, typename X, typename W, typename Y, typename SW>
 inline void all_rows(const Rows<X>& in, int64_t M, const W* w, const Segment<Y, SW>& seg,
                      int64_t r0, int64_t K, Y* y, int64_t ldy) {
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) rows_block<4, NR, kStream>(in, m, w, seg, r0, K, y, ldy);
-    switch (M - m) {
-        case 3: rows_block<3, NR, kStream>(in, m, w, seg, r0, K, y, ldy); break;
-        case 2: rows_block<2, NR, kStream>(in, m, w, seg, r0, K, y, ldy); break;
-        case 1: rows_block<1, NR, kStream>(in, m, w, seg, r0, K, y, ldy); break;
-    }
+    for (; m + kMB <= M; m += kMB) rows_block<kMB, NR, kStream>(in, m, w, seg, r0, K, y, ldy);
+    const int64_t left = M - m;
+    if constexpr (kMB > 3)
+        if (left == 3) return rows_block<3, NR, kStream>(in, m, w, seg, r0, K, y, ldy);
+    if constexpr (kMB > 2)
+        if (left == 2) return rows_block<2, NR, kStream>(in, m, w, seg, r0, K, y, ldy);
+    if (left == 1) rows_block<1, NR, kStream>(in, m, w, seg, r0, K, y, ldy);
 }
 
 // int8 codes as bfloat16, exactly: a code has at most 7 significant bits, so its float32 value's
 // low 16 bits are zero and the top half is the bfloat16.
 inline void store_codes(BF16* p, const int8_t* codes) {
-    const f32x16 f = load(codes);
-    u32x16 bits;
+    const fvec f = load(codes);
+    u32vec bits;
     std::memcpy(&bits, &f, sizeof bits);
-    const u16x16 half = __builtin_convertvector(bits >> 16, u16x16);
+    const u16vec half = __builtin_convertvector(bits >> 16, u16vec);
     std::memcpy(p, &half, sizeof half);
 }
 
@@ -251,8 +285,8 @@ inline void widen_tile(const int8_t* w, int64_t n, T* wide) {
 
 // One tile: NR weight rows (fewer at a segment's end: one at a time) times all M activation rows.
 // int8 weights meeting more than one block of activation rows are widened once into a tile in
-// L1 first, so the conversion is paid once per weight, not once per 4 rows: to float32 for
-// float32 x, to bfloat16 for bfloat16 x (vdpbf16ps then does 32 multiply-adds an instruction).
+// L1 first, so the conversion is paid once per weight, not once per kMB rows: to float32, or to
+// bfloat16 for bfloat16 x where vdpbf16ps does 32 multiply-adds an instruction.
 template <int NR, typename X, typename Y, typename W>
 void tile(const Rows<X>& in, int64_t M, const Segment<Y, W>& seg, int64_t r0, int64_t K, Y* y,
           int64_t ldy) {
@@ -263,8 +297,8 @@ void tile(const Rows<X>& in, int64_t M, const Segment<Y, W>& seg, int64_t r0, in
         return;
     }
     if constexpr (std::is_same_v<W, int8_t>) {
-        if (M > 4) {
-            using T = std::conditional_t<std::is_same_v<X, BF16>, BF16, float>;
+        if (M > kMB) {
+            using T = std::conditional_t<kDotBf16 && std::is_same_v<X, BF16>, BF16, float>;
             static thread_local std::vector<T> wide;
             wide.resize(NR * K);
             widen_tile(w, NR * K, wide.data());
@@ -278,7 +312,7 @@ void tile(const Rows<X>& in, int64_t M, const Segment<Y, W>& seg, int64_t r0, in
 template <typename X, typename Y, typename W>
 void linear(const Rows<X>& in, int64_t M, int64_t K, const Segment<Y, W>* segs, int nseg, Y* y,
             int64_t ldy, int num_threads) {
-    constexpr int NR = 4;
+    constexpr int NR = 4;  // 8 for one row (more rows in flight) measured no faster on AVX2
     int64_t first[kMaxSegments + 1] = {0};  // first[s]: segment s's first tile
     for (int s = 0; s < nseg; s++) first[s + 1] = first[s] + (segs[s].rows + NR - 1) / NR;
     const int64_t tiles = first[nseg];
@@ -315,13 +349,13 @@ void run(const Plan& p, const void* x, int64_t ldx, int64_t M, void* y, int num_
     }
     const Rows<X> in{static_cast<const X*>(x), ldx};
     if constexpr (std::is_same_v<X, BF16> && std::is_same_v<W, int8_t>) {
-        if (M > 4) {  // the tiles are widened to bfloat16 instead (see tile)
+        if (kDotBf16 && M > kMB) {  // the tiles are widened to bfloat16 instead (see tile)
             linear(in, M, p.in_features, segs, p.segments, static_cast<X*>(y), p.out_features,
                    num_threads);
             return;
         }
-        // A few rows of bfloat16 activations against streamed int8 codes: widen x once (M x K
-        // floats) rather than in every tile's inner loop; the result is the same (exact).
+        // bfloat16 activations against int8 codes (a few rows, or no bfloat16 dot product):
+        // widen x once (M x K floats) rather than in every tile's inner loop; exact.
         static thread_local std::vector<float> wide;
         const int64_t K = p.in_features;
         wide.resize(M * K);
@@ -338,6 +372,8 @@ void run(const Plan& p, const void* x, int64_t ldx, int64_t M, void* y, int num_
 }  // namespace
 
 extern "C" int kvpage_gemv_max_segments() { return kMaxSegments; }
+
+extern "C" int kvpage_gemv_lanes() { return KV_LANES; }
 
 // x: (M, K) with row stride ldx, K contiguous, in the plan's x dtype; y: (M, out_features)
 // contiguous, same dtype.
