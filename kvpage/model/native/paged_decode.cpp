@@ -3,37 +3,54 @@
 // One query token per sequence. A work item is (sequence, KV head): its G = H / KVH query heads
 // walk the sequence's block table once, so each K/V row is read once per step and never copied.
 // Scores, softmax and the weighted sum are float32 whatever the storage dtype (bfloat16 is
-// widened on load, the output rounded to nearest even once). head_dim is 16 * C, C = 1..8:
-// rows are processed as 16-float vectors (GCC vector extensions, so the same source compiles to
-// AVX-512, AVX2 or SSE). Built by kvpage/model/native_attention.py at first use; shapes and
+// widened on load, the output rounded to nearest even once). head_dim is a multiple of 16 up to
+// 128: rows are processed as vectors of L floats, L = 16 with AVX-512 and 8 otherwise (GCC
+// vector extensions; a 16-float vector on AVX2 is two registers, and the tile's accumulators
+// then spilled: 8 lanes ran a 190-row decode ~2x faster there), head_dim = L * C. Built by kvpage/model/native_attention.py at first use; shapes and
 // strides are checked there.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <omp.h>
+#if !defined(__AVX512F__) && defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#ifdef __AVX512F__
+#define KV_LANES 16
+#else
+#define KV_LANES 8
+#endif
 
 namespace {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
+typedef float fvec __attribute__((vector_size(KV_LANES * 4)));
+typedef uint16_t u16vec __attribute__((vector_size(KV_LANES * 2)));
+typedef uint32_t u32vec __attribute__((vector_size(KV_LANES * 4)));
+typedef int32_t i32vec __attribute__((vector_size(KV_LANES * 4)));
+constexpr int64_t kLanes = KV_LANES;
 
 struct BF16 {
     uint16_t bits;
 };
 
-inline f32x16 load(const float* p) {
-    f32x16 x;
+inline fvec load(const float* p) {
+    fvec x;
     std::memcpy(&x, p, sizeof x);
     return x;
 }
 
-inline f32x16 load(const BF16* p) {
-    u16x16 half;
+inline fvec load(const BF16* p) {
+#if !defined(__AVX512F__) && defined(__AVX2__)
+    // GCC widens u16 -> u32 lane by lane here: zero-extend and shift explicitly.
+    const __m256i bits =
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
+#else
+    u16vec half;
     std::memcpy(&half, p, sizeof half);
-    u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
-    f32x16 x;
+    u32vec bits = __builtin_convertvector(half, u32vec) << 16;
+#endif
+    fvec x;
     std::memcpy(&x, &bits, sizeof x);
     return x;
 }
@@ -60,14 +77,13 @@ inline void store(BF16* p, float x) {  // round to nearest even, as torch does; 
     p->bits = static_cast<uint16_t>(bits >> 16);
 }
 
-typedef int32_t i32x16 __attribute__((vector_size(64)));
+inline void store(float* p, fvec x) { std::memcpy(p, &x, sizeof x); }
 
-inline void store(float* p, f32x16 x) { std::memcpy(p, &x, sizeof x); }
-
-// Sixteen dot products' partial lanes -> one vector of their sums, lane j = sum of v[j]: 15 adds
-// of whole vectors instead of 16 horizontal reductions (each a chain of 4 dependent shuffles).
-inline f32x16 sum_each(const f32x16* v) {
-    f32x16 w[8], x[4], y[2];
+// L dot products' partial lanes -> one vector of their sums, lane j = sum of v[j]: L - 1 adds
+// of whole vectors instead of L horizontal reductions (each a chain of dependent shuffles).
+#if KV_LANES == 16
+inline fvec sum_each(const fvec* v) {
+    fvec w[8], x[4], y[2];
     for (int i = 0; i < 8; i++)  // lanes 0-7: token 2i's 8 partials, 8-15: token 2i+1's
         w[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
                                        18, 19, 20, 21, 22, 23) +
@@ -88,40 +104,53 @@ inline f32x16 sum_each(const f32x16* v) {
            __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
                                    29, 31);
 }
+#else
+inline fvec sum_each(const fvec* v) {
+    fvec w[4], x[2];
+    for (int i = 0; i < 4; i++)  // lanes 0-3: token 2i's 4 partials, 4-7: token 2i+1's
+        w[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)  // 2 partials of tokens 4i..4i+3
+        x[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               __builtin_shufflevector(w[2 * i], w[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(x[0], x[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(x[0], x[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
 
 // e^x for x <= 0 (scores minus their maximum), Cephes' single-precision polynomial: within
 // 2 ulp of expf, 0 below -87.3 where expf is subnormal or 0 (a softmax weight of < 1e-38).
-inline f32x16 exp_nonpositive(f32x16 x) {
-    const f32x16 lowest = f32x16{} - 87.3f;
-    const i32x16 underflow = x < lowest;
+inline fvec exp_nonpositive(fvec x) {
+    const fvec lowest = fvec{} - 87.3f;
+    const i32vec underflow = x < lowest;
     x = x < lowest ? lowest : x;
-    const f32x16 round = f32x16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-    const f32x16 n = (x * 1.44269504088896341f + round) - round;
-    const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    f32x16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    const fvec round = fvec{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+    const fvec n = (x * 1.44269504088896341f + round) - round;
+    const fvec r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    fvec p = r * 1.9875691500e-4f + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const i32x16 two_n = (__builtin_convertvector(n, i32x16) + 127) << 23;
-    f32x16 scale;
+    const i32vec two_n = (__builtin_convertvector(n, i32vec) + 127) << 23;
+    fvec scale;
     std::memcpy(&scale, &two_n, sizeof scale);
-    f32x16 e = p * scale;
-    i32x16 bits;
+    fvec e = p * scale;
+    i32vec bits;
     std::memcpy(&bits, &e, sizeof bits);
     bits &= ~underflow;
     std::memcpy(&e, &bits, sizeof e);
     return e;
 }
 
-inline float max_lanes(f32x16 x) {
+inline float max_lanes(fvec x) {
     float top = x[0];
     for (int i = 1; i < kLanes; i++) top = x[i] > top ? x[i] : top;
     return top;
 }
 
-inline float sum_lanes(f32x16 x) {
+inline float sum_lanes(fvec x) {
     float sum = 0.0f;
     for (int i = 0; i < kLanes; i++) sum += x[i];
     return sum;
@@ -137,7 +166,7 @@ struct Shape {
 
 inline int64_t padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
-// Scratch of one thread, in floats: G * D query, 16 dot vectors, G rows of padded scores, the
+// Scratch of one thread, in floats: G * D query, L dot vectors, G rows of padded scores, the
 // rows' int64 offsets.
 inline int64_t scratch_floats(int64_t G, int64_t D, int64_t max_len) {
     return G * D + kLanes * kLanes + (G + 2) * padded(max_len);
@@ -147,18 +176,18 @@ inline int64_t scratch_floats(int64_t G, int64_t D, int64_t max_len) {
 inline void softmax_row(float* row, int64_t len) {
     const int64_t full = len / kLanes * kLanes;
     const int64_t lane_of_tail = len - full;
-    f32x16 tail = f32x16{} - INFINITY;
+    fvec tail = fvec{} - INFINITY;
     for (int64_t i = 0; i < lane_of_tail; i++) tail[i] = row[full + i];
-    f32x16 top = tail;
+    fvec top = tail;
     for (int64_t t = 0; t < full; t += kLanes) {
-        const f32x16 x = load(row + t);
+        const fvec x = load(row + t);
         top = x > top ? x : top;
     }
     const float m = max_lanes(top);
-    f32x16 sum = exp_nonpositive(tail - m);  // -inf lanes -> 0
+    fvec sum = exp_nonpositive(tail - m);  // -inf lanes -> 0
     for (int64_t i = 0; i < lane_of_tail; i++) row[full + i] = sum[i];
     for (int64_t t = 0; t < full; t += kLanes) {
-        const f32x16 e = exp_nonpositive(load(row + t) - m);
+        const fvec e = exp_nonpositive(load(row + t) - m);
         store(row + t, e);
         sum += e;
     }
@@ -166,9 +195,6 @@ inline void softmax_row(float* row, int64_t len) {
     for (int64_t t = 0; t < len; t++) row[t] *= inv;
 }
 
-// One (sequence, KV head): its G query heads over the sequence's blocks. Tiles of up to 16 tokens
-// of one block are read G times each while they sit in L1; C = head_dim / 16 is a compile-time
-// constant so that a row and a head's accumulators stay in registers.
 // Where each of a sequence's rows of one KV head starts in the pool, walking its block table.
 // Rows [start, len) of the sequence, from offsets[0]: a sliding window starts past row 0.
 inline void row_offsets(const Pool& pool, const int64_t* table, int64_t start, int64_t len,
@@ -179,8 +205,8 @@ inline void row_offsets(const Pool& pool, const int64_t* table, int64_t start, i
     }
 }
 
-// One (sequence, KV head): its G query heads over the sequence's rows. Tiles of 16 rows are read
-// G times each while they sit in L1; C = head_dim / 16 is a compile-time constant so that a row
+// One (sequence, KV head): its G query heads over the sequence's rows. Tiles of L rows are read
+// G times each while they sit in L1; C = head_dim / L is a compile-time constant so that a row
 // and a head's accumulators stay in registers.
 template <int C, typename T>
 void attend_one(const T* q, const T* k, const T* v, const Pool& pool, const int64_t* table,
@@ -189,8 +215,8 @@ void attend_one(const T* q, const T* k, const T* v, const Pool& pool, const int6
     const int64_t len = end - start;  // the rows it attends to
     const int64_t G = sh.heads / sh.kv_heads, D = C * kLanes;
     const int64_t row_len = padded(sh.max_blocks * sh.block_size);
-    f32x16* qv = reinterpret_cast<f32x16*>(scratch);  // (G, C), scale applied
-    f32x16* dots = qv + G * C;                        // (16,) partial lanes of a tile's dots
+    fvec* qv = reinterpret_cast<fvec*>(scratch);  // (G, C), scale applied
+    fvec* dots = qv + G * C;                        // (L,) partial lanes of a tile's dots
     float* scores = scratch + G * D + kLanes * kLanes;  // (G, row_len)
     int64_t* offsets = reinterpret_cast<int64_t*>(scores + G * row_len);  // (row_len,)
     row_offsets(pool, table, start, end, sh.block_size, kv_head, offsets);
@@ -201,21 +227,21 @@ void attend_one(const T* q, const T* k, const T* v, const Pool& pool, const int6
         for (int64_t g = 0; g < G; g++) {
             for (int64_t j = 0; j < n; j++) {
                 const T* kr = k + offsets[t0 + j];
-                f32x16 dot = qv[g * C] * load(kr);
+                fvec dot = qv[g * C] * load(kr);
                 for (int c = 1; c < C; c++) dot += qv[g * C + c] * load(kr + c * kLanes);
                 dots[j] = dot;
             }
-            for (int64_t j = n; j < kLanes; j++) dots[j] = f32x16{};
+            for (int64_t j = n; j < kLanes; j++) dots[j] = fvec{};
             store(scores + g * row_len + t0, sum_each(dots));
         }
     }
     for (int64_t g = 0; g < G; g++) softmax_row(scores + g * row_len, len);
-    f32x16* acc = qv;  // the query is spent: (G, C) accumulators
-    for (int64_t i = 0; i < G * C; i++) acc[i] = f32x16{};
+    fvec* acc = qv;  // the query is spent: (G, C) accumulators
+    for (int64_t i = 0; i < G * C; i++) acc[i] = fvec{};
     for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
         const int64_t n = len - t0 < kLanes ? len - t0 : kLanes;
         for (int64_t g = 0; g < G; g++) {
-            f32x16 a[C];
+            fvec a[C];
             for (int c = 0; c < C; c++) a[c] = acc[g * C + c];
             const float* p = scores + g * row_len + t0;
             for (int64_t j = 0; j < n; j++) {
@@ -254,6 +280,10 @@ void attend_any(const T* q, const T* k, const T* v, const Pool& pool, const int6
                          scratch_per_thread, num_threads);
     switch (sh.head_dim / kLanes) {
         KV_CASE(1) KV_CASE(2) KV_CASE(3) KV_CASE(4) KV_CASE(5) KV_CASE(6) KV_CASE(7) KV_CASE(8)
+#if KV_LANES == 8
+        KV_CASE(9) KV_CASE(10) KV_CASE(11) KV_CASE(12) KV_CASE(13) KV_CASE(14) KV_CASE(15)
+        KV_CASE(16)
+#endif
     }
 #undef KV_CASE
 }
