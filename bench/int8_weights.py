@@ -69,6 +69,7 @@ from kvpage.config import EngineConfig, ModelConfig, RopeConfig
 from kvpage.model import build_model, init_seeded_, native_gemv, quantize_model_, resolve_dtype
 from kvpage.model.int8 import Int8Linear, quantize_per_channel
 from kvpage.model.projection import packable_dtype
+from kvpage.model.widened import widened_linear
 
 SHAPES = {  # bench/throughput.py's MODELS
     "120m": dict(num_kv_heads=12),
@@ -442,6 +443,7 @@ def kernel_sweep(args) -> None:
         raise SystemExit("the weight GEMV kernel is not available (a compiler? KVPAGE_NATIVE?)")
     rows = [int(r) for r in args.rows.split(",")]
     print(f"{args.threads} threads; us per call, min / median; ratio = torch / kernel")
+    print("widened (int8, bf16): float32 GEMM on tiles widened per call, kvpage.model.widened")
     torch.manual_seed(args.seed)
     kinds = args.kinds.split(",") if args.kinds else list(SWEEP_KINDS)
     for name in kinds:
@@ -449,33 +451,43 @@ def kernel_sweep(args) -> None:
         print(f"== {name}")
         for k, n in SWEEP_SHAPES[: args.shapes]:
             copies = int(96e6 // (n * k * wbytes)) + 1  # together beyond the L3
-            pairs = [sweep_pair(torch.randn(n, k) * 0.02, name, x_dtype) for _ in range(copies)]
+            paths = [sweep_paths(torch.randn(n, k) * 0.02, name, x_dtype) for _ in range(copies)]
             for m in rows:
                 x = torch.randn(m, k).to(x_dtype)
-                mine = time_calls([(lambda g=g, x=x: g(x)) for g, _ in pairs])
-                theirs = time_calls([(lambda t=t, x=x: t(x)) for _, t in pairs])
+                times = [time_calls([lambda f=p[i], x=x: f(x) for p in paths]) for i in range(3)]
+                (mine, theirs, wide) = times
                 gbs = n * k * wbytes / mine[0] / 1e9
+                widened = (
+                    ""
+                    if name == "fp32"
+                    else f"  widened {wide[0] * 1e6:8.1f} / {wide[1] * 1e6:8.1f}"
+                )
                 print(
-                    f"K {k:5d} N {n:6d} rows {m:3d}  kernel {mine[0] * 1e6:8.1f} / "
+                    f"K {k:5d} N {n:6d} rows {m:4d}  kernel {mine[0] * 1e6:8.1f} / "
                     f"{mine[1] * 1e6:8.1f} ({gbs:5.1f} GB/s)  torch {theirs[0] * 1e6:8.1f} / "
                     f"{theirs[1] * 1e6:8.1f}  ratio {theirs[0] / mine[0]:5.2f} / "
-                    f"{theirs[1] / mine[1]:5.2f}",
+                    f"{theirs[1] / mine[1]:5.2f}{widened}",
                     flush=True,
                 )
 
 
-def sweep_pair(w: torch.Tensor, name: str, x_dtype: torch.dtype):
-    """(kvpage's kernel, torch's) on one weight."""
+def sweep_paths(w: torch.Tensor, name: str, x_dtype: torch.dtype):
+    """(kvpage's kernel, torch's, the widened float32 GEMM) on one weight."""
     if name.startswith("int8"):
         codes, scales = quantize_per_channel(w, x_dtype)
         gemv = native_gemv.WeightGemv([codes], [scales], [None], x_dtype)
-        return gemv, lambda x: torch.ops.aten._weight_int8pack_mm(x, codes, scales)
+        return (
+            gemv,
+            lambda x: torch.ops.aten._weight_int8pack_mm(x, codes, scales),
+            lambda x: widened_linear(x, codes, scales),
+        )
     wd = w.to(x_dtype).contiguous()
     gemv = native_gemv.WeightGemv([wd], [None], [None], x_dtype)
+    wide = lambda x: widened_linear(x, wd)  # noqa: E731
     if not packable_dtype(x_dtype):  # oneDNN cannot pack bf16 without AVX-512: torch's plain GEMM
-        return gemv, lambda x: torch.nn.functional.linear(x, wd)
+        return gemv, lambda x: torch.nn.functional.linear(x, wd), wide
     packed = torch.ops.mkldnn._reorder_linear_weight(wd)
-    return gemv, lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return gemv, lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), wide
 
 
 def time_calls(calls: list, seconds: float = 0.4) -> tuple[float, float]:
