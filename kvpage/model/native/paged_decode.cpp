@@ -205,6 +205,18 @@ inline void row_offsets(const Pool& pool, const int64_t* table, int64_t start, i
     }
 }
 
+// The next tile's rows (up to L of them, `left` remain), into L1 while this tile computes: the
+// rows of one KV head lie a token stride apart, and the block table scatters them further.
+template <typename T>
+inline void prefetch_rows(const T* base, const int64_t* offsets, int64_t left, int64_t D) {
+    const int64_t n = left < kLanes ? left : kLanes;
+    for (int64_t j = 0; j < n; j++) {
+        const char* row = reinterpret_cast<const char*>(base + offsets[j]);
+        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
+            __builtin_prefetch(row + b, 0, 3);
+    }
+}
+
 // One (sequence, KV head): its G query heads over the sequence's rows. Tiles of L rows are read
 // G times each while they sit in L1; C = head_dim / L is a compile-time constant so that a row
 // and a head's accumulators stay in registers.
@@ -224,6 +236,7 @@ void attend_one(const T* q, const T* k, const T* v, const Pool& pool, const int6
     for (int64_t i = 0; i < G * C; i++) qv[i] = load(q + first_row + i * kLanes) * scale;
     for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
         const int64_t n = len - t0 < kLanes ? len - t0 : kLanes;
+        prefetch_rows(k, offsets + t0 + kLanes, len - t0 - kLanes, D);
         for (int64_t g = 0; g < G; g++) {
             for (int64_t j = 0; j < n; j++) {
                 const T* kr = k + offsets[t0 + j];
@@ -240,6 +253,7 @@ void attend_one(const T* q, const T* k, const T* v, const Pool& pool, const int6
     for (int64_t i = 0; i < G * C; i++) acc[i] = fvec{};
     for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
         const int64_t n = len - t0 < kLanes ? len - t0 : kLanes;
+        prefetch_rows(v, offsets + t0 + kLanes, len - t0 - kLanes, D);
         for (int64_t g = 0; g < G; g++) {
             fvec a[C];
             for (int c = 0; c < C; c++) a[c] = acc[g * C + c];
