@@ -14,9 +14,9 @@ Why per output channel: the scale then multiplies whole output features, so y = 
 scale — the dequantisation is one multiply after the integer-weight matmul, fused in the kernel
 (kvpage's own, kvpage.model.native_gemv) for decode-sized row counts. Above them (prefill), or
 where that kernel is not built, Projection widens the codes one tile of output channels at a
-time for torch's float32 GEMM (kvpage.model.widened): never the whole matrix in float. It also shards cleanly: a
-column-parallel rank keeps its rows' scales, a row-parallel rank keeps every scale and the
-all-reduce sums (x_r @ code_r^T) * scale over ranks = (x @ code^T) * scale.
+time for torch's float32 GEMM (kvpage.model.widened): never the whole matrix in float. It also
+shards cleanly: a column-parallel rank keeps its rows' scales, a row-parallel rank keeps every
+scale and the all-reduce sums (x_r @ code_r^T) * scale over ranks = (x @ code^T) * scale.
 
 torch's kernel (torch 2.13, CPU): x (M, K) 2-D and contiguous in K, in float32, bfloat16 or
 float16; codes (N, K) int8; scales (N,) in x's dtype exactly (a float32 scale with a bfloat16 x

@@ -1,6 +1,7 @@
 """Building kvpage's native kernels (kvpage/model/native/*.cpp): each is one C++ file with no
-torch dependency, compiled with the system C++ compiler at first use into a cache directory,
-keyed by its source, the compiler, the flags and the CPU, and loaded through ctypes.
+torch dependency (it may include the headers beside it, native/*.h), compiled with the system C++
+compiler at first use into a cache directory, keyed by its source, those headers, the compiler,
+the flags and the CPU, and loaded through ctypes.
 
 Why not a torch extension: the torch headers take a minute to compile on two cores and need
 ninja; these files build in about a second. KVPAGE_NATIVE=0 (`enabled()` False) turns every
@@ -57,6 +58,8 @@ def load(
 def build(source: Path, compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
     """The shared library for this source, flags and CPU, compiled once into the cache dir."""
     digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):  # what the sources include
+        digest.update(header.read_bytes())
     digest.update(" ".join((compiler, *flags, _cpu_signature())).encode())
     target = _cache_dir() / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     if target.exists():

@@ -8,8 +8,8 @@ GEMM at one row (bench/int8_weights.py), and oneDNN's bf16 GEMM is slower at one
 bandwidth allows; this kernel streams each weight row once, widening it in registers, and
 applies the int8 scale and the bias in its epilogue. It runs while the rows of x are at most
 `max_rows(kind)` (measured, per vector width: beyond it a GEMM blocked for reuse is faster);
-Projection keeps torch's GEMMs (or kvpage.model.widened) for the rest, and for everything when `available()` is False (no compiler, or
-KVPAGE_NATIVE=0).
+Projection keeps torch's GEMMs (or kvpage.model.widened) for the rest, and for everything when
+`available()` is False (no compiler, or KVPAGE_NATIVE=0).
 
 Numerics: float32 accumulation, the epilogue `acc * scale + bias` in float32 and one rounding to
 x's dtype; the summation order (16 or 8 interleaved partial sums, by the CPU's vector width,

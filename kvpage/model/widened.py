@@ -29,7 +29,7 @@ def widened_linear(
     scales: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x (..., K) @ widen(weight (N, K))^T [* scales (N,)] [+ bias (N,)] -> (..., N) in x's dtype."""
+    """x (..., K) @ widen(weight (N, K))^T [* scales (N,)] [+ bias (N,)] -> (..., N), x's dtype."""
     x32 = x.to(torch.float32)
     rows = max(1, TILE_BYTES // (4 * weight.shape[1]))
     parts = [

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kvpage import LLM, SamplingParams
-from kvpage.model import native_attention
+from kvpage.model import native_attention, native_build
 from kvpage.model.decode_attention import decode_attention
 from kvpage.model.native_attention import PagedDecode
 from kvpage.model.native_build import NativeBuildError
@@ -211,3 +213,17 @@ def test_grouped_matmul_attention_matches_float64_sdpa():
         # rows by <= eps/2 * max|V|, rounding the output by <= eps/2 * |out| <= eps/2 * max|V|.
         bound = torch.finfo(torch.bfloat16).eps * pool[1].abs().max().item()
         torch.testing.assert_close(out.double(), ref, atol=bound, rtol=0)
+
+
+def test_a_changed_header_beside_the_source_is_a_new_build(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPAGE_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "kernel.cpp"
+    source.write_text('#include "width.h"\nextern "C" int width() { return WIDTH; }\n')
+    header = tmp_path / "width.h"
+    header.write_text("#define WIDTH 8\n")
+    first = native_build.build(source, "g++")
+    assert ctypes.CDLL(str(first)).width() == 8
+    header.write_text("#define WIDTH 16\n")  # the source itself unchanged
+    second = native_build.build(source, "g++")
+    assert second != first and ctypes.CDLL(str(second)).width() == 16
+    assert native_build.build(source, "g++") == second  # and cached again

@@ -5,10 +5,11 @@
 // it to float32 in registers (int8 codes: sign-extend + convert; bfloat16: a shift) and using it
 // for every activation row while it is there. Accumulation is float32 in the vector's L lanes
 // (16 with AVX-512, else 8; lane j sums k = j mod L, then the lanes are added pairwise),
-// products exact for int8 and bfloat16 weights. The epilogue multiplies by the int8 per-output-channel scale (the weight-only format
-// of kvpage/model/int8.py: activations are never quantized), adds the bias, and rounds once to
-// the output dtype (bfloat16: to nearest even). Work is split over output channels (tiles of
-// NR rows, contiguous in memory), statically over the threads. Weights may come as several
+// products exact for int8 and bfloat16 weights. The epilogue multiplies by the int8
+// per-output-channel scale (the weight-only format of kvpage/model/int8.py: activations are
+// never quantized), adds the bias, and rounds once to the output dtype (bfloat16: to nearest
+// even). Work is split over output channels (tiles of NR rows, contiguous in memory), statically
+// over the threads. Weights may come as several
 // segments (q, k and v kept as separate tensors): their outputs land side by side in y.
 // Built by kvpage/model/native_gemv.py at first use; shapes and dtypes are checked there.
 #include <cstdint>
@@ -16,59 +17,19 @@
 #include <type_traits>
 #include <vector>
 #include <omp.h>
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
-// The vector is the CPU's widest: 16 float32 lanes with AVX-512, else 8 (AVX2 and the rest).
-#ifdef __AVX512F__
-#define KV_LANES 16
-#else
-#define KV_LANES 8
-#endif
+#include "vectors.h"
 
 namespace {
 
-typedef float fvec __attribute__((vector_size(KV_LANES * 4)));
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
 typedef int8_t i8vec __attribute__((vector_size(KV_LANES)));
-typedef int32_t i32vec __attribute__((vector_size(KV_LANES * 4)));
-typedef uint16_t u16vec __attribute__((vector_size(KV_LANES * 2)));
-typedef uint32_t u32vec __attribute__((vector_size(KV_LANES * 4)));
-constexpr int64_t kLanes = KV_LANES;
 // Activation rows per register tile (times NR = 4 weight rows): the accumulators, the weight
 // vectors and one x vector must fit the register file, or every step spills. AVX-512:
 // 16 + 4 + 1 of 32 registers; 16 registers (AVX2): 8 + 4 + 1.
 constexpr int kMB = KV_LANES == 16 ? 4 : 2;
 constexpr int kMaxSegments = 8;
-
-struct BF16 {
-    uint16_t bits;
-};
-
-inline fvec load(const float* p) {
-    fvec x;
-    std::memcpy(&x, p, sizeof x);
-    return x;
-}
-
-inline fvec load(const BF16* p) {
-#if !defined(__AVX512F__) && defined(__AVX2__)
-    // GCC widens u16 -> u32 lane by lane here: zero-extend and shift explicitly.
-    const __m256i bits = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
-    fvec x;
-    std::memcpy(&x, &bits, sizeof x);
-    return x;
-#else
-    u16vec half;
-    std::memcpy(&half, p, sizeof half);
-    u32vec bits = __builtin_convertvector(half, u32vec) << 16;
-    fvec x;
-    std::memcpy(&x, &bits, sizeof x);
-    return x;
-#endif
-}
 
 inline fvec load(const int8_t* p) {
     // GCC scalarises __builtin_convertvector from int8: sign-extend and convert explicitly.
@@ -88,29 +49,7 @@ inline fvec load(const int8_t* p) {
 #endif
 }
 
-inline void store(float* p, fvec x) { std::memcpy(p, &x, sizeof x); }
-
-inline float widen(float x) { return x; }
 inline float widen(int8_t x) { return static_cast<float>(x); }
-inline float widen(BF16 x) {
-    uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-inline void store(float* p, float x) { *p = x; }
-
-inline void store(BF16* p, float x) {  // round to nearest even, as torch does; NaN stays quiet
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) {
-        p->bits = static_cast<uint16_t>((bits >> 16) | 0x40u);
-        return;
-    }
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    p->bits = static_cast<uint16_t>(bits >> 16);
-}
 
 inline float hsum(fvec v) {  // pairwise: (8 +) 4 + 2 + 1 adds
 #if KV_LANES == 16
