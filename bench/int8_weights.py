@@ -300,8 +300,8 @@ def single_worker(spec: dict) -> None:
     print(json.dumps(result))
 
 
-def llama_cpp_cells(args, model_dir: Path) -> dict:
-    """(type, "llama.cpp") -> a run of llama-batched-bench -npl 1 on that GGUF type."""
+def llama_cpp_cells(args, model_dir: Path, requests: int = 1) -> dict:
+    """(type, "llama.cpp") -> a run of llama-batched-bench -npl `requests` on that GGUF type."""
     from peers import llama_cpp
 
     llama_cpp.build()
@@ -310,7 +310,8 @@ def llama_cpp_cells(args, model_dir: Path) -> dict:
         gguf = llama_cpp.convert(model_dir, outtype)
 
         def run(gguf=gguf) -> dict:
-            r = llama_cpp.run_batched_bench(gguf, args.prompt, args.output, 1, args.threads)
+            r = llama_cpp.run_batched_bench(gguf, args.prompt, args.output, requests, args.threads)
+            # T_TG covers `ntg` decode passes; kvpage samples its first token in the prefill.
             return dict(wall=r.t, prefill=r.t_pp, decode=r.t_tg / args.output, tokens=None)
 
         cells[(outtype, "llama.cpp")] = run
@@ -363,7 +364,7 @@ def batched_rounds(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         throughput.build_model(args.model, 1024, tmp)
         cells = [(c, "on") for c in configs]
-        peers = batched_peers(args, Path(tmp)) if "llama.cpp" in args.peers else {}
+        peers = llama_cpp_cells(args, Path(tmp), args.requests) if "llama.cpp" in args.peers else {}
         print(
             f"batched: {args.requests} x ({args.prompt} prompt + {args.output} out), model "
             f"{args.model}, {args.threads} threads, {args.rounds} rounds; load: {_load()}"
@@ -382,26 +383,6 @@ def batched_rounds(args) -> None:
                 print(f"round {r + 1} {cell[0]} {cell[1]}: {out['wall']:.2f}s", flush=True)
     batched_report(results, [c for c in [*cells, *peers] if c not in failed], args)
     print(f"load after: {_load()}")
-
-
-def batched_peers(args, model_dir: Path) -> dict:
-    """(type, "llama.cpp") -> a run of llama-batched-bench -npl `--requests` on that GGUF."""
-    from peers import llama_cpp
-
-    llama_cpp.build()
-    cells = {}
-    for outtype in args.llama_cpp_types.split(","):
-        gguf = llama_cpp.convert(model_dir, outtype)
-
-        def run(gguf=gguf) -> dict:
-            r = llama_cpp.run_batched_bench(
-                gguf, args.prompt, args.output, args.requests, args.threads
-            )
-            # T_TG covers `ntg` decode passes; kvpage samples its first token in the prefill.
-            return dict(wall=r.t, prefill=r.t_pp, decode=r.t_tg / args.output)
-
-        cells[(outtype, "llama.cpp")] = run
-    return cells
 
 
 def batched_report(results: dict, cells: list, args) -> None:

@@ -10,15 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpage import LLM, LLMEngine
-from kvpage.config import EngineConfig
+from kvpage import LLM
 from kvpage.model import load_model, native_build, native_gemv, projection
 from kvpage.reference import weight_oracle
 from kvpage.reference.generator import generate
 from kvpage.verify.kv_drift import gate_prompts
 from kvpage.verify.weight_drift import measure_weight_drift
 
-from .test_int8_weights import BLOCK, GREEDY, MAX_TOKENS, TOLERANCE, Logits, _assert_matches
+from .test_int8_weights import BLOCK, GREEDY, MAX_TOKENS, TOLERANCE, _assert_matches
+from .test_int8_weights import _engine_run as int8_engine_run
 from .workload import prefix_prompts
 
 CASES = [
@@ -30,25 +30,7 @@ CASES = [
 
 
 def _engine_run(model, tokenizer, name: str, dtype: str, prompts, head: bool = True):
-    config = EngineConfig(
-        model=name,
-        dtype=dtype,
-        quantization="int8",
-        quantize_lm_head=head,
-        block_size=BLOCK,
-        num_blocks=128,
-        max_num_batched_tokens=24,  # chunked prefill beside decodes: mixed batches
-        debug_checks=True,
-    )
-    engine = LLMEngine(config, model, tokenizer)
-    recorder = Logits()
-    engine.add_observer(recorder)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, GREEDY)
-    outs = {}
-    while engine.has_unfinished_requests():
-        outs.update({int(o.request_id): o for o in engine.step() if o.finished})
-    return [outs[i].outputs[0].token_ids for i in range(len(prompts))], recorder.rows
+    return int8_engine_run(model, tokenizer, name, dtype, prompts, head)
 
 
 def _max_error(rows, refs) -> float:

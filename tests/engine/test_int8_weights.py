@@ -48,11 +48,12 @@ class Logits(EngineObserver):
             self.rows[key] = logits[row].float().clone()
 
 
-def _engine_run(model, tokenizer, name: str, dtype: str, prompts):
+def _engine_run(model, tokenizer, name: str, dtype: str, prompts, head: bool = False):
     config = EngineConfig(
         model=name,
         dtype=dtype,
         quantization="int8",
+        quantize_lm_head=head,
         block_size=BLOCK,
         num_blocks=128,
         max_num_batched_tokens=24,  # chunked prefill beside decodes: mixed batches
