@@ -3,12 +3,15 @@ MHA/GQA/MQA, Qwen3's per-head q/k norm, a sliding window per layer, SmolLM3's No
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 from kvpage.config import ModelConfig
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.base import CausalLM
+from kvpage.model.decode_plan import LlamaDecodePlan
 from kvpage.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 from kvpage.model.projection import Projection
 
@@ -99,6 +102,8 @@ class LlamaForCausalLM(CausalLM):
         self.model = self.body(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.logits = Projection(self.lm_head)
+        self._plan: LlamaDecodePlan | None = None
+        self._plan_built = False
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -108,9 +113,25 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, input_ids, positions, attn) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (N, C)
         rope = self.model.rotary.cos_sin(positions, x.dtype)  # ((N, 1, D), (N, 1, D))
+        plan = self.decode_plan()
+        if plan is not None and plan.takes(x, attn):
+            hidden = plan.run(x, rope, attn)
+            if hidden is not None:
+                return hidden
         for layer in self.model.layers:
             x = layer(x, rope, attn)
         return self.model.norm(x)  # (N, C)
+
+    def decode_plan(self) -> LlamaDecodePlan | None:
+        """Decode steps as direct native calls (kvpage.model.decode_plan), built at first use;
+        None for a model it does not cover, or with KVPAGE_DECODE_PLAN=0."""
+        if not self._plan_built:
+            enabled = os.environ.get("KVPAGE_DECODE_PLAN", "1") != "0"
+            self._plan = (
+                LlamaDecodePlan.build(self, LlamaDecoderLayer, LlamaAttention) if enabled else None
+            )
+            self._plan_built = True
+        return self._plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits(hidden)[0]  # (M, V)

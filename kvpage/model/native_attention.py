@@ -50,8 +50,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvpage_scratch_floats.argtypes = [i64, i64, i64, i64]
     lib.kvpage_paged_decode.restype = None
     lib.kvpage_paged_decode.argtypes = [
-        ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr,
+        ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64,
         i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, ctypes.c_int,
+    ]  # fmt: skip
+    lib.kvpage_paged_write.restype = None
+    lib.kvpage_paged_write.argtypes = [
+        ctypes.c_int, ptr, ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, i64,
     ]  # fmt: skip
     return lib
 
@@ -89,25 +93,30 @@ class PagedDecode:
         v_pool: torch.Tensor,
         scale: float,
         starts: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: (S, H, D) contiguous; k_pool, v_pool: (num_blocks, B, KVH, D), the same strides,
-        D contiguous -> (S, H, D). `starts` (S,) int64 from window_starts: attend to rows
-        [start, len) only."""
+        """q: (S, H, D), each row's heads contiguous (rows may lie apart: a view of a fused qkv
+        output); k_pool, v_pool: (num_blocks, B, KVH, D), the same strides, D contiguous ->
+        (S, H, D), new or into `out` (the same layout rules as q). `starts` (S,) int64 from
+        window_starts: attend to rows [start, len) only."""
         self._check(q, k_pool, v_pool)
         if starts is not None and (starts.dtype != torch.int64 or starts.shape != self.lens.shape):
             raise ValueError(f"starts must be ({self.lens.shape[0]},) int64")
         s, h, d = q.shape
         _, b, kvh, _ = k_pool.shape
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        elif out.shape != q.shape or out.dtype != q.dtype or not _rows_of_heads(out):
+            raise ValueError(f"out {tuple(out.shape)} {out.stride()} for q {tuple(q.shape)}")
         threads = torch.get_num_threads()
         per_thread = _library().kvpage_scratch_floats(h, kvh, d, self.tables.shape[1] * b)
         if self._scratch is None or self._scratch.numel() < threads * per_thread:
             self._scratch = torch.empty(threads * per_thread, dtype=torch.float32)
         st = k_pool.stride()
         _library().kvpage_paged_decode(
-            DTYPE_CODES[q.dtype], q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-            st[0], st[1], st[2], self.tables.data_ptr(), self.lens.data_ptr(),
-            None if starts is None else starts.data_ptr(), out.data_ptr(),
+            DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k_pool.data_ptr(),
+            v_pool.data_ptr(), st[0], st[1], st[2], self.tables.data_ptr(), self.lens.data_ptr(),
+            None if starts is None else starts.data_ptr(), out.data_ptr(), out.stride(0),
             s, h, kvh, d, b, self.tables.shape[1], scale, self._scratch.data_ptr(), per_thread,
             threads,
         )  # fmt: skip
@@ -118,8 +127,8 @@ class PagedDecode:
         nb, b, kvh, kd = k_pool.shape
         if (nb, b) != (self.num_blocks, self.block_size) or kd != d or h % kvh:
             raise ValueError(f"pool {tuple(k_pool.shape)} does not fit q {tuple(q.shape)}")
-        if s != self.tables.shape[0] or not q.is_contiguous():
-            raise ValueError(f"q {tuple(q.shape)} must be contiguous, one row per block table")
+        if s != self.tables.shape[0] or not _rows_of_heads(q):
+            raise ValueError(f"q {tuple(q.shape)} {q.stride()}: one row of heads per block table")
         if v_pool.shape != k_pool.shape or v_pool.stride() != k_pool.stride():
             raise ValueError("K and V pools must have the same shape and strides")
         if k_pool.stride(3) != 1 or not (q.dtype == k_pool.dtype == v_pool.dtype):
@@ -128,3 +137,43 @@ class PagedDecode:
             raise ValueError(f"the kernel needs head_dim a multiple of 16 up to 128, not {d}")
         if q.dtype not in DTYPE_CODES or q.device.type != "cpu":
             raise ValueError(f"the kernel runs float32/bfloat16 on CPU, not {q.dtype} {q.device}")
+
+
+def _rows_of_heads(t: torch.Tensor) -> bool:
+    """(S, H, D) with each row's H * D values contiguous, rows at least that far apart."""
+    _, h, d = t.shape
+    return t.stride(2) == 1 and t.stride(1) == d and t.stride(0) >= h * d
+
+
+def write_rows(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """KVStorage.write's index_copy_ for a pool in the model's dtype, as one call: the N new
+    rows of k and v (N, KVH, D), heads contiguous, the same row stride (views of one fused qkv
+    output), into `slots` (N,) int64 of the layer's pools (num_blocks, B, KVH, D). The caller
+    checks the slots once per step (`check_slots`): the kernel writes where they say."""
+    n, kvh, d = k.shape
+    nb, b, pkvh, pd = k_pool.shape
+    if (pkvh, pd) != (kvh, d) or v.shape != k.shape or v.stride() != k.stride():
+        raise ValueError(f"rows k {tuple(k.shape)} v {tuple(v.shape)} for a pool {k_pool.shape}")
+    if not _rows_of_heads(k) or k_pool.stride(3) != 1 or v_pool.stride() != k_pool.stride():
+        raise ValueError("rows and pools must have contiguous heads and one layout")
+    if not (k.dtype == v.dtype == k_pool.dtype == v_pool.dtype) or k.dtype not in DTYPE_CODES:
+        raise ValueError(f"rows {k.dtype} into a pool of {k_pool.dtype}")
+    if slots.shape != (n,) or slots.dtype != torch.int64 or not slots.is_contiguous():
+        raise ValueError(f"slots {tuple(slots.shape)} {slots.dtype} for {n} rows")
+    st = k_pool.stride()
+    _library().kvpage_paged_write(
+        DTYPE_CODES[k.dtype], k.data_ptr(), v.data_ptr(), k.stride(0), k_pool.data_ptr(),
+        v_pool.data_ptr(), st[0], st[1], st[2], slots.data_ptr(), n, kvh, d, b,
+    )  # fmt: skip
+
+
+def check_slots(slots: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """Every slot inside the pool (index_copy_ would raise; the native write must not run)."""
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_blocks * block_size):
+        raise IndexError(f"a slot outside the pool of {num_blocks} x {block_size} rows")

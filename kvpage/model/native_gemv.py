@@ -145,8 +145,9 @@ class WeightGemv:
         self._plan = ctypes.pointer(plan)
         self._call = lib.kvpage_weight_gemv
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., K) in x_dtype on CPU -> (..., N). Lean: it runs ~50 times per decode step."""
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x (..., K) in x_dtype on CPU -> (..., N), into `out` (M, N) contiguous where given
+        (x then 2-D). Lean: it runs ~50 times per decode step."""
         shape, k = x.shape, self.in_features
         if x.dtype != self.x_dtype or shape[-1] != k or not x.is_cpu:
             raise ValueError(
@@ -157,7 +158,13 @@ class WeightGemv:
         if not x2.is_contiguous():
             x2 = x2.contiguous()  # the kernel reads rows of K contiguous values
         m = x2.shape[0]
-        y = torch.empty(m, self.out_features, dtype=self.x_dtype)
+        y = torch.empty(m, self.out_features, dtype=self.x_dtype) if out is None else out
+        if out is not None and (
+            out.shape != (m, self.out_features)
+            or out.dtype != self.x_dtype
+            or not out.is_contiguous()
+        ):
+            raise ValueError(f"out {tuple(out.shape)} {out.dtype} for ({m}, {self.out_features})")
         self._call(self._plan, x2.data_ptr(), k, m, y.data_ptr(), torch.get_num_threads())
         return y if len(shape) == 2 else y.view(*shape[:-1], self.out_features)
 

@@ -1,4 +1,5 @@
-"""RMSNorm (with the residual add before it) and rotary embedding as single native calls
+"""RMSNorm (with the residual add before it), rotary embedding and SwiGLU's silu(gate) * up as
+single native calls
 (native/small_ops.cpp), built at first use like the other kernels (kvpage.model.native_build).
 
 Why: at batch 1 a decode step is ~40 torch ops per layer besides the matmuls, and on a 768-wide
@@ -35,6 +36,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvpage_rms_norm.argtypes = [i32, ptr, i64, ptr, i64, ptr, f32, i64, i64, ptr, ptr, i32]
     lib.kvpage_rotary.restype = None
     lib.kvpage_rotary.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i32]
+    lib.kvpage_silu_mul.restype = None
+    lib.kvpage_silu_mul.argtypes = [i32, ptr, ptr, i64, i64, ptr, i64, i32]
     return lib
 
 
@@ -47,21 +50,28 @@ def supports(x: torch.Tensor) -> bool:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    delta: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    total: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(x + delta or None, RMSNorm(x + delta)) over the last dim of 2-D x; x and delta may be
-    row-strided views, the outputs are new contiguous tensors."""
+    row-strided views. The outputs are new contiguous tensors, or `out` and `total` where given
+    (contiguous; `total` may be x itself: the sum is taken element by element)."""
     n, c = x.shape
     _check_rows(x, c)
     if weight.shape != (c,) or weight.dtype != x.dtype or not weight.is_contiguous():
         raise ValueError(f"RMSNorm weight {tuple(weight.shape)} {weight.dtype} for rows {x.shape}")
-    out = torch.empty(n, c, dtype=x.dtype)
-    total = None
+    out = _output(out, x)
     if delta is not None:
         if delta.shape != x.shape or delta.dtype != x.dtype:
             raise ValueError(f"residual {tuple(delta.shape)} {delta.dtype} for {tuple(x.shape)}")
         _check_rows(delta, c)
-        total = torch.empty(n, c, dtype=x.dtype)
+        total = _output(total, x)
+    else:
+        total = None
     _library().kvpage_rms_norm(
         DTYPES[x.dtype],
         x.data_ptr(),
@@ -103,6 +113,36 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         n,
         torch.get_num_threads(),
     )
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up, each rounded to the dtype as torch rounds it, for 2-D gate and up of one
+    shape and row stride (the two halves of a fused gate/up output); a new contiguous tensor,
+    or `out`."""
+    n, c = gate.shape
+    _check_rows(gate, c)
+    if up.shape != gate.shape or up.dtype != gate.dtype or up.stride() != gate.stride():
+        raise ValueError(f"up {tuple(up.shape)} {up.stride()} for gate {tuple(gate.shape)}")
+    out = _output(out, gate)
+    _library().kvpage_silu_mul(
+        DTYPES[gate.dtype],
+        gate.data_ptr(),
+        up.data_ptr(),
+        gate.stride(0),
+        c,
+        out.data_ptr(),
+        n,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def _output(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(like.shape, dtype=like.dtype)
+    if out.shape != like.shape or out.dtype != like.dtype or not out.is_contiguous():
+        raise ValueError(f"output {tuple(out.shape)} {out.dtype} for {tuple(like.shape)}")
+    return out
 
 
 def _check_rows(x: torch.Tensor, c: int) -> None:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+import kvpage.model.native_attention as native_attention  # not `from kvpage.model`: a cycle
 from kvpage.kv.storage import KVStorage
-from kvpage.model import native_attention
 from kvpage.model.attention import causal_mask, masked_attention, windowed_causal_attention
 from kvpage.model.decode_attention import decode_attention
 
@@ -92,7 +92,7 @@ class PagedAttention:
     def _decode(self, q_d, layer: int, scale: float, window: int | None) -> torch.Tensor:
         """q_d: (Sd, H, D), one query per decode sequence -> (Sd, H, D)."""
         windowed = window is not None and self._window_cuts(window)
-        native = self._native_decode(q_d)
+        native = self.native_decode(q_d)
         if native is not None:  # reads the blocks in the pool, no gather
             k_pool, v_pool = self.storage.layer_pools(layer)
             starts = self._native_starts(native, window) if windowed else None
@@ -129,7 +129,8 @@ class PagedAttention:
             self._window_masks[window] = mask
         return mask
 
-    def _native_decode(self, q_d: torch.Tensor) -> native_attention.PagedDecode | None:
+    def native_decode(self, q_d: torch.Tensor) -> native_attention.PagedDecode | None:
+        """The step's native decode kernel for queries like q_d (None: the torch path)."""
         if self._native is None:
             if not self.storage.use_native or self.meta.decode_lens is None:
                 return None

@@ -82,6 +82,19 @@ class Projection:
         y = torch.ops.mkldnn._linear_pointwise(x, self._weight, self._bias, "none", [], "")
         return self._split(y)
 
+    def gemv_for(self, x: torch.Tensor) -> WeightGemv | None:
+        """The native kernel this call would run on x, over the layers' current tensors, or
+        None where another path would (kvpage.model.decode_plan calls it with its own output
+        buffers)."""
+        if self.int8:
+            if self._key != self._current_key():
+                self._refresh_int8()
+        elif not self._fast(x):
+            return None
+        elif self._key != self._current_key():
+            self._pack()
+        return self._gemv if self._use_gemv(x) else None
+
     def _plain(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(F.linear(x, lin.weight, _bias(lin)) for lin in self.linears)
 

@@ -67,9 +67,9 @@ def test_batch_one_decode_takes_the_native_int8_kernel_for_the_head(monkeypatch)
     calls: list[tuple[int, int, torch.dtype]] = []
     original = native_gemv.WeightGemv.__call__
 
-    def counting(self, x):
+    def counting(self, x, out=None):
         calls.append((x.numel() // x.shape[-1], self.out_features, self.weight_dtype))
-        return original(self, x)
+        return original(self, x, out)
 
     monkeypatch.setattr(native_gemv.WeightGemv, "__call__", counting)
     llm.generate([list(range(3, 20))], GREEDY, use_tqdm=False)

@@ -119,8 +119,8 @@ def test_reference_never_calls_the_engine_int8_kernel(monkeypatch):
     monkeypatch.setattr(int8_format, "int8_matmul", refuse)
     kernel = native_gemv.WeightGemv.__call__  # kvpage's kernel: refused on int8 weights only
 
-    def refuse_int8(self, x):
-        return refuse() if self.weight_dtype == torch.int8 else kernel(self, x)
+    def refuse_int8(self, x, out=None):
+        return refuse() if self.weight_dtype == torch.int8 else kernel(self, x, out)
 
     monkeypatch.setattr(native_gemv.WeightGemv, "__call__", refuse_int8)
     out = generate(model, prompt, GREEDY)

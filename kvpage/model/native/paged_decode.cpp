@@ -100,6 +100,7 @@ struct Pool {  // one layer's K or V: element (block, token, head, d)
 
 struct Shape {
     int64_t seqs, heads, kv_heads, head_dim, block_size, max_blocks;
+    int64_t q_stride, out_stride;  // elements from one sequence's q (out) row to the next
 };
 
 inline int64_t padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
@@ -170,8 +171,9 @@ void attend_one(const T* q, const T* k, const T* v, const Pool& pool, const int6
     float* scores = scratch + G * D + kLanes * kLanes;  // (G, row_len)
     int64_t* offsets = reinterpret_cast<int64_t*>(scores + G * row_len);  // (row_len,)
     row_offsets(pool, table, start, end, sh.block_size, kv_head, offsets);
-    const int64_t first_row = (seq * sh.heads + kv_head * G) * D;
-    for (int64_t i = 0; i < G * C; i++) qv[i] = load(q + first_row + i * kLanes) * scale;
+    const int64_t first_head = kv_head * G * D;
+    const T* q_row = q + seq * sh.q_stride + first_head;
+    for (int64_t i = 0; i < G * C; i++) qv[i] = load(q_row + i * kLanes) * scale;
     for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
         const int64_t n = len - t0 < kLanes ? len - t0 : kLanes;
         prefetch_rows(k, offsets + t0 + kLanes, len - t0 - kLanes, D);
@@ -204,7 +206,8 @@ void attend_one(const T* q, const T* k, const T* v, const Pool& pool, const int6
         }
     }
     const float* result = reinterpret_cast<const float*>(acc);
-    for (int64_t i = 0; i < G * D; i++) store(out + first_row + i, result[i]);
+    T* out_row = out + seq * sh.out_stride + first_head;
+    for (int64_t i = 0; i < G * D; i++) store(out_row + i, result[i]);
 }
 
 template <int C, typename T>
@@ -248,19 +251,21 @@ extern "C" int64_t kvpage_scratch_floats(int64_t heads, int64_t kv_heads, int64_
     return scratch_floats(heads / kv_heads, head_dim, max_len) + kLanes;
 }
 
-// dtype: 0 = float32, 1 = bfloat16. scratch: num_threads * scratch_per_thread floats, each
-// thread's share 64-byte aligned when the whole is (torch allocations are). starts: per
-// sequence the first row it attends to (a sliding window), or NULL for row 0.
-extern "C" void kvpage_paged_decode(int dtype, const void* q, const void* k, const void* v,
-                                    int64_t block_stride, int64_t token_stride,
+// dtype: 0 = float32, 1 = bfloat16. q: one row of heads * head_dim per sequence, rows q_stride
+// elements apart (a view of a fused qkv output); out likewise, out_stride apart. scratch:
+// num_threads * scratch_per_thread floats, each thread's share 64-byte aligned when the whole is
+// (torch allocations are). starts: per sequence the first row it attends to (a sliding
+// window), or NULL for row 0.
+extern "C" void kvpage_paged_decode(int dtype, const void* q, int64_t q_stride, const void* k,
+                                    const void* v, int64_t block_stride, int64_t token_stride,
                                     int64_t head_stride, const int64_t* tables,
                                     const int64_t* lens, const int64_t* starts, void* out,
-                                    int64_t seqs, int64_t heads,
+                                    int64_t out_stride, int64_t seqs, int64_t heads,
                                     int64_t kv_heads, int64_t head_dim, int64_t block_size,
                                     int64_t max_blocks, float scale, float* scratch,
                                     int64_t scratch_per_thread, int num_threads) {
     const Pool pool{block_stride, token_stride, head_stride};
-    const Shape sh{seqs, heads, kv_heads, head_dim, block_size, max_blocks};
+    const Shape sh{seqs, heads, kv_heads, head_dim, block_size, max_blocks, q_stride, out_stride};
     const int64_t per_thread = scratch_per_thread / kLanes * kLanes;
     if (dtype == 0)
         attend_any(static_cast<const float*>(q), static_cast<const float*>(k),
@@ -270,4 +275,25 @@ extern "C" void kvpage_paged_decode(int dtype, const void* q, const void* k, con
         attend_any(static_cast<const BF16*>(q), static_cast<const BF16*>(k),
                static_cast<const BF16*>(v), pool, tables, lens, starts, sh, scale,
                static_cast<BF16*>(out), scratch, per_thread, num_threads);
+}
+
+// The new tokens' K and V rows into their slots (slot = block * block_size + offset) of one
+// layer's pools, as KVStorage.write's index_copy_ does: n rows of kv_heads * head_dim elements
+// (heads contiguous), k and v rows src_stride elements apart. Slots are checked by the caller.
+extern "C" void kvpage_paged_write(int dtype, const void* k, const void* v, int64_t src_stride,
+                                   void* k_pool, void* v_pool, int64_t block_stride,
+                                   int64_t token_stride, int64_t head_stride,
+                                   const int64_t* slots, int64_t n, int64_t kv_heads,
+                                   int64_t head_dim, int64_t block_size) {
+    const int64_t elem = dtype == 0 ? 4 : 2;
+    const char* src[2] = {static_cast<const char*>(k), static_cast<const char*>(v)};
+    char* dst[2] = {static_cast<char*>(k_pool), static_cast<char*>(v_pool)};
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t block = slots[i] / block_size, offset = slots[i] % block_size;
+        const int64_t at = block * block_stride + offset * token_stride;
+        for (int kv = 0; kv < 2; kv++)
+            for (int64_t h = 0; h < kv_heads; h++)
+                std::memcpy(dst[kv] + (at + h * head_stride) * elem,
+                            src[kv] + (i * src_stride + h * head_dim) * elem, head_dim * elem);
+    }
 }

@@ -150,6 +150,29 @@ void rotary(void* q, int64_t q_stride, int64_t q_heads, void* k, int64_t k_strid
     }
 }
 
+// out = round(round(silu(g)) * u) over one row of c: SwiGLU's silu(gate) * up as torch computes
+// it, silu(g) = g / (1 + exp(-g)) in float32 and rounded to the dtype, then the product rounded.
+template <class D>
+void silu_mul_row(const typename D::T* g, const typename D::T* u, int64_t c, typename D::T* out) {
+    for (int64_t i = 0; i < c; ++i) {
+        const float x = D::get(g + i);
+        const float silu = D::round(x / (1.0f + std::exp(-x)));
+        D::put(out + i, silu * D::get(u + i));
+    }
+}
+
+template <class D>
+void silu_mul(const void* gate, const void* up, int64_t stride, int64_t c, void* out,
+              int64_t n, int threads) {
+    using T = typename D::T;
+    const T* gs = static_cast<const T*>(gate);
+    const T* us = static_cast<const T*>(up);
+    T* outs = static_cast<T*>(out);
+#pragma omp parallel for num_threads(threads) if (n * c >= kParallelElements && threads > 1)
+    for (int64_t row = 0; row < n; ++row)
+        silu_mul_row<D>(gs + row * stride, us + row * stride, c, outs + row * c);
+}
+
 }  // namespace
 
 extern "C" {
@@ -174,6 +197,16 @@ void kvpage_rotary(int dtype, void* q, int64_t q_stride, int64_t q_heads, void* 
         rotary<F32>(q, q_stride, q_heads, k, k_stride, k_heads, d, cos, sin, n, threads);
     else
         rotary<BF16>(q, q_stride, q_heads, k, k_stride, k_heads, d, cos, sin, n, threads);
+}
+
+// gate, up: n rows of c values, rows `stride` apart (the halves of a fused gate/up output);
+// out: (n, c) contiguous.
+void kvpage_silu_mul(int dtype, const void* gate, const void* up, int64_t stride, int64_t c,
+                     void* out, int64_t n, int threads) {
+    if (dtype == 0)
+        silu_mul<F32>(gate, up, stride, c, out, n, threads);
+    else
+        silu_mul<BF16>(gate, up, stride, c, out, n, threads);
 }
 
 }  // extern "C"

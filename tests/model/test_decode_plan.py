@@ -1,0 +1,159 @@
+"""The decode plan (kvpage.model.decode_plan) in the engine against Hugging Face transformers: every
+decode step of a plain Llama-family model runs on it, and each generated token's logprob is the
+HF model's for the same sequence; a KV write planted off by one slot on the plan's path is caught
+by the same comparison. The models it must not take fall back to the modules; its kernels (the
+KV-row write, silu * up, attention on strided q) against the torch code they stand for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpage import LLM, SamplingParams
+from kvpage.model import load_model, native_attention, native_build, native_small_ops
+from kvpage.model.decode_plan import LlamaDecodePlan
+
+from .hf_models import VOCAB, save_hf
+
+pytestmark = pytest.mark.skipif(
+    native_build.compiler() is None or not native_build.enabled(), reason="needs a C++ compiler"
+)
+TOKENS = 20
+# fp32 logprobs through the plan vs HF's full forward: the GEMV's and SDPA's summation orders
+# (measured <= 2e-5 on these models; tests/model/test_hf_parity.py's STEP_ATOL).
+ATOL = 1e-4
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (1, 9, 23)]
+
+
+@pytest.fixture
+def plan_runs(monkeypatch) -> list[bool]:
+    """Per call of LlamaDecodePlan.run: whether it computed the step."""
+    runs: list[bool] = []
+    run = LlamaDecodePlan.run
+
+    def counted(self, x, rope, attn):
+        hidden = run(self, x, rope, attn)
+        runs.append(hidden is not None)
+        return hidden
+
+    monkeypatch.setattr(LlamaDecodePlan, "run", counted)
+    return runs
+
+
+def _engine(directory, hook: bool = False, **kw) -> tuple[list[list[int]], list[list[float]]]:
+    llm = LLM(str(directory), num_blocks=64, seed=0, debug_checks=True, **kw)
+    if hook:  # a forward hook on one MLP: the plan would skip it
+        llm.engine.model.model.layers[1].mlp.register_forward_hook(lambda *a: None)
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
+    try:
+        outs = [o.outputs[0] for o in llm.generate(_prompts(), params, use_tqdm=False)]
+    finally:
+        llm.close()
+    return [list(o.token_ids) for o in outs], [list(o.token_logprobs) for o in outs]
+
+
+def _hf_error(hf_model, tokens: list[list[int]], logprobs: list[list[float]]) -> float:
+    """Max |engine logprob - HF logprob| of the generated tokens; asserts greedy = HF's argmax."""
+    worst = 0.0
+    for prompt, out, lps in zip(_prompts(), tokens, logprobs, strict=True):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + out])).logits[0].double()
+        steps = logits[len(prompt) - 1 : -1].log_softmax(-1)  # (TOKENS, V)
+        want = steps.gather(1, torch.tensor(out)[:, None])[:, 0]
+        worst = max(worst, float((torch.tensor(lps, dtype=torch.float64) - want).abs().max()))
+        if worst <= ATOL:
+            assert out == steps.argmax(-1).tolist()
+    return worst
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-8q-2kv", "llama-tied", "qwen2-bias", "llama-mqa"])
+def test_every_decode_step_runs_on_the_plan_and_matches_hf(name, tmp_path, plan_runs):
+    hf_model = save_hf(name, tmp_path)
+    tokens, logprobs = _engine(tmp_path, dtype="float32")
+    # Three prompts prefilled together, then decode-only steps to the end: all on the plan.
+    assert len(plan_runs) >= TOKENS - 1 and all(plan_runs)
+    err = _hf_error(hf_model, tokens, logprobs)
+    assert err <= ATOL, f"{name}: logprob error {err:.3g} against HF on the decode plan"
+
+
+def test_a_kv_write_one_slot_off_on_the_plan_is_caught(tmp_path, plan_runs, monkeypatch):
+    hf_model = save_hf("llama-gqa-8q-2kv", tmp_path)
+    honest = native_attention.write_rows
+
+    def one_off(k_pool, v_pool, slots, k, v):
+        honest(k_pool, v_pool, slots + 1, k, v)  # the next slot: the token's own stays stale
+
+    monkeypatch.setattr(native_attention, "write_rows", one_off)
+    tokens, logprobs = _engine(tmp_path, dtype="float32")
+    assert plan_runs and all(plan_runs)
+    assert _hf_error(hf_model, tokens, logprobs) > 100 * ATOL
+
+
+@pytest.mark.parametrize("name", ["mistral-window", "smollm3", "qwen3", "gemma3", "gpt2"])
+def test_models_outside_the_plan_do_not_build_one(name, tmp_path):
+    save_hf(name, tmp_path)
+    model, _ = load_model(str(tmp_path))
+    assert getattr(model, "decode_plan", lambda: None)() is None
+
+
+@pytest.mark.parametrize("case", [{"kv_cache_dtype": "int8"}, {"hook": True}])
+def test_steps_it_cannot_take_run_the_modules(case, tmp_path, plan_runs):
+    hf_model = save_hf("llama-gqa-8q-2kv", tmp_path)
+    tokens, logprobs = _engine(tmp_path, dtype="float32", **case)
+    assert plan_runs == []
+    if "hook" in case:  # the modules' path is as right as the plan's
+        assert _hf_error(hf_model, tokens, logprobs) <= ATOL
+
+
+def test_the_plan_off_by_environment(tmp_path, monkeypatch, plan_runs):
+    monkeypatch.setenv("KVPAGE_DECODE_PLAN", "0")
+    save_hf("llama-gqa-8q-2kv", tmp_path)
+    _engine(tmp_path, dtype="float32")
+    assert plan_runs == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_rows_is_index_copy(dtype):
+    g = torch.Generator().manual_seed(0)
+    pools = torch.randn(2, 7, 4, 2, 16, generator=g).to(dtype)  # K, V: 7 blocks of 4
+    qkv = torch.randn(3, (8 + 2 + 2) * 16, generator=g).to(dtype)
+    k, v = qkv[:, 128:160].view(3, 2, 16), qkv[:, 160:].view(3, 2, 16)
+    slots = torch.tensor([27, 0, 13])
+    want = pools.clone()
+    want[0].flatten(0, 1).index_copy_(0, slots, k)
+    want[1].flatten(0, 1).index_copy_(0, slots, v)
+    native_attention.write_rows(pools[0], pools[1], slots, k, v)
+    assert torch.equal(pools, want)
+    with pytest.raises(IndexError):
+        native_attention.check_slots(torch.tensor([28]), 7, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_is_torchs_silu_times_up(dtype):
+    gate_up = (4 * torch.randn(5, 2 * 300, generator=torch.Generator().manual_seed(1))).to(dtype)
+    gate, up = gate_up[:, :300], gate_up[:, 300:]
+    got = native_small_ops.silu_mul(gate, up)
+    want = torch.nn.functional.silu(gate) * up
+    # exp's last bit may differ from torch's vectorised exp: one rounding of the dtype at most.
+    step = 2e-7 if dtype is torch.float32 else 2**-7
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-30, rtol=2 * step)
+    if dtype is torch.bfloat16:  # the float32 difference rarely survives rounding to 8 bits
+        assert float((got != want).float().mean()) < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_reads_q_rows_of_a_fused_output(dtype):
+    g = torch.Generator().manual_seed(2)
+    k_pool, v_pool = torch.randn(2, 6, 4, 2, 32, generator=g).to(dtype)
+    decode = native_attention.PagedDecode(
+        torch.tensor([[3, 1], [5, 0]]), torch.tensor([7, 2]), 6, 4
+    )
+    qkv = torch.randn(2, 8 * 32 + 128, generator=g).to(dtype)
+    q = qkv[:, : 8 * 32].view(2, 8, 32)
+    out = torch.full((2, 8, 32), float("nan"), dtype=dtype)
+    decode(q, k_pool, v_pool, 0.3, out=out)
+    assert torch.equal(out, decode(q.contiguous(), k_pool, v_pool, 0.3))
