@@ -11,7 +11,8 @@ KV heads, adds `--seqs` requests of `--prompt` random tokens (`--gen` outputs, E
 kvpage engine and steps it until every sequence decodes. Then `--windows` consecutive windows of
 `--steps` decode steps are timed: per step the wall time of `engine.step()`, the model's share
 (forward hooks on the model and its LM head: no profiler running; of it, the linear layers'
-share, from a timer around every Projection call) and the rest, in ms and as a %
+share, from a timer around every Projection call and every weight GEMV call the decode plan
+makes itself) and the rest, in ms and as a %
 (target: non-model <= 10% at batch 32), in wall time and in this process's CPU time (with
 `--threads 1` the CPU time is the one to compare across runs on a shared machine: waiting for a
 core does not count). Last, one window under cProfile (Python functions by self
@@ -35,6 +36,7 @@ import transformers
 from throughput import BLOCK_SIZE, FIRST_TOKEN_ID, MODELS, build_model
 
 from kvpage import LLM, SamplingParams
+from kvpage.model.native_gemv import WeightGemv
 from kvpage.model.projection import Projection
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process, all threads
@@ -64,18 +66,27 @@ class ModelClock:
         model.compute_logits = timed_logits
 
     def _time_projections(self) -> None:
-        call = Projection.__call__
+        # Projection calls, and the weight GEMV called directly (kvpage.model.decode_plan):
+        # only the outermost of the two is timed.
         clocks = list(CLOCKS.items())
+        depth = [0]
 
-        def timed(proj, x):
-            start = [clock() for _, clock in clocks]
-            try:
-                return call(proj, x)
-            finally:
-                for (name, clock), t0 in zip(clocks, start, strict=True):
-                    self.linear[name] += clock() - t0
+        def timing(call):
+            def timed(owner, x, *args, **kwargs):
+                depth[0] += 1
+                start = [clock() for _, clock in clocks] if depth[0] == 1 else None
+                try:
+                    return call(owner, x, *args, **kwargs)
+                finally:
+                    depth[0] -= 1
+                    if start is not None:
+                        for (name, clock), t0 in zip(clocks, start, strict=True):
+                            self.linear[name] += clock() - t0
 
-        Projection.__call__ = timed
+            return timed
+
+        Projection.__call__ = timing(Projection.__call__)
+        WeightGemv.__call__ = timing(WeightGemv.__call__)
 
     def _enter(self, *_) -> None:
         self._start = {name: clock() for name, clock in CLOCKS.items()}

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import solo
+import torch
+import transformers
 from peers import llama_cpp, vllm_cpu
 
 MAX_NUM_SEQS = 64  # as throughput.py's kvpage settings
@@ -147,8 +149,40 @@ def run_rounds(args, model_dir: Path, vocab: int, workdir: Path) -> None:
           f"{args.rounds} round(s), (med) = median; kvpage/engine: best vs best (med vs med)")  # fmt: skip
     for line in solo.table(workloads, args.dtypes, engines, cells):
         print(line)
+    for line in mismatch_gaps(workloads, cells, model_dir):
+        print(line)
     for engine, text in VERSIONS.items():
         print(f"  {engine}: {text}")
+
+
+def mismatch_gaps(workloads, cells, model_dir: Path, me: str = "kvpage") -> list[str]:
+    """For every float32 row whose tokens leave kvpage's: HF's own top-2 logit gap at the first
+    output they differ at, teacher-forced on the tokens both produced before it. A gap at the
+    scale of float32 summation-order noise (~1e-5 of the logits' range) is a tie either side may
+    break, not a wrong cache read."""
+    found = []
+    for (name, dtype, engine), cell in cells.items():
+        mine = cells[(name, dtype, me)]
+        if dtype != "float32" or engine == me or not cell.tokens or not mine.tokens:
+            continue
+        diff = solo.agreement(mine.tokens, cell.tokens).first_diff
+        if diff is not None:
+            found.append((name, engine, diff))
+    if not found:
+        return []
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    by_name = {w.name: w for w in workloads}
+    lines = []
+    for name, engine, (req, pos) in found:
+        shared = cells[(name, "float32", engine)].tokens[req][:pos]
+        with torch.no_grad():
+            ids = torch.tensor([by_name[name].prompts[req] + shared])
+            top = model(ids).logits[0, -1].float().topk(2).values
+        lines.append(
+            f"  {name} fp32: kvpage leaves {engine} at request {req}, output {pos}, where HF's "
+            f"top-2 logit gap is {float(top[0] - top[1]):.2e}"
+        )
+    return lines
 
 
 def run_one(engine, dtype, workloads, runner, cells, round_index) -> None:

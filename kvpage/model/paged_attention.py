@@ -73,6 +73,7 @@ class PagedAttention:
         self._native: native_attention.PagedDecode | None = None  # built at the first decode
         self._window_masks: dict[int, torch.Tensor] = {}  # window -> decode mask, per step
         self._window_starts: dict[int, torch.Tensor] = {}  # window -> the kernel's first rows
+        self._prefill_masks: dict[tuple, torch.Tensor] = {}  # (T, S, window) -> causal mask
 
     def attend(self, layer: int, q, k, v, scale: float, window: int | None = None) -> torch.Tensor:
         # q: (N, H, D); k, v: (N, KVH, D). From here on k and v are what the pool holds for
@@ -148,8 +149,16 @@ class PagedAttention:
         if chunk.context_slots is None:  # nothing cached before it: no gather needed
             return windowed_causal_attention(q, k, v, scale, window)
         k_ctx, v_ctx = self.storage.read_slots(layer, chunk.context_slots)  # (ctx, KVH, D)
-        mask = causal_mask(q.shape[0], k_ctx.shape[0], q.device, window)
-        return masked_attention(q, k_ctx, v_ctx, mask, scale)
+        return masked_attention(q, k_ctx, v_ctx, self._prefill_mask(q, k_ctx, window), scale)
+
+    def _prefill_mask(self, q: torch.Tensor, k_ctx: torch.Tensor, window: int | None):
+        """The causal mask of T queries over S keys, built once per step for every layer (a
+        shared-prefix step runs ~60 chunks a layer, and the mask is 4 torch ops)."""
+        key = (q.shape[0], k_ctx.shape[0], window)
+        mask = self._prefill_masks.get(key)
+        if mask is None:
+            mask = self._prefill_masks[key] = causal_mask(*key[:2], q.device, window)
+        return mask
 
 
 class GroupedAttention:
