@@ -50,6 +50,28 @@ class _Buffers:
     up: torch.Tensor
     act: torch.Tensor  # (M, I)
     down: torch.Tensor  # (M, C)
+    ptr: _Addresses | None = None
+
+    def __post_init__(self) -> None:
+        self.ptr = _Addresses(*(getattr(self, f).data_ptr() for f in _Addresses.__slots__))
+
+
+@dataclass(frozen=True, slots=True)
+class _Addresses:
+    """Where each buffer starts: the per-layer calls pass integers."""
+
+    qkv: int
+    q: int
+    k: int
+    v: int
+    attn: int
+    o: int
+    h: int
+    gate_up: int
+    gate: int
+    up: int
+    act: int
+    down: int
 
 
 @dataclass(slots=True)
@@ -76,6 +98,7 @@ class LlamaDecodePlan:
         self.modules = [m for block in model.model.layers for m in block.modules()]
         self.modules.append(self.final_norm)
         self._buffers: dict[tuple[int, torch.dtype], _Buffers] = {}
+        self._pools: tuple[tuple, native_attention.PoolLayout] | None = None
 
     @classmethod
     def build(
@@ -121,39 +144,61 @@ class LlamaDecodePlan:
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: PagedAttention
     ) -> torch.Tensor | None:
         """x: (M, C) the embedded tokens (overwritten: the residual stream) -> hidden (M, C), or
-        None when a projection would not take the GEMV at these rows (nothing computed yet)."""
-        m = x.shape[0]
+        None when a projection would not take the GEMV at these rows (nothing computed yet).
+        The buffers, the pool and the kernels' shapes are checked when first met; per step the
+        slots, block tables and lengths; the calls then pass addresses."""
+        m, c = x.shape
         buf = self._buffers_for(m, x.dtype)
         kernels = self._kernels(buf)
-        if kernels is None:
+        if kernels is None or not x.is_contiguous():
             return None
         meta, storage = attn.meta, attn.storage
-        slots = meta.slot_mapping
+        pools = self._pools_of(storage.data, x.dtype)
+        slots = meta.slot_mapping.contiguous()
         native_attention.check_slots(slots, storage.num_blocks, storage.block_size)
         decode = attn.native_decode(buf.q)
-        cos, sin = rope
-        rms_norm, silu_mul = native_small_ops.rms_norm, native_small_ops.silu_mul
+        cos, sin = (t.contiguous() for t in rope)
+        if cos.shape != (m, 1, self.head_dim) or cos.dtype != x.dtype:
+            return None
+        ops, dt, threads = native_small_ops.library(), pools.dtype_code, torch.get_num_threads()
+        rms, xp, p = ops.kvpage_rms_norm, x.data_ptr(), buf.ptr
+        h, kvh, d, width = self.heads, self.kv_heads, self.head_dim, buf.qkv.shape[1]
         first = self.layers[0].input_norm
-        rms_norm(x, first.weight, first.eps, out=buf.h)
+        rms(dt, xp, c, None, 0, first.weight.data_ptr(), first.eps, m, c, None, p.h, threads)
         for i, (layer, (qkv, out, gate_up, down)) in enumerate(
             zip(self.layers, kernels, strict=True)
         ):
-            qkv(buf.h, out=buf.qkv)
-            native_small_ops.rotary_(buf.q, buf.k, cos, sin)
-            k_pool, v_pool = storage.layer_pools(i)
-            native_attention.write_rows(k_pool, v_pool, slots, buf.k, buf.v)
-            decode(buf.q, k_pool, v_pool, self.scale, out=buf.attn)
-            out(buf.attn_rows, out=buf.o)
+            qkv.run_unchecked(p.h, c, m, p.qkv, threads)
+            ops.kvpage_rotary(
+                dt, p.q, width, h, p.k, width, kvh, d, cos.data_ptr(), sin.data_ptr(), m, threads
+            )
+            pools.write_unchecked(i, p.k, p.v, width, slots.data_ptr(), m)
+            decode.run_unchecked(p.q, width, pools, i, p.attn, h * d, h, self.scale, threads)
+            out.run_unchecked(p.attn, h * d, m, p.o, threads)
             post = layer.post_norm
-            rms_norm(x, post.weight, post.eps, delta=buf.o, out=buf.h, total=x)
-            gate_up(buf.h, out=buf.gate_up)
-            silu_mul(buf.gate, buf.up, out=buf.act)
-            down(buf.act, out=buf.down)
+            rms(dt, xp, c, p.o, c, post.weight.data_ptr(), post.eps, m, c, xp, p.h, threads)
+            gate_up.run_unchecked(p.h, c, m, p.gate_up, threads)
+            ops.kvpage_silu_mul(dt, p.gate, p.up, 2 * self.intermediate, self.intermediate,
+                                p.act, m, threads)  # fmt: skip
+            down.run_unchecked(p.act, self.intermediate, m, p.down, threads)
             if i + 1 < len(self.layers):
                 nxt = self.layers[i + 1].input_norm
-                rms_norm(x, nxt.weight, nxt.eps, delta=buf.down, out=buf.h, total=x)
-        final = self.final_norm
-        return rms_norm(x, final.weight, final.eps, delta=buf.down, total=x)[1]
+                rms(dt, xp, c, p.down, c, nxt.weight.data_ptr(), nxt.eps, m, c, xp, p.h, threads)
+        final, hidden = self.final_norm, torch.empty_like(x)
+        rms(dt, xp, c, p.down, c, final.weight.data_ptr(), final.eps, m, c, xp,
+            hidden.data_ptr(), threads)  # fmt: skip
+        return hidden
+
+    def _pools_of(self, data: torch.Tensor, dtype: torch.dtype) -> native_attention.PoolLayout:
+        key = (data.data_ptr(), data.shape, data.stride(), data.dtype)
+        if self._pools is None or self._pools[0] != key:
+            layout = native_attention.PoolLayout.of(data)
+            if (layout.kv_heads, layout.head_dim) != (self.kv_heads, self.head_dim):
+                raise ValueError(f"a KV pool {tuple(data.shape)} for {self.kv_heads} KV heads")
+            if data.shape[0] < len(self.layers) or data.dtype != dtype:
+                raise ValueError(f"a KV pool {tuple(data.shape)} {data.dtype} for this model")
+            self._pools = (key, layout)
+        return self._pools[1]
 
     def _kernels(self, buf: _Buffers) -> list[tuple[WeightGemv, ...]] | None:
         """Per layer the GEMV kernels of q/k/v, o, gate/up and down over the current weights,

@@ -122,6 +122,25 @@ class PagedDecode:
         )  # fmt: skip
         return out
 
+    def run_unchecked(self, q: int, q_stride: int, pools: PoolLayout, layer: int, out: int,
+                      out_stride: int, heads: int, scale: float, threads: int) -> None:  # fmt: skip
+        """The kernel on raw addresses, no checks: for a caller that checked q's and out's
+        buffers (rows of `heads` x head_dim in the pool's dtype) and the pool once
+        (kvpage.model.decode_plan). Attends from row 0 (no sliding window)."""
+        s = self.tables.shape[0]
+        d, kvh = pools.head_dim, pools.kv_heads
+        per_thread = _library().kvpage_scratch_floats(
+            heads, kvh, d, self.tables.shape[1] * pools.block_size
+        )
+        if self._scratch is None or self._scratch.numel() < threads * per_thread:
+            self._scratch = torch.empty(threads * per_thread, dtype=torch.float32)
+        k, v = pools.addresses(layer)
+        _library().kvpage_paged_decode(
+            pools.dtype_code, q, q_stride, k, v, *pools.strides, self.tables.data_ptr(),
+            self.lens.data_ptr(), None, out, out_stride, s, heads, kvh, d, pools.block_size,
+            self.tables.shape[1], scale, self._scratch.data_ptr(), per_thread, threads,
+        )  # fmt: skip
+
     def _check(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
         s, h, d = q.shape
         nb, b, kvh, kd = k_pool.shape
@@ -139,38 +158,53 @@ class PagedDecode:
             raise ValueError(f"the kernel runs float32/bfloat16 on CPU, not {q.dtype} {q.device}")
 
 
+@dataclass(frozen=True, slots=True)
+class PoolLayout:
+    """Where every layer's K and V pools lie in one KV pool tensor (layers, 2, blocks, B, KVH, D)
+    of the model's dtype, checked once: the unchecked calls take addresses from it."""
+
+    base: int  # the tensor's address
+    layer_bytes: int  # from one layer's K pool to the next
+    v_bytes: int  # from a layer's K pool to its V pool
+    strides: tuple[int, int, int]  # block, token, head, in elements
+    dtype_code: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, data: torch.Tensor) -> PoolLayout:
+        if data.dim() != 6 or data.shape[1] != 2 or data.stride(5) != 1:
+            raise ValueError(f"a KV pool (layers, 2, blocks, B, KVH, D), not {tuple(data.shape)}")
+        if data.dtype not in DTYPE_CODES or data.device.type != "cpu":
+            raise ValueError(f"the kernels run float32/bfloat16 on CPU, not {data.dtype}")
+        size = data.element_size()
+        st = data.stride()
+        return cls(
+            data.data_ptr(), st[0] * size, st[1] * size, (st[2], st[3], st[4]),
+            DTYPE_CODES[data.dtype], data.shape[3], data.shape[4], data.shape[5],
+        )  # fmt: skip
+
+    def addresses(self, layer: int) -> tuple[int, int]:
+        k = self.base + layer * self.layer_bytes
+        return k, k + self.v_bytes
+
+    def write_unchecked(self, layer: int, k: int, v: int, row_stride: int, slots: int, n: int):
+        """KVStorage.write's index_copy_ on raw addresses: n new rows of K and V (heads
+        contiguous, row_stride elements apart) into `slots` (n int64, slot = block * B + offset)
+        of the layer's pools. The caller checks the slots once per step (`check_slots`): the
+        kernel writes where they say."""
+        kp, vp = self.addresses(layer)
+        _library().kvpage_paged_write(
+            self.dtype_code, k, v, row_stride, kp, vp, *self.strides, slots, n, self.kv_heads,
+            self.head_dim, self.block_size,
+        )  # fmt: skip
+
+
 def _rows_of_heads(t: torch.Tensor) -> bool:
     """(S, H, D) with each row's H * D values contiguous, rows at least that far apart."""
     _, h, d = t.shape
     return t.stride(2) == 1 and t.stride(1) == d and t.stride(0) >= h * d
-
-
-def write_rows(
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    slots: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-) -> None:
-    """KVStorage.write's index_copy_ for a pool in the model's dtype, as one call: the N new
-    rows of k and v (N, KVH, D), heads contiguous, the same row stride (views of one fused qkv
-    output), into `slots` (N,) int64 of the layer's pools (num_blocks, B, KVH, D). The caller
-    checks the slots once per step (`check_slots`): the kernel writes where they say."""
-    n, kvh, d = k.shape
-    nb, b, pkvh, pd = k_pool.shape
-    if (pkvh, pd) != (kvh, d) or v.shape != k.shape or v.stride() != k.stride():
-        raise ValueError(f"rows k {tuple(k.shape)} v {tuple(v.shape)} for a pool {k_pool.shape}")
-    if not _rows_of_heads(k) or k_pool.stride(3) != 1 or v_pool.stride() != k_pool.stride():
-        raise ValueError("rows and pools must have contiguous heads and one layout")
-    if not (k.dtype == v.dtype == k_pool.dtype == v_pool.dtype) or k.dtype not in DTYPE_CODES:
-        raise ValueError(f"rows {k.dtype} into a pool of {k_pool.dtype}")
-    if slots.shape != (n,) or slots.dtype != torch.int64 or not slots.is_contiguous():
-        raise ValueError(f"slots {tuple(slots.shape)} {slots.dtype} for {n} rows")
-    st = k_pool.stride()
-    _library().kvpage_paged_write(
-        DTYPE_CODES[k.dtype], k.data_ptr(), v.data_ptr(), k.stride(0), k_pool.data_ptr(),
-        v_pool.data_ptr(), st[0], st[1], st[2], slots.data_ptr(), n, kvh, d, b,
-    )  # fmt: skip
 
 
 def check_slots(slots: torch.Tensor, num_blocks: int, block_size: int) -> None:

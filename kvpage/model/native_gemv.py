@@ -168,6 +168,11 @@ class WeightGemv:
         self._call(self._plan, x2.data_ptr(), k, m, y.data_ptr(), torch.get_num_threads())
         return y if len(shape) == 2 else y.view(*shape[:-1], self.out_features)
 
+    def run_unchecked(self, x: int, ldx: int, m: int, y: int, threads: int) -> None:
+        """The kernel on raw addresses, no checks: for a caller that checked its buffers against
+        in_features, out_features and x_dtype once (kvpage.model.decode_plan)."""
+        self._call(self._plan, x, ldx, m, y, threads)
+
 
 def _check_segment(
     w: torch.Tensor,

@@ -41,6 +41,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def library() -> ctypes.CDLL:
+    """The built kernels, for callers that pass raw addresses they checked once
+    (kvpage.model.decode_plan); only where `available()`."""
+    return _library()
+
+
 def available() -> bool:
     return _library() is not None
 

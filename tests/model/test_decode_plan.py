@@ -1,7 +1,7 @@
 """The decode plan (kvpage.model.decode_plan) in the engine against Hugging Face transformers: every
 decode step of a plain Llama-family model runs on it, and each generated token's logprob is the
-HF model's for the same sequence; a KV write planted off by one slot on the plan's path is caught
-by the same comparison. The models it must not take fall back to the modules; its kernels (the
+HF model's for the same sequence; K and V planted into each other's pool on the plan's path are
+caught by the same comparison. The models it must not take fall back to the modules; its kernels (the
 KV-row write, silu * up, attention on strided q) against the torch code they stand for."""
 
 from __future__ import annotations
@@ -80,14 +80,16 @@ def test_every_decode_step_runs_on_the_plan_and_matches_hf(name, tmp_path, plan_
     assert err <= ATOL, f"{name}: logprob error {err:.3g} against HF on the decode plan"
 
 
-def test_a_kv_write_one_slot_off_on_the_plan_is_caught(tmp_path, plan_runs, monkeypatch):
+def test_k_and_v_written_into_each_others_pool_on_the_plan_is_caught(
+    tmp_path, plan_runs, monkeypatch
+):
     hf_model = save_hf("llama-gqa-8q-2kv", tmp_path)
-    honest = native_attention.write_rows
+    honest = native_attention.PoolLayout.write_unchecked
 
-    def one_off(k_pool, v_pool, slots, k, v):
-        honest(k_pool, v_pool, slots + 1, k, v)  # the next slot: the token's own stays stale
+    def swapped(self, layer, k, v, row_stride, slots, n):
+        honest(self, layer, v, k, row_stride, slots, n)
 
-    monkeypatch.setattr(native_attention, "write_rows", one_off)
+    monkeypatch.setattr(native_attention.PoolLayout, "write_unchecked", swapped)
     tokens, logprobs = _engine(tmp_path, dtype="float32")
     assert plan_runs and all(plan_runs)
     assert _hf_error(hf_model, tokens, logprobs) > 100 * ATOL
@@ -117,17 +119,19 @@ def test_the_plan_off_by_environment(tmp_path, monkeypatch, plan_runs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_rows_is_index_copy(dtype):
+def test_the_kv_row_write_is_index_copy(dtype):
     g = torch.Generator().manual_seed(0)
-    pools = torch.randn(2, 7, 4, 2, 16, generator=g).to(dtype)  # K, V: 7 blocks of 4
+    data = torch.randn(3, 2, 7, 4, 2, 16, generator=g).to(dtype)  # 3 layers, 7 blocks of 4
     qkv = torch.randn(3, (8 + 2 + 2) * 16, generator=g).to(dtype)
     k, v = qkv[:, 128:160].view(3, 2, 16), qkv[:, 160:].view(3, 2, 16)
     slots = torch.tensor([27, 0, 13])
-    want = pools.clone()
-    want[0].flatten(0, 1).index_copy_(0, slots, k)
-    want[1].flatten(0, 1).index_copy_(0, slots, v)
-    native_attention.write_rows(pools[0], pools[1], slots, k, v)
-    assert torch.equal(pools, want)
+    want = data.clone()
+    want[1, 0].flatten(0, 1).index_copy_(0, slots, k)
+    want[1, 1].flatten(0, 1).index_copy_(0, slots, v)
+    layout = native_attention.PoolLayout.of(data)
+    layout.write_unchecked(1, k.data_ptr(), v.data_ptr(), qkv.shape[1], slots.data_ptr(), 3)
+    assert torch.equal(data, want)
+    native_attention.check_slots(slots, 7, 4)
     with pytest.raises(IndexError):
         native_attention.check_slots(torch.tensor([28]), 7, 4)
 
