@@ -15,8 +15,9 @@ contiguous reference, which never takes it.
 `LlamaDecodePlan.build(model)` is None for a model whose layers this does not cover (sliding
 windows, q/k norms, NoPE layers, partial rotary, other families, tensor-parallel layers, a head
 size the attention kernel lacks); `takes(x, attn)` says per step whether it runs: a decode-only
-paged step, one KV group in the model's dtype, no adapter rows, no module hooks, no autograd,
-and every projection on the weight GEMV at this row count. Otherwise the modules run."""
+paged step, one KV group in the model's dtype, no adapter rows, no module hooks, no autograd.
+Otherwise the modules run. A projection the weight GEMV does not take at the step's rows runs
+its Projection's own path into the plan's buffer."""
 
 from __future__ import annotations
 
@@ -144,13 +145,13 @@ class LlamaDecodePlan:
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: PagedAttention
     ) -> torch.Tensor | None:
         """x: (M, C) the embedded tokens (overwritten: the residual stream) -> hidden (M, C), or
-        None when a projection would not take the GEMV at these rows (nothing computed yet).
+        None (nothing computed) where x or the rotary tables are not laid out as the calls need.
         The buffers, the pool and the kernels' shapes are checked when first met; per step the
         slots, block tables and lengths; the calls then pass addresses."""
         m, c = x.shape
         buf = self._buffers_for(m, x.dtype)
         kernels = self._kernels(buf)
-        if kernels is None or not x.is_contiguous():
+        if not x.is_contiguous():
             return None
         meta, storage = attn.meta, attn.storage
         pools = self._pools_of(storage.data, x.dtype)
@@ -200,20 +201,24 @@ class LlamaDecodePlan:
             self._pools = (key, layout)
         return self._pools[1]
 
-    def _kernels(self, buf: _Buffers) -> list[tuple[WeightGemv, ...]] | None:
-        """Per layer the GEMV kernels of q/k/v, o, gate/up and down over the current weights,
-        or None if one of them would take another path at these rows."""
+    def _kernels(self, buf: _Buffers) -> list[tuple[WeightGemv | _ProjectionInto, ...]]:
+        """Per layer the kernels of q/k/v, o, gate/up and down over the current weights: the
+        weight GEMV where it takes these rows, else the Projection's own path into the buffer."""
+        pairs = (
+            (buf.h, buf.qkv),
+            (buf.attn_rows, buf.o),
+            (buf.h, buf.gate_up),
+            (buf.act, buf.down),
+        )
         kernels = []
         for layer in self.layers:
-            four = (
-                layer.qkv.gemv_for(buf.h),
-                layer.out.gemv_for(buf.attn_rows),
-                layer.gate_up.gemv_for(buf.h),
-                layer.down.gemv_for(buf.act),
+            projections = (layer.qkv, layer.out, layer.gate_up, layer.down)
+            kernels.append(
+                tuple(
+                    proj.gemv_for(x) or _ProjectionInto(proj, x, y)
+                    for proj, (x, y) in zip(projections, pairs, strict=True)
+                )
             )
-            if None in four:
-                return None
-            kernels.append(four)
         return kernels
 
     def _buffers_for(self, m: int, dtype: torch.dtype) -> _Buffers:
@@ -267,6 +272,23 @@ class LlamaDecodePlan:
     def _norms_fit(self, dtype: torch.dtype) -> bool:
         norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
         return all(n.weight.dtype == dtype for n in (*norms, self.final_norm))
+
+
+class _ProjectionInto:
+    """A projection the weight GEMV does not take at these rows (float32 above its row limit,
+    on AVX2 16): the Projection's own path (oneDNN's packed GEMM, widened int8), its output
+    written into the plan's buffer. Called like WeightGemv.run_unchecked; the addresses are
+    the buffers'."""
+
+    def __init__(self, proj: Projection, x: torch.Tensor, out: torch.Tensor) -> None:
+        self.proj, self.x, self.out = proj, x, out
+
+    def run_unchecked(self, x: int, ldx: int, m: int, y: int, threads: int) -> None:
+        outs = self.proj(self.x)
+        if len(outs) == 1:
+            self.out.copy_(outs[0])
+        else:
+            torch.cat(outs, dim=-1, out=self.out)
 
 
 def _layer(block: nn.Module) -> _Layer:

@@ -24,9 +24,10 @@ TOKENS = 20
 ATOL = 1e-4
 
 
-def _prompts() -> list[list[int]]:
+def _prompts(n: int = 3) -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (1, 9, 23)]
+    lengths = [1, 9, 23, *range(2, 2 + 2 * (n - 3), 2)][:n]
+    return [torch.randint(3, VOCAB, (length,), generator=g).tolist() for length in lengths]
 
 
 @pytest.fixture
@@ -44,13 +45,15 @@ def plan_runs(monkeypatch) -> list[bool]:
     return runs
 
 
-def _engine(directory, hook: bool = False, **kw) -> tuple[list[list[int]], list[list[float]]]:
-    llm = LLM(str(directory), num_blocks=64, seed=0, debug_checks=True, **kw)
+def _engine(
+    directory, hook: bool = False, n: int = 3, **kw
+) -> tuple[list[list[int]], list[list[float]]]:
+    llm = LLM(str(directory), num_blocks=128, seed=0, debug_checks=True, **kw)
     if hook:  # a forward hook on one MLP: the plan would skip it
         llm.engine.model.model.layers[1].mlp.register_forward_hook(lambda *a: None)
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
     try:
-        outs = [o.outputs[0] for o in llm.generate(_prompts(), params, use_tqdm=False)]
+        outs = [o.outputs[0] for o in llm.generate(_prompts(n), params, use_tqdm=False)]
     finally:
         llm.close()
     return [list(o.token_ids) for o in outs], [list(o.token_logprobs) for o in outs]
@@ -59,7 +62,7 @@ def _engine(directory, hook: bool = False, **kw) -> tuple[list[list[int]], list[
 def _hf_error(hf_model, tokens: list[list[int]], logprobs: list[list[float]]) -> float:
     """Max |engine logprob - HF logprob| of the generated tokens; asserts greedy = HF's argmax."""
     worst = 0.0
-    for prompt, out, lps in zip(_prompts(), tokens, logprobs, strict=True):
+    for prompt, out, lps in zip(_prompts(len(tokens)), tokens, logprobs, strict=True):
         with torch.no_grad():
             logits = hf_model(torch.tensor([prompt + out])).logits[0].double()
         steps = logits[len(prompt) - 1 : -1].log_softmax(-1)  # (TOKENS, V)
@@ -78,6 +81,16 @@ def test_every_decode_step_runs_on_the_plan_and_matches_hf(name, tmp_path, plan_
     assert len(plan_runs) >= TOKENS - 1 and all(plan_runs)
     err = _hf_error(hf_model, tokens, logprobs)
     assert err <= ATOL, f"{name}: logprob error {err:.3g} against HF on the decode plan"
+
+
+def test_rows_beyond_the_gemv_take_the_projections_own_path_on_the_plan(tmp_path, plan_runs):
+    """24 sequences decoding together: float32 above the GEMV's row limit (16 on AVX2, 8 with
+    AVX-512), so oneDNN's GEMM writes into the plan's buffers."""
+    hf_model = save_hf("qwen2-bias", tmp_path)
+    tokens, logprobs = _engine(tmp_path, n=24, dtype="float32")
+    assert plan_runs and all(plan_runs)
+    err = _hf_error(hf_model, tokens, logprobs)
+    assert err <= ATOL, f"logprob error {err:.3g} against HF at 24 rows on the decode plan"
 
 
 def test_k_and_v_written_into_each_others_pool_on_the_plan_is_caught(
