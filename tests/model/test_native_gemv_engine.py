@@ -40,15 +40,21 @@ def _generate(model: str, quantization: str, dtype: str, seqs: int) -> list[list
 
 
 def _kernel_rows(monkeypatch) -> list[tuple[int, int]]:
-    """(rows of x, outputs) of each kernel call."""
+    """(rows of x, outputs) of each kernel call: through a Projection, or made by the decode
+    plan (kvpage.model.decode_plan) on its buffers."""
     calls: list[tuple[int, int]] = []
-    original = WeightGemv.__call__
+    original, unchecked = WeightGemv.__call__, WeightGemv.run_unchecked
 
     def counting(self, x, out=None):
         calls.append((x.numel() // x.shape[-1], self.out_features))
         return original(self, x, out)
 
+    def counting_unchecked(self, x, ldx, m, y, threads):
+        calls.append((m, self.out_features))
+        return unchecked(self, x, ldx, m, y, threads)
+
     monkeypatch.setattr(WeightGemv, "__call__", counting)
+    monkeypatch.setattr(WeightGemv, "run_unchecked", counting_unchecked)
     return calls
 
 
