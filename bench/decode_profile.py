@@ -87,6 +87,7 @@ class ModelClock:
 
         Projection.__call__ = timing(Projection.__call__)
         WeightGemv.__call__ = timing(WeightGemv.__call__)
+        WeightGemv.run_unchecked = timing(WeightGemv.run_unchecked)
 
     def _enter(self, *_) -> None:
         self._start = {name: clock() for name, clock in CLOCKS.items()}

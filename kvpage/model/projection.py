@@ -82,6 +82,22 @@ class Projection:
         y = torch.ops.mkldnn._linear_pointwise(x, self._weight, self._bias, "none", [], "")
         return self._split(y)
 
+    def tensor_slots(self) -> list[tuple[dict, str]] | None:
+        """(dict, name) of every tensor the packed copies depend on, where the layers keep them
+        in their parameter or buffer dicts: a caller's cache key can read them directly. None
+        where one is a plain attribute (read through getattr: no slot to watch)."""
+        found = []
+        for lin, slots in zip(self.linears, self._slots, strict=True):
+            if self.int8:
+                found += [(lin._buffers, "weight_int8"), (lin._buffers, "scales")]
+                slots = slots[1:]  # the bias
+            for owner, name in slots:
+                if owner is None and getattr(lin, name, None) is not None:
+                    return None
+                if owner is not None:
+                    found.append((owner, name))
+        return found
+
     def gemv_for(self, x: torch.Tensor) -> WeightGemv | None:
         """The native kernel this call would run on x, over the layers' current tensors, or
         None where another path would (kvpage.model.decode_plan calls it with its own output
