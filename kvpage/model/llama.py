@@ -16,6 +16,22 @@ from kvpage.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 from kvpage.model.projection import Projection
 
 
+class _PlanSlot:
+    """The model's decode plan, built at first use. A copy of the model (the reference's
+    dequantised twin, a pickled worker's) starts unbuilt: the plan holds the original's modules
+    and native kernel handles, which are neither its own nor picklable."""
+
+    def __init__(self) -> None:
+        self.built = False
+        self.plan: LlamaDecodePlan | None = None
+
+    def __deepcopy__(self, memo) -> _PlanSlot:
+        return _PlanSlot()
+
+    def __reduce__(self):
+        return (_PlanSlot, ())
+
+
 class LlamaAttention(nn.Module):
     lora = None  # a kvpage.lora.apply.LoraContext when the engine serves adapters
 
@@ -102,8 +118,7 @@ class LlamaForCausalLM(CausalLM):
         self.model = self.body(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.logits = Projection(self.lm_head)
-        self._plan: LlamaDecodePlan | None = None
-        self._plan_built = False
+        self._plan = _PlanSlot()
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -125,13 +140,14 @@ class LlamaForCausalLM(CausalLM):
     def decode_plan(self) -> LlamaDecodePlan | None:
         """Decode steps as direct native calls (kvpage.model.decode_plan), built at first use;
         None for a model it does not cover, or with KVPAGE_DECODE_PLAN=0."""
-        if not self._plan_built:
+        slot = self._plan
+        if not slot.built:
             enabled = os.environ.get("KVPAGE_DECODE_PLAN", "1") != "0"
-            self._plan = (
+            slot.plan = (
                 LlamaDecodePlan.build(self, LlamaDecoderLayer, LlamaAttention) if enabled else None
             )
-            self._plan_built = True
-        return self._plan
+            slot.built = True
+        return slot.plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits(hidden)[0]  # (M, V)

@@ -6,6 +6,9 @@ KV-row write, silu * up, attention on strided q) against the torch code they sta
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -174,3 +177,16 @@ def test_paged_decode_reads_q_rows_of_a_fused_output(dtype):
     out = torch.full((2, 8, 32), float("nan"), dtype=dtype)
     decode(q, k_pool, v_pool, 0.3, out=out)
     assert torch.equal(out, decode(q.contiguous(), k_pool, v_pool, 0.3))
+
+
+def test_a_copy_of_the_model_builds_its_own_plan(tmp_path, plan_runs):
+    """The reference's dequantised twin is a deepcopy of the engine's model: the copy must not
+    carry the original's plan (its modules, its kernel handles)."""
+    save_hf("llama-gqa-8q-2kv", tmp_path)
+    _engine(tmp_path, dtype="float32", quantization="int8")  # the twin is made after decoding
+    model, _ = load_model(str(tmp_path))
+    plan = model.decode_plan()
+    twin = copy.deepcopy(model)
+    assert plan is not None and twin.decode_plan() is not None
+    assert twin.decode_plan() is not plan and twin.decode_plan().blocks[0] is twin.model.layers[0]
+    assert pickle.loads(pickle.dumps(model._plan)).built is False
