@@ -251,7 +251,8 @@ def single_rounds(args) -> None:
                     continue
                 results[cell].append(out)
                 print(f"round {r + 1} {cell[0]} {cell[1]}: {out['wall']:.2f}s", flush=True)
-    single_report(results, [c for c in cells if c not in failed], list(peers), args)
+    kept = [c for c in cells if c not in failed]
+    single_report(results, kept, [c for c in peers if c not in failed], args)
     print(f"load after: {_load()}")
 
 
@@ -309,8 +310,14 @@ def llama_cpp_cells(args, model_dir: Path, requests: int = 1) -> dict:
     for outtype in args.llama_cpp_types.split(","):
         gguf = llama_cpp.convert(model_dir, outtype)
 
-        def run(gguf=gguf) -> dict:
-            r = llama_cpp.run_batched_bench(gguf, args.prompt, args.output, requests, args.threads)
+        def run(gguf=gguf, outtype=outtype) -> dict | None:
+            try:
+                r = llama_cpp.run_batched_bench(
+                    gguf, args.prompt, args.output, requests, args.threads
+                )
+            except llama_cpp.PeerError as e:  # reported and dropped, as a kvpage cell is
+                print(f"({outtype}, llama.cpp) FAILED: {str(e)[:300]}", flush=True)
+                return None
             # T_TG covers `ntg` decode passes; kvpage samples its first token in the prefill.
             return dict(wall=r.t, prefill=r.t_pp, decode=r.t_tg / args.output, tokens=None)
 

@@ -54,6 +54,13 @@ CMAKE_FLAGS = [
     "-DLLAMA_BUILD_SERVER=OFF",
     "-DLLAMA_OPENSSL=OFF",
 ]
+# llama.cpp 0.3.36's AMX kernels (the Q8_0 and k-quant matmuls on CPUs with AMX-INT8) fault with
+# an invalid opcode on Linux: its worker threads execute tile instructions without their own
+# tile permission and configuration (ggml-org/llama.cpp PR 26954), which kills Q8_0 runs on a
+# Sapphire Rapids Xeon. There the build turns AMX off; f32, bf16 and Q8_0 then take its
+# AVX-512 (VNNI, BF16) kernels.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+BUILD_STAMP = "kvpage-cmake-flags.txt"  # in the build folder: the flags it was configured with
 Log = Callable[[str], None]
 
 
@@ -71,7 +78,27 @@ def binary_path() -> Path:
 
 
 def is_built() -> bool:
-    return binary_path().is_file() and os.access(binary_path(), os.X_OK)
+    """The binary exists and was built with this CPU's flags (an older build is rebuilt)."""
+    stamp = CACHE / "build" / BUILD_STAMP
+    if not (binary_path().is_file() and os.access(binary_path(), os.X_OK)):
+        return False
+    return stamp.is_file() and stamp.read_text() == " ".join(cmake_flags())
+
+
+def cmake_flags() -> list[str]:
+    """CMAKE_FLAGS, plus AMX off where the CPU has it (see NO_AMX)."""
+    if not cpu_has("amx_int8"):
+        return list(CMAKE_FLAGS)
+    return [*CMAKE_FLAGS, f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+
+
+def cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return False
+    return flag in line.split()
 
 
 # --- build --------------------------------------------------------------------------------------
@@ -129,7 +156,7 @@ def build(jobs: int = 2, log: Log = print) -> Path:
     t0 = time.perf_counter()
     with open(log_path, "w") as fh:
         for cmd in (
-            [cmake, "-S", str(src), "-B", str(out), *CMAKE_FLAGS],
+            [cmake, "-S", str(src), "-B", str(out), *cmake_flags()],
             [cmake, "--build", str(out), "--target", TARGET, f"-j{jobs}"],
         ):
             fh.write(f"$ {' '.join(cmd)}\n")
@@ -137,6 +164,7 @@ def build(jobs: int = 2, log: Log = print) -> Path:
             if subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT).returncode != 0:
                 tail = log_path.read_text(errors="replace").splitlines()[-5:]
                 raise PeerError(f"build failed ({log_path}): " + " | ".join(tail))
+    (out / BUILD_STAMP).write_text(" ".join(cmake_flags()))
     if not is_built():
         raise PeerError(f"the build finished but {binary_path()} is missing ({log_path})")
     log(f"llama.cpp: built in {time.perf_counter() - t0:.0f}s")

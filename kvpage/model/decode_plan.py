@@ -31,7 +31,7 @@ import kvpage.model.native_small_ops as native_small_ops
 from kvpage.model.layers import RMSNorm, SwiGLU
 from kvpage.model.native_gemv import WeightGemv
 from kvpage.model.paged_attention import PagedAttention
-from kvpage.model.projection import Projection
+from kvpage.model.projection import Projection, tensor_version
 
 
 @dataclass(slots=True)
@@ -246,7 +246,7 @@ class LlamaDecodePlan:
         if self._weight_slots is None:
             return None
         tensors = [owner.get(name) for owner, name in self._weight_slots]
-        return tuple((t.data_ptr(), _version(t)) for t in tensors if t is not None)
+        return tuple((t.data_ptr(), tensor_version(t)) for t in tensors if t is not None)
 
     def _buffers_for(self, m: int, dtype: torch.dtype) -> _Buffers:
         buf = self._buffers.get((m, dtype))
@@ -329,10 +329,6 @@ class _ProjectionInto:
             self.out.copy_(outs[0])
         else:
             torch.cat(outs, dim=-1, out=self.out)
-
-
-def _version(t: torch.Tensor) -> int:
-    return 0 if t.is_inference() else t._version  # inference tensors have no counter
 
 
 def _layer(block: nn.Module) -> _Layer:

@@ -177,7 +177,7 @@ class Projection:
         key = []
         for lin, slots in zip(self.linears, self._slots, strict=True):
             tensors = lin.quantized_tensors() if self.int8 else _read(lin, slots)
-            key += [(p.data_ptr(), _version(p), p.dtype) for p in tensors if p is not None]
+            key += [(p.data_ptr(), tensor_version(p), p.dtype) for p in tensors if p is not None]
         return tuple(key)
 
     def _pack(self) -> None:
@@ -228,7 +228,8 @@ def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach()
 
 
-def _version(t: torch.Tensor) -> int:
+def tensor_version(t: torch.Tensor) -> int:
+    """t's in-place update counter, for a cache key over (data_ptr, version)."""
     # Tensors made under inference_mode have no version counter; they cannot be updated in place
     # outside it either, so their storage pointer is the key.
     return 0 if t.is_inference() else t._version
