@@ -62,15 +62,10 @@ class _Addresses:
     """Where each buffer starts: the per-layer calls pass integers."""
 
     qkv: int
-    q: int
-    k: int
-    v: int
     attn: int
     o: int
     h: int
     gate_up: int
-    gate: int
-    up: int
     act: int
     down: int
 
@@ -183,24 +178,27 @@ class LlamaDecodePlan:
         n = len(self.layers)
         w = [params["weight"].data_ptr() for params in self._norm_params]  # inputs, posts, final
         eps = self._norm_eps
+        # Byte offsets of k and v in a q/k/v row, of up in a gate/up row: each projection
+        # returns where its rows start (the plan's buffer, or a _ProjectionInto's own output).
+        elem = x.element_size()
+        k_at, v_at, up_at = h * d * elem, (h + kvh) * d * elem, inter * elem
+        cos_p, sin_p, slots_p = cos.data_ptr(), sin.data_ptr(), slots.data_ptr()
         rms(dt, xp, c, None, 0, w[0], eps[0], m, c, None, p.h, threads)
         for i, (qkv, out, gate_up, down) in enumerate(kernels):
-            qkv.run_unchecked(p.h, c, m, p.qkv, threads)
-            ops.kvpage_rotary(
-                dt, p.q, width, h, p.k, width, kvh, d, cos.data_ptr(), sin.data_ptr(), m, threads
-            )
-            pools.write_unchecked(i, p.k, p.v, width, slots.data_ptr(), m)
-            decode.run_unchecked(p.q, width, pools, i, p.attn, h * d, h, self.scale, threads)
-            out.run_unchecked(p.attn, h * d, m, p.o, threads)
-            rms(dt, xp, c, p.o, c, w[n + i], eps[n + i], m, c, xp, p.h, threads)  # x += o
-            gate_up.run_unchecked(p.h, c, m, p.gate_up, threads)
-            ops.kvpage_silu_mul(dt, p.gate, p.up, 2 * inter, inter, p.act, m, threads)
-            down.run_unchecked(p.act, inter, m, p.down, threads)
+            q = qkv.run_unchecked(p.h, c, m, p.qkv, threads)
+            ops.kvpage_rotary(dt, q, width, h, q + k_at, width, kvh, d, cos_p, sin_p, m, threads)
+            pools.write_unchecked(i, q + k_at, q + v_at, width, slots_p, m)
+            decode.run_unchecked(q, width, pools, i, p.attn, h * d, h, self.scale, threads)
+            o = out.run_unchecked(p.attn, h * d, m, p.o, threads)
+            rms(dt, xp, c, o, c, w[n + i], eps[n + i], m, c, xp, p.h, threads)  # x += o
+            gate = gate_up.run_unchecked(p.h, c, m, p.gate_up, threads)
+            ops.kvpage_silu_mul(dt, gate, gate + up_at, 2 * inter, inter, p.act, m, threads)
+            mlp = down.run_unchecked(p.act, inter, m, p.down, threads)
             # x += down, then the next layer's input norm (the last: the final norm, below)
             if i + 1 < n:
-                rms(dt, xp, c, p.down, c, w[i + 1], eps[i + 1], m, c, xp, p.h, threads)
+                rms(dt, xp, c, mlp, c, w[i + 1], eps[i + 1], m, c, xp, p.h, threads)
         hidden = torch.empty_like(x)
-        rms(dt, xp, c, p.down, c, w[-1], eps[-1], m, c, xp, hidden.data_ptr(), threads)
+        rms(dt, xp, c, mlp, c, w[-1], eps[-1], m, c, xp, hidden.data_ptr(), threads)
         return hidden
 
     def _pools_of(self, data: torch.Tensor, dtype: torch.dtype) -> native_attention.PoolLayout:
@@ -316,19 +314,43 @@ class LlamaDecodePlan:
 
 class _ProjectionInto:
     """A projection the weight GEMV does not take at these rows (float32 above its row limit,
-    on AVX2 16): the Projection's own path (oneDNN's packed GEMM, widened int8), its output
-    written into the plan's buffer. Called like WeightGemv.run_unchecked; the addresses are
-    the buffers'."""
+    bfloat16 above 4 with AMX): the Projection's own path (oneDNN's packed GEMM, widened int8)
+    on the plan's input buffer. Called like WeightGemv.run_unchecked (the addresses passed are
+    those of the buffers it was built on); returns where its output rows start: the matmul's
+    own output, kept until the next call, where it is laid out as the buffer is (one matmul
+    over the concatenated weights), else a copy into the plan's buffer (`out`)."""
 
     def __init__(self, proj: Projection, x: torch.Tensor, out: torch.Tensor) -> None:
         self.proj, self.x, self.out = proj, x, out
+        self._kept: tuple[torch.Tensor, ...] = ()
 
-    def run_unchecked(self, x: int, ldx: int, m: int, y: int, threads: int) -> None:
+    def run_unchecked(self, x: int, ldx: int, m: int, y: int, threads: int) -> int:
         outs = self.proj(self.x)
+        if _rows_like(outs, self.out):
+            self._kept = outs
+            return outs[0].data_ptr()
         if len(outs) == 1:
             self.out.copy_(outs[0])
         else:
             torch.cat(outs, dim=-1, out=self.out)
+        return y
+
+
+def _rows_like(outs: tuple[torch.Tensor, ...], buffer: torch.Tensor) -> bool:
+    """Whether outs (the column blocks of one output) lie in memory as `buffer` (M, N) does:
+    row stride N, each block starting where the one before ends within a row."""
+    first = outs[0]
+    m, n = buffer.shape
+    if first.dim() != 2 or first.shape[0] != m or first.stride() != (n, 1):
+        return False
+    if first.dtype != buffer.dtype or sum(o.shape[1] for o in outs) != n:
+        return False
+    at, elem = first.data_ptr(), first.element_size()
+    for before, o in zip(outs[:-1], outs[1:], strict=True):
+        at += before.shape[1] * elem
+        if o.stride() != (n, 1) or o.data_ptr() != at:
+            return False
+    return True
 
 
 def _layer(block: nn.Module) -> _Layer:

@@ -46,11 +46,15 @@ KINDS = {
 # GEMM): fp32 1.2-1.8x oneDNN's to 16 rows, 0.8x at 32; bf16 and int8 ahead of float32 GEMMs on
 # widened weights (kvpage.model.widened) to 64 rows, 0.5x of them at 2048 rows, where the
 # kernel's re-reading of x for every few weight rows costs more than widening the weight once.
+# With AMX (a Sapphire Rapids Xeon) oneDNN's bf16 GEMM runs on tiles and is bandwidth-bound
+# from one row up: the kernel is 1.1-1.4x its speed to 4 rows, 0.6-0.8x at 8, 0.3x at 16
+# (bench/int8_weights.py --kernel-sweep --kinds bf16, 2 threads).
 ALL_ROWS = 1 << 62
 MAX_ROWS = {
     16: {0: ALL_ROWS, 1: ALL_ROWS, 2: 16, 3: 8},
     8: {0: 64, 1: 64, 2: 64, 3: 16},
 }
+AMX_BF16_ROWS = 4
 
 
 def available() -> bool:
@@ -63,7 +67,19 @@ def max_rows(x_dtype: torch.dtype, w_dtype: torch.dtype) -> int:
     if kind is None or not available():
         return 0
     override = os.environ.get("KVPAGE_GEMV_MAX_ROWS")  # benchmarks sweep the threshold
-    return int(override) if override is not None else MAX_ROWS[lanes()][kind]
+    if override is not None:
+        return int(override)
+    if kind == KINDS[(torch.bfloat16, torch.bfloat16)] and _amx():
+        return AMX_BF16_ROWS
+    return MAX_ROWS[lanes()][kind]
+
+
+@functools.cache
+def _amx() -> bool:
+    """Whether torch's oneDNN runs bfloat16 GEMMs on AMX tiles here."""
+    return bool(torch.cpu._is_amx_tile_supported()) and bool(
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 def lanes() -> int:
@@ -168,10 +184,11 @@ class WeightGemv:
         self._call(self._plan, x2.data_ptr(), k, m, y.data_ptr(), torch.get_num_threads())
         return y if len(shape) == 2 else y.view(*shape[:-1], self.out_features)
 
-    def run_unchecked(self, x: int, ldx: int, m: int, y: int, threads: int) -> None:
+    def run_unchecked(self, x: int, ldx: int, m: int, y: int, threads: int) -> int:
         """The kernel on raw addresses, no checks: for a caller that checked its buffers against
-        in_features, out_features and x_dtype once (kvpage.model.decode_plan)."""
+        in_features, out_features and x_dtype once (kvpage.model.decode_plan). Returns y."""
         self._call(self._plan, x, ldx, m, y, threads)
+        return y
 
 
 def _check_segment(

@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from kvpage import LLM, SamplingParams
-from kvpage.model import load_model, native_attention, native_build, native_small_ops
+from kvpage.model import (
+    decode_plan,
+    load_model,
+    native_attention,
+    native_build,
+    native_small_ops,
+)
 from kvpage.model.decode_plan import LlamaDecodePlan
 
 from .hf_models import VOCAB, save_hf
@@ -86,12 +92,25 @@ def test_every_decode_step_runs_on_the_plan_and_matches_hf(name, tmp_path, plan_
     assert err <= ATOL, f"{name}: logprob error {err:.3g} against HF on the decode plan"
 
 
-def test_rows_beyond_the_gemv_take_the_projections_own_path_on_the_plan(tmp_path, plan_runs):
+@pytest.mark.parametrize("adopt", [True, False], ids=["its-own-rows", "copied-in"])
+def test_rows_beyond_the_gemv_take_the_projections_own_path_on_the_plan(
+    adopt, tmp_path, plan_runs, monkeypatch
+):
     """24 sequences decoding together: float32 above the GEMV's row limit (16 on AVX2, 8 with
-    AVX-512), so oneDNN's GEMM writes into the plan's buffers."""
+    AVX-512), so oneDNN's GEMM runs inside the plan; the next calls read its output where it
+    lies, or (an output laid out otherwise, forced here) a copy in the plan's buffers."""
+    outputs = []
+    rows_like = decode_plan._rows_like
+
+    def seen(outs, buffer):
+        outputs.append(rows_like(outs, buffer))
+        return outputs[-1] and adopt
+
+    monkeypatch.setattr(decode_plan, "_rows_like", seen)
     hf_model = save_hf("qwen2-bias", tmp_path)
     tokens, logprobs = _engine(tmp_path, n=24, dtype="float32")
     assert plan_runs and all(plan_runs)
+    assert outputs and all(outputs)  # one packed matmul per projection: its rows as the buffer's
     err = _hf_error(hf_model, tokens, logprobs)
     assert err <= ATOL, f"logprob error {err:.3g} against HF at 24 rows on the decode plan"
 
@@ -163,6 +182,34 @@ def test_silu_mul_is_torchs_silu_times_up(dtype):
     torch.testing.assert_close(got.float(), want.float(), atol=1e-30, rtol=2 * step)
     if dtype is torch.bfloat16:  # the float32 difference rarely survives rounding to 8 bits
         assert float((got != want).float().mean()) < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_at_the_ends_of_exps_range(dtype):
+    """Gates where e^-g overflows float32, comes close to its largest value (the kernel's 2^n
+    would overflow on its own there), underflows, and NaN and infinities; 32 of them so that
+    the vector loop takes them."""
+    ends = [-100, -89, -88.7, -88.4, -87.5, -87.3, -20, 0, -0.0, 1e-30, 20, 87.4, 88.8, 100]
+    ends += [float("inf"), -float("inf"), float("nan")]
+    g = torch.Generator().manual_seed(3)
+    gate = torch.cat([torch.tensor(ends), 3 * torch.randn(32 - len(ends), generator=g)])
+    gate = gate.to(dtype)[None]
+    up = torch.ones_like(gate)
+    step = 2e-7 if dtype is torch.float32 else 2**-7
+    got, want = native_small_ops.silu_mul(gate, up), torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(got, want, atol=0, rtol=2 * step, equal_nan=True)
+
+
+def test_outputs_are_taken_as_they_lie_only_when_laid_out_as_the_buffer():
+    buffer = torch.empty(3, 10)
+    y = torch.randn(3, 10)
+    assert decode_plan._rows_like(y.split([6, 2, 2], dim=-1), buffer)
+    assert decode_plan._rows_like((y,), buffer)
+    assert not decode_plan._rows_like((torch.randn(3, 6), torch.randn(3, 4)), buffer)
+    assert not decode_plan._rows_like((y[:, :6], y[:, 6:])[::-1], buffer)  # out of order
+    assert not decode_plan._rows_like((y.t().contiguous().t(),), buffer)  # column-major
+    assert not decode_plan._rows_like((y.bfloat16(),), buffer)
+    assert not decode_plan._rows_like(torch.randn(4, 10).split([6, 4], -1), buffer)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
