@@ -137,7 +137,7 @@ class SwiGLU(nn.Module):
         gate, up = self.gate_up(x)
         lora = self.lora
         if lora is None or lora.batch is None:
-            return self.down(self.activation(gate) * up)[0]
+            return self.down(self._silu_mul(gate, up))[0]
         gate = lora.apply(self.layer, "gate_proj", x, gate)
         up = lora.apply(self.layer, "up_proj", x, up)
         hidden = self.activation(gate) * up
@@ -146,6 +146,17 @@ class SwiGLU(nn.Module):
     @staticmethod
     def activation(gate: torch.Tensor) -> torch.Tensor:
         return nn.functional.silu(gate)
+
+    def _silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """activation(gate) * up; for bfloat16 in one native pass where it runs (torch's
+        bfloat16 silu and mul took 5.8 ms of a 2048-token prefill chunk's 125M layer, the
+        native pass ~1). float32 keeps torch's: as fast there, and its exp's last bit is HF's."""
+        native = type(self).activation is SwiGLU.activation and gate.dtype is torch.bfloat16
+        native = native and gate.dim() == 2
+        native = native and gate.stride(1) == 1 and gate.stride() == up.stride()
+        if native and native_small_ops.supports(gate) and up.dtype == gate.dtype:
+            return native_small_ops.silu_mul(gate, up)
+        return self.activation(gate) * up
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:

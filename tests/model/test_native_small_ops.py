@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvpage.model import native_small_ops
-from kvpage.model.layers import RMSNorm, _rotate_half, apply_rotary
+from kvpage.model.layers import RMSNorm, SwiGLU, _rotate_half, apply_rotary
 
 pytestmark = pytest.mark.skipif(not native_small_ops.available(), reason="no C++ compiler")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -98,3 +98,30 @@ def test_bad_shapes_are_refused():
     q = torch.randn(2, 4, 8)
     with pytest.raises(ValueError, match="table"):
         native_small_ops.rotary_(q, q.clone(), torch.ones(2, 1, 6), torch.ones(2, 1, 6))
+
+
+class _GeluMLP(SwiGLU):
+    activation = staticmethod(torch.nn.functional.gelu)
+
+
+@pytest.mark.parametrize("kind", [SwiGLU, _GeluMLP])
+def test_swiglu_takes_the_native_silu_mul_in_bfloat16_only(kind, monkeypatch):
+    """A bfloat16 SwiGLU (a prefill chunk's rows) runs silu * up natively, as torch rounds it;
+    float32 and a subclass with another activation keep torch's ops."""
+    calls = []
+    silu_mul = native_small_ops.silu_mul
+    monkeypatch.setattr(native_small_ops, "silu_mul", lambda *a: calls.append(1) or silu_mul(*a))
+    torch.manual_seed(0)
+    mlp = kind(48, 80, bias=False).requires_grad_(False)
+    x = torch.randn(37, 48)
+    for dtype in DTYPES:
+        mlp, x = mlp.to(dtype), x.to(dtype)
+        calls.clear()
+        got = mlp(x)
+        gate, up = x @ mlp.gate_proj.weight.t(), x @ mlp.up_proj.weight.t()
+        want = (kind.activation(gate) * up) @ mlp.down_proj.weight.t()
+        step = 2**-7 if dtype is torch.bfloat16 else 1e-6
+        torch.testing.assert_close(
+            got, want, rtol=4 * step, atol=4 * step * float(want.abs().max())
+        )
+        assert len(calls) == (kind is SwiGLU and dtype is torch.bfloat16)
