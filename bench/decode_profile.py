@@ -11,7 +11,7 @@ KV heads, adds `--seqs` requests of `--prompt` random tokens (`--gen` outputs, E
 kvpage engine and steps it until every sequence decodes. Then `--windows` consecutive windows of
 `--steps` decode steps are timed: per step the wall time of `engine.step()`, the model's share
 (forward hooks on the model and its LM head: no profiler running; of it, the linear layers'
-share, from a timer around every Projection call and every weight GEMV call the decode plan
+share, from a timer around every Projection call and every weight GEMV and packed oneDNN call the decode plan
 makes itself) and the rest, in ms and as a %
 (target: non-model <= 10% at batch 32), in wall time and in this process's CPU time (with
 `--threads 1` the CPU time is the one to compare across runs on a shared machine: waiting for a
@@ -66,8 +66,8 @@ class ModelClock:
         model.compute_logits = timed_logits
 
     def _time_projections(self) -> None:
-        # Projection calls, and the weight GEMV called directly (kvpage.model.decode_plan):
-        # only the outermost of the two is timed.
+        # Projection calls, and the weight GEMV and oneDNN's packed matmul called directly
+        # (kvpage.model.decode_plan): only the outermost is timed.
         clocks = list(CLOCKS.items())
         depth = [0]
 
@@ -86,6 +86,7 @@ class ModelClock:
             return timed
 
         Projection.__call__ = timing(Projection.__call__)
+        Projection.packed_unchecked = timing(Projection.packed_unchecked)
         WeightGemv.__call__ = timing(WeightGemv.__call__)
         WeightGemv.run_unchecked = timing(WeightGemv.run_unchecked)
 

@@ -325,6 +325,10 @@ class _ProjectionInto:
         self._kept: tuple[torch.Tensor, ...] = ()
 
     def run_unchecked(self, x: int, ldx: int, m: int, y: int, threads: int) -> int:
+        packed = self.proj.packed_unchecked(self.x)  # current: the plan's weights key held
+        if packed is not None:
+            self._kept = (packed,)
+            return packed.data_ptr()
         outs = self.proj(self.x)
         if _rows_like(outs, self.out):
             self._kept = outs

@@ -111,6 +111,14 @@ class Projection:
             self._pack()
         return self._gemv if self._use_gemv(x) else None
 
+    def packed_unchecked(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x @ W^T + b, all layers in one (M, sum of sizes) output, on oneDNN's packed weight as
+        it is, or None where there is none (int8, a dtype oneDNN cannot pack). No key check: for
+        a caller that checked the weights since `gemv_for` (kvpage.model.decode_plan)."""
+        if self._weight is None or self.int8:
+            return None
+        return torch.ops.mkldnn._linear_pointwise(x, self._weight, self._bias, "none", [], "")
+
     def _plain(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(F.linear(x, lin.weight, _bias(lin)) for lin in self.linears)
 

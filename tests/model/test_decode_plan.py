@@ -21,6 +21,7 @@ from kvpage.model import (
     native_small_ops,
 )
 from kvpage.model.decode_plan import LlamaDecodePlan
+from kvpage.model.projection import Projection
 
 from .hf_models import VOCAB, save_hf
 
@@ -92,25 +93,29 @@ def test_every_decode_step_runs_on_the_plan_and_matches_hf(name, tmp_path, plan_
     assert err <= ATOL, f"{name}: logprob error {err:.3g} against HF on the decode plan"
 
 
-@pytest.mark.parametrize("adopt", [True, False], ids=["its-own-rows", "copied-in"])
+@pytest.mark.parametrize("path", ["packed", "split-outputs", "copied-in"])
 def test_rows_beyond_the_gemv_take_the_projections_own_path_on_the_plan(
-    adopt, tmp_path, plan_runs, monkeypatch
+    path, tmp_path, plan_runs, monkeypatch
 ):
     """24 sequences decoding together: float32 above the GEMV's row limit (16 on AVX2, 8 with
-    AVX-512), so oneDNN's GEMM runs inside the plan; the next calls read its output where it
-    lies, or (an output laid out otherwise, forced here) a copy in the plan's buffers."""
+    AVX-512), so oneDNN's GEMM runs inside the plan and the next calls read its output where it
+    lies; forced here: the Projection's own call instead (its outputs split views of one
+    matmul's), and those outputs copied into the plan's buffers."""
     outputs = []
     rows_like = decode_plan._rows_like
 
     def seen(outs, buffer):
         outputs.append(rows_like(outs, buffer))
-        return outputs[-1] and adopt
+        return outputs[-1] and path == "split-outputs"
 
-    monkeypatch.setattr(decode_plan, "_rows_like", seen)
+    if path != "packed":
+        monkeypatch.setattr(Projection, "packed_unchecked", lambda self, x: None)
+        monkeypatch.setattr(decode_plan, "_rows_like", seen)
     hf_model = save_hf("qwen2-bias", tmp_path)
     tokens, logprobs = _engine(tmp_path, n=24, dtype="float32")
     assert plan_runs and all(plan_runs)
-    assert outputs and all(outputs)  # one packed matmul per projection: its rows as the buffer's
+    if path != "packed":  # one matmul per projection: its split outputs lie as the buffer does
+        assert outputs and all(outputs)
     err = _hf_error(hf_model, tokens, logprobs)
     assert err <= ATOL, f"logprob error {err:.3g} against HF at 24 rows on the decode plan"
 
