@@ -314,11 +314,17 @@ void attend(const T* q, const T* k, const T* v, const Pool& pool, const int64_t*
         float* mine = scratch + omp_get_thread_num() * scratch_per_thread;
         const int64_t start = starts == nullptr ? 0 : starts[seq];
         const int64_t* table = tables + seq * sh.max_blocks;
-        switch (sh.heads / sh.kv_heads) {  // the group sizes of common models; others: any G
-#define KV_GROUP(g)                                                                          \
-    case g:                                                                                  \
-        attend_one_g<C, g>(q, k, v, pool, table, start, lens[seq], seq, kv_head, sh, scale, \
-                           out, mine);                                                       \
+        // The group sizes of common models, where the group's queries fit the registers
+        // (G x C vectors: more would spill, and only lengthen the build); others: any G.
+        switch (sh.heads / sh.kv_heads) {
+#define KV_GROUP(g)                                                                           \
+    case g:                                                                                   \
+        if constexpr (g * C <= 32)                                                            \
+            attend_one_g<C, g>(q, k, v, pool, table, start, lens[seq], seq, kv_head, sh,     \
+                               scale, out, mine);                                             \
+        else                                                                                  \
+            attend_one<C>(q, k, v, pool, table, start, lens[seq], seq, kv_head, sh, scale,   \
+                          out, mine);                                                         \
         break;
             KV_GROUP(1) KV_GROUP(2) KV_GROUP(3) KV_GROUP(4) KV_GROUP(8)
 #undef KV_GROUP
