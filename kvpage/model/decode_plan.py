@@ -39,16 +39,12 @@ class _Buffers:
     """One row count's activations, views of a few tensors reused from step to step."""
 
     qkv: torch.Tensor  # (M, H*D + 2*KVH*D)
-    q: torch.Tensor  # (M, H, D) views of qkv
-    k: torch.Tensor  # (M, KVH, D)
-    v: torch.Tensor
+    q: torch.Tensor  # (M, H, D) a view of qkv
     attn: torch.Tensor  # (M, H, D)
     attn_rows: torch.Tensor  # (M, H*D) the same
     o: torch.Tensor  # (M, C)
     h: torch.Tensor  # (M, C) the normalised input of the next projection
     gate_up: torch.Tensor  # (M, 2I)
-    gate: torch.Tensor  # (M, I) views of gate_up
-    up: torch.Tensor
     act: torch.Tensor  # (M, I)
     down: torch.Tensor  # (M, C)
     ptr: _Addresses | None = None
@@ -261,15 +257,11 @@ class LlamaDecodePlan:
         return _Buffers(
             qkv=qkv,
             q=qkv[:, : h * d].view(m, h, d),
-            k=qkv[:, h * d : (h + kvh) * d].view(m, kvh, d),
-            v=qkv[:, (h + kvh) * d :].view(m, kvh, d),
             attn=attn,
             attn_rows=attn.view(m, h * d),
             o=torch.empty(m, c, dtype=dtype),
             h=torch.empty(m, c, dtype=dtype),
             gate_up=gate_up,
-            gate=gate_up[:, :inter],
-            up=gate_up[:, inter:],
             act=torch.empty(m, inter, dtype=dtype),
             down=torch.empty(m, c, dtype=dtype),
         )
@@ -314,47 +306,29 @@ class LlamaDecodePlan:
 
 class _ProjectionInto:
     """A projection the weight GEMV does not take at these rows (float32 above its row limit,
-    bfloat16 above 4 with AMX): the Projection's own path (oneDNN's packed GEMM, widened int8)
-    on the plan's input buffer. Called like WeightGemv.run_unchecked (the addresses passed are
-    those of the buffers it was built on); returns where its output rows start: the matmul's
-    own output, kept until the next call, where it is laid out as the buffer is (one matmul
-    over the concatenated weights), else a copy into the plan's buffer (`out`)."""
+    bfloat16 above 4 with AMX): oneDNN's packed matmul, else the Projection's own path (widened
+    int8, unpacked bfloat16), on the plan's input buffer. Called like WeightGemv.run_unchecked
+    (the addresses passed are those of the buffers it was built on); returns where its output
+    rows start: the matmul's own output, kept until the next call, where it is one (M, N)
+    tensor, else a copy of the layers' outputs into the plan's buffer (`out`)."""
 
     def __init__(self, proj: Projection, x: torch.Tensor, out: torch.Tensor) -> None:
         self.proj, self.x, self.out = proj, x, out
-        self._kept: tuple[torch.Tensor, ...] = ()
+        self._kept: torch.Tensor | None = None
 
     def run_unchecked(self, x: int, ldx: int, m: int, y: int, threads: int) -> int:
         packed = self.proj.packed_unchecked(self.x)  # current: the plan's weights key held
-        if packed is not None:
-            self._kept = (packed,)
-            return packed.data_ptr()
-        outs = self.proj(self.x)
-        if _rows_like(outs, self.out):
-            self._kept = outs
-            return outs[0].data_ptr()
-        if len(outs) == 1:
-            self.out.copy_(outs[0])
-        else:
-            torch.cat(outs, dim=-1, out=self.out)
+        outs = (packed,) if packed is not None else self.proj(self.x)
+        if len(outs) == 1 and _rows_like(outs[0], self.out):
+            self._kept = outs[0]
+            return self._kept.data_ptr()
+        torch.cat(outs, dim=-1, out=self.out)
         return y
 
 
-def _rows_like(outs: tuple[torch.Tensor, ...], buffer: torch.Tensor) -> bool:
-    """Whether outs (the column blocks of one output) lie in memory as `buffer` (M, N) does:
-    row stride N, each block starting where the one before ends within a row."""
-    first = outs[0]
-    m, n = buffer.shape
-    if first.dim() != 2 or first.shape[0] != m or first.stride() != (n, 1):
-        return False
-    if first.dtype != buffer.dtype or sum(o.shape[1] for o in outs) != n:
-        return False
-    at, elem = first.data_ptr(), first.element_size()
-    for before, o in zip(outs[:-1], outs[1:], strict=True):
-        at += before.shape[1] * elem
-        if o.stride() != (n, 1) or o.data_ptr() != at:
-            return False
-    return True
+def _rows_like(t: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether t lies in memory as the (M, N) contiguous buffer does."""
+    return t.shape == buffer.shape and t.dtype == buffer.dtype and t.is_contiguous()
 
 
 def _layer(block: nn.Module) -> _Layer:

@@ -75,11 +75,16 @@ def max_rows(x_dtype: torch.dtype, w_dtype: torch.dtype) -> int:
 
 
 @functools.cache
+def onednn_bf16() -> bool:
+    """Whether oneDNN has a bfloat16 GEMM on this CPU: it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and refuses to pack bfloat16 weights without them."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@functools.cache
 def _amx() -> bool:
     """Whether torch's oneDNN runs bfloat16 GEMMs on AMX tiles here."""
-    return bool(torch.cpu._is_amx_tile_supported()) and bool(
-        torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    return bool(torch.cpu._is_amx_tile_supported()) and onednn_bf16()
 
 
 def lanes() -> int:

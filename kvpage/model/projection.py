@@ -18,15 +18,13 @@ float32 GEMM (kvpage.model.widened)."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvpage.errors import InvariantViolation
 from kvpage.model.int8 import Int8Linear
-from kvpage.model.native_gemv import WeightGemv, max_rows
+from kvpage.model.native_gemv import WeightGemv, max_rows, onednn_bf16
 from kvpage.model.widened import widened_linear
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -38,16 +36,10 @@ def onednn_available() -> bool:
 
 
 def packable_dtype(dtype: torch.dtype) -> bool:
-    """Whether oneDNN's prepacked linear runs in this dtype on this CPU: its bfloat16 path
-    needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and refuses to pack without them."""
+    """Whether oneDNN's prepacked linear runs in this dtype on this CPU."""
     if dtype is torch.bfloat16:
-        return _onednn_bf16()
+        return onednn_bf16()
     return dtype in PACKABLE_DTYPES
-
-
-@functools.cache
-def _onednn_bf16() -> bool:
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Projection:
@@ -77,9 +69,9 @@ class Projection:
             self._pack()
         if self._use_gemv(x):
             return self._split(self._gemv(x))
-        if self._weight is None:  # oneDNN cannot pack this dtype on this CPU
+        y = self.packed_unchecked(x)  # the key was just checked
+        if y is None:  # oneDNN cannot pack this dtype on this CPU
             return self._unpacked(x)
-        y = torch.ops.mkldnn._linear_pointwise(x, self._weight, self._bias, "none", [], "")
         return self._split(y)
 
     def tensor_slots(self) -> list[tuple[dict, str]] | None:

@@ -94,7 +94,7 @@ def test_int8_projection_above_the_kernel_rows_takes_the_widened_path(monkeypatc
 
 
 def test_bfloat16_projection_that_onednn_cannot_pack_is_widened(monkeypatch):
-    monkeypatch.setattr(projection, "_onednn_bf16", lambda: False)  # as on an AVX2 CPU
+    monkeypatch.setattr(projection, "onednn_bf16", lambda: False)  # as on an AVX2 CPU
     monkeypatch.setenv("KVPAGE_GEMV_MAX_ROWS", "0")
     torch.manual_seed(4)
     layers = [nn.Linear(K, n).bfloat16() for n in (24, 8)]

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <omp.h>
 
+#include "exp_poly.h"
 #include "vectors.h"
 
 namespace {
@@ -56,25 +57,13 @@ inline fvec sum_each(const fvec* v) {
 }
 #endif
 
-// e^x for x <= 0 (scores minus their maximum), Cephes' single-precision polynomial: within
-// 2 ulp of expf, 0 below -87.3 where expf is subnormal or 0 (a softmax weight of < 1e-38).
+// e^x for x <= 0 (scores minus their maximum), within 2 ulp of expf (exp_poly.h), 0 below
+// -87.3 where expf is subnormal or 0 (a softmax weight of < 1e-38).
 inline fvec exp_nonpositive(fvec x) {
     const fvec lowest = fvec{} - 87.3f;
     const i32vec underflow = x < lowest;
     x = x < lowest ? lowest : x;
-    const fvec round = fvec{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-    const fvec n = (x * 1.44269504088896341f + round) - round;
-    const fvec r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    fvec p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const i32vec two_n = (__builtin_convertvector(n, i32vec) + 127) << 23;
-    fvec scale;
-    std::memcpy(&scale, &two_n, sizeof scale);
-    fvec e = p * scale;
+    fvec e = exp_in_range<fvec, i32vec>(x);
     i32vec bits;
     std::memcpy(&bits, &e, sizeof bits);
     bits &= ~underflow;
@@ -241,6 +230,12 @@ void attend_one(const T* q, const T* k, const T* v, const Pool& pool, const int6
     for (int64_t i = 0; i < G * D; i++) store(out_row + i, result[i]);
 }
 
+// One K or V row of C vectors, widened.
+template <int C, typename T>
+inline void load_row(const T* p, fvec* row) {
+    for (int c = 0; c < C; c++) row[c] = load(p + c * kLanes);
+}
+
 // attend_one for a compile-time G: each K and V row is loaded (and widened) once into registers
 // and used there by all G query heads, the heads' queries and accumulators held in registers
 // too (a 560-row bfloat16 decode ran ~1.5x faster). The same arithmetic in the same order as
@@ -265,9 +260,8 @@ void attend_one_g(const T* q, const T* k, const T* v, const Pool& pool, const in
         const int64_t n = len - t0 < kLanes ? len - t0 : kLanes;
         prefetch_rows(k, offsets + t0 + kLanes, len - t0 - kLanes, D);
         for (int64_t j = 0; j < n; j++) {
-            const T* kr = k + offsets[t0 + j];
             fvec row[C];
-            for (int c = 0; c < C; c++) row[c] = load(kr + c * kLanes);
+            load_row<C>(k + offsets[t0 + j], row);
             for (int g = 0; g < G; g++) {
                 fvec dot = qv[g][0] * row[0];
                 for (int c = 1; c < C; c++) dot += qv[g][c] * row[c];
@@ -287,9 +281,8 @@ void attend_one_g(const T* q, const T* k, const T* v, const Pool& pool, const in
         const int64_t n = len - t0 < kLanes ? len - t0 : kLanes;
         prefetch_rows(v, offsets + t0 + kLanes, len - t0 - kLanes, D);
         for (int64_t j = 0; j < n; j++) {
-            const T* vr = v + offsets[t0 + j];
             fvec row[C];
-            for (int c = 0; c < C; c++) row[c] = load(vr + c * kLanes);
+            load_row<C>(v + offsets[t0 + j], row);
             for (int g = 0; g < G; g++) {
                 const float p = scores[g * row_len + t0 + j];
                 for (int c = 0; c < C; c++) acc[g][c] += p * row[c];

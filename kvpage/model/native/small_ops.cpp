@@ -13,6 +13,8 @@
 #include <cstring>
 #include <omp.h>
 
+#include "exp_poly.h"
+
 namespace {
 
 typedef float f32x16 __attribute__((vector_size(64)));
@@ -67,19 +69,10 @@ inline f32x16 load16(const uint16_t* p) {
 
 inline void store16(float* p, f32x16 x) { std::memcpy(p, &x, sizeof x); }
 
-inline void store16(uint16_t* p, f32x16 x) {  // to nearest even, as BF16::bits, 16 at a time
-    u32x16 u;
-    std::memcpy(&u, &x, sizeof u);
-    const i32x16 nan = (u & 0x7fffffffu) > 0x7f800000u;
-    const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const u32x16 quiet = (u >> 16) | 0x40u;
-    const u16x16 half = __builtin_convertvector(nan ? quiet : rounded, u16x16);
-    std::memcpy(p, &half, sizeof half);
-}
-
 inline f32x16 round16(f32x16 x, F32) { return x; }
 
-inline f32x16 round16(f32x16 x, BF16) {  // to the nearest bfloat16, kept widened
+// To the nearest bfloat16 (even on a tie; NaN stays quiet), as BF16::bits, kept widened.
+inline f32x16 round16(f32x16 x, BF16) {
     u32x16 u;
     std::memcpy(&u, &x, sizeof u);
     const i32x16 nan = (u & 0x7fffffffu) > 0x7f800000u;
@@ -88,6 +81,14 @@ inline f32x16 round16(f32x16 x, BF16) {  // to the nearest bfloat16, kept widene
     f32x16 y;
     std::memcpy(&y, &u, sizeof y);
     return y;
+}
+
+inline void store16(uint16_t* p, f32x16 x) {
+    u32x16 u;
+    const f32x16 rounded = round16(x, BF16{});
+    std::memcpy(&u, &rounded, sizeof u);
+    const u16x16 half = __builtin_convertvector(u >> 16, u16x16);
+    std::memcpy(p, &half, sizeof half);
 }
 
 // sum of x[i]^2 over c values, the values as the dtype holds them widened to float32
@@ -194,28 +195,13 @@ void rotary(void* q, int64_t q_stride, int64_t q_heads, void* k, int64_t k_strid
     }
 }
 
-// e^x for 16 floats, Cephes' single-precision polynomial (within 2 ulp of expf): +inf past
-// expf's overflow, 0 below -87.3 (where expf is subnormal or 0; 1 + e^x is 1 either way).
+// e^x for 16 floats, within 2 ulp of expf (exp_poly.h): +inf past expf's overflow, 0 below
+// -87.3 (where expf is subnormal or 0; 1 + e^x is 1 either way).
 inline f32x16 exp16(f32x16 x) {
     const i32x16 overflow = x > 88.7228394f, underflow = x < -87.3f;
     x = underflow ? f32x16{} - 87.3f : x;
     x = overflow ? f32x16{} : x;
-    const f32x16 round = f32x16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-    const f32x16 n = (x * 1.44269504088896341f + round) - round;
-    const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    f32x16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    // 2^n as two factors: n reaches 128 below expf's overflow, -126 at the underflow cut.
-    const i32x16 whole = __builtin_convertvector(n, i32x16), half = whole >> 1;
-    const i32x16 bits_a = (half + 127) << 23, bits_b = (whole - half + 127) << 23;
-    f32x16 scale_a, scale_b;
-    std::memcpy(&scale_a, &bits_a, sizeof scale_a);
-    std::memcpy(&scale_b, &bits_b, sizeof scale_b);
-    const f32x16 e = p * scale_a * scale_b;
+    const f32x16 e = exp_in_range<f32x16, i32x16>(x);
     return overflow ? f32x16{} + INFINITY : (underflow ? f32x16{} : e);
 }
 
