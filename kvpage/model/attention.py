@@ -25,32 +25,46 @@ class AttentionBackend(Protocol):
         ...
 
 
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """(T, H, D) or (n, T, H, D) -> (1 or n, H, T, D): SDPA's layout, a view."""
+    x = x.transpose(-3, -2)
+    return x if x.dim() == 4 else x.unsqueeze(0)
+
+
+def _tokens_first(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """SDPA's (n, H, T, D) back to the layout of the query `like`."""
+    out = out.transpose(1, 2)
+    return out if like.dim() == 4 else out.squeeze(0)
+
+
 def masked_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q: (T, H, D); k, v: (S, KVH, D); mask: (T, S) bool, True = may attend -> (T, H, D)."""
+    """q: (T, H, D); k, v: (S, KVH, D); mask: (T, S) bool, True = may attend -> (T, H, D).
+    With a leading batch dim n on q, k and v, n sequences of the same shape share the mask."""
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),  # (1, H, T, D)
-        k.transpose(0, 1).unsqueeze(0),  # (1, KVH, S, D)
-        v.transpose(0, 1).unsqueeze(0),
+        _heads_first(q),
+        _heads_first(k),
+        _heads_first(v),
         attn_mask=mask,
         scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )  # (1, H, T, D)
-    return out.squeeze(0).transpose(0, 1)
+        enable_gqa=q.shape[-2] != k.shape[-2],
+    )
+    return _tokens_first(out, q)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """q: (T, H, D); k, v: (T, KVH, D), the same T tokens -> (T, H, D), causal."""
+    """q: (T, H, D); k, v: (T, KVH, D), the same T tokens -> (T, H, D), causal; a leading
+    batch dim as in masked_attention."""
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
+        _heads_first(q),
+        _heads_first(k),
+        _heads_first(v),
         is_causal=True,
         scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
+        enable_gqa=q.shape[-2] != k.shape[-2],
     )
-    return out.squeeze(0).transpose(0, 1)
+    return _tokens_first(out, q)
 
 
 def causal_mask(
@@ -68,9 +82,10 @@ def causal_mask(
 
 def windowed_causal_attention(q, k, v, scale: float, window: int | None) -> torch.Tensor:
     """causal_attention over one fresh sequence, within a sliding window when it is shorter."""
-    if window is None or window >= q.shape[0]:
+    t = q.shape[-3]
+    if window is None or window >= t:
         return causal_attention(q, k, v, scale)
-    return masked_attention(q, k, v, causal_mask(q.shape[0], k.shape[0], q.device, window), scale)
+    return masked_attention(q, k, v, causal_mask(t, k.shape[-3], q.device, window), scale)
 
 
 class NoCacheAttention:

@@ -3,7 +3,8 @@ writing KV through block tables into a pre-allocated pool.
 
 Per layer: the new tokens' K/V are written through `slot_mapping` (slot = block * B + offset), then
 decode tokens (one query each) attend in one batched SDPA over their gathered contexts, and each
-prefill chunk attends causally to its cached prefix and to itself.
+prefill chunk attends causally to its cached prefix and to itself (chunks of one shape in one
+call: kvpage.model.prefill_groups).
 
 Per-layer-group KV (kvpage.cache.groups): the metadata carries one view per group, and
 `paged_backend` sends each layer to its group's view, at the layer's row of the group's pages."""
@@ -18,6 +19,7 @@ import kvpage.model.native_attention as native_attention  # not `from kvpage.mod
 from kvpage.kv.storage import KVStorage
 from kvpage.model.attention import causal_mask, masked_attention, windowed_causal_attention
 from kvpage.model.decode_attention import decode_attention
+from kvpage.model.prefill_groups import PrefillGroup, group_prefills
 
 
 @dataclass(slots=True)
@@ -74,6 +76,7 @@ class PagedAttention:
         self._window_masks: dict[int, torch.Tensor] = {}  # window -> decode mask, per step
         self._window_starts: dict[int, torch.Tensor] = {}  # window -> the kernel's first rows
         self._prefill_masks: dict[tuple, torch.Tensor] = {}  # (T, S, window) -> causal mask
+        self._prefill_groups: list[PrefillGroup] | None = None  # built at the first layer
 
     def attend(self, layer: int, q, k, v, scale: float, window: int | None = None) -> torch.Tensor:
         # q: (N, H, D); k, v: (N, KVH, D). From here on k and v are what the pool holds for
@@ -85,9 +88,9 @@ class PagedAttention:
         if self.meta.decode_rows.numel():
             decoded = self._decode(q[self.meta.decode_rows], layer, scale, window)
             out[self.meta.decode_rows] = decoded
-        for chunk in self.meta.prefills:
-            rows = slice(chunk.token_start, chunk.token_end)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], chunk, layer, scale, window)
+        for group in self.prefill_groups():
+            rows = group.rows
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], group, layer, scale, window)
         return out
 
     def _decode(self, q_d, layer: int, scale: float, window: int | None) -> torch.Tensor:
@@ -145,16 +148,27 @@ class PagedAttention:
             )
         return self._native
 
-    def _prefill(self, q, k, v, chunk: PrefillChunk, layer: int, scale: float, window):
-        if chunk.context_slots is None:  # nothing cached before it: no gather needed
-            return windowed_causal_attention(q, k, v, scale, window)
-        k_ctx, v_ctx = self.storage.read_slots(layer, chunk.context_slots)  # (ctx, KVH, D)
-        return masked_attention(q, k_ctx, v_ctx, self._prefill_mask(q, k_ctx, window), scale)
+    def prefill_groups(self) -> list[PrefillGroup]:
+        if self._prefill_groups is None:
+            device = self.meta.slot_mapping.device
+            self._prefill_groups = group_prefills(self.meta.prefills, device)
+        return self._prefill_groups
+
+    def _prefill(self, q, k, v, group: PrefillGroup, layer: int, scale: float, window):
+        """q: (n * T, H, D), k, v: (n * T, KVH, D) of a group's n chunks -> (n * T, H, D)."""
+        q = group.split(q)
+        if group.context_slots is None:  # nothing cached before them: no gather needed
+            out = windowed_causal_attention(q, group.split(k), group.split(v), scale, window)
+            return out.flatten(0, 1)
+        k_ctx, v_ctx = self.storage.read_slots(layer, group.context_slots)  # (n * S, KVH, D)
+        k_ctx, v_ctx = group.split(k_ctx), group.split(v_ctx)
+        out = masked_attention(q, k_ctx, v_ctx, self._prefill_mask(q, k_ctx, window), scale)
+        return out.flatten(0, 1)
 
     def _prefill_mask(self, q: torch.Tensor, k_ctx: torch.Tensor, window: int | None):
         """The causal mask of T queries over S keys, built once per step for every layer (a
         shared-prefix step runs ~60 chunks a layer, and the mask is 4 torch ops)."""
-        key = (q.shape[0], k_ctx.shape[0], window)
+        key = (q.shape[-3], k_ctx.shape[-3], window)
         mask = self._prefill_masks.get(key)
         if mask is None:
             mask = self._prefill_masks[key] = causal_mask(*key[:2], q.device, window)
