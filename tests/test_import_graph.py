@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvpage"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors",),
+    ("errors", "host_memory"),  # host_memory: glibc malloc settings, imports nothing
     ("config", "sampling_params"),
     ("sampling",),
     ("cache",),

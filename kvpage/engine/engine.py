@@ -35,6 +35,7 @@ from kvpage.engine.sampler import Sampler
 from kvpage.engine.scheduler import Scheduler
 from kvpage.engine.sequence import SeqStatus, Sequence
 from kvpage.errors import InvalidConfig, InvalidRequest, LoRAError, WorkerFailure
+from kvpage.host_memory import keep_freed_memory
 from kvpage.kv.format import kv_format
 from kvpage.kv.storage import KVShard, KVStorage
 from kvpage.kv.swap_space import SwapSpace
@@ -61,6 +62,8 @@ class LLMEngine:
         tokenizer: Tokenizer | None = None,
     ) -> None:
         self.config = config
+        if config.device == "cpu":
+            keep_freed_memory()
         if model is None:
             model, tokenizer = load_model(
                 config.model,

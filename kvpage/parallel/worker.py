@@ -12,6 +12,7 @@ import torch
 
 from kvpage.config import ModelConfig
 from kvpage.errors import WorkerFailure
+from kvpage.host_memory import keep_freed_memory
 from kvpage.kv.format import kv_format
 from kvpage.kv.storage import KVStorage
 from kvpage.lora.apply import LoraContext
@@ -51,6 +52,7 @@ def worker_main(spec: WorkerSpec) -> None:
     _exit_with_parent(spec.parent_pid)
     os.environ.update(torchrun_env(spec))
     torch.set_num_threads(spec.num_threads)
+    keep_freed_memory()
     store = worker_store(spec.port, spec.world_size, spec.timeout_s)
     store.set(f"kvpage-ready-{spec.rank}", "1")
     try:
