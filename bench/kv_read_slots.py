@@ -58,10 +58,9 @@ def main() -> None:
             print(
                 f"{str(dtype):15s} {name:13s} min {min(v):7.2f} med {statistics.median(v):7.2f} ms"
             )
-        (o, n) = (times["dim-1 select"], times["read_slots"])
-        print(
-            f"{str(dtype):15s} old/new {min(o) / min(n):.2f}x ({statistics.median(o) / statistics.median(n):.2f}x)"
-        )
+        o, n = times["dim-1 select"], times["read_slots"]
+        best, med = min(o) / min(n), statistics.median(o) / statistics.median(n)
+        print(f"{str(dtype):15s} old/new {best:.2f}x ({med:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ Why: glibc serves a request above its mmap threshold (dynamic, 32 MiB at most) w
 mmap, and trims freed memory at the top of the heap back to the OS. A prefill's activations
 (a 993-token gate/up output is 16 MB in float32) are freed and asked for again every layer, so
 calls kept touching fresh pages: in a VM those page faults made the gate/up matmul take 42-53 ms
-instead of 14.5 ms, and the shared-prefix and batched bench workloads 1.3x longer
-(bench/prefill_memory.py: 167k page faults against 256). Raising both thresholds keeps the
-freed chunks in the heap for the next layer; the process then holds its peak working set
-instead of returning it between calls, as an engine that pre-allocates does anyway.
+instead of 14.5 ms, and the shared-prefix and batched fp32 bench workloads 1.07-1.09x
+longer (bench/prefill_memory.py: 113k page faults against 258 on the prefix; 1.3x while the
+context gather still made 34 MB copies, see KVStorage.read_slots). Raising both thresholds
+keeps the freed chunks in the heap for the next layer; the process then holds its peak working
+set instead of returning it between calls, as an engine that pre-allocates does anyway.
 
 Process-wide and glibc-only: elsewhere (musl, macOS) nothing changes. KVPAGE_KEEP_FREED_MEMORY=0
 leaves malloc as it is."""

@@ -23,7 +23,10 @@ for _ in range(8):
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 print(json.dumps({"kept": kept, "faults": faults}))
 """
-PAGES = 40_000_000 // 4096
+# A fresh 40 MB mapping faults at least once per page: 9,766 with 4 KiB pages, 20 where
+# transparent huge pages are always on. Memory kept in the heap faults none.
+FRESH = 40_000_000 // (2 << 20)
+FEW = 8
 
 
 def _probe(keep: str) -> dict:
@@ -38,8 +41,8 @@ def test_a_freed_activation_is_reused_without_page_faults():
     kept = _probe("1")
     assert kept["kept"] is True
     # The first few requests may still fault (the heap grows while torch's threads start).
-    assert all(f < PAGES // 10 for f in kept["faults"][4:]), kept
+    assert all(f < FEW for f in kept["faults"][4:]), kept
     # The same probe with the setting off faults the pages in again (the check can fail).
     plain = _probe("0")
     assert plain["kept"] is False
-    assert all(f > PAGES // 2 for f in plain["faults"][4:]), plain
+    assert all(f >= FRESH for f in plain["faults"][4:]), plain

@@ -25,9 +25,9 @@ namespace {
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
 typedef int8_t i8vec __attribute__((vector_size(KV_LANES)));
-// Activation rows per register tile (times NR = 4 weight rows, kTileRows): the accumulators, the weight
-// vectors and one x vector must fit the register file, or every step spills. AVX-512:
-// 16 + 4 + 1 of 32 registers; 16 registers (AVX2): 8 + 4 + 1.
+// Activation rows per register tile (times NR = 4 weight rows, kTileRows): the accumulators,
+// the weight vectors and one x vector must fit the register file, or every step spills.
+// AVX-512: 16 + 4 + 1 of 32 registers; 16 registers (AVX2): 8 + 4 + 1.
 constexpr int kMB = KV_LANES == 16 ? 4 : 2;
 constexpr int kMaxSegments = 8;
 
