@@ -141,18 +141,19 @@ class KVStorage:
 
     def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V (ctx, KVH, D) of the given slots, in the compute dtype."""
-        if self.format.quantized:
-            kv = self.data[layer].flatten(1, 2).index_select(1, slots)  # (2, ctx, KVH, D)
-            scales = self.scales[layer].flatten(1, 2).index_select(1, slots)  # (2, ctx, KVH)
-            kv = dequantize(self._codes(kv), scales, self.format.compute_dtype)
-            return kv[0], kv[1]
         # Two dim-0 selects, as gather_blocks: a shared-prefix step reads 31 x 544 slots a
         # layer, which one dim-1 select over (2, slots, ...) copied 1.8x slower in float32 and
         # bfloat16 (bench/kv_read_slots.py, 2 threads).
-        pool = self.data[layer]
+        pool, dtype = self.data[layer], self.format.compute_dtype
         k, v = (pool[i].flatten(0, 1).index_select(0, slots) for i in (0, 1))
-        if self.format.cast_only:
-            k, v = k.to(self.format.compute_dtype), v.to(self.format.compute_dtype)
+        if self.format.quantized:
+            scales = self.scales[layer]  # (2, NB, B, KVH)
+            k, v = (
+                dequantize(self._codes(x), scales[i].flatten(0, 1).index_select(0, slots), dtype)
+                for i, x in enumerate((k, v))
+            )
+        elif self.format.cast_only:
+            k, v = k.to(dtype), v.to(dtype)
         return k, v
 
     def gather_blocks(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
