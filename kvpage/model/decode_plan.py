@@ -29,6 +29,7 @@ from torch import nn
 import kvpage.model.native_attention as native_attention
 import kvpage.model.native_small_ops as native_small_ops
 from kvpage.model.layers import RMSNorm, SwiGLU
+from kvpage.model.native_decode_step import FusedStep
 from kvpage.model.native_gemv import WeightGemv
 from kvpage.model.paged_attention import PagedAttention
 from kvpage.model.projection import Projection, tensor_version
@@ -94,13 +95,15 @@ class LlamaDecodePlan:
         self._hook_dicts = [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
         # Every norm's parameter dict, in call order: input norms, post norms, the final norm.
         self._norm_params = [n._parameters for n in self._norms()]
-        self._norm_eps = [n.eps for n in self._norms()]
+        self.norm_eps = [n.eps for n in self._norms()]
         slots = [layer.projections() for layer in self.layers]
         found = [p.tensor_slots() for four in slots for p in four]
         self._weight_slots = None if None in found else [s for f in found for s in f]
         self._kernel_cache: dict[tuple[int, torch.dtype], tuple[tuple, list]] = {}
         self._buffers: dict[tuple[int, torch.dtype], _Buffers] = {}
         self._pools: tuple[tuple, native_attention.PoolLayout] | None = None
+        self._fused: dict[tuple[int, torch.dtype], tuple[tuple, FusedStep | None]] = {}
+        self.one_call = True  # the layers' calls from one native call where FusedStep takes them
 
     @classmethod
     def build(
@@ -173,7 +176,12 @@ class LlamaDecodePlan:
         )
         n = len(self.layers)
         w = [params["weight"].data_ptr() for params in self._norm_params]  # inputs, posts, final
-        eps = self._norm_eps
+        fused = self._fused_step(buf, kernels, pools, w) if self.one_call else None
+        if fused is not None and decode.tables.shape[0] == m:
+            hidden = torch.empty_like(x)
+            fused.run(x, cos, sin, slots, decode, hidden, threads)
+            return hidden
+        eps = self.norm_eps
         # Byte offsets of k and v in a q/k/v row, of up in a gate/up row: each projection
         # returns where its rows start (the plan's buffer, or a _ProjectionInto's own output).
         elem = x.element_size()
@@ -207,6 +215,19 @@ class LlamaDecodePlan:
                 raise ValueError(f"a KV pool {tuple(data.shape)} {data.dtype} for this model")
             self._pools = (key, layout)
         return self._pools[1]
+
+    def _fused_step(
+        self, buf: _Buffers, kernels: list, pools: native_attention.PoolLayout, norms: list[int]
+    ) -> FusedStep | None:
+        """The one-call step over these buffers, kernels, pool and norm weights, built when one
+        of them changes (the kernels compared by identity: _kernels keeps its list while the
+        weights stay)."""
+        key = (buf.h.shape[0], buf.h.dtype)
+        cached = self._fused.get(key)
+        current = (kernels, pools, norms)
+        if cached is None or cached[0][0] is not kernels or cached[0][1:] != current[1:]:
+            cached = self._fused[key] = (current, FusedStep.of(self, buf, kernels, pools, norms))
+        return cached[1]
 
     def _kernels(self, buf: _Buffers) -> list[tuple[WeightGemv | _ProjectionInto, ...]]:
         """Per layer the kernels of q/k/v, o, gate/up and down over the current weights: the

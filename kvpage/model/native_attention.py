@@ -39,6 +39,11 @@ def _library() -> ctypes.CDLL | None:
     return native_build.load(SOURCE, "paged decode attention", _bind, flags=FLAGS)
 
 
+def library() -> ctypes.CDLL | None:
+    """The built kernels (None where they are not), for kvpage.model.native_decode_step."""
+    return _library()
+
+
 def build(compiler: str) -> Path:
     """The shared library for this source, flags and CPU, compiled once into the cache dir."""
     return native_build.build(SOURCE, compiler, FLAGS)
@@ -109,16 +114,13 @@ class PagedDecode:
         elif out.shape != q.shape or out.dtype != q.dtype or not _rows_of_heads(out):
             raise ValueError(f"out {tuple(out.shape)} {out.stride()} for q {tuple(q.shape)}")
         threads = torch.get_num_threads()
-        per_thread = _library().kvpage_scratch_floats(h, kvh, d, self.tables.shape[1] * b)
-        if self._scratch is None or self._scratch.numel() < threads * per_thread:
-            self._scratch = torch.empty(threads * per_thread, dtype=torch.float32)
+        scratch, per_thread = self.scratch(h, kvh, d, b, threads)
         st = k_pool.stride()
         _library().kvpage_paged_decode(
             DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k_pool.data_ptr(),
             v_pool.data_ptr(), st[0], st[1], st[2], self.tables.data_ptr(), self.lens.data_ptr(),
             None if starts is None else starts.data_ptr(), out.data_ptr(), out.stride(0),
-            s, h, kvh, d, b, self.tables.shape[1], scale, self._scratch.data_ptr(), per_thread,
-            threads,
+            s, h, kvh, d, b, self.tables.shape[1], scale, scratch, per_thread, threads,
         )  # fmt: skip
         return out
 
@@ -129,17 +131,24 @@ class PagedDecode:
         (kvpage.model.decode_plan). Attends from row 0 (no sliding window)."""
         s = self.tables.shape[0]
         d, kvh = pools.head_dim, pools.kv_heads
-        per_thread = _library().kvpage_scratch_floats(
-            heads, kvh, d, self.tables.shape[1] * pools.block_size
-        )
-        if self._scratch is None or self._scratch.numel() < threads * per_thread:
-            self._scratch = torch.empty(threads * per_thread, dtype=torch.float32)
+        scratch, per_thread = self.scratch(heads, kvh, d, pools.block_size, threads)
         k, v = pools.addresses(layer)
         _library().kvpage_paged_decode(
             pools.dtype_code, q, q_stride, k, v, *pools.strides, self.tables.data_ptr(),
             self.lens.data_ptr(), None, out, out_stride, s, heads, kvh, d, pools.block_size,
-            self.tables.shape[1], scale, self._scratch.data_ptr(), per_thread, threads,
+            self.tables.shape[1], scale, scratch, per_thread, threads,
         )  # fmt: skip
+
+    def scratch(
+        self, heads: int, kv_heads: int, head_dim: int, block_size: int, threads: int
+    ) -> tuple[int, int]:
+        """The kernel's scratch for this step's tables on `threads` threads, kept between
+        layers: (its address, floats per thread)."""
+        max_len = self.tables.shape[1] * block_size
+        per_thread = _library().kvpage_scratch_floats(heads, kv_heads, head_dim, max_len)
+        if self._scratch is None or self._scratch.numel() < threads * per_thread:
+            self._scratch = torch.empty(threads * per_thread, dtype=torch.float32)
+        return self._scratch.data_ptr(), per_thread
 
     def _check(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
         s, h, d = q.shape

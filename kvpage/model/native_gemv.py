@@ -97,6 +97,11 @@ def _library() -> ctypes.CDLL | None:
     return native_build.load(SOURCE, "the weight GEMV", _bind)
 
 
+def library() -> ctypes.CDLL | None:
+    """The built kernel (None where it is not), for kvpage.model.native_decode_step."""
+    return _library()
+
+
 MAX_SEGMENTS = 8  # kMaxSegments in the kernel
 
 
@@ -188,6 +193,11 @@ class WeightGemv:
             raise ValueError(f"out {tuple(out.shape)} {out.dtype} for ({m}, {self.out_features})")
         self._call(self._plan, x2.data_ptr(), k, m, y.data_ptr(), torch.get_num_threads())
         return y if len(shape) == 2 else y.view(*shape[:-1], self.out_features)
+
+    def plan_address(self) -> int:
+        """Where the kernel's plan of these weights lies, for a native caller
+        (kvpage.model.native_decode_step) that keeps this object alive while it calls."""
+        return ctypes.addressof(self._plan.contents)
 
     def run_unchecked(self, x: int, ldx: int, m: int, y: int, threads: int) -> int:
         """The kernel on raw addresses, no checks: for a caller that checked its buffers against

@@ -7,6 +7,7 @@ KV-row write, silu * up, attention on strided q) against the torch code they sta
 from __future__ import annotations
 
 import copy
+import ctypes
 import pickle
 
 import pytest
@@ -18,6 +19,7 @@ from kvpage.model import (
     load_model,
     native_attention,
     native_build,
+    native_decode_step,
     native_small_ops,
 )
 from kvpage.model.decode_plan import LlamaDecodePlan
@@ -55,10 +57,27 @@ def plan_runs(monkeypatch) -> list[bool]:
     return runs
 
 
+@pytest.fixture
+def one_call_runs(monkeypatch) -> list[int]:
+    """Per call of FusedStep.run (the layers' calls from one native call): its row count."""
+    runs: list[int] = []
+    run = native_decode_step.FusedStep.run
+
+    def counted(self, x, *args):
+        runs.append(x.shape[0])
+        return run(self, x, *args)
+
+    monkeypatch.setattr(native_decode_step.FusedStep, "run", counted)
+    return runs
+
+
 def _engine(
-    directory, hook: bool = False, n: int = 3, **kw
+    directory, hook: bool = False, n: int = 3, one_call: bool = True, **kw
 ) -> tuple[list[list[int]], list[list[float]]]:
     llm = LLM(str(directory), num_blocks=128, seed=0, debug_checks=True, **kw)
+    plan = llm.engine.model.decode_plan()
+    if plan is not None:
+        plan.one_call = one_call
     if hook:  # a forward hook on one MLP: the plan would skip it
         llm.engine.model.model.layers[1].mlp.register_forward_hook(lambda *a: None)
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
@@ -83,12 +102,17 @@ def _hf_error(hf_model, tokens: list[list[int]], logprobs: list[list[float]]) ->
     return worst
 
 
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-call", "python-loop"])
 @pytest.mark.parametrize("name", ["llama-gqa-8q-2kv", "llama-tied", "qwen2-bias", "llama-mqa"])
-def test_every_decode_step_runs_on_the_plan_and_matches_hf(name, tmp_path, plan_runs):
+def test_every_decode_step_runs_on_the_plan_and_matches_hf(
+    name, one_call, tmp_path, plan_runs, one_call_runs
+):
     hf_model = save_hf(name, tmp_path)
-    tokens, logprobs = _engine(tmp_path, dtype="float32")
-    # Three prompts prefilled together, then decode-only steps to the end: all on the plan.
+    tokens, logprobs = _engine(tmp_path, dtype="float32", one_call=one_call)
+    # Three prompts prefilled together, then decode-only steps to the end: all on the plan,
+    # and (the GEMV taking three rows in every dtype) all from one native call where asked.
     assert len(plan_runs) >= TOKENS - 1 and all(plan_runs)
+    assert len(one_call_runs) == (len(plan_runs) if one_call else 0)
     err = _hf_error(hf_model, tokens, logprobs)
     assert err <= ATOL, f"{name}: logprob error {err:.3g} against HF on the decode plan"
 
@@ -112,19 +136,43 @@ def test_rows_beyond_the_gemv_take_the_projections_own_path_on_the_plan(
     assert err <= ATOL, f"logprob error {err:.3g} against HF at 24 rows on the decode plan"
 
 
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-call", "python-loop"])
 def test_k_and_v_written_into_each_others_pool_on_the_plan_is_caught(
-    tmp_path, plan_runs, monkeypatch
+    one_call, tmp_path, plan_runs, one_call_runs, monkeypatch
 ):
+    """The planted write swaps K and V: through PoolLayout.write_unchecked for the Python loop,
+    and for the one native call through the entry point it calls (a ctypes callback of the
+    kernel's signature in its place)."""
     hf_model = save_hf("llama-gqa-8q-2kv", tmp_path)
-    honest = native_attention.PoolLayout.write_unchecked
+    if one_call:
+        _plant_swapped_write_in_the_one_call(monkeypatch)
+    else:
+        honest = native_attention.PoolLayout.write_unchecked
 
-    def swapped(self, layer, k, v, row_stride, slots, n):
-        honest(self, layer, v, k, row_stride, slots, n)
+        def swapped(self, layer, k, v, row_stride, slots, n):
+            honest(self, layer, v, k, row_stride, slots, n)
 
-    monkeypatch.setattr(native_attention.PoolLayout, "write_unchecked", swapped)
-    tokens, logprobs = _engine(tmp_path, dtype="float32")
+        monkeypatch.setattr(native_attention.PoolLayout, "write_unchecked", swapped)
+    tokens, logprobs = _engine(tmp_path, dtype="float32", one_call=one_call)
     assert plan_runs and all(plan_runs)
+    assert bool(one_call_runs) == one_call
     assert _hf_error(hf_model, tokens, logprobs) > 100 * ATOL
+
+
+def _plant_swapped_write_in_the_one_call(monkeypatch) -> None:
+    honest = native_decode_step.kernels()
+    write = native_attention.library().kvpage_paged_write
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+
+    def swapped(dtype, k, v, src_stride, k_pool, v_pool, *rest):
+        write(dtype, v, k, src_stride, k_pool, v_pool, *rest)
+
+    callback = ctypes.CFUNCTYPE(None, ctypes.c_int, ptr, ptr, i64, ptr, ptr, i64, i64, i64, ptr,
+                                i64, i64, i64, i64)(swapped)  # fmt: skip
+    planted = type(honest).from_buffer_copy(honest)
+    planted.paged_write = ctypes.cast(callback, ptr).value
+    planted.keep = callback  # alive while the engine runs
+    monkeypatch.setattr(native_decode_step, "kernels", lambda: planted)
 
 
 @pytest.mark.parametrize("name", ["mistral-window", "smollm3", "qwen3", "gemma3", "gpt2"])
