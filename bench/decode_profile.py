@@ -12,7 +12,7 @@ kvpage engine and steps it until every sequence decodes. Then `--windows` consec
 `--steps` decode steps are timed: per step the wall time of `engine.step()`, the model's share
 (forward hooks on the model and its LM head: no profiler running; of it, the linear layers'
 share, from a timer around every Projection call and every weight GEMV and packed oneDNN
-call the decode plan makes itself) and the rest, in ms and as a % (target: non-model <= 10%
+call, AMX kernel call and packed oneDNN call the decode plan makes itself) and the rest, in ms and as a % (target: non-model <= 10%
 at batch 32), in wall time and in this process's CPU time (with
 `--threads 1` the CPU time is the one to compare across runs on a shared machine: waiting for a
 core does not count). Last, one window under cProfile (Python functions by self
@@ -36,6 +36,7 @@ import transformers
 from throughput import BLOCK_SIZE, FIRST_TOKEN_ID, MODELS, build_model
 
 from kvpage import LLM, SamplingParams
+from kvpage.model.native_amx import AmxLinear
 from kvpage.model.native_gemv import WeightGemv
 from kvpage.model.projection import Projection
 
@@ -87,8 +88,9 @@ class ModelClock:
 
         Projection.__call__ = timing(Projection.__call__)
         Projection.packed_unchecked = timing(Projection.packed_unchecked)
-        WeightGemv.__call__ = timing(WeightGemv.__call__)
-        WeightGemv.run_unchecked = timing(WeightGemv.run_unchecked)
+        for kernel in (WeightGemv, AmxLinear):
+            kernel.__call__ = timing(kernel.__call__)
+            kernel.run_unchecked = timing(kernel.run_unchecked)
 
     def _enter(self, *_) -> None:
         self._start = {name: clock() for name, clock in CLOCKS.items()}

@@ -36,7 +36,8 @@ gate_up 768->4096, down 2048->768, LM head 768->32000) and rows of x, the micros
 of kvpage's kernel and of torch's (int8: aten::_weight_int8pack_mm; bf16 and fp32: oneDNN with a
 prepacked weight, as kvpage.model.projection calls it), min and median over calls that cycle
 through enough weight copies to exceed the L3 (so weights come from memory, as in a model).
-kvpage.model.native_gemv.MAX_ROWS comes from it.
+kvpage.model.native_gemv.MAX_ROWS comes from it. For bf16 where the CPU has AMX, an `amx` column
+times kvpage.model.native_amx's tile kernel too (to its 32 rows): its MIN_ROWS comes from it.
 
 Decode-step mode (the default):
 The model is bench/throughput.py's `--models 120m` / `125m` shape (12 layers, d=768, ffn 2048,
@@ -66,7 +67,14 @@ import torch
 
 from kvpage import LLM, LLMEngine, SamplingParams
 from kvpage.config import EngineConfig, ModelConfig, RopeConfig
-from kvpage.model import build_model, init_seeded_, native_gemv, quantize_model_, resolve_dtype
+from kvpage.model import (
+    build_model,
+    init_seeded_,
+    native_amx,
+    native_gemv,
+    quantize_model_,
+    resolve_dtype,
+)
 from kvpage.model.int8 import Int8Linear, quantize_per_channel
 from kvpage.model.projection import packable_dtype
 from kvpage.model.widened import widened_linear
@@ -439,7 +447,9 @@ def kernel_sweep(args) -> None:
         print(f"== {name}")
         for k, n in SWEEP_SHAPES[: args.shapes]:
             copies = int(96e6 // (n * k * wbytes)) + 1  # together beyond the L3
-            paths = [sweep_paths(torch.randn(n, k) * 0.02, name, x_dtype) for _ in range(copies)]
+            weights = [torch.randn(n, k) * 0.02 for _ in range(copies)]
+            paths = [sweep_paths(w, name, x_dtype) for w in weights]
+            amx = amx_paths(weights, name)
             for m in rows:
                 x = torch.randn(m, k).to(x_dtype)
                 times = [time_calls([lambda f=p[i], x=x: f(x) for p in paths]) for i in range(3)]
@@ -450,6 +460,9 @@ def kernel_sweep(args) -> None:
                     if name == "fp32"
                     else f"  widened {wide[0] * 1e6:8.1f} / {wide[1] * 1e6:8.1f}"
                 )
+                if amx and m <= native_amx.MAX_ROWS:
+                    t = time_calls([lambda f=f, x=x: f(x) for f in amx])
+                    widened += f"  amx {t[0] * 1e6:8.1f} / {t[1] * 1e6:8.1f}"
                 print(
                     f"K {k:5d} N {n:6d} rows {m:4d}  kernel {mine[0] * 1e6:8.1f} / "
                     f"{mine[1] * 1e6:8.1f} ({gbs:5.1f} GB/s)  torch {theirs[0] * 1e6:8.1f} / "
@@ -457,6 +470,13 @@ def kernel_sweep(args) -> None:
                     f"{theirs[1] / mine[1]:5.2f}{widened}",
                     flush=True,
                 )
+
+
+def amx_paths(weights: list[torch.Tensor], name: str) -> list:
+    """The AMX kernel (kvpage.model.native_amx) on the same weights in bf16, where it runs."""
+    if name != "bf16" or not native_amx.available() or not native_amx.fits(*weights[0].shape):
+        return []
+    return [native_amx.AmxLinear(w.to(torch.bfloat16).contiguous(), None) for w in weights]
 
 
 def sweep_paths(w: torch.Tensor, name: str, x_dtype: torch.dtype):

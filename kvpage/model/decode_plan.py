@@ -328,8 +328,8 @@ class LlamaDecodePlan:
 
 
 class _ProjectionInto:
-    """A projection the weight GEMV does not take at these rows (float32 above its row limit,
-    bfloat16 above 4 with AMX): oneDNN's packed matmul, else the Projection's own path (widened
+    """A projection neither native kernel takes at these rows (float32 above the GEMV's row
+    limit, bfloat16 above the AMX kernel's 32): oneDNN's packed matmul, else the Projection's own path (widened
     int8, unpacked bfloat16), on the plan's input buffer. Called like WeightGemv.run_unchecked
     (the addresses passed are those of the buffers it was built on); returns where its output
     rows start: the matmul's own output, kept until the next call, where it is one (M, N)

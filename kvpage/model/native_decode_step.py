@@ -108,7 +108,8 @@ class FusedStep:
     Holds the layers' array and the GEMVs: the C side reads their plans through raw pointers."""
 
     def __init__(self, step: _Step, layers: ctypes.Array, gemvs: list) -> None:
-        self._step, self._layers, self._gemvs = step, layers, gemvs
+        self._step, self._layers = step, layers
+        self.gemvs = gemvs  # the weight GEMVs a run calls, in order (q/k/v, o, gate/up, down)
         self._kernels = kernels()
 
     @classmethod

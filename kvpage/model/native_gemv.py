@@ -48,7 +48,8 @@ KINDS = {
 # kernel's re-reading of x for every few weight rows costs more than widening the weight once.
 # With AMX (a Sapphire Rapids Xeon) oneDNN's bf16 GEMM runs on tiles and is bandwidth-bound
 # from one row up: the kernel is 1.1-1.4x its speed to 4 rows, 0.6-0.8x at 8, 0.3x at 16
-# (bench/int8_weights.py --kernel-sweep --kinds bf16, 2 threads).
+# (bench/int8_weights.py --kernel-sweep --kinds bf16, 2 threads). From 3 rows kvpage's own AMX
+# kernel (kvpage.model.native_amx) takes them where it is built, ahead of both.
 ALL_ROWS = 1 << 62
 MAX_ROWS = {
     16: {0: ALL_ROWS, 1: ALL_ROWS, 2: 16, 3: 8},

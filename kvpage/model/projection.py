@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kvpage.model.native_amx as native_amx
 from kvpage.errors import InvariantViolation
 from kvpage.model.int8 import Int8Linear
 from kvpage.model.native_gemv import WeightGemv, max_rows, onednn_bf16
@@ -56,6 +57,7 @@ class Projection:
         self._bias: torch.Tensor | None = None
         self._gemv: WeightGemv | None = None  # built with the pack, if it runs
         self._gemv_rows = 0  # the most rows of x it takes
+        self._amx: native_amx.AmxLinear | None = None  # bfloat16 at 3-32 rows where the CPU has AMX
         # Where each float layer keeps its tensors (read on every call for the cache key: a dict
         # lookup, not nn.Module.__getattr__, which cost more than the batch-1 matmul it guards).
         self._slots = [_slots(lin) for lin in linears]
@@ -67,6 +69,8 @@ class Projection:
             return self._plain(x)
         if self._key != self._current_key():
             self._pack()
+        if self._use_amx(x):
+            return self._split(self._amx(x))
         if self._use_gemv(x):
             return self._split(self._gemv(x))
         y = self.packed_unchecked(x)  # the key was just checked
@@ -90,10 +94,10 @@ class Projection:
                     found.append((owner, name))
         return found
 
-    def gemv_for(self, x: torch.Tensor) -> WeightGemv | None:
-        """The native kernel this call would run on x, over the layers' current tensors, or
-        None where another path would (kvpage.model.decode_plan calls it with its own output
-        buffers)."""
+    def gemv_for(self, x: torch.Tensor) -> WeightGemv | native_amx.AmxLinear | None:
+        """The native kernel this call would run on x (the weight GEMV, or the AMX kernel), over
+        the layers' current tensors, or None where another path would
+        (kvpage.model.decode_plan calls it with its own output buffers)."""
         if self.int8:
             if self._key != self._current_key():
                 self._refresh_int8()
@@ -101,6 +105,8 @@ class Projection:
             return None
         elif self._key != self._current_key():
             self._pack()
+        if self._use_amx(x):
+            return self._amx
         return self._gemv if self._use_gemv(x) else None
 
     def packed_unchecked(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -128,6 +134,15 @@ class Projection:
         return (
             0 < _rows(x) <= self._gemv_rows
             and x.dtype == self._gemv.x_dtype
+            and x.is_cpu
+            and not x.requires_grad
+        )
+
+    def _use_amx(self, x: torch.Tensor) -> bool:
+        return (
+            self._amx is not None
+            and native_amx.MIN_ROWS <= _rows(x) <= native_amx.MAX_ROWS
+            and x.dtype is torch.bfloat16
             and x.is_cpu
             and not x.requires_grad
         )
@@ -182,16 +197,22 @@ class Projection:
 
     def _pack(self) -> None:
         with torch.no_grad():
-            self._weight = self._bias = None
+            self._weight = self._bias = self._amx = None
             dtype = self.linears[0].weight.dtype
             if onednn_available() and packable_dtype(dtype):
                 weight = torch.cat([lin.weight.detach() for lin in self.linears])
                 self._weight = torch.ops.mkldnn._reorder_linear_weight(weight)
                 biases = [_bias(lin) for lin in self.linears]
                 self._bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+                if dtype is torch.bfloat16 and native_amx.available() and _amx_fits(weight):
+                    self._amx = native_amx.AmxLinear(weight, self._bias)
             weights = [lin.weight.detach() for lin in self.linears]
             self._build_gemv(weights, [None] * len(weights), weights[0].dtype)
         self._key = self._current_key()
+
+
+def _amx_fits(weight: torch.Tensor) -> bool:
+    return weight.is_cpu and native_amx.fits(*weight.shape)
 
 
 def _rows(x: torch.Tensor) -> int:

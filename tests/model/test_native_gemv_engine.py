@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvpage import LLM, SamplingParams
-from kvpage.model import native_attention, native_build, native_gemv
+from kvpage.model import native_attention, native_build, native_decode_step, native_gemv
 from kvpage.model.native_gemv import WeightGemv
 
 # Skipped only without a compiler (or with native kernels switched off): a kernel that fails to
@@ -53,8 +53,14 @@ def _kernel_rows(monkeypatch) -> list[tuple[int, int]]:
         calls.append((m, self.out_features))
         return unchecked(self, x, ldx, m, y, threads)
 
+    def counting_one_call(self, x, *args):  # the plan's layers from one native call
+        calls.extend((x.shape[0], gemv.out_features) for gemv in self.gemvs)
+        return one_call(self, x, *args)
+
+    one_call = native_decode_step.FusedStep.run
     monkeypatch.setattr(WeightGemv, "__call__", counting)
     monkeypatch.setattr(WeightGemv, "run_unchecked", counting_unchecked)
+    monkeypatch.setattr(native_decode_step.FusedStep, "run", counting_one_call)
     return calls
 
 

@@ -1,0 +1,110 @@
+"""The AMX bfloat16 linear (kvpage.model.native_amx) against a float64 oracle, and where
+Projection takes it: bfloat16 inputs of 3-32 rows, its own copy of the weights kept current.
+Runs where torch reports AMX tiles and the kernel builds (a Sapphire Rapids or later Xeon);
+elsewhere the kernel does not exist and these rows go to oneDNN, which other tests cover."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kvpage.model import native_amx
+from kvpage.model.native_amx import AmxLinear
+from kvpage.model.projection import Projection
+
+pytestmark = pytest.mark.skipif(not native_amx.available(), reason="needs AMX tiles")
+
+
+def _oracle(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().T
+    return y if b is None else y + b.double()
+
+
+def _assert_rounded_sum(y: torch.Tensor, x, w, b) -> None:
+    """y within one bfloat16 rounding (2^-8 relative) plus float32 accumulation error of the
+    exact sum."""
+    exact = _oracle(x, w, b)
+    magnitude = x.double().abs() @ w.double().abs().T
+    bound = exact.abs() * 2**-8 + magnitude * x.shape[-1] * 2**-24 + 1e-30
+    err = (y.double() - exact).abs()
+    assert bool((err <= bound).all()), f"worst excess {float((err - bound).max()):.3g}"
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 16, 17, 31, 32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_kernel_is_the_exact_sum_rounded_once(rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    n, k = 96, 160
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    _assert_rounded_sum(AmxLinear(w, b)(x), x, w, b)
+
+
+def test_rows_a_stride_apart_and_an_output_buffer():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 64, generator=g).bfloat16()
+    wide = torch.randn(5, 128, generator=g).bfloat16()
+    x = wide[:, 32:96]  # rows 128 apart: copied to contiguous rows by __call__
+    out = torch.empty(5, 64, dtype=torch.bfloat16)
+    y = AmxLinear(w, None)(x, out)
+    assert y is out
+    _assert_rounded_sum(y, x, w, None)
+    y2 = torch.empty(5, 64, dtype=torch.bfloat16)
+    AmxLinear(w, None).run_unchecked(wide.data_ptr() + 64, 128, 5, y2.data_ptr(), 2)
+    assert torch.equal(y2, y)  # the raw call reads the strided rows where they lie
+
+
+@pytest.mark.parametrize("shape", [(48, 64), (64, 48)])
+def test_shapes_off_the_tile_grid_are_refused(shape):
+    assert not native_amx.fits(*shape)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        AmxLinear(torch.zeros(shape, dtype=torch.bfloat16), None)
+
+
+def test_more_rows_than_one_pass_are_refused():
+    linear = AmxLinear(torch.zeros(32, 32, dtype=torch.bfloat16), None)
+    with pytest.raises(ValueError, match="1 to 32"):
+        linear(torch.zeros(native_amx.MAX_ROWS + 1, 32, dtype=torch.bfloat16))
+
+
+def _counted(monkeypatch) -> list[int]:
+    rows: list[int] = []
+    call = AmxLinear.__call__
+
+    def counting(self, x, out=None):
+        rows.append(x.numel() // x.shape[-1])
+        return call(self, x, out)
+
+    monkeypatch.setattr(AmxLinear, "__call__", counting)
+    return rows
+
+
+def test_projection_takes_it_at_decode_rows_only(monkeypatch):
+    rows = _counted(monkeypatch)
+    torch.manual_seed(0)
+    q, k = nn.Linear(64, 64, bias=True).bfloat16(), nn.Linear(64, 32, bias=True).bfloat16()
+    proj = Projection(q, k)
+    with torch.inference_mode():
+        for m in (1, 2, 3, 32, 33, 200):
+            x = torch.randn(m, 64).bfloat16()
+            yq, yk = proj(x)
+            _assert_rounded_sum(yq, x, q.weight, q.bias)
+            _assert_rounded_sum(yk, x, k.weight, k.bias)
+    assert rows == [3, 32]
+
+
+def test_an_in_place_weight_update_repacks(monkeypatch):
+    rows = _counted(monkeypatch)
+    lin = nn.Linear(64, 64, bias=False).bfloat16()
+    proj = Projection(lin)
+    x = torch.randn(8, 64).bfloat16()
+    with torch.inference_mode():
+        proj(x)
+    with torch.no_grad():
+        lin.weight.mul_(-2)
+    with torch.inference_mode():
+        (y,) = proj(x)
+    assert rows == [8, 8]
+    _assert_rounded_sum(y, x, lin.weight, None)
