@@ -17,8 +17,8 @@ windows, q/k norms, NoPE layers, partial rotary, other families, tensor-parallel
 size the attention kernel lacks); `takes(x, attn)` says per step whether it runs: a decode-only
 paged step, one KV group in the model's dtype, no adapter rows, no module hooks, no autograd.
 Otherwise the modules run. A projection the weight GEMV does not take at the step's rows runs
-its Projection's own path into the plan's buffer. Where every projection is a weight GEMV, the
-per-layer calls are made from one native call (kvpage.model.native_decode_step: the same kernels
+its Projection's own path into the plan's buffer. Where every projection is a native kernel
+(the weight GEMV, or the AMX kernel), the per-layer calls are made from one native call (kvpage.model.native_decode_step: the same kernels
 in the same order, ~1.1x at batch 1 in bfloat16); `one_call = False` keeps the Python loop."""
 
 from __future__ import annotations

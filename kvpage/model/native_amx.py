@@ -57,7 +57,18 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvpage_amx_pack.argtypes = [ptr, i64, i64, ptr]
     lib.kvpage_amx_linear.restype = None
     lib.kvpage_amx_linear.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, ctypes.c_int]
+    lib.kvpage_amx_run.restype = None
+    lib.kvpage_amx_run.argtypes = [ctypes.POINTER(_Plan), ptr, i64, i64, ptr, ctypes.c_int]
     return lib
+
+
+class _Plan(ctypes.Structure):  # AmxPlan in the kernel
+    _fields_ = [
+        ("packed", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("out_features", ctypes.c_int64),
+        ("in_features", ctypes.c_int64),
+    ]
 
 
 class AmxLinear:
@@ -81,8 +92,9 @@ class AmxLinear:
         lib.kvpage_amx_pack(weight.data_ptr(), n, k, self.packed.data_ptr())
         self.bias = None if bias is None else bias.detach().contiguous()
         self.in_features, self.out_features = k, n
-        self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
-        self._call = lib.kvpage_amx_linear
+        bias_ptr = None if self.bias is None else self.bias.data_ptr()
+        self._plan = ctypes.pointer(_Plan(self.packed.data_ptr(), bias_ptr, n, k))
+        self._call = lib.kvpage_amx_run
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x (..., K) bfloat16 on CPU, at most MAX_ROWS rows -> (..., N), into `out` (M, N)
@@ -108,6 +120,14 @@ class AmxLinear:
     def run_unchecked(self, x: int, ldx: int, m: int, y: int, threads: int) -> int:
         """The kernel on raw addresses (x: m rows ldx apart; y: (m, N) contiguous), no checks:
         for a caller that checked its buffers once (kvpage.model.decode_plan). Returns y."""
-        n, k = self.out_features, self.in_features
-        self._call(self.packed.data_ptr(), self._bias_ptr, x, ldx, m, n, k, y, n, threads)
+        self._call(self._plan, x, ldx, m, y, threads)
         return y
+
+    def plan_address(self) -> int:
+        """Where the kernel's plan of this layer lies, for a native caller
+        (kvpage.model.native_decode_step) that keeps this object alive while it calls."""
+        return ctypes.addressof(self._plan.contents)
+
+    def entry_address(self) -> int:
+        """The address of the entry point that takes plan_address() as its first argument."""
+        return ctypes.cast(self._call, ctypes.c_void_p).value

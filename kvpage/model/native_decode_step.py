@@ -1,12 +1,13 @@
 """A Llama decode step's kernel calls made from one native call (native/decode_step.cpp): the
-loop over layers of kvpage.model.decode_plan in C, calling the weight GEMV, small-op and paged
-attention kernels through their entry points' addresses, in the Python loop's order with its
-arguments.
+loop over layers of kvpage.model.decode_plan in C, calling the linear (weight GEMV or AMX),
+small-op and paged attention kernels through their entry points' addresses, in the Python loop's
+order with its arguments.
 
 Why: at batch 1 the loop's ~120 ctypes calls a step, each converting a dozen arguments, and the
 Python between them cost about 1 ms of a 125M model's bfloat16 step, more than the small kernels
-they call. `FusedStep.of(...)` is None where any layer's projection is not a weight GEMV at the
-step's rows (the loop then runs: those go through torch) or a kernel is not built."""
+they call. `FusedStep.of(...)` is None where any layer's projection is not one of the native
+linear kernels (LINEAR) at the step's rows (the loop then runs: those go through torch) or a
+kernel is not built."""
 
 from __future__ import annotations
 
@@ -16,25 +17,33 @@ from pathlib import Path
 
 import torch
 
+import kvpage.model.native_amx as native_amx
 import kvpage.model.native_attention as native_attention
 import kvpage.model.native_build as native_build
 import kvpage.model.native_gemv as native_gemv
 import kvpage.model.native_small_ops as native_small_ops
 
 SOURCE = Path(__file__).parent / "native" / "decode_step.cpp"
+# The linear kernels a step can call: each has plan_address() and entry_address().
+LINEAR = (native_gemv.WeightGemv, native_amx.AmxLinear)
 _ptr, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 
 class _Kernels(ctypes.Structure):
     _fields_ = [
-        (name, _ptr)
-        for name in ("gemv", "rms_norm", "rotary", "silu_mul", "paged_write", "paged_decode")
+        (name, _ptr) for name in ("rms_norm", "rotary", "silu_mul", "paged_write", "paged_decode")
     ]
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("run", _ptr), ("plan", _ptr)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [
-        *((name, _ptr) for name in ("qkv", "out", "gate_up", "down", "input_norm", "post_norm")),
+        *((name, _Linear) for name in ("qkv", "out", "gate_up", "down")),
+        ("input_norm", _ptr),
+        ("post_norm", _ptr),
         ("input_eps", _f32),
         ("post_eps", _f32),
         ("k_pool", _ptr),
@@ -81,19 +90,14 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 def kernels() -> _Kernels | None:
     """The entry points a step calls (None where a library is not built); a FusedStep takes
     them when it is built, so a test can plant a kernel of the same signature through here."""
-    gemv, ops, attention = (
-        native_gemv.library(),
-        native_small_ops.library(),
-        native_attention.library(),
-    )
-    if gemv is None or ops is None or attention is None:
+    ops, attention = native_small_ops.library(), native_attention.library()
+    if ops is None or attention is None:
         return None
 
     def address(fn) -> int:
         return ctypes.cast(fn, _ptr).value
 
     return _Kernels(
-        gemv=address(gemv.kvpage_weight_gemv),
         rms_norm=address(ops.kvpage_rms_norm),
         rotary=address(ops.kvpage_rotary),
         silu_mul=address(ops.kvpage_silu_mul),
@@ -103,13 +107,14 @@ def kernels() -> _Kernels | None:
 
 
 class FusedStep:
-    """One row count's step over a plan's buffers, its layers' weight GEMVs, norms and a KV pool
-    (all checked by the plan when it built them); `run` sets the step's own addresses and calls.
-    Holds the layers' array and the GEMVs: the C side reads their plans through raw pointers."""
+    """One row count's step over a plan's buffers, its layers' linear kernels, norms and a KV
+    pool (all checked by the plan when it built them); `run` sets the step's own addresses and
+    calls. Holds the layers' array and the kernels: the C side reads their plans through raw
+    pointers."""
 
-    def __init__(self, step: _Step, layers: ctypes.Array, gemvs: list) -> None:
+    def __init__(self, step: _Step, layers: ctypes.Array, linears: list) -> None:
         self._step, self._layers = step, layers
-        self.gemvs = gemvs  # the weight GEMVs a run calls, in order (q/k/v, o, gate/up, down)
+        self.linears = linears  # what a run calls, in order: q/k/v, o, gate/up, down per layer
         self._kernels = kernels()
 
     @classmethod
@@ -119,17 +124,15 @@ class FusedStep:
         """For plan (a LlamaDecodePlan), buf (its _Buffers), the per-layer (q/k/v, o, gate/up,
         down) kernels, pools (a native_attention.PoolLayout) and every norm's weight address in
         the plan's order (input norms, post norms, the final norm); None where a kernel is not
-        a weight GEMV or the native code is not there."""
-        if not available() or not all(
-            type(k) is native_gemv.WeightGemv for ks in layer_kernels for k in ks
-        ):
+        one of LINEAR or the native code is not there."""
+        if not available() or not all(type(k) in LINEAR for ks in layer_kernels for k in ks):
             return None
         n, eps = len(layer_kernels), plan.norm_eps
         layers = (_Layer * n)()
-        for i, gemvs in enumerate(layer_kernels):
+        for i, linears in enumerate(layer_kernels):
             k, v = pools.addresses(i)
             layers[i] = _Layer(
-                *(g.plan_address() for g in gemvs),
+                *(_Linear(g.entry_address(), g.plan_address()) for g in linears),
                 norm_weights[i],
                 norm_weights[n + i],
                 eps[i],
@@ -156,7 +159,7 @@ class FusedStep:
         for name in ("qkv", "attn", "o", "h", "gate_up", "act", "down"):
             setattr(step, name, getattr(buf.ptr, name))
         step.block_stride, step.token_stride, step.head_stride = pools.strides
-        return cls(step, layers, [g for gemvs in layer_kernels for g in gemvs])
+        return cls(step, layers, [g for linears in layer_kernels for g in linears])
 
     def run(
         self,

@@ -200,6 +200,10 @@ class WeightGemv:
         (kvpage.model.native_decode_step) that keeps this object alive while it calls."""
         return ctypes.addressof(self._plan.contents)
 
+    def entry_address(self) -> int:
+        """The address of the entry point that takes plan_address() as its first argument."""
+        return ctypes.cast(self._call, ctypes.c_void_p).value
+
     def run_unchecked(self, x: int, ldx: int, m: int, y: int, threads: int) -> int:
         """The kernel on raw addresses, no checks: for a caller that checked its buffers against
         in_features, out_features and x_dtype once (kvpage.model.decode_plan). Returns y."""

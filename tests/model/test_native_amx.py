@@ -1,5 +1,6 @@
-"""The AMX bfloat16 linear (kvpage.model.native_amx) against a float64 oracle, and where
-Projection takes it: bfloat16 inputs of 3-32 rows, its own copy of the weights kept current.
+"""The AMX bfloat16 linear (kvpage.model.native_amx) against a float64 oracle and oneDNN's AMX
+GEMM (the same bits), and where Projection and the decode plan take it: bfloat16 inputs of
+3-32 rows, its own copy of the weights kept current.
 Runs where torch reports AMX tiles and the kernel builds (a Sapphire Rapids or later Xeon);
 elsewhere the kernel does not exist and these rows go to oneDNN, which other tests cover."""
 
@@ -9,9 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from kvpage.model import native_amx
+from kvpage import LLM, SamplingParams
+from kvpage.model import native_amx, native_decode_step
 from kvpage.model.native_amx import AmxLinear
 from kvpage.model.projection import Projection
+
+from .hf_models import VOCAB, save_hf
 
 pytestmark = pytest.mark.skipif(not native_amx.available(), reason="needs AMX tiles")
 
@@ -54,6 +58,19 @@ def test_rows_a_stride_apart_and_an_output_buffer():
     y2 = torch.empty(5, 64, dtype=torch.bfloat16)
     AmxLinear(w, None).run_unchecked(wide.data_ptr() + 64, 128, 5, y2.data_ptr(), 2)
     assert torch.equal(y2, y)  # the raw call reads the strided rows where they lie
+
+
+@pytest.mark.parametrize("n,k,rows", [(1280, 768, 5), (768, 2048, 17), (4096, 768, 32)])
+def test_it_sums_as_onednns_amx_gemm(n, k, rows):
+    """oneDNN's bfloat16 GEMM on AMX (torch's prepacked linear, what these rows ran before) walks
+    K in the same 32-value tile steps: the outputs are the same bits."""
+    g = torch.Generator().manual_seed(n + rows)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    onednn = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+    assert torch.equal(AmxLinear(w, b)(x), onednn)
 
 
 @pytest.mark.parametrize("shape", [(48, 64), (64, 48)])
@@ -108,3 +125,62 @@ def test_an_in_place_weight_update_repacks(monkeypatch):
         (y,) = proj(x)
     assert rows == [8, 8]
     _assert_rounded_sum(y, x, lin.weight, None)
+
+
+def _engine_logprobs(directory, prompts: list[list[int]]) -> tuple[list, list, list[int]]:
+    """bfloat16 greedy decode of all prompts together: tokens, their logprobs, and per step of
+    the one-call decode plan the number of its linear kernels that were AMX kernels."""
+    llm = LLM(str(directory), dtype="bfloat16", num_blocks=128, seed=0, debug_checks=True)
+    amx_per_step: list[int] = []
+    run = native_decode_step.FusedStep.run
+
+    def counted(self, x, *args):
+        amx_per_step.append(sum(type(k) is AmxLinear for k in self.linears))
+        return run(self, x, *args)
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(native_decode_step.FusedStep, "run", counted)
+            outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.close()
+    return [list(o.token_ids) for o in outs], [list(o.token_logprobs) for o in outs], amx_per_step
+
+
+def _error_against(hf_model, prompts, tokens, logprobs) -> float:
+    """Mean |engine logprob - the float32 HF model's| over the engine's own decoded tokens (the
+    first comes from the prefill, which neither path changes)."""
+    errors = []
+    for prompt, out, lps in zip(prompts, tokens, logprobs, strict=True):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + out])).logits[0].double()
+        want = logits[len(prompt) - 1 : -1].log_softmax(-1).gather(1, torch.tensor(out)[:, None])
+        errors.append((torch.tensor(lps, dtype=torch.float64) - want[:, 0]).abs()[1:])
+    return float(torch.cat(errors).mean())
+
+
+def test_a_bfloat16_engine_decodes_on_it_no_further_from_float32_than_onednn(tmp_path, monkeypatch):
+    """Five sequences decoding together: every step's projections on the AMX kernel, from the
+    decode plan's one native call; the logprobs against HF's float32 forward of the same
+    (bfloat16-representable) weights no worse than with the kernel off (oneDNN's AMX GEMM at 5
+    rows)."""
+    hf_model = save_hf("llama-gqa-8q-2kv", tmp_path)
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.copy_(p.bfloat16().float())
+    hf_model.save_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 8, 13, 21, 5)]
+    tokens, logprobs, amx_steps = _engine_logprobs(tmp_path, prompts)
+    layers = hf_model.config.num_hidden_layers
+    assert amx_steps and all(n == 4 * layers for n in amx_steps)
+    on = _error_against(hf_model, prompts, tokens, logprobs)
+    monkeypatch.setenv("KVPAGE_AMX", "0")
+    tokens_off, logprobs_off, amx_off = _engine_logprobs(tmp_path, prompts)
+    assert not any(amx_off)
+    off = _error_against(hf_model, prompts, tokens_off, logprobs_off)
+    assert on <= max(1.5 * off, 2e-2), f"AMX {on:.3g} vs oneDNN {off:.3g} against float32"
+    # Both sum each output's products on the same tile instruction in the same K order, and
+    # round once: the same bits (test_it_sums_as_onednns_amx_gemm does), so the same decode.
+    assert (tokens, logprobs) == (tokens_off, logprobs_off)

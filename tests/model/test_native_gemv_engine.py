@@ -54,7 +54,7 @@ def _kernel_rows(monkeypatch) -> list[tuple[int, int]]:
         return unchecked(self, x, ldx, m, y, threads)
 
     def counting_one_call(self, x, *args):  # the plan's layers from one native call
-        calls.extend((x.shape[0], gemv.out_features) for gemv in self.gemvs)
+        calls.extend((x.shape[0], k.out_features) for k in self.linears if type(k) is WeightGemv)
         return one_call(self, x, *args)
 
     one_call = native_decode_step.FusedStep.run

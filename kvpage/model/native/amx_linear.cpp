@@ -139,4 +139,19 @@ void kvpage_amx_linear(const BF16* packed, const BF16* bias, const BF16* x, int6
     }
 }
 
+// What AmxLinear (kvpage/model/native_amx.py) keeps of one layer: a ctypes Structure of the same
+// layout, so that a native caller (decode_step.cpp) can call it like the weight GEMV's plan.
+struct AmxPlan {
+    const BF16* packed;
+    const BF16* bias;  // or null
+    int64_t out_features, in_features;
+};
+
+// y: (M, out_features) contiguous. The weight GEMV's signature (kvpage_weight_gemv).
+void kvpage_amx_run(const AmxPlan* p, const BF16* x, int64_t ldx, int64_t M, BF16* y,
+                    int threads) {
+    kvpage_amx_linear(p->packed, p->bias, x, ldx, M, p->out_features, p->in_features, y,
+                      p->out_features, threads);
+}
+
 }  // extern "C"

@@ -4,16 +4,19 @@
 // Why: at batch 1 the plan's Python loop and its ~120 ctypes calls a step (each converting a
 // dozen arguments) cost about 1 ms of a 125M model's ~11 ms bfloat16 step, next to kernels that
 // take microseconds on one 768-wide row. The kernels themselves are not here: the other native
-// libraries' entry points come in as function pointers (`Kernels`), called in the order and with
-// the arguments the Python loop passes, so the results are the loop's, bit for bit.
+// libraries' entry points come in as function pointers (`Kernels`, and each layer's linear
+// kernels with their plans), called in the order and with the arguments the Python loop passes,
+// so the results are the loop's, bit for bit.
 // Built by kvpage/model/native_decode_step.py at first use; every address and shape is checked
 // there, once per buffer set, pool and weight set.
 #include <cstdint>
 
 namespace {
 
-using Gemv = void (*)(const void* plan, const void* x, int64_t ldx, int64_t m, void* y,
-                      int threads);
+// A linear layer's entry point: the weight GEMV's (weight_gemv.cpp) or the AMX kernel's
+// (amx_linear.cpp), each taking its own plan of the layer's weights.
+using LinearFn = void (*)(const void* plan, const void* x, int64_t ldx, int64_t m, void* y,
+                          int threads);
 using RmsNorm = void (*)(int dtype, const void* x, int64_t x_stride, const void* delta,
                          int64_t delta_stride, const void* w, float eps, int64_t n, int64_t c,
                          void* sum, void* out, int threads);
@@ -40,7 +43,6 @@ extern "C" {
 
 // The other libraries' entry points (a ctypes Structure of the same layout).
 struct Kernels {
-    Gemv gemv;
     RmsNorm rms_norm;
     Rotary rotary;
     SiluMul silu_mul;
@@ -48,12 +50,14 @@ struct Kernels {
     PagedDecode paged_decode;
 };
 
+struct Linear {
+    LinearFn run;
+    const void* plan;
+};
+
 // What one layer's calls read that no other layer shares.
 struct Layer {
-    const void* qkv;  // the weight GEMV plans of q/k/v, o, gate/up and down
-    const void* out;
-    const void* gate_up;
-    const void* down;
+    Linear qkv, out, gate_up, down;
     const void* input_norm;  // RMSNorm weights, (c,) in the step's dtype
     const void* post_norm;
     float input_eps;
@@ -106,7 +110,7 @@ void kvpage_decode_step(const Kernels* kernels, const Step* step) {
                nullptr, s.h, th);
     for (int64_t i = 0; i < s.layers; i++) {
         const Layer& l = s.layer[i];
-        f.gemv(l.qkv, s.h, c, m, s.qkv, th);
+        l.qkv.run(l.qkv.plan, s.h, c, m, s.qkv, th);
         f.rotary(dt, qkv, width, s.heads, k_rows, width, s.kv_heads, d, s.cos, s.sin, m, th);
         f.paged_write(dt, k_rows, v_rows, width, l.k_pool, l.v_pool, s.block_stride,
                       s.token_stride, s.head_stride, s.slots, m, s.kv_heads, d, s.block_size);
@@ -114,11 +118,11 @@ void kvpage_decode_step(const Kernels* kernels, const Step* step) {
                        s.head_stride, s.tables, s.lens, nullptr, s.attn, q_width, m, s.heads,
                        s.kv_heads, d, s.block_size, s.max_blocks, s.scale, s.scratch,
                        s.scratch_per_thread, th);
-        f.gemv(l.out, s.attn, q_width, m, s.o, th);
+        l.out.run(l.out.plan, s.attn, q_width, m, s.o, th);
         f.rms_norm(dt, s.x, c, s.o, c, l.post_norm, l.post_eps, m, c, s.x, s.h, th);  // x += o
-        f.gemv(l.gate_up, s.h, c, m, s.gate_up, th);
+        l.gate_up.run(l.gate_up.plan, s.h, c, m, s.gate_up, th);
         f.silu_mul(dt, s.gate_up, up, 2 * inter, inter, s.act, m, th);
-        f.gemv(l.down, s.act, inter, m, s.down, th);
+        l.down.run(l.down.plan, s.act, inter, m, s.down, th);
         // x += down, then the next layer's input norm, or after the last the final norm
         const bool last = i + 1 == s.layers;
         f.rms_norm(dt, s.x, c, s.down, c, last ? s.final_norm : s.layer[i + 1].input_norm,
