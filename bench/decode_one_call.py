@@ -106,9 +106,8 @@ def main() -> None:
             ratio = min(ms["loop"]) / min(ms["one call"])
             med = statistics.median(ms["loop"]) / statistics.median(ms["one call"])
             same = tokens(paths["one call"]) == tokens(paths["loop"])
-            print(
-                f"{dtype:>9} loop / one call: {ratio:.3f}x (median {med:.3f}x); tokens equal: {same}"
-            )
+            print(f"{dtype:>9} loop / one call: {ratio:.3f}x (median {med:.3f}x)", end="")
+            print(f"; tokens equal: {same}")
             for llm in paths.values():
                 llm.close()
             if not same:

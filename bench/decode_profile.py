@@ -11,9 +11,9 @@ KV heads, adds `--seqs` requests of `--prompt` random tokens (`--gen` outputs, E
 kvpage engine and steps it until every sequence decodes. Then `--windows` consecutive windows of
 `--steps` decode steps are timed: per step the wall time of `engine.step()`, the model's share
 (forward hooks on the model and its LM head: no profiler running; of it, the linear layers'
-share, from a timer around every Projection call and every weight GEMV and packed oneDNN
-call, AMX kernel call and packed oneDNN call the decode plan makes itself) and the rest, in ms and as a % (target: non-model <= 10%
-at batch 32), in wall time and in this process's CPU time (with
+share, from a timer around every Projection call and every weight GEMV, AMX kernel and packed
+oneDNN call the decode plan makes itself; calls made from its one native call are not seen) and
+the rest, in ms and as a % (target: non-model <= 10% at batch 32), in wall time and in this process's CPU time (with
 `--threads 1` the CPU time is the one to compare across runs on a shared machine: waiting for a
 core does not count). Last, one window under cProfile (Python functions by self
 time) and one under torch.profiler (operators by self CPU time). Windows follow each other in one

@@ -18,8 +18,9 @@ size the attention kernel lacks); `takes(x, attn)` says per step whether it runs
 paged step, one KV group in the model's dtype, no adapter rows, no module hooks, no autograd.
 Otherwise the modules run. A projection the weight GEMV does not take at the step's rows runs
 its Projection's own path into the plan's buffer. Where every projection is a native kernel
-(the weight GEMV, or the AMX kernel), the per-layer calls are made from one native call (kvpage.model.native_decode_step: the same kernels
-in the same order, ~1.1x at batch 1 in bfloat16); `one_call = False` keeps the Python loop."""
+(the weight GEMV, or the AMX kernel), the per-layer calls are made from one native call
+(kvpage.model.native_decode_step: the same kernels in the same order, ~1.1x at batch 1 in
+bfloat16); `one_call = False` keeps the Python loop."""
 
 from __future__ import annotations
 
@@ -167,28 +168,29 @@ class LlamaDecodePlan:
         cos, sin = (t.contiguous() for t in rope)
         if cos.shape != (m, 1, self.head_dim) or cos.dtype != x.dtype:
             return None
-        ops, dt, threads = native_small_ops.library(), pools.dtype_code, torch.get_num_threads()
-        rms, xp, p = ops.kvpage_rms_norm, x.data_ptr(), buf.ptr
-        h, kvh, d, width, inter = (
-            self.heads,
-            self.kv_heads,
-            self.head_dim,
-            buf.qkv.shape[1],
-            self.intermediate,
-        )
-        n = len(self.layers)
+        threads = torch.get_num_threads()
         w = [params["weight"].data_ptr() for params in self._norm_params]  # inputs, posts, final
+        hidden = torch.empty_like(x)
         fused = self._fused_step(buf, kernels, pools, w) if self.one_call else None
         if fused is not None and decode.tables.shape[0] == m:
-            hidden = torch.empty_like(x)
             fused.run(x, cos, sin, slots, decode, hidden, threads)
-            return hidden
-        eps = self.norm_eps
+        else:
+            self._run_loop(x, buf, kernels, pools, (cos, sin, slots), decode, w, hidden, threads)
+        return hidden
+
+    def _run_loop(self, x, buf, kernels, pools, rows, decode, w, hidden, threads) -> None:
+        """run's calls from Python, one per kernel: where a projection takes torch's path
+        (_ProjectionInto), or one_call is off. rows: the step's (cos, sin, slots)."""
+        m, c = x.shape
+        ops, dt = native_small_ops.library(), pools.dtype_code
+        rms, xp, p = ops.kvpage_rms_norm, x.data_ptr(), buf.ptr
+        h, kvh, d, inter = self.heads, self.kv_heads, self.head_dim, self.intermediate
+        width, n, eps = buf.qkv.shape[1], len(self.layers), self.norm_eps
         # Byte offsets of k and v in a q/k/v row, of up in a gate/up row: each projection
         # returns where its rows start (the plan's buffer, or a _ProjectionInto's own output).
         elem = x.element_size()
         k_at, v_at, up_at = h * d * elem, (h + kvh) * d * elem, inter * elem
-        cos_p, sin_p, slots_p = cos.data_ptr(), sin.data_ptr(), slots.data_ptr()
+        cos_p, sin_p, slots_p = (t.data_ptr() for t in rows)
         rms(dt, xp, c, None, 0, w[0], eps[0], m, c, None, p.h, threads)
         for i, (qkv, out, gate_up, down) in enumerate(kernels):
             q = qkv.run_unchecked(p.h, c, m, p.qkv, threads)
@@ -200,12 +202,11 @@ class LlamaDecodePlan:
             gate = gate_up.run_unchecked(p.h, c, m, p.gate_up, threads)
             ops.kvpage_silu_mul(dt, gate, gate + up_at, 2 * inter, inter, p.act, m, threads)
             mlp = down.run_unchecked(p.act, inter, m, p.down, threads)
-            # x += down, then the next layer's input norm (the last: the final norm, below)
-            if i + 1 < n:
-                rms(dt, xp, c, mlp, c, w[i + 1], eps[i + 1], m, c, xp, p.h, threads)
-        hidden = torch.empty_like(x)
-        rms(dt, xp, c, mlp, c, w[-1], eps[-1], m, c, xp, hidden.data_ptr(), threads)
-        return hidden
+            # x += down, then the next layer's input norm (the last: the final norm)
+            last = i + 1 == n
+            out_p = hidden.data_ptr() if last else p.h
+            rms(dt, xp, c, mlp, c, w[-1 if last else i + 1], eps[-1 if last else i + 1], m, c,
+                xp, out_p, threads)  # fmt: skip
 
     def _pools_of(self, data: torch.Tensor, dtype: torch.dtype) -> native_attention.PoolLayout:
         key = (data.data_ptr(), data.shape, data.stride(), data.dtype)
@@ -329,11 +330,12 @@ class LlamaDecodePlan:
 
 class _ProjectionInto:
     """A projection neither native kernel takes at these rows (float32 above the GEMV's row
-    limit, bfloat16 above the AMX kernel's 32): oneDNN's packed matmul, else the Projection's own path (widened
-    int8, unpacked bfloat16), on the plan's input buffer. Called like WeightGemv.run_unchecked
-    (the addresses passed are those of the buffers it was built on); returns where its output
-    rows start: the matmul's own output, kept until the next call, where it is one (M, N)
-    tensor, else a copy of the layers' outputs into the plan's buffer (`out`)."""
+    limit, bfloat16 above the AMX kernel's 32): oneDNN's packed matmul, else the Projection's
+    own path (widened int8, unpacked bfloat16), on the plan's input buffer. Called like
+    WeightGemv.run_unchecked (the addresses passed are those of the buffers it was built on);
+    returns where its output rows start: the matmul's own output, kept until the next call,
+    where it is one (M, N) tensor, else a copy of the layers' outputs into the plan's buffer
+    (`out`)."""
 
     def __init__(self, proj: Projection, x: torch.Tensor, out: torch.Tensor) -> None:
         self.proj, self.x, self.out = proj, x, out

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 import kvpage.model.native_build as native_build
+import kvpage.model.native_gemv as native_gemv
 
 SOURCE = Path(__file__).parent / "native" / "amx_linear.cpp"
 MAX_ROWS = 32  # one pass of the kernel's two row tiles; above, oneDNN's blocking wins
@@ -55,8 +56,6 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvpage_amx_ready.argtypes = []
     lib.kvpage_amx_pack.restype = None
     lib.kvpage_amx_pack.argtypes = [ptr, i64, i64, ptr]
-    lib.kvpage_amx_linear.restype = None
-    lib.kvpage_amx_linear.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, i64, ctypes.c_int]
     lib.kvpage_amx_run.restype = None
     lib.kvpage_amx_run.argtypes = [ctypes.POINTER(_Plan), ptr, i64, i64, ptr, ctypes.c_int]
     return lib
@@ -99,23 +98,7 @@ class AmxLinear:
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x (..., K) bfloat16 on CPU, at most MAX_ROWS rows -> (..., N), into `out` (M, N)
         contiguous where given (x then 2-D)."""
-        shape, k = x.shape, self.in_features
-        if x.dtype != torch.bfloat16 or shape[-1] != k or not x.is_cpu:
-            raise ValueError(f"x {tuple(shape)} {x.dtype} {x.device}: bfloat16 (..., {k}) on CPU")
-        x2 = x.reshape(-1, k)
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        m = x2.shape[0]
-        if not 0 < m <= MAX_ROWS:
-            raise ValueError(f"{m} rows: the AMX kernel takes 1 to {MAX_ROWS}")
-        y = torch.empty(m, self.out_features, dtype=torch.bfloat16) if out is None else out
-        if out is not None and (
-            out.shape != (m, self.out_features) or out.dtype != torch.bfloat16
-            or not out.is_contiguous()
-        ):  # fmt: skip
-            raise ValueError(f"out {tuple(out.shape)} {out.dtype} for ({m}, {self.out_features})")
-        self.run_unchecked(x2.data_ptr(), k, m, y.data_ptr(), torch.get_num_threads())
-        return y if len(shape) == 2 else y.view(*shape[:-1], self.out_features)
+        return native_gemv.call_on_rows(self, x, out, MAX_ROWS)
 
     def run_unchecked(self, x: int, ldx: int, m: int, y: int, threads: int) -> int:
         """The kernel on raw addresses (x: m rows ldx apart; y: (m, N) contiguous), no checks:

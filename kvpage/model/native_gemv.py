@@ -175,25 +175,7 @@ class WeightGemv:
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x (..., K) in x_dtype on CPU -> (..., N), into `out` (M, N) contiguous where given
         (x then 2-D). Lean: it runs ~50 times per decode step."""
-        shape, k = x.shape, self.in_features
-        if x.dtype != self.x_dtype or shape[-1] != k or not x.is_cpu:
-            raise ValueError(
-                f"x {tuple(shape)} {x.dtype} {x.device} does not fit a kernel for "
-                f"{self.x_dtype} (..., {k}) on CPU"
-            )
-        x2 = x.reshape(-1, k) if len(shape) != 2 else x
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()  # the kernel reads rows of K contiguous values
-        m = x2.shape[0]
-        y = torch.empty(m, self.out_features, dtype=self.x_dtype) if out is None else out
-        if out is not None and (
-            out.shape != (m, self.out_features)
-            or out.dtype != self.x_dtype
-            or not out.is_contiguous()
-        ):
-            raise ValueError(f"out {tuple(out.shape)} {out.dtype} for ({m}, {self.out_features})")
-        self._call(self._plan, x2.data_ptr(), k, m, y.data_ptr(), torch.get_num_threads())
-        return y if len(shape) == 2 else y.view(*shape[:-1], self.out_features)
+        return call_on_rows(self, x, out)
 
     def plan_address(self) -> int:
         """Where the kernel's plan of these weights lies, for a native caller
@@ -209,6 +191,33 @@ class WeightGemv:
         in_features, out_features and x_dtype once (kvpage.model.decode_plan). Returns y."""
         self._call(self._plan, x, ldx, m, y, threads)
         return y
+
+
+def call_on_rows(
+    kernel, x: torch.Tensor, out: torch.Tensor | None = None, max_rows: int | None = None
+) -> torch.Tensor:
+    """A native linear kernel (WeightGemv, kvpage.model.native_amx.AmxLinear: in_features,
+    out_features, x_dtype, run_unchecked) on a tensor: x and `out` checked as WeightGemv.__call__
+    says, at most `max_rows` rows where given."""
+    shape, k, n = x.shape, kernel.in_features, kernel.out_features
+    if x.dtype != kernel.x_dtype or shape[-1] != k or not x.is_cpu:
+        raise ValueError(
+            f"x {tuple(shape)} {x.dtype} {x.device} does not fit a kernel for "
+            f"{kernel.x_dtype} (..., {k}) on CPU"
+        )
+    x2 = x.reshape(-1, k) if len(shape) != 2 else x
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()  # the kernel reads rows of K contiguous values
+    m = x2.shape[0]
+    if max_rows is not None and not 0 < m <= max_rows:
+        raise ValueError(f"{m} rows: the kernel takes 1 to {max_rows}")
+    y = torch.empty(m, n, dtype=kernel.x_dtype) if out is None else out
+    if out is not None and (
+        out.shape != (m, n) or out.dtype != kernel.x_dtype or not out.is_contiguous()
+    ):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} for ({m}, {n})")
+    kernel.run_unchecked(x2.data_ptr(), k, m, y.data_ptr(), torch.get_num_threads())
+    return y if len(shape) == 2 else y.view(*shape[:-1], n)
 
 
 def _check_segment(

@@ -16,6 +16,7 @@ from kvpage.model.native_amx import AmxLinear
 from kvpage.model.projection import Projection
 
 from .hf_models import VOCAB, save_hf
+from .kernel_calls import count_rows
 
 pytestmark = pytest.mark.skipif(not native_amx.available(), reason="needs AMX tiles")
 
@@ -86,20 +87,8 @@ def test_more_rows_than_one_pass_are_refused():
         linear(torch.zeros(native_amx.MAX_ROWS + 1, 32, dtype=torch.bfloat16))
 
 
-def _counted(monkeypatch) -> list[int]:
-    rows: list[int] = []
-    call = AmxLinear.__call__
-
-    def counting(self, x, out=None):
-        rows.append(x.numel() // x.shape[-1])
-        return call(self, x, out)
-
-    monkeypatch.setattr(AmxLinear, "__call__", counting)
-    return rows
-
-
 def test_projection_takes_it_at_decode_rows_only(monkeypatch):
-    rows = _counted(monkeypatch)
+    rows = count_rows(monkeypatch, AmxLinear)
     torch.manual_seed(0)
     q, k = nn.Linear(64, 64, bias=True).bfloat16(), nn.Linear(64, 32, bias=True).bfloat16()
     proj = Projection(q, k)
@@ -113,7 +102,7 @@ def test_projection_takes_it_at_decode_rows_only(monkeypatch):
 
 
 def test_an_in_place_weight_update_repacks(monkeypatch):
-    rows = _counted(monkeypatch)
+    rows = count_rows(monkeypatch, AmxLinear)
     lin = nn.Linear(64, 64, bias=False).bfloat16()
     proj = Projection(lin)
     x = torch.randn(8, 64).bfloat16()

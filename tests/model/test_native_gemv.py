@@ -21,6 +21,8 @@ from kvpage.model.int8 import Int8Linear, quantize_per_channel
 from kvpage.model.native_gemv import WeightGemv
 from kvpage.model.projection import Projection
 
+from .kernel_calls import count_rows
+
 # Skipped only without a compiler (or with native kernels switched off): a kernel that fails to
 # build where a compiler exists fails these tests instead.
 pytestmark = pytest.mark.skipif(
@@ -130,7 +132,7 @@ def test_projection_takes_the_kernel_for_few_rows_and_agrees_with_torch(dtype, i
         lin.requires_grad_(False)
     if int8:
         layers = [Int8Linear.from_linear(lin) for lin in layers]
-    calls = _count_kernel_calls(monkeypatch)
+    calls = count_rows(monkeypatch, WeightGemv)
     native = Projection(*layers)
     monkeypatch.setenv("KVPAGE_NATIVE", "0")
     native_gemv._library.cache_clear()
@@ -169,16 +171,3 @@ def _dequantised(layer) -> torch.Tensor:
     if isinstance(layer, Int8Linear):
         return layer.weight_int8.double() * layer.scales.double()[:, None]
     return layer.weight.detach().double()
-
-
-def _count_kernel_calls(monkeypatch) -> list[int]:
-    """Rows of each kernel call, recorded from WeightGemv.__call__."""
-    calls: list[int] = []
-    original = WeightGemv.__call__
-
-    def counting(self, x, out=None):
-        calls.append(x.numel() // x.shape[-1])
-        return original(self, x, out)
-
-    monkeypatch.setattr(WeightGemv, "__call__", counting)
-    return calls

@@ -98,6 +98,26 @@ void block(const BF16* tiles, const BF16* bias, const BF16* x, int64_t ldx, int6
         }
 }
 
+// x: (M, K) rows ldx apart; y: (M, N) rows ldy apart; bias (N,) or null. Rows in passes of 32,
+// blocks of 32 outputs split statically over the threads.
+void linear(const BF16* packed, const BF16* bias, const BF16* x, int64_t ldx, int64_t M,
+            int64_t N, int64_t K, BF16* y, int64_t ldy, int threads) {
+    const int64_t blocks = N / kBlockN;
+#pragma omp parallel num_threads(threads)
+    {
+        alignas(64) float acc[32 * kBlockN];
+        for (int64_t m0 = 0; m0 < M; m0 += 32) {
+            const int64_t rows = M - m0 < 32 ? M - m0 : 32;
+            configure(rows);
+#pragma omp for schedule(static)
+            for (int64_t nb = 0; nb < blocks; nb++)
+                block(packed + nb * K * kBlockN, bias, x + m0 * ldx, ldx, rows, K, nb * kBlockN,
+                      y + m0 * ldy, ldy, acc);
+        }
+        _tile_release();
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -119,26 +139,6 @@ void kvpage_amx_pack(const BF16* w, int64_t N, int64_t K, BF16* packed) {
                             *packed++ = w[(n0 + 16 * h + j) * K + k0 + 2 * r + p];
 }
 
-// x: (M, K) rows ldx apart; y: (M, N) rows ldy apart; bias (N,) or null. Rows in passes of 32,
-// blocks of 32 outputs split statically over the threads.
-void kvpage_amx_linear(const BF16* packed, const BF16* bias, const BF16* x, int64_t ldx,
-                       int64_t M, int64_t N, int64_t K, BF16* y, int64_t ldy, int threads) {
-    const int64_t blocks = N / kBlockN;
-#pragma omp parallel num_threads(threads)
-    {
-        alignas(64) float acc[32 * kBlockN];
-        for (int64_t m0 = 0; m0 < M; m0 += 32) {
-            const int64_t rows = M - m0 < 32 ? M - m0 : 32;
-            configure(rows);
-#pragma omp for schedule(static)
-            for (int64_t nb = 0; nb < blocks; nb++)
-                block(packed + nb * K * kBlockN, bias, x + m0 * ldx, ldx, rows, K, nb * kBlockN,
-                      y + m0 * ldy, ldy, acc);
-        }
-        _tile_release();
-    }
-}
-
 // What AmxLinear (kvpage/model/native_amx.py) keeps of one layer: a ctypes Structure of the same
 // layout, so that a native caller (decode_step.cpp) can call it like the weight GEMV's plan.
 struct AmxPlan {
@@ -150,8 +150,8 @@ struct AmxPlan {
 // y: (M, out_features) contiguous. The weight GEMV's signature (kvpage_weight_gemv).
 void kvpage_amx_run(const AmxPlan* p, const BF16* x, int64_t ldx, int64_t M, BF16* y,
                     int threads) {
-    kvpage_amx_linear(p->packed, p->bias, x, ldx, M, p->out_features, p->in_features, y,
-                      p->out_features, threads);
+    linear(p->packed, p->bias, x, ldx, M, p->out_features, p->in_features, y, p->out_features,
+           threads);
 }
 
 }  // extern "C"
