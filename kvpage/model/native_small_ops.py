@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 import kvpage.model.native_build as native_build  # not `from kvpage.model`: an import cycle
+from kvpage.model.kernels import native_allowed
 
 SOURCE = Path(__file__).parent / "native" / "small_ops.cpp"
 FLAGS = (*native_build.FLAGS, "-ffp-contract=off")  # torch rounds a * b and + c apart
@@ -52,7 +53,13 @@ def available() -> bool:
 
 
 def supports(x: torch.Tensor) -> bool:
-    return x.dtype in DTYPES and x.is_cpu and not x.requires_grad and available()
+    return (
+        x.dtype in DTYPES
+        and x.is_cpu
+        and not x.requires_grad
+        and native_allowed()
+        and available()
+    )
 
 
 def rms_norm(

@@ -25,6 +25,7 @@ from torch import nn
 import kvpage.model.native_amx as native_amx
 from kvpage.errors import InvariantViolation
 from kvpage.model.int8 import Int8Linear
+from kvpage.model.kernels import native_allowed
 from kvpage.model.native_gemv import WeightGemv, max_rows, onednn_bf16
 from kvpage.model.widened import widened_linear
 
@@ -63,6 +64,8 @@ class Projection:
         self._slots = [_slots(lin) for lin in linears]
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not native_allowed():
+            return self._torch_only(x)
         if self.int8:
             return self._int8_call(x)
         if not self._fast(x):
@@ -98,6 +101,8 @@ class Projection:
         """The native kernel this call would run on x (the weight GEMV, or the AMX kernel), over
         the layers' current tensors, or None where another path would
         (kvpage.model.decode_plan calls it with its own output buffers)."""
+        if not native_allowed():
+            return None
         if self.int8:
             if self._key != self._current_key():
                 self._refresh_int8()
@@ -116,6 +121,19 @@ class Projection:
         if self._weight is None or self.int8:
             return None
         return torch.ops.mkldnn._linear_pointwise(x, self._weight, self._bias, "none", [], "")
+
+    def _torch_only(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """torch's operators alone (kvpage.model.kernels.torch_kernels): int8 weights
+        dequantised in float32 as the format defines them (kvpage.model.int8)."""
+        if not self.int8:
+            return self._plain(x)
+        outs = []
+        for lin in self.linears:
+            codes, scales, bias = lin.quantized_tensors()
+            weight = codes.float() * scales.float()[:, None]
+            y = F.linear(x.float(), weight, None if bias is None else bias.float())
+            outs.append(y.to(x.dtype))
+        return tuple(outs)
 
     def _plain(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(F.linear(x, lin.weight, _bias(lin)) for lin in self.linears)

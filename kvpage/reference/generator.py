@@ -10,6 +10,7 @@ import torch
 
 from kvpage.errors import InvalidRequest
 from kvpage.model.base import CausalLM
+from kvpage.model.kernels import torch_kernels
 from kvpage.reference.kv_oracle import RoundTrip, RoundTripKVCache
 from kvpage.reference.records import (
     CacheView,
@@ -51,8 +52,18 @@ def generate(
     stored and read (kvpage.reference.kv_oracle); `scale_span` > 0 (a block size) makes a traced
     view carry one digest of the scales per span of that many tokens, as a paged view has one
     per block. An int8-weight model runs through its dequantising twin
-    (kvpage.reference.weight_oracle), never the engine's int8 kernel."""
-    model = reference_model(model)
+    (kvpage.reference.weight_oracle), never the engine's int8 kernel. Every forward pass runs
+    on torch's operators alone (kvpage.model.kernels): no native kernel the engine takes."""
+    with torch_kernels():
+        return _generate(
+            reference_model(model), prompt_ids, params, fallback_seed, trace_as, namespace,
+            kv_cache_dtype, scale_span,
+        )  # fmt: skip
+
+
+def _generate(
+    model, prompt_ids, params, fallback_seed, trace_as, namespace, kv_cache_dtype, scale_span
+) -> ReferenceOutput:
     check_prompt(model, prompt_ids, params)
     cache = RoundTripKVCache(model.config.num_layers, RoundTrip(kv_cache_dtype))
     generator = make_generator(params, fallback_seed, model.device)
@@ -145,8 +156,9 @@ def prompt_logprobs(
 ) -> list[dict[int, float] | None]:
     """Prompt logprobs from one forward pass over the whole prompt, no cache: None for the first
     token, then per token the top k of the logits before it and the token itself."""
-    model = reference_model(model)
-    logprobs = torch.log_softmax(model.forward_full(prompt_ids).float(), dim=-1)  # (L, V)
+    with torch_kernels():
+        logits = reference_model(model).forward_full(prompt_ids)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (L, V)
     rows: list[dict[int, float] | None] = [None]
     for p, token in enumerate(prompt_ids[1:]):
         row = {}

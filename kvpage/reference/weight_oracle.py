@@ -20,11 +20,11 @@ import copy
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvpage.model.base import CausalLM
 from kvpage.model.int8 import Int8Linear
-from kvpage.model.projection import Projection
 
 _twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -57,13 +57,20 @@ class DequantizedLinear(nn.Module):
 
 
 class _PlainProjection:
-    """Called like a Projection: each layer on the shared input, no concatenation."""
+    """Called like a Projection: each layer on the shared input, no concatenation; a float
+    layer (a tied embedding as LM head too) as x W^T + b."""
 
     def __init__(self, *layers: nn.Module) -> None:
         self.layers = layers
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(layer(x) for layer in self.layers)
+        return tuple(_linear(layer, x) for layer in self.layers)
+
+
+def _linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if isinstance(layer, DequantizedLinear):
+        return layer(x)
+    return F.linear(x, layer.weight, getattr(layer, "bias", None))
 
 
 @torch.no_grad()
@@ -76,13 +83,19 @@ def _dequantized_twin(model: CausalLM) -> CausalLM:
         twin.get_submodule(parent_name).register_module(attr, DequantizedLinear(layer))
     for module_name, attr, proj in slots:
         layers = [twin.get_submodule(names[id(lin)]) for lin in proj.linears]
-        plain = _PlainProjection if isinstance(layers[0], DequantizedLinear) else Projection
-        setattr(twin.get_submodule(module_name), attr, plain(*layers))
+        setattr(twin.get_submodule(module_name), attr, _PlainProjection(*layers))
     return twin
 
 
 def _projections(module: nn.Module):
-    return [(attr, v) for attr, v in vars(module).items() if isinstance(v, Projection)]
+    """The module's Projections (kvpage.model.projection), known by their `linears`: the
+    reference names no fast-path module, not even to find one."""
+    return [(attr, v) for attr, v in vars(module).items() if _is_projection(v)]
+
+
+def _is_projection(value) -> bool:
+    linears = getattr(value, "linears", None)
+    return isinstance(linears, tuple) and all(isinstance(m, nn.Module) for m in linears)
 
 
 def _int8_layers(model: nn.Module):
