@@ -10,7 +10,14 @@ Semantics: temperature 0 is greedy argmax. Otherwise logits / temperature, then 
 token whose tempered logit is >= the k-th largest: ties at the cut stay; -1 = off), then top-p over
 the renormalised top-k distribution (walking down the sorted tokens, keep a token while the mass
 strictly before it is < top_p, so the top token always stays), renormalise, draw. Reported
-logprobs are the k most likely tokens of the RAW (untempered, unfiltered) log_softmax."""
+logprobs are the k most likely tokens of the RAW (untempered, unfiltered) log_softmax.
+
+Ties: top-p's walk orders tokens of one logit value in some order, and which of them the cut keeps
+depends on it (the oracle's sort is stable, by token id; the engine's is not). In 16-bit models a
+logit value is shared by many tokens, so a tie group often straddles the top-p cut. How many of
+the group are kept does not depend on the order, only which: so a single draw is possible when the
+mass of the tokens strictly above it is < top_p (it could have come first in its group), and the
+uniformity test counts a tie group as one outcome of its total mass."""
 
 from __future__ import annotations
 
@@ -86,6 +93,27 @@ def _top_p_cut(sorted_scaled: torch.Tensor, top_p: float, slack: float) -> int:
     return len(weights)
 
 
+def _drawable(scaled: torch.Tensor, token: int, top_k: int, top_p: float, slack: float) -> bool:
+    """Whether some order of tied tokens lets the filters keep `token`: top-k keeps every tie at
+    the k-th value anyway; top-p keeps it when the mass of the tokens clearly above it (by more
+    than float32 rounding of the tempered logits) is < top_p, i.e. when it could have come first
+    in its tie group. `slack` widens both cut-offs as in _kept."""
+    value = float(scaled[token])
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    if 0 < top_k < scaled.shape[0]:
+        kth = float(torch.sort(scaled, descending=True).values[top_k - 1])
+        keep = scaled >= kth - slack * max(1.0, abs(kth))
+        if not keep[token]:
+            return False
+    if top_p >= 1.0:
+        return True
+    top = float(scaled[keep].max())
+    weights = torch.where(keep, torch.exp(scaled - top), 0.0)
+    tie = slack * max(1.0, abs(value), abs(top))
+    above = math.fsum(weights[scaled > value + tie].tolist())
+    return above / math.fsum(weights.tolist()) < top_p + slack
+
+
 def _renormalised(scaled: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     weights = torch.where(keep, torch.exp(scaled - scaled[keep].max()), 0.0)
     return weights / weights.sum()
@@ -106,7 +134,7 @@ def check_draw(logits: torch.Tensor, params: SamplingParams, token: int) -> str 
             )
         return None
     scaled = x / params.temperature
-    if _kept(scaled, params.top_k, params.top_p, slack=BOUNDARY_SLACK)[token]:
+    if _drawable(scaled, token, params.top_k, params.top_p, BOUNDARY_SLACK):
         return None
     rank = int((scaled > scaled[token]).sum())
     support = int(_kept(scaled, params.top_k, params.top_p, slack=0.0).sum())
@@ -169,8 +197,8 @@ def uniformity_test(draws: Iterable[DrawSample], seed: int = 0) -> StatResult:
     follows the oracle, whatever the logits of each step; so one test covers draws from any mix
     of requests and steps.
 
-    F runs over the tokens in descending oracle probability (ties by token id), not token-id
-    order: any order fixed by the oracle keeps u uniform, but token ids are unrelated to
+    F runs over the tokens in descending oracle probability (tokens of one tempered logit as one
+    outcome: _pit), not token-id order: any order fixed by the oracle keeps u uniform, but token ids are unrelated to
     probability, so in id order a too-sharp, too-flat or wrongly cut distribution moves mass in
     scattered slivers that KS and chi-square barely see (tempering by multiplication: p 5e-6 in
     id order vs 1e-71 here; top-p dropping its crossing token: 0.2 vs 3e-7). Sorted, every such
@@ -191,12 +219,16 @@ def uniformity_test(draws: Iterable[DrawSample], seed: int = 0) -> StatResult:
 
 
 def _pit(draw: DrawSample, rng: random.Random) -> float:
+    """The outcomes are the tie groups of the tempered logits (one token each but where logits
+    tie), in descending order: which members of a group straddling the top-p cut are kept is the
+    sort's choice, how much mass the group keeps is not."""
     p = draw.params
     probs = oracle_probs(draw.logits, p.temperature, p.top_k, p.top_p)
-    order = torch.sort(probs, descending=True, stable=True).indices
-    rank = int((order == draw.token).nonzero()[0])
-    below = math.fsum(probs[order[:rank]].tolist())  # F(token-)
-    return min(1.0, below + rng.random() * float(probs[draw.token]))
+    scaled = _as_f64(draw.logits) / p.temperature
+    value = scaled[draw.token]
+    below = math.fsum(probs[scaled > value].tolist())  # F(group-)
+    mass = math.fsum(probs[scaled == value].tolist())  # the group's kept mass
+    return min(1.0, below + rng.random() * mass)
 
 
 def ks_statistic(sorted_us: list[float]) -> float:
