@@ -39,7 +39,7 @@ from kvpage.host_memory import keep_freed_memory
 from kvpage.kv.format import kv_format
 from kvpage.kv.storage import KVShard, KVStorage
 from kvpage.kv.swap_space import SwapSpace
-from kvpage.lora.adapter import LoraAdapter, load_peft_adapter
+from kvpage.lora.adapter import LoraAdapter
 from kvpage.lora.apply import LoraContext, attach
 from kvpage.lora.request import LoRARequest
 from kvpage.lora.slots import LoraSlots
@@ -252,7 +252,7 @@ class LLMEngine:
         known = self.lora_slots.registered.get(lora_request.lora_name)
         if known is not None and known.path == lora_request.lora_path and not reload:
             return known
-        adapter = load_peft_adapter(
+        adapter = self.lora_slots.reader.read(
             lora_request.lora_name,
             lora_request.lora_path,
             self.model.config,

@@ -36,6 +36,8 @@ OWNERS: dict[str, str] = {
     "runner": "runner",
     "rows": "scheduler.prompt_rows",
     "lora": "lora_slots",  # an engine made with enable_lora
+    "lora_reader": "lora_slots.reader",
+    "lora_tables": "lora_slots.tables",
 }
 
 SEAMS: dict[str, Seam] = {
@@ -67,6 +69,9 @@ SEAMS: dict[str, Seam] = {
         Seam("engine", "request_namespace", "a request's namespace: salt and adapter identity"),
         Seam("runner", "adapter_rows", "a mixed batch's rows grouped by adapter"),
         Seam("lora", "factors", "a resident adapter's low-rank factors and scale"),
+        Seam("lora_reader", "digest", "a loaded adapter's digest (config and tensor bytes)"),
+        Seam("lora_reader", "scale", "a loaded adapter's scale from its config (rsLoRA)"),
+        Seam("lora_tables", "clear_slot", "what a slot's write zeroes first (every projection)"),
         Seam("engine", "patch_kv_shards", "the KV pool's code on every rank (quantize, copy…)"),
     )
 }

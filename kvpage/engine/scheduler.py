@@ -234,7 +234,11 @@ class Scheduler:
             if not self.preemption_enabled and not self.fits_worst_case(seq):
                 return
             if not self._adapter_fits(seq):
-                return  # every adapter slot is held by running requests: it waits its turn
+                # Every adapter slot is held: it waits for one, and the requests behind it
+                # that need no new slot (the base model, an adapter already resident) go ahead.
+                # Stopping here would stall the whole queue behind a slot that only a holder
+                # outside this step (running, preempted, suspended) can give back.
+                continue
             self.acquire_prefix(seq)
             self._report_corruptions()
             n = min(seq.num_uncomputed, budget)

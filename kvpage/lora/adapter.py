@@ -6,7 +6,13 @@ W x + scale * B A x (DoRA, trained biases, saved or embedding modules, per-modul
 targets) is refused with a LoRAError naming the field: never served as if absent.
 
 The adapter's identity is its name and a digest of its config and every tensor, so a reload
-under the same name with other weights is another adapter (another cache namespace)."""
+under the same name with other weights is another adapter (another cache namespace). The digest
+is a contract (the verifier recomputes it from the files it writes, kvpage.verify.lora_adapters):
+SHA-256 over `json.dumps(config, sort_keys=True)`, then, in sorted key order, each tensor's key,
+a NUL byte and its values as little-endian float32 in C order.
+
+`PeftReader` is how an engine reads a directory (`LoraSlots.reader`); its `digest` and `scale`
+are declared seams (kvpage.engine.hooks)."""
 
 from __future__ import annotations
 
@@ -50,16 +56,36 @@ class LoraAdapter:
         return tuple(sorted({module for _, module in self.weights}))
 
 
+class PeftReader:
+    """Reads a PEFT directory into a LoraAdapter, refusing what it cannot serve."""
+
+    def read(self, name: str, path: str | Path, model: ModelConfig, max_rank: int) -> LoraAdapter:
+        directory = Path(path)
+        cfg = _read_config(directory)
+        rank, alpha = _check_config(cfg, max_rank)
+        tensors = _read_tensors(directory)
+        weights = _pair(tensors)
+        _check_shapes(weights, model, rank)
+        scale, digest = self.scale(cfg, rank, alpha), self.digest(cfg, tensors)
+        return LoraAdapter(name, str(directory), rank, scale, weights, digest)
+
+    def digest(self, cfg: dict, tensors: list[tuple[str, torch.Tensor]]) -> str:
+        """Hex SHA-256 of the config and every tensor, in the module docstring's recipe
+        (a declared seam). `tensors`: (key, float32 tensor), sorted by key."""
+        digest = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode())
+        for key, tensor in tensors:
+            digest.update(key.encode() + b"\0" + tensor.contiguous().numpy().tobytes())
+        return digest.hexdigest()
+
+    def scale(self, cfg: dict, rank: int, alpha: float) -> float:
+        """lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora (a declared seam)."""
+        return alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+
+
 def load_peft_adapter(
     name: str, path: str | Path, model: ModelConfig, max_rank: int
 ) -> LoraAdapter:
-    directory = Path(path)
-    cfg = _read_config(directory)
-    rank, alpha = _check_config(cfg, max_rank)
-    weights, digest = _read_weights(directory, cfg, rank)
-    _check_shapes(weights, model, rank)
-    scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
-    return LoraAdapter(name, str(directory), rank, scale, weights, digest)
+    return PeftReader().read(name, path, model, max_rank)
 
 
 def _read_config(directory: Path) -> dict:
@@ -105,12 +131,12 @@ def _check_config(cfg: dict, max_rank: int) -> tuple[int, float]:
     return rank, float(alpha)
 
 
-def _read_weights(directory: Path, cfg: dict, rank: int):
+def _read_tensors(directory: Path) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of the weights file as float32, sorted by key; names checked."""
     path = directory / WEIGHTS_FILE
     if not path.is_file():
         raise LoRAError(f"no {WEIGHTS_FILE} in {directory}")
-    digest = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode())
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    tensors = []
     with safe_open(str(path), framework="pt") as f:
         for key in sorted(f.keys()):
             match = _WEIGHT.match(key)
@@ -118,22 +144,28 @@ def _read_weights(directory: Path, cfg: dict, rank: int):
                 raise LoRAError(
                     f"{WEIGHTS_FILE}: tensor {key!r} is not a q/k/v/o/gate/up/down LoRA A or B"
                 )
-            layer, module, half = int(match[1]), match[2], match[3]
-            if module not in TARGETS:
+            if match[2] not in TARGETS:
                 raise LoRAError(
-                    f"{WEIGHTS_FILE}: {key!r} targets {module!r} (supported: {TARGETS})"
+                    f"{WEIGHTS_FILE}: {key!r} targets {match[2]!r} (supported: {TARGETS})"
                 )
-            tensor = f.get_tensor(key).float()
-            digest.update(key.encode() + b"\0" + tensor.numpy().tobytes())
-            halves.setdefault((layer, module), {})[half] = tensor
-    if not halves:
+            tensors.append((key, f.get_tensor(key).float()))
+    if not tensors:
         raise LoRAError(f"{WEIGHTS_FILE} holds no LoRA weights")
+    return tensors
+
+
+def _pair(tensors: list[tuple[str, torch.Tensor]]):
+    """(layer, module) -> (A, B)."""
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors:
+        match = _WEIGHT.match(key)
+        halves.setdefault((int(match[1]), match[2]), {})[match[3]] = tensor
     weights = {}
     for where, pair in halves.items():
         if set(pair) != {"A", "B"}:
             raise LoRAError(f"layer {where[0]} {where[1]}: lora_A and lora_B must both be present")
         weights[where] = (pair["A"], pair["B"])
-    return weights, digest.hexdigest()
+    return weights
 
 
 def _check_shapes(weights, model: ModelConfig, rank: int) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpage.errors import LoRAError
-from kvpage.lora.adapter import LoraAdapter
+from kvpage.lora.adapter import LoraAdapter, PeftReader
 from kvpage.lora.tables import Factors, SlotTables
 
 
@@ -43,6 +43,7 @@ class LoraSlots:
         self.tables = SlotTables(max_loras, max_rank, dtype, device)
         self.shard = shard  # the full factors -> this rank's (tensor parallelism)
         self.on_write = on_write
+        self.reader = PeftReader()  # how a PEFT directory becomes an adapter (engine loads)
         self.registered: dict[str, LoraAdapter] = {}  # name -> its current adapter
         self.resident: OrderedDict[str, ResidentAdapter] = OrderedDict()  # identity -> LRU last
         self.loads = 0  # adapters made resident (a reload or an eviction costs one)

@@ -42,9 +42,7 @@ class SlotTables:
         """Slot `slot` of every table := `factors`, zero where the adapter has no factor (the
         slot's previous adapter may have targeted projections this one does not)."""
         lo, rank_max = slot * self.max_rank, self.max_rank
-        for a_stack, b_stack in self.stacks.values():
-            a_stack[:, lo : lo + rank_max] = 0
-            b_stack[lo : lo + rank_max] = 0
+        self.clear_slot(slot, factors)
         for where, (a_t, b_t) in factors.items():
             rank = a_t.shape[1]
             if rank > rank_max:
@@ -55,6 +53,15 @@ class SlotTables:
             a_stack[:, lo : lo + rank] = a_t
             b_stack[lo : lo + rank] = b_t
         self._repack()
+
+    def clear_slot(self, slot: int, factors: Factors) -> None:
+        """Zero slot `slot`'s columns / rows of every table before `factors` are written there
+        (a declared seam): of every projection, not only those `factors` target, or a slot
+        reused by an adapter with fewer targets keeps its previous adapter's factors."""
+        lo, hi = slot * self.max_rank, (slot + 1) * self.max_rank
+        for a_stack, b_stack in self.stacks.values():
+            a_stack[:, lo:hi] = 0
+            b_stack[lo:hi] = 0
 
     def _repack(self) -> None:
         """Every table's oneDNN copy, after a write (every table's slot changed: zeros at least)."""

@@ -1,13 +1,23 @@
 """The reference's LoRA: a copy of the base model with every adapted weight merged,
-W' = W + scale * B @ A, computed here in float64 from the adapter's tensors. It shares no code
-with the engine's low-rank path (kvpage/lora/apply.py, tables.py, slots.py): a bug in the stacked
-slot tables, the row mask, the sharding or the scale shows as a divergence from this model."""
+W' = W + scale * B @ A, computed here in float64 from the adapter's PEFT directory as written.
+
+It reads the directory itself: its own JSON parse of adapter_config.json (r, lora_alpha,
+use_rslora) and its own read of adapter_model.safetensors, and shares no code with the engine's
+loader (kvpage/lora/adapter.py) nor its low-rank path (kvpage/lora/apply.py, tables.py,
+slots.py): a bug in how the engine reads the config (the scale, rsLoRA), pairs the tensors, or
+computes the stacked slot tables, the row mask or the sharding shows as a divergence from this
+model. A config field it does not implement is refused, never merged as if absent."""
 
 from __future__ import annotations
 
-import torch
+import json
+import math
+import re
+from pathlib import Path
 
-from kvpage.lora.adapter import LoraAdapter
+import torch
+from safetensors.torch import load_file
+
 from kvpage.model.base import CausalLM
 from kvpage.model.loader import build_model
 
@@ -15,19 +25,57 @@ _OWNER = {
     "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
     "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
 }  # fmt: skip
+# PEFT's names: base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight
+_NAME = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$")
+# Fields that change the computation beyond W + scale * B @ A: refused when set.
+_NOT_MERGED = ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save", "fan_in_fan_out")
+
+
+def adapter_scale(config: dict) -> float:
+    """lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora (PEFT's rule)."""
+    rank = config["r"]
+    alpha = config.get("lora_alpha", rank)
+    return alpha / math.sqrt(rank) if config.get("use_rslora", False) else alpha / rank
+
+
+def read_adapter(directory: str | Path):
+    """(config, scale, {(layer, module): (A, B)}) of a PEFT directory, read here."""
+    directory = Path(directory)
+    config = json.loads((directory / "adapter_config.json").read_text())
+    if config.get("peft_type", "LORA") != "LORA" or config.get("bias", "none") != "none":
+        raise ValueError(f"{directory}: the reference merges plain LoRA only")
+    for key in _NOT_MERGED:
+        if config.get(key):
+            raise ValueError(f"{directory}: {key} is set; the reference does not merge it")
+    tensors = load_file(str(directory / "adapter_model.safetensors"))
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        match = _NAME.match(name)
+        if match is None or _OWNER.get(match[3]) != match[2]:
+            raise ValueError(f"{directory}: tensor {name!r} is not a LoRA factor it merges")
+        halves.setdefault((int(match[1]), match[3]), {})[match[4]] = tensor
+    factors = {}
+    for where, pair in halves.items():
+        a, b = pair["A"], pair["B"]
+        if a.shape[0] != config["r"] or b.shape[1] != config["r"]:
+            raise ValueError(f"{directory}: {where} has rank {a.shape[0]}, r={config['r']}")
+        factors[where] = (a, b)
+    return config, adapter_scale(config), factors
 
 
 @torch.no_grad()
-def merged_model(model: CausalLM, adapter: LoraAdapter) -> CausalLM:
-    """A new model: `model` with `adapter` merged into its weights (the original untouched)."""
+def merged_model(model: CausalLM, directory: str | Path) -> CausalLM:
+    """A new model: `model` with the adapter at `directory` merged into its weights (the
+    original untouched)."""
+    _, scale, factors = read_adapter(directory)
     # A fresh model of the same config with the same weights: no LoRA context, no packed
     # weight caches of the original's projections.
     merged = build_model(model.config).to(device=model.device, dtype=model.dtype)
     merged.load_state_dict(model.state_dict())
     merged.tie_weights()
     merged.eval()
-    for (index, module), (a, b) in adapter.weights.items():
+    for (index, module), (a, b) in factors.items():
         linear = getattr(getattr(merged.model.layers[index], _OWNER[module]), module)
-        delta = adapter.scale * (b.double() @ a.double())
+        delta = scale * (b.double() @ a.double())
         linear.weight.copy_((linear.weight.double() + delta).to(linear.weight.dtype))
     return merged

@@ -1,21 +1,36 @@
 """The verifier's LoRA adapters: described by a seed and a shape (`LoraSpec`, model-agnostic like
 every case), made for the model under test on demand with random A and B large enough to change
-greedy tokens. Same spec, same model: the same adapter (same digest)."""
+greedy tokens, and written as PEFT directories (adapter_config.json + adapter_model.safetensors)
+that the engine loads by path, as a server or `LLM(enable_lora=True)` does: the gate reads what
+the server reads. Same spec, same model: the same files (same digest).
+
+`write_peft` also hashes what it wrote, on its own: the digest recipe the engine's identity is
+defined by (kvpage.lora.adapter's docstring), computed here from the config and tensors as
+written, never by the loader's function. The lora suite checks the engine's loaded digest against
+it, and the reference merges the files, reading the directory with its own code
+(kvpage.reference.lora_merge)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
 from kvpage.config import ModelConfig
-from kvpage.lora.adapter import CONFIG_FILE, TARGETS, WEIGHTS_FILE, LoraAdapter
+from kvpage.lora.adapter import TARGETS, LoraAdapter, load_peft_adapter
 
 ALL = TARGETS
+CONFIG_FILE = "adapter_config.json"  # PEFT's names, spelled here, not taken from the loader
+WEIGHTS_FILE = "adapter_model.safetensors"
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,14 +40,43 @@ class LoraSpec:
     targets: tuple[str, ...] = ALL
     rank: int = 4
     alpha: float = 8.0
+    rslora: bool = False  # use_rslora: scale = alpha / sqrt(rank), not alpha / rank
 
     @property
     def path(self) -> str:
-        """Where the adapter "lives": no directory, the engine is given the adapter itself."""
+        """A name for the adapter where no directory is meant (make_adapter's adapters)."""
         return f"builtin:lora/{self.name}/{self.seed}"
 
 
-def make_adapter(spec: LoraSpec, model: ModelConfig) -> LoraAdapter:
+@dataclass(frozen=True, slots=True)
+class WrittenAdapter:
+    """A spec written as a PEFT directory, and the verifier's own hash of what it wrote."""
+
+    spec: LoraSpec
+    path: str
+    digest: str
+
+    @property
+    def identity(self) -> str:
+        """The cache namespace's adapter field: the name's UTF-8 length, the name, the digest."""
+        return f"{len(self.spec.name.encode())}:{self.spec.name}:{self.digest}"
+
+
+def peft_config(spec: LoraSpec) -> dict:
+    """adapter_config.json as PEFT writes it (the fields kvpage reads, and `use_rslora` always,
+    as PEFT does)."""
+    return {
+        "peft_type": "LORA",
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "use_rslora": spec.rslora,
+        "target_modules": list(spec.targets),
+        "bias": "none",
+    }
+
+
+def peft_tensors(spec: LoraSpec, model: ModelConfig) -> dict[str, torch.Tensor]:
+    """adapter_model.safetensors' tensors under PEFT's names, float32, seeded by the spec."""
     g = torch.Generator().manual_seed(spec.seed)
     q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
     c, f = model.hidden_size, model.intermediate_size
@@ -40,36 +84,66 @@ def make_adapter(spec: LoraSpec, model: ModelConfig) -> LoraAdapter:
         "q_proj": (c, q), "k_proj": (c, kv), "v_proj": (c, kv), "o_proj": (q, c),
         "gate_proj": (c, f), "up_proj": (c, f), "down_proj": (f, c),
     }  # fmt: skip
-    weights, digest = {}, hashlib.sha256(repr(spec).encode())
+    tensors = {}
     for layer in range(model.num_layers):
         for module in spec.targets:
             fan_in, fan_out = fans[module]
+            block = "self_attn" if module in _ATTENTION else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
             a = torch.randn(spec.rank, fan_in, generator=g) / fan_in**0.5
             b = torch.randn(fan_out, spec.rank, generator=g) * 0.5
-            weights[layer, module] = (a, b)
-            digest.update(a.numpy().tobytes() + b.numpy().tobytes())
-    scale = spec.alpha / spec.rank
-    return LoraAdapter(spec.name, spec.path, spec.rank, scale, weights, digest.hexdigest())
+            tensors[f"{prefix}.lora_A.weight"] = a.contiguous()
+            tensors[f"{prefix}.lora_B.weight"] = b.contiguous()
+    return tensors
+
+
+def files_digest(config: dict, tensors: dict[str, torch.Tensor]) -> str:
+    """Hex SHA-256 over the config (canonical JSON) and every tensor in key order: its key, a
+    NUL and its values as little-endian float32, C order. Written here from the recipe, so a
+    loader whose digest leaves something out (the tensor bytes, a key) disagrees with it."""
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    for key in sorted(tensors):
+        values = np.ascontiguousarray(tensors[key].detach().cpu().numpy(), dtype="<f4")
+        digest.update(key.encode() + b"\0" + values.tobytes())
+    return digest.hexdigest()
+
+
+def write_peft(spec: LoraSpec, model: ModelConfig, directory: Path) -> WrittenAdapter:
+    config, tensors = peft_config(spec), peft_tensors(spec, model)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CONFIG_FILE).write_text(json.dumps(config))
+    save_file(tensors, str(directory / WEIGHTS_FILE))
+    return WrittenAdapter(spec, str(directory), files_digest(config, tensors))
 
 
 def save_peft(spec: LoraSpec, model: ModelConfig, directory: Path) -> Path:
-    """`make_adapter(spec, model)` written as a PEFT directory (for engines in other processes:
-    server replicas load adapters by path)."""
-    adapter = make_adapter(spec, model)
-    directory.mkdir(parents=True, exist_ok=True)
-    config = {
-        "peft_type": "LORA",
-        "r": spec.rank,
-        "lora_alpha": spec.alpha,
-        "target_modules": list(spec.targets),
-        "bias": "none",
-    }
-    (directory / CONFIG_FILE).write_text(json.dumps(config))
-    tensors = {}
-    for (layer, module), (a, b) in adapter.weights.items():
-        block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-        prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
-        tensors[f"{prefix}.lora_A.weight"] = a.contiguous()
-        tensors[f"{prefix}.lora_B.weight"] = b.contiguous()
-    save_file(tensors, str(directory / WEIGHTS_FILE))
+    """The spec's adapter written as a PEFT directory (engines in other processes)."""
+    write_peft(spec, model, directory)
     return directory
+
+
+def make_adapter(spec: LoraSpec, model: ModelConfig) -> LoraAdapter:
+    """The spec's adapter as the engine's loader reads it (for tests that register adapters
+    themselves); its path is the spec's name for it, the directory being gone."""
+    with tempfile.TemporaryDirectory(prefix="kvpage-lora-") as tmp:
+        written = write_peft(spec, model, Path(tmp) / spec.name)
+        adapter = load_peft_adapter(spec.name, written.path, model, spec.rank)
+    adapter.path = spec.path
+    return adapter
+
+
+class AdapterFiles:
+    """The specs' PEFT directories for one model, written once each into a temporary
+    directory that lives as long as this object."""
+
+    def __init__(self, model: ModelConfig) -> None:
+        self.model = model
+        self.root = Path(tempfile.mkdtemp(prefix="kvpage-verify-lora-"))
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.root, True)
+        self.written: dict[LoraSpec, WrittenAdapter] = {}
+
+    def __call__(self, spec: LoraSpec) -> WrittenAdapter:
+        if spec not in self.written:
+            directory = self.root / f"{len(self.written)}-{spec.name.encode().hex()}"
+            self.written[spec] = write_peft(spec, self.model, directory)
+        return self.written[spec]

@@ -16,7 +16,6 @@ from kvpage.config import EngineConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.namespace import base_namespace
 from kvpage.kv.format import kv_format
-from kvpage.lora.adapter import LoraAdapter
 from kvpage.lora.request import LoRARequest
 from kvpage.reference.generator import ReferenceOutput, generate, stop_token_ids
 from kvpage.reference.lora_merge import merged_model
@@ -25,6 +24,7 @@ from kvpage.sampling_params import SamplingParams
 from kvpage.verify.canary import TOPK_MARGIN, find_foreign_canaries
 from kvpage.verify.case import Case, RequestSpec
 from kvpage.verify.cases import SUITES, build_suites
+from kvpage.verify.cases.lora import LoadedAdapter, check_adapters
 from kvpage.verify.cases.prompt_logprobs import check_prompt_logprobs
 from kvpage.verify.checks import (
     Failure,
@@ -48,7 +48,7 @@ from kvpage.verify.diff import (
 )
 from kvpage.verify.driver import StepDriver
 from kvpage.verify.hit_bounds import HitBounds
-from kvpage.verify.lora_adapters import LoraSpec, make_adapter
+from kvpage.verify.lora_adapters import AdapterFiles, LoraSpec, WrittenAdapter
 from kvpage.verify.mutants.base import MissingSeam
 from kvpage.verify.properties import StepProperties, check_independence, pin_unseeded
 from kvpage.verify.trace import EngineTracer
@@ -101,23 +101,23 @@ class Runtime:
         self.engine_overrides = dict(engine or {})
         self.engine_factory = engine_factory or (lambda cfg: LLMEngine(cfg, model, tokenizer))
         self._refs: dict[tuple, ReferenceOutput] = {}
-        self._adapters: dict[LoraSpec, LoraAdapter] = {}
+        self.adapter_files = AdapterFiles(model.config)
         self._merged: dict[str, object] = {}  # adapter identity -> the reference's merged model
 
-    def adapter(self, spec: LoraSpec) -> LoraAdapter:
-        """The case's adapter made for this model (the same object for the same spec)."""
-        if spec not in self._adapters:
-            self._adapters[spec] = make_adapter(spec, self.model.config)
-        return self._adapters[spec]
+    def adapter(self, spec: LoraSpec) -> WrittenAdapter:
+        """The case's adapter written for this model as a PEFT directory (once per spec), with
+        the verifier's own digest of what it wrote; the engine loads it by its path."""
+        return self.adapter_files(spec)
 
     def reference_model(self, lora: LoraSpec | None):
-        """The base model, or its copy with the adapter merged by the reference's own code."""
+        """The base model, or its copy with the adapter's files merged by the reference's own
+        code (its own read of the directory: never the engine's loaded adapter or scale)."""
         if lora is None:
             return self.model
-        adapter = self.adapter(lora)
-        if adapter.identity not in self._merged:
-            self._merged[adapter.identity] = merged_model(self.model, adapter)
-        return self._merged[adapter.identity]
+        written = self.adapter(lora)
+        if written.identity not in self._merged:
+            self._merged[written.identity] = merged_model(self.model, written.path)
+        return self._merged[written.identity]
 
     def make_engine(self, overrides: dict) -> LLMEngine:
         args = dict(model=self.model_name, tensor_parallel_size=self.tensor_parallel_size)
@@ -207,6 +207,7 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         refs: dict[str, list[StepRecord]] = {}
         pinned, outputs = pin_unseeded(case, engine.tracer.records, finished)
         failures += _check_requests(pinned, runtime, engine, outputs, refs)
+        failures += check_adapters(drive.loaded, engine.tracer.records, refs)
         failures += check_provenance(engine.tracer, refs)
         failures += check_expectations(case, engine, finished, refs)
         failures += bounds.check(finished, refs, drive.driver.switch_log)
@@ -287,16 +288,24 @@ class _Drive:
         self.driver = StepDriver(engine)
         self.liveness: list[Failure] = []
         self.bound = step_bound(case)
+        self.loaded: list[LoadedAdapter] = []  # what the engine loaded for each adapter request
 
-    def _lora_request(self, spec: RequestSpec) -> LoRARequest | None:
-        """A request's adapter, registered under its name as it arrives: a later spec with the
-        same name and another seed is a reload (the name now stands for the new weights)."""
-        if spec.lora is None:
-            return None
-        adapter = self.runtime.adapter(spec.lora)
-        if self.engine.lora_slots.registered.get(adapter.name) is not adapter:
-            self.engine.lora_slots.register(adapter)
-        return LoRARequest(adapter.name, adapter.path)
+    def _add(self, spec: RequestSpec) -> None:
+        """Add the request; one with an adapter names its PEFT directory (LoRARequest(name,
+        path)) and the engine loads it there, as a server does: a later spec with the same name
+        and another directory is a reload (the name now stands for the new weights)."""
+        written = None if spec.lora is None else self.runtime.adapter(spec.lora)
+        self.engine.add_request(
+            spec.request_id,
+            spec.prompt,
+            spec.params,
+            cache_salt=spec.cache_salt,
+            timeout_s=spec.timeout_s,
+            lora_request=None if written is None else LoRARequest(spec.lora.name, written.path),
+        )
+        if written is not None:
+            got = self.engine.lora_slots.registered.get(spec.lora.name)
+            self.loaded.append(LoadedAdapter(spec.request_id, written, got))
 
     def run(self):
         engine, case = self.engine, self.case
@@ -306,15 +315,7 @@ class _Drive:
         steps = 0
         while pending or engine.has_unfinished_requests():
             while pending and pending[0].arrive_step <= steps:
-                spec = pending.pop(0)
-                engine.add_request(
-                    spec.request_id,
-                    spec.prompt,
-                    spec.params,
-                    cache_salt=spec.cache_salt,
-                    timeout_s=spec.timeout_s,
-                    lora_request=self._lora_request(spec),
-                )
+                self._add(pending.pop(0))
             for action in [a for a in actions if a.when(self.driver, steps)]:
                 action.do(self.driver)
                 actions.remove(action)

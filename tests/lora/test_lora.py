@@ -99,8 +99,7 @@ def test_a_mixed_batch_matches_peft_for_every_row(setup):
 def test_the_reference_merges_the_adapter_on_its_own(setup):
     base, root = setup
     engine = _engine(root)
-    adapter = engine.load_lora_adapter(LoRARequest("b", str(root / "b")))
-    merged = merged_model(engine.model, adapter)
+    merged = merged_model(engine.model, root / "b")  # its own read of the directory (rsLoRA)
     prompt = _prompt(20, 7)
     ours = generate(merged, prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     assert ours.token_ids == _greedy_hf(peft_model(base, root / "b"), prompt)

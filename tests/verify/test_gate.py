@@ -74,6 +74,9 @@ EXPECTED_CLASS = {
     "lora_name_in_salt_field": "lora",
     "lora_rows_shifted": "lora",
     "lora_wrong_scale": "lora",
+    "lora_digest_skips_tensors": "lora",
+    "lora_rslora_key_misspelled": "lora",
+    "lora_slot_keeps_old_factors": "lora",
 }
 STEP_PAIR_CLASSES = {"block_table", "prefix_key", "restore", "sampling", "quantized_kv"}
 SUITES = {

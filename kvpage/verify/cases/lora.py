@@ -1,26 +1,105 @@
 """LoRA adapters: base and two adapters on the same prompt in one step (each equals its
-reference, the reference merging the adapter in its own code; no block shared across adapters,
-the same adapter shares), a reload under the same name, an adapter named like a tenant's salt,
-and adapters under preemption (recompute and swap) with a parallel request. Every request states
-how many cached tokens it must get: an adapter left out of the key would share KV silently where
-two adapters agree on a token."""
+reference, the reference merging the adapter's files in its own code; no block shared across
+adapters, the same adapter shares), a reload under the same name, an adapter named like a
+tenant's salt, adapters under preemption (recompute and swap) with a parallel request, an
+rsLoRA adapter with alpha != rank, and one slot reused by an adapter with fewer targets. Every
+request states how many cached tokens it must get: an adapter left out of the key would share
+KV silently where two adapters agree on a token.
+
+Every adapter is a PEFT directory the engine loads by path (kvpage.verify.lora_adapters), and
+`check_adapters` holds what it loaded to what was written: its digest to the verifier's own
+hash of the files, and a reload under the same name with other tensor bytes to a namespace of
+its own."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
+from kvpage.lora.adapter import LoraAdapter
+from kvpage.reference.records import StepRecord
 from kvpage.sampling_params import SamplingParams
 from kvpage.verify.case import Action, Case, RequestSpec, Tokens, greedy
-from kvpage.verify.lora_adapters import LoraSpec
+from kvpage.verify.checks import Failure, finding
+from kvpage.verify.lora_adapters import LoraSpec, WrittenAdapter
 
 SUITE = "lora"
 B = 8
 A = LoraSpec("a", seed=101)
 BB = LoraSpec("b", seed=102, targets=("q_proj", "v_proj", "down_proj"), rank=8, alpha=8.0)
-A_RELOADED = LoraSpec("a", seed=103)  # the same name, other weights
+A_RELOADED = replace(A, seed=103)  # the same name and config, other tensor bytes
+# rsLoRA with alpha != rank: scale 16 / sqrt(8), where alpha / r would be 2 (a loader that
+# misses use_rslora serves it at under half its strength)
+RS = LoraSpec("rs", seed=104, rank=8, alpha=16.0, rslora=True)
+# Fewer targets than A, to follow A in A's slot (max_loras=1): A's other five projections must
+# not stay behind in the slot
+QV = LoraSpec("qv", seed=105, targets=("q_proj", "v_proj"), rank=2, alpha=6.0)
 
 
 def lora_cases(vocab: int) -> list[Case]:
     t = Tokens(vocab, seed=2500)
-    return [_mixed(t), _reload(t), _named_like_a_salt(t), _preempted(t)]
+    cases = [_mixed(t), _reload(t), _named_like_a_salt(t), _preempted(t)]
+    return cases + [_rslora(t), _slot_reused(t)]
+
+
+@dataclass(slots=True)
+class LoadedAdapter:
+    """What the engine loaded for one adapter request: `adapter` is the engine's registered
+    adapter under the name right after the request was added (None: none)."""
+
+    sample_id: str  # the request's first sample (its trace key)
+    written: WrittenAdapter
+    adapter: LoraAdapter | None
+
+
+def check_adapters(
+    loaded: list[LoadedAdapter],
+    records: dict[str, list[StepRecord]],
+    refs: dict[str, list[StepRecord]],
+) -> list[Failure]:
+    """The engine read what was written: each loaded adapter's digest is the verifier's own
+    hash of the files at its path, and two requests under one name whose files differ (a
+    reload, even one that changes only tensor bytes) run in different namespaces."""
+    failures: list[Failure] = []
+
+    def fields(item: LoadedAdapter) -> dict:
+        cand, ref = records.get(item.sample_id) or [], refs.get(item.sample_id) or []
+        return {
+            "adapter_ref": item.written.identity,
+            "adapter_cand": None if item.adapter is None else item.adapter.identity,
+            "namespace_ref": ref[0].view.namespace if ref else "",
+            "namespace_cand": cand[0].view.namespace if cand else "",
+            "batch_adapters": list(cand[0].batch_adapters) if cand else [],
+            "prefix_hit_tokens": cand[0].prefix_hit_tokens if cand else 0,
+            "path": item.written.path,
+        }
+
+    for item in loaded:
+        got = None if item.adapter is None else item.adapter.digest
+        if got == item.written.digest:
+            continue
+        message = (
+            f"adapter {item.written.spec.name!r} loaded from {item.written.path} has digest "
+            f"{str(got)[:16]}, the files written there hash to {item.written.digest[:16]}"
+        )
+        div = finding("adapter_digest", "lora", message, fields(item), item.sample_id)
+        failures.append(Failure("adapter", message, item.sample_id, div))
+    first: dict[tuple[str, str], LoadedAdapter] = {}  # (name, files digest) -> first request
+    for item in loaded:
+        first.setdefault((item.written.spec.name, item.written.digest), item)
+    distinct = list(first.values())
+    for i, item in enumerate(distinct):
+        for other in distinct[i + 1 :]:
+            name = item.written.spec.name
+            mine, theirs = fields(item)["namespace_cand"], fields(other)["namespace_cand"]
+            if other.written.spec.name != name or not mine or mine != theirs:
+                continue
+            message = (
+                f"{other.sample_id} ran adapter {name!r} from other files than "
+                f"{item.sample_id} (a reload) in the same namespace {mine[:16]}"
+            )
+            div = finding("adapter_reload", "lora", message, fields(other), other.sample_id)
+            failures.append(Failure("adapter", message, other.sample_id, div))
+    return failures
 
 
 def _mixed(t: Tokens) -> Case:
@@ -96,4 +175,41 @@ def _preempted(t: Tokens) -> Case:
             ),
         ],
         expect_preemption=True,
+    )
+
+
+def _rslora(t: Tokens) -> Case:
+    """An rsLoRA adapter (alpha / sqrt(r)) beside the base model, then again from its blocks."""
+    prompt, full = t.take(2 * B + 3), 2 * B
+    specs = [
+        RequestSpec("rs.1", prompt, greedy(4), 0, lora=RS),
+        RequestSpec("base", prompt, greedy(4), 0),
+        RequestSpec("rs.2", prompt, greedy(4), 8, lora=RS),
+    ]
+    return Case(
+        SUITE,
+        "an rsLoRA adapter with alpha != rank",
+        specs,
+        dict(block_size=B, num_blocks=64),
+        expect_hit_tokens={"rs.1": 0, "base": 0, "rs.2": full},
+    )
+
+
+def _slot_reused(t: Tokens) -> Case:
+    """One adapter slot: A (all seven projections) holds it, QV (two, a lower rank) waits for
+    it while a base request runs beside A, takes it over, then A takes it back and hits its own
+    blocks. QV must see nothing of A's factors."""
+    prompt, full = t.take(3 * B + 1), 3 * B
+    specs = [
+        RequestSpec("all", prompt, greedy(4), 0, lora=A),
+        RequestSpec("qv", prompt, greedy(4), 0, lora=QV),
+        RequestSpec("base", prompt, greedy(4), 0),
+        RequestSpec("all.2", prompt, greedy(4), 14, lora=A),
+    ]
+    return Case(
+        SUITE,
+        "one adapter slot reused by an adapter with fewer targets",
+        specs,
+        dict(block_size=B, num_blocks=64, max_loras=1),
+        expect_hit_tokens={"all": 0, "qv": 0, "base": 0, "all.2": full},
     )

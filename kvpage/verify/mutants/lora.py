@@ -1,9 +1,17 @@
 """LoRA mutants, the bugs engines shipped: the adapter left out of the block key (vLLM #3264),
 adapters told apart by name alone so a reload serves the old blocks (vLLM #30931, #42125), the
 adapter's name written where the tenant salt goes so the two collide (vLLM #44701), an adapter
-applied to the wrong rows of a mixed batch, and a wrong scale. Each replaces a declared seam."""
+applied to the wrong rows of a mixed batch, and a wrong scale; and in how the engine reads an
+adapter and reuses its slot: a digest that skips the tensor bytes (a reload under the same name
+with other weights is served the old namespace's blocks), rsLoRA read from a misspelled key
+(alpha / r where alpha / sqrt(r) was asked for), and a slot reused by an adapter with fewer
+targets keeping its previous adapter's factors for the others. Each replaces a declared seam."""
 
 from __future__ import annotations
+
+import hashlib
+import json
+import math
 
 import torch
 
@@ -64,6 +72,45 @@ def alpha_not_divided_by_rank(engine: LLMEngine) -> None:
     plant(engine, "lora.factors", factors)
 
 
+def digest_skips_tensors(engine: LLMEngine) -> None:
+    """The adapter's digest over its config alone: the tensor bytes never reach it."""
+    if engine.lora_slots is None:
+        return  # an engine serving no adapters loads none: the bug is inert
+
+    def digest(self, cfg, tensors):
+        return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
+
+    plant(engine, "lora_reader.digest", digest)
+
+
+def rslora_key_misspelled(engine: LLMEngine) -> None:
+    """rsLoRA looked up under a key no PEFT config has: every adapter gets alpha / r."""
+    if engine.lora_slots is None:
+        return
+
+    def scale(self, cfg, rank, alpha):
+        return alpha / math.sqrt(rank) if cfg.get("use_rs_lora") else alpha / rank
+
+    plant(engine, "lora_reader.scale", scale)
+
+
+def slot_keeps_old_factors(engine: LLMEngine) -> None:
+    """A slot's write zeroes only the projections the new adapter targets: one with fewer
+    targets than the slot's previous adapter runs with that adapter's other factors."""
+    if engine.lora_slots is None:
+        return
+
+    def clear_slot(self, slot, factors):
+        lo, hi = slot * self.max_rank, (slot + 1) * self.max_rank
+        for where in factors:
+            if where in self.stacks:
+                a_stack, b_stack = self.stacks[where]
+                a_stack[:, lo:hi] = 0
+                b_stack[lo:hi] = 0
+
+    plant(engine, "lora_tables.clear_slot", clear_slot)
+
+
 LORA_MUTANTS: tuple[Mutant, ...] = tuple(
     Mutant(name, what, "lora", apply, suites=("lora",))
     for name, what, apply in (
@@ -84,5 +131,20 @@ LORA_MUTANTS: tuple[Mutant, ...] = tuple(
             rows_shifted,
         ),
         ("lora_wrong_scale", "lora_alpha not divided by the rank", alpha_not_divided_by_rank),
+        (
+            "lora_digest_skips_tensors",
+            "the adapter digest skips the tensor bytes: a reload is served old blocks",
+            digest_skips_tensors,
+        ),
+        (
+            "lora_rslora_key_misspelled",
+            "use_rslora read from a misspelled key: alpha / r instead of alpha / sqrt(r)",
+            rslora_key_misspelled,
+        ),
+        (
+            "lora_slot_keeps_old_factors",
+            "a reused slot keeps the previous adapter's factors for projections it lacks",
+            slot_keeps_old_factors,
+        ),
     )
 )
