@@ -211,7 +211,9 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         failures += check_provenance(engine.tracer, refs)
         failures += check_expectations(case, engine, finished, refs)
         failures += bounds.check(finished, refs, drive.driver.switch_log)
-        failures += check_prompt_logprobs(case, runtime.model, finished)
+        failures += check_prompt_logprobs(
+            case, runtime.model, finished, engine.config.kv_cache_dtype
+        )
         failures += check_baseline(engine)
         if engine.kv_format.quantized or engine.kv_format.cast_only:
             _attribute_rounded_kv(case, runtime, failures)

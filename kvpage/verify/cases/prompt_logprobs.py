@@ -3,20 +3,31 @@ reference's logits over the whole prompt (kvpage.reference.generator.prompt_logp
 
 The token-by-token diff of the gate sees only the outputs; `check_prompt_logprobs` compares each
 finished request's prompt rows (length, the top-k set, every logprob) with the reference, and
-`run_prompt_logprob_case` runs a case through the test driver and applies that check."""
+`run_prompt_logprob_case` runs a case through the test driver and applies that check.
+
+The tolerance is the logits' (kvpage.verify.diff.logit_atol: the compute dtype's and the KV
+format's rounding, relative to the reference's largest prompt logit): the rows are the same logits
+as a decode step's, and a logprob differs from its logit by the row's logsumexp, which moves no
+more than the logits do. In 16-bit models logits tie or nearly tie, so the top k of a row may
+legitimately swap a token at the k-th place for one the reference scores within that tolerance of
+it; a token further below the k-th is a wrong row."""
 
 from __future__ import annotations
 
+import torch
+
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.outputs import RequestOutput
+from kvpage.model.kernels import torch_kernels
 from kvpage.reference.generator import prompt_logprobs
+from kvpage.reference.weight_oracle import reference_model
 from kvpage.sampling_params import SamplingParams
 from kvpage.verify.case import Action, Case, RequestSpec, Tokens
 from kvpage.verify.checks import Failure, finding
+from kvpage.verify.diff import logit_atol
 from kvpage.verify.driver import StepDriver
 
 SUITE = "prompt_logprobs"
-ATOL = 1e-4  # fp32: the paged pass and the whole-prompt pass differ by rounding only
 
 
 def _scored(n: int, k: int) -> SamplingParams:
@@ -97,10 +108,13 @@ def prompt_logprob_cases(vocab: int) -> list[Case]:
     return [sharing, kept, chunked, evicting]
 
 
-def check_prompt_logprobs(case: Case, model, finished: dict[str, RequestOutput]) -> list[Failure]:
+def check_prompt_logprobs(
+    case: Case, model, finished: dict[str, RequestOutput], kv_cache_dtype: str = "auto"
+) -> list[Failure]:
     """Every request that asked for prompt logprobs against the reference: one row per prompt
-    token, None first, the top-k set, and each logprob within ATOL. The first bad row of each
-    request is reported."""
+    token, None first, the top-k set (up to ties within the tolerance), and each logprob within
+    the logit tolerance of a run in the model's dtype with its pool in `kv_cache_dtype`. The
+    first bad row of each request is reported."""
     failures = []
     for spec in case.requests:
         k = spec.params.prompt_logprobs
@@ -110,7 +124,9 @@ def check_prompt_logprobs(case: Case, model, finished: dict[str, RequestOutput])
         if any(c.finish_reason not in ("stop", "length") for c in out.outputs):
             continue  # aborted, timed out or failed: its prompt may never have been scored
         expected = prompt_logprobs(model, spec.prompt, k)
-        problem = _first_difference(expected, out.prompt_logprobs, spec.prompt)
+        exact, scale = reference_prompt_logprobs(model, spec.prompt)
+        atol = logit_atol(kv_cache_dtype, model.dtype, scale)
+        problem = _first_difference(expected, out.prompt_logprobs, spec.prompt, exact, k, atol)
         if problem is not None:
             position, reason, want, got = problem
             fields = {
@@ -119,6 +135,7 @@ def check_prompt_logprobs(case: Case, model, finished: dict[str, RequestOutput])
                 "expected": want,
                 "actual": got,
                 "num_cached_tokens": out.metrics.num_cached_tokens,
+                "atol": atol,
             }
             div = finding(SUITE, "prompt_logprobs", reason, fields, spec.request_id, position)
             message = f"{spec.request_id} prompt position {position}: {reason}"
@@ -126,7 +143,17 @@ def check_prompt_logprobs(case: Case, model, finished: dict[str, RequestOutput])
     return failures
 
 
-def _first_difference(expected, got, prompt):
+def reference_prompt_logprobs(model, prompt: list[int]) -> tuple[torch.Tensor, float]:
+    """The whole log_softmax of the reference's pass over the prompt (the pass
+    reference.generator.prompt_logprobs takes its rows from): (L - 1, V) float32, row p scoring
+    prompt[p + 1]; and the largest |logit| of those rows (at least 1), the tolerance's scale."""
+    with torch_kernels():
+        logits = reference_model(model).forward_full(prompt)[:-1].float()
+    scale = max(1.0, float(logits.abs().max())) if logits.numel() else 1.0
+    return torch.log_softmax(logits, dim=-1), scale
+
+
+def _first_difference(expected, got, prompt, exact: torch.Tensor, k: int, atol: float):
     if got is None or len(got) != len(expected):
         n = None if got is None else len(got)
         return (
@@ -138,17 +165,46 @@ def _first_difference(expected, got, prompt):
     if got[0] is not None:
         return 0, "the first prompt token has a row (nothing precedes it)", None, got[0]
     for p in range(1, len(expected)):
-        want, row = expected[p], got[p]
-        if row is None or set(row) != set(want):
-            missing = None if row is None else sorted(set(want) ^ set(row))
-            return p, f"top-k set differs (tokens {missing})", sorted(want), row and sorted(row)
-        worst = max(want, key=lambda t: abs(want[t] - row[t]))
-        if abs(want[worst] - row[worst]) > ATOL:
+        problem = _row_difference(expected[p], got[p], prompt[p], exact[p - 1], k, atol)
+        if problem is not None:
+            return (p, *problem)
+    return None
+
+
+def _row_difference(want: dict, row: dict | None, token: int, exact: torch.Tensor, k: int, atol):
+    """(reason, expected, actual) for a row that is not the reference's, else None. The row's top
+    set must be a top k of the reference's up to a tie: no token left out may score more than
+    `atol` above one kept (drift of `atol` on each logit can swap such a pair, and no other)."""
+    vocab = exact.shape[0]
+    if row is None or token not in row or any(not 0 <= t < vocab for t in row):
+        return (
+            "top-k set differs (no row, or the prompt token or the vocabulary missed)",
+            sorted(want),
+            row and sorted(row),
+        )
+    top = set(row) - {token} if len(row) == min(k, vocab) + 1 else set(row)
+    if len(top) != min(k, vocab):
+        return f"{len(row)} entries in a row of top {k}", sorted(want), sorted(row)
+    worst = max(row, key=lambda t: abs(row[t] - float(exact[t])))
+    off = abs(row[worst] - float(exact[worst]))
+    if off > atol:
+        return (
+            f"logprob of token {worst} off by {off:.3g} (atol {atol:.3g})",
+            want.get(worst, float(exact[worst])),
+            row[worst],
+        )
+    if set(row) != set(want):
+        left_out = torch.ones(vocab, dtype=torch.bool)
+        left_out[list(top)] = False
+        lowest_kept = min((float(exact[t]) for t in top), default=float("inf"))
+        highest_left = float(exact[left_out].max()) if bool(left_out.any()) else float("-inf")
+        if highest_left - lowest_kept > atol:
+            swapped = sorted(set(want) ^ set(row))
             return (
-                p,
-                f"logprob of token {worst} off by {abs(want[worst] - row[worst]):.3g}",
-                (want[worst]),
-                row[worst],
+                f"top-k set differs (tokens {swapped}; a token left out scores "
+                f"{highest_left - lowest_kept:.3g} above one kept, atol {atol:.3g})",
+                sorted(want),
+                sorted(row),
             )
     return None
 
@@ -167,4 +223,4 @@ def run_prompt_logprob_case(case: Case, engine: LLMEngine, model) -> list[Failur
             actions.remove(action)
         finished.update({o.request_id: o for o in driver.step() if o.finished})
         steps += 1
-    return check_prompt_logprobs(case, model, finished)
+    return check_prompt_logprobs(case, model, finished, engine.config.kv_cache_dtype)
