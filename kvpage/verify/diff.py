@@ -285,6 +285,33 @@ WHERE_TO_LOOK.update(
 )
 
 
+# Found before any engine case, by classes of their own (kvpage.verify.model_oracle, gate.py):
+REQUIRED_FIELDS.update(
+    {
+        "model": (
+            "checkpoint",
+            "dtype",
+            "length",
+            "first_layer",
+            "layer_kind",
+            "max_abs_diff",
+            "tolerance",
+        ),
+        "kernel": ("paths", "passes_without", "case"),
+        "crash": ("error", "step", "case"),
+    }
+)
+WHERE_TO_LOOK.update(
+    {
+        "model": "the family's model math or config reading (kvpage/model/<family>.py, "
+        "hf_config.py, layers.py): the first layer whose output leaves transformers'",
+        "kernel": "the fast path named: the case passes with it alone turned off "
+        "(kvpage/model/native_*.py, decode_plan.py, projection.py, widened.py)",
+        "crash": "the exception and the step it was raised in (the traceback in the message)",
+    }
+)
+
+
 @dataclass(slots=True)
 class Attribution:
     cls: str

@@ -23,11 +23,15 @@ from kvpage.verify.cases import BLOCK_SIZES, quantized_suite_names
 from kvpage.verify.cases.prefix import prefix_cases
 from kvpage.verify.generated.alone import alone_summary, generated_alone
 from kvpage.verify.generated.stage import GeneratedResult, GeneratedStage, run_stage
+from kvpage.verify.model_oracle.stage import ModelStageResult, run_model_stage
 from kvpage.verify.mutants import MUTANTS, Mutant
 from kvpage.verify.stack import STACK_MUTANTS, run_server_mutant, run_server_suite
 from kvpage.verify.suites import SUITES, CaseResult, Runtime, build_suites, run_case
 
 STACK_SUITES = ("server", "router")
+# The model stage (kvpage.verify.model_oracle): "served" compares the model under test with
+# transformers on its weights; "full" adds every family's checkpoint and the stage's mutants.
+MODEL_CHECKS = ("none", "served", "full")
 
 # The KV formats the gate runs the prefix, batching and preemption suites in besides the model's.
 DEFAULT_GATE_KV_DTYPES = ("int8",)
@@ -190,6 +194,7 @@ def run_gate(
     generated: GeneratedStage | None = None,
     stack: bool = False,
     report_dir: str | None = None,
+    model_check: str = "none",
 ) -> GateResult:
     """`kv_cache_dtypes`: quantized KV formats whose copies of the prefix, batching and
     preemption suites (and a CoW fork case) run too; a mutant bound to a KV format runs only
@@ -202,13 +207,18 @@ def run_gate(
     `generated`: the generated stage to run after the suites (its failures' reproducers go
     under `report_dir`), and with mutants, every mutant against it alone (the generality
     figure, reported apart from the mutation check). `stack`: the whole-stack suite (server
-    and router) and, with mutants, its own mutants, which count in the mutation check."""
+    and router) and, with mutants, its own mutants, which count in the mutation check.
+    `model_check` (MODEL_CHECKS): the model stage, before any engine case; its mutants (with
+    "full") count in the mutation check too."""
     engine = dict(engine or {})
     dtype = engine.pop("dtype", dtype)
     tp = engine.pop("tensor_parallel_size", tensor_parallel_size)
+    if model_check not in MODEL_CHECKS:
+        raise ValueError(f"model_check must be one of {MODEL_CHECKS}, got {model_check!r}")
     plan = GatePlan(
         model_name, suites, mutants, kv_cache_dtypes, dtype, tp, engine, generated, stack
     )
+    plan.model_check = model_check
     plan.report_dir = report_dir
     with _tensor_parallel_workers(tp):
         return _run_gate(plan, progress)
@@ -228,6 +238,7 @@ class GatePlan:
     generated: GeneratedStage | None = None
     stack: bool = False
     report_dir: str | None = None
+    model_check: str = "none"
 
     @property
     def pool_kv_dtype(self) -> str:
@@ -261,6 +272,7 @@ def _run_gate(plan: GatePlan, progress: bool) -> GateResult:
         plan.engine.get("quantization", "none"),
         plan.engine.get("quantize_lm_head", False),
     )
+    model_stage = _model_stage(plan, model)
     kv_copies = tuple(d for d in plan.kv_cache_dtypes if d not in ("auto", plan.pool_kv_dtype))
     cases, unfit = _cases(plan, model.config, kv_copies)
     suites = (*plan.suites, *quantized_suite_names(plan.suites, kv_copies))
@@ -292,6 +304,11 @@ def _run_gate(plan: GatePlan, progress: bool) -> GateResult:
         case_results += stack_cases
         mutant_results += stack_mutants
         suites = (*suites, *STACK_SUITES)
+    if model_stage is not None:
+        case_results = model_stage.cases + case_results
+        mutant_results = _model_mutant_results(model_stage) + mutant_results
+        unfit = {**model_stage.not_applicable, **unfit}
+        suites = ("model", *suites)
     bar.close()
     return GateResult(
         plan.model_name,
@@ -306,6 +323,29 @@ def _run_gate(plan: GatePlan, progress: bool) -> GateResult:
         generated=generated,
         generated_alone=alone,
     )
+
+
+def _model_stage(plan: GatePlan, model) -> ModelStageResult | None:
+    """transformers against the reference's forward, before any engine case runs."""
+    if plan.model_check == "none":
+        return None
+    full = plan.model_check == "full"
+    mutants = plan.mutants if full else False
+    return run_model_stage(model, plan.model_name, mutants, families=None if full else ())
+
+
+def _model_mutant_results(stage: ModelStageResult) -> list[MutantResult]:
+    return [
+        MutantResult(
+            o.mutant,
+            o.caught,
+            o.caught_by,
+            None if o.divergence is None else f"{o.caught_by[0]}: {o.divergence['detail']}",
+            o.divergence,
+            o.seconds,
+        )
+        for o in stage.mutants
+    ]
 
 
 def _drawn_formats(plan: GatePlan) -> tuple[str, ...]:

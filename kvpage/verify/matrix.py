@@ -64,7 +64,7 @@ from dataclasses import dataclass, field, replace
 from multiprocessing import get_context
 
 from kvpage.verify.cases import ALL_SUITES, SUITES
-from kvpage.verify.gate import run_gate
+from kvpage.verify.gate import MODEL_CHECKS, run_gate
 from kvpage.verify.generated.stage import GeneratedStage
 from kvpage.verify.mutants import MUTANTS
 from kvpage.verify.mutants.layer_groups import LAYER_GROUP_MUTANTS
@@ -97,10 +97,15 @@ class Cell:
     stack: bool = False  # the whole-stack suite: server and router (and their mutants)
     quantization: str = "none"  # the weights (EngineConfig.quantization); the reference's too
     quantize_lm_head: bool = False  # the LM head in int8 too (EngineConfig.quantize_lm_head)
+    # The model stage (kvpage.verify.gate.MODEL_CHECKS): transformers on the cell's model, in
+    # its dtype and weight format ("served"); "full" adds every family and the stage's mutants.
+    model_check: str = "served"
 
     def __post_init__(self) -> None:
         if self.mutants not in MUTANT_PARTS:
             raise ValueError(f"mutants must be one of {MUTANT_PARTS}, got {self.mutants!r}")
+        if self.model_check not in MODEL_CHECKS:
+            raise ValueError(f"model_check must be one of {MODEL_CHECKS}")
 
     @property
     def name(self) -> str:
@@ -140,16 +145,21 @@ class Cell:
         return tuple(m.name for m in MUTANTS if m.kv_cache_dtype in formats)
 
 
-MAIN = Cell("builtin:tiny-llama", mutants="all", kv_copies=("int8",))
+MAIN = Cell("builtin:tiny-llama", mutants="all", kv_copies=("int8",), model_check="full")
 # Generated scenarios draw their own engine configurations (block size, pool, budget, KV format,
 # preemption); the stack drives the server in-process. Each is a cell of its own, so the two
 # lanes of `make run` stay even.
 GENERATED = Cell(
-    "builtin:tiny-llama", kv_cache_dtype=None, suites=(), mutants="all", generated=True
+    "builtin:tiny-llama",
+    kv_cache_dtype=None,
+    suites=(),
+    mutants="all",
+    generated=True,
+    model_check="none",
 )
-STACK = Cell("builtin:tiny-llama", suites=(), mutants="all", stack=True)
+STACK = Cell("builtin:tiny-llama", suites=(), mutants="all", stack=True, model_check="none")
 # What `--suite` may name besides the hand-written suites.
-PARTS = ("generated", "stack")
+PARTS = ("generated", "stack", "model")
 QWEN2 = "builtin:tiny-qwen2"
 # Global and sliding-window layers (kvpage.cache.groups): the layer-group suite and mutants,
 # which cannot be expressed on the other models (they are "not applicable" on the main cell).
@@ -259,8 +269,18 @@ def pin(
             cell.stack and "stack" in suites,
         )
         mode = cell.mutants if mutants else "none"
-        cell = replace(cell, **dims, suites=kept, mutants=mode, generated=generated, stack=stack)
-        if (kept or generated or stack) and _key(cell) not in seen:
+        check = cell.model_check if "model" in suites else "none"
+        cell = replace(
+            cell,
+            **dims,
+            suites=kept,
+            kv_copies=cell.kv_copies if kept else (),
+            mutants=mode,
+            generated=generated,
+            stack=stack,
+            model_check=check,
+        )
+        if (kept or generated or stack or check != "none") and _key(cell) not in seen:
             seen.add(_key(cell))
             out.append(cell)
     return out
@@ -280,6 +300,7 @@ def single_cell(model: str, engine: dict, suites: tuple[str, ...], mutants: bool
         mutants="all" if mutants else "none",
         generated="generated" in suites,
         stack="stack" in suites,
+        model_check="full" if "model" in suites else "none",
     )
 
 
@@ -347,6 +368,7 @@ def _cell_dict(cell: Cell, result: dict) -> dict:
             "mutants": cell.mutants,
             "generated": cell.generated,
             "stack": cell.stack,
+            "model": cell.model_check,
         },
         "scenarios": (result.get("generated") or {}).get("scenarios", 0),
         "passed": result["passed"],
@@ -381,6 +403,7 @@ def run_cell(
         generated=stage,
         stack=cell.stack,
         report_dir=report_dir,
+        model_check=cell.model_check,
     )
     return result.to_dict()
 
