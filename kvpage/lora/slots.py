@@ -4,7 +4,8 @@ Registered adapters keep their float32 weights as loaded. At most `max_loras` ar
 the model's dtype and device: a request's adapter is made resident when the request is admitted
 and held until its last sample finishes, so an adapter in use is never evicted; one not in use
 is evicted least recently used first when another needs its slot. A request whose adapter cannot
-become resident (every slot held) waits in the queue.
+become resident (every slot held) waits in the queue; those behind it that need no new slot are
+admitted meanwhile (kvpage.engine.scheduler). `reader` reads PEFT directories for the engine.
 
 Resident adapters are computed from stacked slot tables (kvpage.lora.tables); `on_write`, when
 set, hears of every slot written (a tensor-parallel engine sends it to its workers)."""
