@@ -12,7 +12,7 @@ from kvpage.config import ModelConfig
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.base import CausalLM
 from kvpage.model.decode_plan import LlamaDecodePlan
-from kvpage.model.kernels import native_allowed
+from kvpage.model.kernels import all_allowed
 from kvpage.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 from kvpage.model.projection import Projection
 
@@ -129,7 +129,7 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, input_ids, positions, attn) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (N, C)
         rope = self.model.rotary.cos_sin(positions, x.dtype)  # ((N, 1, D), (N, 1, D))
-        plan = self.decode_plan() if native_allowed() else None
+        plan = self.decode_plan() if all_allowed() else None
         if plan is not None and plan.takes(x, attn):
             hidden = plan.run(x, rope, attn)
             if hidden is not None:

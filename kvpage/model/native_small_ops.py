@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import kvpage.model.native_build as native_build  # not `from kvpage.model`: an import cycle
-from kvpage.model.kernels import native_allowed
+from kvpage.model.kernels import allowed
 
 SOURCE = Path(__file__).parent / "native" / "small_ops.cpp"
 FLAGS = (*native_build.FLAGS, "-ffp-contract=off")  # torch rounds a * b and + c apart
@@ -57,7 +57,7 @@ def supports(x: torch.Tensor) -> bool:
         x.dtype in DTYPES
         and x.is_cpu
         and not x.requires_grad
-        and native_allowed()
+        and allowed("small_ops")
         and available()
     )
 

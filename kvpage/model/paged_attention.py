@@ -19,6 +19,7 @@ import kvpage.model.native_attention as native_attention  # not `from kvpage.mod
 from kvpage.kv.storage import KVStorage
 from kvpage.model.attention import causal_mask, masked_attention, windowed_causal_attention
 from kvpage.model.decode_attention import decode_attention
+from kvpage.model.kernels import allowed
 from kvpage.model.prefill_groups import PrefillGroup, group_prefills
 
 
@@ -135,6 +136,8 @@ class PagedAttention:
 
     def native_decode(self, q_d: torch.Tensor) -> native_attention.PagedDecode | None:
         """The step's native decode kernel for queries like q_d (None: the torch path)."""
+        if not allowed("paged_decode"):
+            return None
         if self._native is None:
             if not self.storage.use_native or self.meta.decode_lens is None:
                 return None

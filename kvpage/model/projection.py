@@ -25,7 +25,7 @@ from torch import nn
 import kvpage.model.native_amx as native_amx
 from kvpage.errors import InvariantViolation
 from kvpage.model.int8 import Int8Linear
-from kvpage.model.kernels import native_allowed
+from kvpage.model.kernels import all_allowed, allowed
 from kvpage.model.native_gemv import WeightGemv, max_rows, onednn_bf16
 from kvpage.model.widened import widened_linear
 
@@ -64,8 +64,8 @@ class Projection:
         self._slots = [_slots(lin) for lin in linears]
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if not native_allowed():
-            return self._torch_only(x)
+        if not all_allowed():
+            return self._restricted(x)
         if self.int8:
             return self._int8_call(x)
         if not self._fast(x):
@@ -101,8 +101,8 @@ class Projection:
         """The native kernel this call would run on x (the weight GEMV, or the AMX kernel), over
         the layers' current tensors, or None where another path would
         (kvpage.model.decode_plan calls it with its own output buffers)."""
-        if not native_allowed():
-            return None
+        if not all_allowed():
+            return None  # the decode plan, its only caller, runs with every path on
         if self.int8:
             if self._key != self._current_key():
                 self._refresh_int8()
@@ -121,6 +121,30 @@ class Projection:
         if self._weight is None or self.int8:
             return None
         return torch.ops.mkldnn._linear_pointwise(x, self._weight, self._bias, "none", [], "")
+
+    def _restricted(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """__call__ with some fast paths off (kvpage.model.kernels): each taken only where
+        allowed, in __call__'s order; torch's operators where none is."""
+        if self.int8:
+            if self._key != self._current_key():
+                self._refresh_int8()
+            if allowed("gemv") and self._use_gemv(x):
+                return self._split(self._gemv(x))
+            if allowed("widened"):
+                return tuple(widened_linear(x, *lin.quantized_tensors()) for lin in self.linears)
+            return self._torch_only(x)
+        if not self._fast(x):
+            return self._plain(x)
+        if self._key != self._current_key():
+            self._pack()
+        if allowed("amx") and self._use_amx(x):
+            return self._split(self._amx(x))
+        if allowed("gemv") and self._use_gemv(x):
+            return self._split(self._gemv(x))
+        y = self.packed_unchecked(x) if allowed("onednn") else None
+        if y is not None:
+            return self._split(y)
+        return self._unpacked(x) if allowed("widened") else self._plain(x)
 
     def _torch_only(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """torch's operators alone (kvpage.model.kernels.torch_kernels): int8 weights

@@ -18,6 +18,8 @@ import torch
 from kvpage.config import KV_CACHE_DTYPES, EngineConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.model import load_model
+from kvpage.model.int8 import Int8Linear
+from kvpage.model.loader import build_model
 from kvpage.model.quantize import head_quantized, weight_quantization
 from kvpage.verify.cases import BLOCK_SIZES, quantized_suite_names
 from kvpage.verify.cases.prefix import prefix_cases
@@ -416,7 +418,7 @@ def _suite_stage(cases, runtime: Runtime, bar: Progress) -> list[CaseResult]:
 def _mutant_stage(mutant_list, cases, runtime: Runtime, bar: Progress) -> list[MutantResult]:
     results = []
     for mutant in mutant_list:
-        reason = mutant.not_applicable(runtime.model.config)
+        reason = mutant.not_applicable(runtime.model.config) or _own_model_unfit(mutant, runtime)
         if reason is not None:
             results.append(MutantResult(mutant, False, [], None, None, 0.0, reason))
             bar.step(f"mutant {mutant.name}: not applicable")
@@ -428,12 +430,27 @@ def _mutant_stage(mutant_list, cases, runtime: Runtime, bar: Progress) -> list[M
     return results
 
 
+def _own_model_unfit(mutant: Mutant, runtime: Runtime) -> str | None:
+    """Why a bug in the model's own kernels cannot be planted and attributed here (None: it
+    can): a copy of int8 weights is not made, and the fast paths of other ranks cannot be
+    switched off from this process (kvpage.verify.kernel_attribution)."""
+    if not mutant.own_model:
+        return None
+    if any(isinstance(m, Int8Linear) for m in runtime.model.modules()):
+        return "int8 weights: the mutant's own model copy is made for float weights only"
+    if runtime.tensor_parallel_size != 1:
+        return "tensor parallel: the kernel re-run switches fast paths in this process only"
+    return None
+
+
 def run_mutant(mutant: Mutant, model, tokenizer, model_name: str, cases, base: Runtime):
     """Suites against the mutant with the engine's debug checks off (the verifier must catch
     it from outside), in order, until the first case that shows a divergence."""
 
+    engine_model = own_copy(model) if mutant.own_model else model
+
     def factory(cfg: EngineConfig) -> LLMEngine:
-        engine = LLMEngine(replace(cfg, **mutant.config), model, tokenizer)
+        engine = LLMEngine(replace(cfg, **mutant.config), engine_model, tokenizer)
         mutant.apply(engine)
         return engine
 
@@ -448,7 +465,7 @@ def run_mutant(mutant: Mutant, model, tokenizer, model_name: str, cases, base: R
     )
     runtime._refs = base._refs  # the references do not depend on the engine
     start = time.perf_counter()
-    caught_by, first_failure, divergence = [], None, None
+    caught_by, first_failure, divergence, crash = [], None, None, None
     focus = [c for c in cases if c.suite in mutant.suites]
     for case in focus + [c for c in cases if c.suite not in mutant.suites]:
         result = run_case(case, runtime)
@@ -456,12 +473,23 @@ def run_mutant(mutant: Mutant, model, tokenizer, model_name: str, cases, base: R
             continue
         caught_by.append(result.case)
         first_failure = first_failure or f"{result.case}: {result.failures[0].message}"
-        if result.first_divergence is not None:
-            divergence = result.first_divergence.to_dict()
+        found = result.first_divergence
+        if found is not None and found.attribution.cls == "crash":
+            crash = crash or found.to_dict()  # a later case may say what the crash followed
+        elif found is not None:
+            divergence = found.to_dict()
             break
+    divergence = divergence or crash
     return MutantResult(
         mutant, bool(caught_by), caught_by, first_failure, divergence, time.perf_counter() - start
     )
+
+
+def own_copy(model):
+    """A model of the same config and weights, none of its kernels' objects shared."""
+    twin = build_model(model.config).to(device=model.device, dtype=model.dtype)
+    twin.load_state_dict(model.state_dict())
+    return twin.eval()
 
 
 def _environment(model) -> dict:

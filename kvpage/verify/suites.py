@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -48,6 +49,7 @@ from kvpage.verify.diff import (
 )
 from kvpage.verify.driver import StepDriver
 from kvpage.verify.hit_bounds import HitBounds
+from kvpage.verify.kernel_attribution import attribute_kernels
 from kvpage.verify.lora_adapters import AdapterFiles, LoraSpec, WrittenAdapter
 from kvpage.verify.mutants.base import MissingSeam
 from kvpage.verify.properties import StepProperties, check_independence, pin_unseeded
@@ -72,7 +74,9 @@ class CaseResult:
 
     @property
     def first_divergence(self) -> Divergence | None:
-        return next((f.divergence for f in self.failures if f.divergence is not None), None)
+        found = [f.divergence for f in self.failures if f.divergence is not None]
+        # A crash is what followed a divergence when there is one: the divergence comes first.
+        return next((d for d in found if d.attribution.cls != "crash"), found[0] if found else None)
 
 
 class Runtime:
@@ -217,6 +221,7 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         failures += check_baseline(engine)
         if engine.kv_format.quantized or engine.kv_format.cast_only:
             _attribute_rounded_kv(case, runtime, failures)
+        attribute_kernels(case, runtime, failures, run_case)
     except MissingSeam:
         raise  # a mutant that cannot be planted is the verifier's error, never a catch
     except Exception as err:  # a crash is a failure of the case, not of the verifier
@@ -226,7 +231,7 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
             failures += props.failures if props is not None else []
             pinned = pin_unseeded(case, engine.tracer.records, {})[0]
             failures += _partial_divergences(pinned, runtime, engine)
-        failures.append(Failure("crash", f"{type(err).__name__}: {err}"))
+        failures.append(crash_failure(err, case, engine))
     stats = {} if engine is None else engine.stats()
     return CaseResult(
         case.full_name,
@@ -237,6 +242,22 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         time.perf_counter() - start,
         stats,
     )
+
+
+def crash_failure(err: Exception, case: Case, engine: LLMEngine | None) -> Failure:
+    """An exception out of the engine (or a check) as a finding of class `crash`: the error,
+    the engine step it was raised in (-1: before the first) and where in the code."""
+    where = traceback.extract_tb(err.__traceback__)[-3:]
+    step = -1 if engine is None else engine.step_count
+    error = f"{type(err).__name__}: {err}"
+    fields = {
+        "error": error,
+        "step": step,
+        "case": case.full_name,
+        "raised_at": [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in where],
+    }
+    message = f"crash at engine step {step}: {error}"
+    return Failure("crash", message, divergence=finding("crash", "crash", message, fields))
 
 
 def _attribute_rounded_kv(case: Case, runtime: Runtime, failures: list[Failure]) -> None:

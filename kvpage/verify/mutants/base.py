@@ -32,6 +32,9 @@ class Mutant:
     # Why the bug cannot be expressed on a model of a given shape (None: it can). The gate
     # reports such a mutant "not applicable" with the reason: neither caught nor missed.
     not_applicable_on: Callable[[ModelConfig], str | None] | None = None
+    # The bug lives in objects the model owns (a fast path's kernels): the mutant's engines get
+    # a copy of the model of their own, the reference keeps the original.
+    own_model: bool = False
 
     def not_applicable(self, cfg: ModelConfig) -> str | None:
         return None if self.not_applicable_on is None else self.not_applicable_on(cfg)

@@ -1,0 +1,66 @@
+"""kvpage.model.kernels: each fast path turned off alone is not taken (its trap stays silent)
+and the engine's tokens do not change; with every path on the engine takes them."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvpage.model.native_small_ops as native_small_ops
+import kvpage.model.projection as projection
+from kvpage import LLM, SamplingParams
+from kvpage.model.decode_plan import LlamaDecodePlan
+from kvpage.model.kernels import FAST_PATHS, fast_paths_off
+from kvpage.model.native_amx import AmxLinear
+from kvpage.model.native_attention import PagedDecode
+from kvpage.model.native_gemv import WeightGemv
+
+PROMPTS = [list(range(40, 60)), list(range(70, 75)), [9] * 3]
+PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+def _count(monkeypatch, taken: list[str]) -> None:
+    def counting(path, original):
+        def call(*args, **kwargs):
+            taken.append(path)
+            return original(*args, **kwargs)
+
+        return call
+
+    for name in ("rms_norm", "rotary_", "silu_mul"):
+        monkeypatch.setattr(
+            native_small_ops, name, counting("small_ops", getattr(native_small_ops, name))
+        )
+    monkeypatch.setattr(
+        projection, "widened_linear", counting("widened", projection.widened_linear)
+    )
+    proj = projection.Projection
+    monkeypatch.setattr(proj, "packed_unchecked", counting("onednn", proj.packed_unchecked))
+    for cls, path in ((WeightGemv, "gemv"), (AmxLinear, "amx"), (PagedDecode, "paged_decode")):
+        monkeypatch.setattr(cls, "__call__", counting(path, cls.__call__))
+    monkeypatch.setattr(LlamaDecodePlan, "run", counting("decode_plan", LlamaDecodePlan.run))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_each_path_off_alone_is_not_taken(monkeypatch, dtype):
+    llm = LLM("builtin:tiny-llama", dtype=dtype, max_num_seqs=4)
+    taken: list[str] = []
+    _count(monkeypatch, taken)
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    on = set(taken)
+    assert {"small_ops", "decode_plan"} <= on, on  # what runs on any CPU here
+    for path in FAST_PATHS:
+        taken.clear()
+        with fast_paths_off(path):
+            got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        assert path not in taken, f"{path} taken while off"
+        if path != "decode_plan":
+            assert "decode_plan" not in taken  # the plan runs with every path on only
+        else:
+            assert "paged_decode" in taken  # the plan's attention kernel, called by the modules
+        if dtype == "float32":
+            assert got == expected, path
+
+
+def test_an_unknown_path_is_refused():
+    with pytest.raises(ValueError, match="unknown fast paths"), fast_paths_off("gemm"):
+        pass
