@@ -20,7 +20,9 @@ from kvpage.verify.stack.expect import Expected
 from kvpage.verify.stack.responses import GotChoice, GotResponse
 from kvpage.verify.stack.text_oracle import ExpectedChoice, TokenEntry
 
-LOGPROB_ATOL = 1e-3  # the engine's logits agree with the reference's to 1e-4 (the gate's check)
+# Logprobs are compared within the request's logit tolerance (Expected.atol: the gate's dtype
+# rule, diff.logit_atol): a logprob is its logit less the row's logsumexp, which moves no more
+# than the logits do.
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,38 +130,61 @@ def _per_token(exp: Expected, ec: ExpectedChoice, gc: GotChoice, where: Where) -
     if len(ec.entries) != len(gc.entries):
         return fail("logprobs length", len(ec.entries), len(gc.entries))
     for i, (want, have) in enumerate(zip(ec.entries, gc.entries, strict=True)):
-        problem = _entry(want, have, req.chat)
+        problem = _entry(want, have, req.chat, exp.atol)
         if problem is not None:
             name, w, h = problem
             return fail(f"logprobs[{i}].{name}", w, h)
     return []
 
 
-def _entry(want: TokenEntry, have: dict, chat: bool) -> tuple[str, object, object] | None:
+def _entry(
+    want: TokenEntry, have: dict, chat: bool, atol: float
+) -> tuple[str, object, object] | None:
     if have["token"] != want.text:
         return "token", want.text, have["token"]
-    if not math.isclose(have["logprob"], want.logprob, abs_tol=LOGPROB_ATOL):
+    if not math.isclose(have["logprob"], want.logprob, abs_tol=atol):
         return "logprob", want.logprob, have["logprob"]
     if not chat and have["offset"] != want.offset:
         return "text_offset", want.offset, have["offset"]
     if chat and have["bytes"] != (list(want.piece) if want.piece else None):
         return "bytes", list(want.piece), have["bytes"]
-    return _top(want, have, chat)
+    return _top(want, have, chat, atol)
 
 
-def _top(want: TokenEntry, have: dict, chat: bool) -> tuple[str, object, object] | None:
+def _top(
+    want: TokenEntry, have: dict, chat: bool, atol: float
+) -> tuple[str, object, object] | None:
     # Completions (OpenAI, vLLM) list the chosen token too when it is outside the top k; chat's
     # top_logprobs are the top k alone.
     top = want.top if chat else {want.text: want.logprob, **want.top}
+    values = {name: (value, want.top_bytes.get(name)) for name, value in top.items()}
     if set(top) != set(have["top"]):
-        return "top_logprobs", sorted(top), sorted(have["top"])
-    for name, value in top.items():
-        if not math.isclose(have["top"][name], value, abs_tol=LOGPROB_ATOL):
+        if not _tied_top(want, have, chat, atol):
+            return "top_logprobs", sorted(top), sorted(have["top"])
+        values = dict(want.band) | ({} if chat else {want.text: (want.logprob, want.piece)})
+    for name in have["top"]:
+        value, alt = values[name]
+        if not math.isclose(have["top"][name], value, abs_tol=atol):
             return f"top_logprobs[{name}]", value, have["top"][name]
-        alt = want.top_bytes.get(name)
         if chat and have["top_bytes"][name] != (list(alt) if alt else None):
-            return f"top_logprobs[{name}].bytes", list(alt), have["top_bytes"][name]
+            return f"top_logprobs[{name}].bytes", list(alt or b""), have["top_bytes"][name]
     return None
+
+
+def _tied_top(want: TokenEntry, have: dict, chat: bool, atol: float) -> bool:
+    """Whether another top k than the reference's is one of its tie: every token kept is in the
+    band (within `atol` below the reference's k-th) and none left out scores more than `atol`
+    above one kept (drift of `atol` on each logit can swap such a pair, and no other)."""
+    k, names = len(want.top), set(have["top"])
+    if not chat:  # the chosen token is listed too when it is outside the top k
+        if want.text not in names:
+            return False
+        names = names - {want.text} if len(names) == k + 1 else names
+    if len(names) != k or not names <= set(want.band):
+        return False
+    lowest_kept = min(want.band[n][0] for n in names)
+    left = [v for n, (v, _) in want.band.items() if n not in names]
+    return not left or max(left) - lowest_kept <= atol
 
 
 def _usage(exp: Expected, got: GotResponse, where: Where) -> list[Failure]:

@@ -9,8 +9,10 @@ from dataclasses import dataclass, field, replace
 
 from kvpage.reference.generator import ReferenceOutput, generate
 from kvpage.sampling_params import SamplingParams
+from kvpage.verify.diff import HALF_DTYPES, logit_atol
 from kvpage.verify.stack.scenario import GenRequest, pick_stops
 from kvpage.verify.stack.text_oracle import ExpectedChoice, expected_choice
+from kvpage.verify.stack.ties import EngineDraw, follow_ties
 
 Namespace = tuple[str, str | None]  # ("tenant", name) or ("salt", cache salt or None)
 
@@ -81,6 +83,7 @@ class Expected:
     cached_tokens: int
     unswitched_cached: int  # what it would be had no caching switch ever been off
     switched: bool  # some caching switch has been off in this app, before or now
+    atol: float = 0.0  # the logit tolerance (diff.logit_atol): logprobs, top-k ties, ties
 
     @property
     def completion_tokens(self) -> int:
@@ -100,6 +103,18 @@ class References:
             self.memo[key] = generate(self.model, list(prompt), params)
         return self.memo[key]
 
+    @property
+    def ties(self) -> bool:
+        """16-bit models: a numeric tie may send the server down another path (the gate's
+        rule, diff.is_numeric_tie; the suite's pool is in the model's own dtype)."""
+        return self.model.dtype in HALF_DTYPES
+
+    def atol(self, samples: list[ReferenceOutput]) -> float:
+        """The logit tolerance of the request (diff.logit_atol, KV in the model's dtype), for
+        logits of the size of the reference's largest over its samples' steps."""
+        peaks = [float(x.abs().max()) for s in samples for x in s.step_logits]
+        return logit_atol("auto", self.model.dtype, max([1.0, *peaks]))
+
 
 def prompt_ids(tokenizer, req: GenRequest) -> tuple[int, ...]:
     if req.chat:
@@ -118,26 +133,53 @@ def expect(
 ) -> Expected:
     ids = prompt_ids(tokenizer, req)
     params = _params(req, ids, refs)
-    samples = [refs.get(ids, params.for_sample(i) if req.n > 1 else params) for i in range(req.n)]
+    samples = [refs.get(ids, _sample_params(req, params, i)) for i in range(req.n)]
     text = b"".join(tokenizer.token_bytes(t) or b"" for t in samples[0].token_ids)
     stops = pick_stops(rng, text.decode("utf-8", errors="replace"), req.stop_picks)
-    choices = [
-        expected_choice(
-            tokenizer,
-            i,
-            s.token_ids,
-            s.step_logits,
-            s.finish_reason,
-            stops,
-            params.logprobs,
-            req.stream,
-        )
-        for i, s in enumerate(samples)
-    ]
+    atol = refs.atol(samples)
+    choices = [_choice(tokenizer, req, params, i, s, stops, atol) for i, s in enumerate(samples)]
     ns = namespace_of(req)
     unswitched = cache.hit(ns, ids, cache.sent)
     cached = cache.admit(ns, ids)
-    return Expected(req, ids, params, stops, choices, ns, cached, unswitched, cache.switched)
+    return Expected(req, ids, params, stops, choices, ns, cached, unswitched, cache.switched, atol)
+
+
+def _sample_params(req: GenRequest, params: SamplingParams, i: int) -> SamplingParams:
+    return params.for_sample(i) if req.n > 1 else params
+
+
+def _choice(tokenizer, req, params, index: int, sample: ReferenceOutput, stops, atol: float):
+    return expected_choice(
+        tokenizer,
+        index,
+        sample.token_ids,
+        sample.step_logits,
+        sample.finish_reason,
+        stops,
+        params.logprobs,
+        req.stream,
+        atol,
+    )
+
+
+def follow(
+    exp: Expected, draws: dict[int, list[EngineDraw]] | None, refs: References, tokenizer
+) -> Expected:
+    """`exp` with each choice whose engine tokens left the reference's at a numeric tie
+    (16-bit models) expected along the reference forced at those ties (kvpage.verify.stack.ties);
+    every other choice, and every other field, as it was (`exp` itself when none is)."""
+    if not draws or not refs.ties:
+        return exp
+    choices = list(exp.choices)
+    for i, choice in enumerate(exp.choices):
+        params = _sample_params(exp.request, exp.params, i)
+        engine = draws.get(i, [])
+        if [d.token for d in engine[: len(choice.token_ids)]] == choice.token_ids[: len(engine)]:
+            continue  # no token differs: nothing to follow
+        path = follow_ties(refs.model, list(exp.prompt_ids), params, engine, exp.atol)
+        if path is not None:
+            choices[i] = _choice(tokenizer, exp.request, exp.params, i, path, exp.stops, exp.atol)
+    return exp if choices == exp.choices else replace(exp, choices=choices)
 
 
 def _params(req: GenRequest, ids: tuple[int, ...], refs: References) -> SamplingParams:

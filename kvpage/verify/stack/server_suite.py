@@ -29,9 +29,10 @@ from kvpage.server.state import ServerState
 from kvpage.verify.checks import Failure
 from kvpage.verify.stack.compare import Where, failure
 from kvpage.verify.stack.compare import compare as compare_response
-from kvpage.verify.stack.expect import CacheModel, Expected, References, expect
+from kvpage.verify.stack.expect import CacheModel, Expected, References, expect, follow
 from kvpage.verify.stack.responses import parse_body, parse_stream
 from kvpage.verify.stack.scenario import TENANTS, AdminEvent, GenRequest, Scenario, make_scenario
+from kvpage.verify.stack.ties import StepRecorder
 from kvpage.verify.suites import CaseResult
 
 ADMIN_TOKEN = "stack-admin"
@@ -64,6 +65,7 @@ class Run:
     model_name: str
     namespace_hex: Callable[[str | None], str]
     draining: bool = False
+    recorder: StepRecorder | None = None  # the engine's draws, where ties are allowed
     failures: list[Failure] = field(default_factory=list)
     requests: int = 0
     coverage: Counter = field(default_factory=Counter)  # what the run exercised, by dimension
@@ -109,6 +111,9 @@ def _new_run(scenario, model, tokenizer, model_name, refs, seed: int) -> Run:
 def _run_case(run: Run, model, tokenizer, model_name, deadline, plant) -> CaseResult:
     start = time.perf_counter()
     target = _target(run.scenario, model, tokenizer, model_name)
+    if run.refs.ties:  # 16-bit: the reference is followed through the engine's numeric ties
+        run.recorder = StepRecorder()
+        target.engine.add_observer(run.recorder)
     if plant is not None:
         plant(target)
     asyncio.run(_drive(run, target, deadline))
@@ -205,6 +210,10 @@ async def _request(run: Run, client: httpx.AsyncClient, req: GenRequest) -> None
         got = parse_stream(response.status_code, response.text, req.chat, req.include_usage)
     else:
         got = parse_body(response.status_code, _json(response), req.chat)
+    if run.recorder is not None:
+        followed = follow(exp, run.recorder.take(), run.refs, run.tokenizer)
+        run.coverage["numeric tie followed"] += followed is not exp
+        exp = followed
     run.failures += await _audited(run, client, exp, (got.body or {}).get("id"), where)
     run.failures += compare_response(exp, got, where)
 

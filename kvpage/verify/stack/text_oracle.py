@@ -12,7 +12,7 @@ as UTF-8 with U+FFFD for bytes that are not a character, as the whole text would
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -90,6 +90,9 @@ class TokenEntry:
     top: dict[str, float]  # the k most likely tokens, by their spelling -> logprob
     top_bytes: dict[str, bytes]  # their raw bytes (chat's `bytes`)
     offset: int  # text_offset
+    # Every token within the tolerance below the k-th (the top k among them), by spelling ->
+    # (logprob, raw bytes): the tokens a top k may hold when logits tie (16-bit models).
+    band: dict[str, tuple[float, bytes]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,11 +114,13 @@ def expected_choice(
     stops: list[str],
     num_logprobs: int | None,
     stream: bool = False,
+    atol: float = 0.0,
 ) -> ExpectedChoice:
     """The choice a server must return for the reference's tokens of one sample. `stream`: a
     stream cannot take back what it sent, so the offsets of a stop string's tokens that came
     before the one completing it are where their text starts (a whole response says where the
-    text ends, as for the tokens after it)."""
+    text ends, as for the tokens after it). `atol`: the logit tolerance, how far below the k-th
+    logprob each entry's band reaches."""
     pieces = token_pieces(tokenizer, token_ids)
     cut = find_stop(pieces, stops)
     if cut is not None:
@@ -126,26 +131,30 @@ def expected_choice(
     entries = None
     if num_logprobs is not None:
         sent = cut.tokens - 1 if stream and cut is not None else 0  # offsets already out
-        entries = _entries(tokenizer, token_ids, step_logits, num_logprobs, len(text), sent)
+        entries = _entries(tokenizer, token_ids, step_logits, num_logprobs, len(text), sent, atol)
     return ExpectedChoice(
         index, text, finish_reason, list(token_ids), entries, cut.stop if cut else None
     )
 
 
-def _entries(tokenizer, token_ids, step_logits, k, text_len, sent) -> list[TokenEntry]:
+def _entries(tokenizer, token_ids, step_logits, k, text_len, sent, atol) -> list[TokenEntry]:
     pieces = token_pieces(tokenizer, token_ids)
     offsets = text_offsets(pieces, text_len)
     offsets[:sent] = text_offsets(pieces, len(decode(pieces)))[:sent]
     entries = []
     for token, piece, logits, offset in zip(token_ids, pieces, step_logits, offsets, strict=False):
         logprobs = torch.log_softmax(logits.float(), dim=-1)  # (V,) the raw distribution
-        top, top_bytes = {}, {}
+        top, top_bytes, band = {}, {}, {}
         if k:
             values, ids = torch.topk(logprobs, k)
             for i, v in zip(ids.tolist(), values.tolist(), strict=True):
                 alt = token_pieces(tokenizer, [i])[0]
                 top[token_text(alt, i)], top_bytes[token_text(alt, i)] = float(v), alt
+            near = (logprobs >= float(values[-1]) - atol).nonzero()[:, 0].tolist()
+            for i in near:
+                alt = token_pieces(tokenizer, [i])[0]
+                band[token_text(alt, i)] = (float(logprobs[i]), alt)
         text = token_text(piece, token)
         chosen = float(logprobs[token])
-        entries.append(TokenEntry(token, text, piece, chosen, top, top_bytes, offset))
+        entries.append(TokenEntry(token, text, piece, chosen, top, top_bytes, offset, band))
     return entries
