@@ -19,8 +19,10 @@ from kvpage.config import KV_CACHE_DTYPES, EngineConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.model import load_model
 from kvpage.model.int8 import Int8Linear
+from kvpage.model.kernels import fast_paths_off
 from kvpage.model.loader import build_model
 from kvpage.model.quantize import head_quantized, weight_quantization
+from kvpage.verify import path_coverage
 from kvpage.verify.cases import BLOCK_SIZES, quantized_suite_names
 from kvpage.verify.cases.prefix import prefix_cases
 from kvpage.verify.generated.alone import alone_summary, generated_alone
@@ -74,6 +76,9 @@ class GateResult:
     cases_not_applicable: dict[str, str] = field(default_factory=dict)  # case -> why not run
     generated: GeneratedResult | None = None  # the generated stage, when it ran
     generated_alone: dict | None = None  # alone_summary() of the mutants against it alone
+    # kvpage.verify.path_coverage.summary(): each fast path, available here, calls taken by the
+    # honest engine's cases
+    fast_paths: dict = field(default_factory=dict)
 
     @property
     def applicable(self) -> list[MutantResult]:
@@ -124,6 +129,7 @@ class GateResult:
             "mutation_check": "run" if self.mutants_run else "skipped",
             "mutants": {m.mutant.name: _mutant_dict(m) for m in self.mutants},
             "generated": self._generated_dict(),
+            "fast_paths": self.fast_paths,
         }
 
     def _generated_dict(self) -> dict | None:
@@ -197,6 +203,7 @@ def run_gate(
     stack: bool = False,
     report_dir: str | None = None,
     model_check: str = "none",
+    paths_off: tuple[str, ...] = (),
 ) -> GateResult:
     """`kv_cache_dtypes`: quantized KV formats whose copies of the prefix, batching and
     preemption suites (and a CoW fork case) run too; a mutant bound to a KV format runs only
@@ -211,7 +218,9 @@ def run_gate(
     figure, reported apart from the mutation check). `stack`: the whole-stack suite (server
     and router) and, with mutants, its own mutants, which count in the mutation check.
     `model_check` (MODEL_CHECKS): the model stage, before any engine case; its mutants (with
-    "full") count in the mutation check too."""
+    "full") count in the mutation check too. `paths_off`: fast paths (kvpage.model.kernels)
+    the whole run keeps off, so the paths behind them run (the widened int8 tiles where the
+    GEMV would take every row count)."""
     engine = dict(engine or {})
     dtype = engine.pop("dtype", dtype)
     tp = engine.pop("tensor_parallel_size", tensor_parallel_size)
@@ -220,9 +229,9 @@ def run_gate(
     plan = GatePlan(
         model_name, suites, mutants, kv_cache_dtypes, dtype, tp, engine, generated, stack
     )
-    plan.model_check = model_check
+    plan.model_check, plan.paths_off = model_check, tuple(paths_off)
     plan.report_dir = report_dir
-    with _tensor_parallel_workers(tp):
+    with _tensor_parallel_workers(tp), fast_paths_off(*paths_off):
         return _run_gate(plan, progress)
 
 
@@ -241,6 +250,7 @@ class GatePlan:
     stack: bool = False
     report_dir: str | None = None
     model_check: str = "none"
+    paths_off: tuple[str, ...] = ()
 
     @property
     def pool_kv_dtype(self) -> str:
@@ -289,8 +299,9 @@ def _run_gate(plan: GatePlan, progress: bool) -> GateResult:
         tensor_parallel_size=plan.tensor_parallel_size,
         engine=plan.engine,
     )
-    case_results = _suite_stage(cases, runtime, bar)
-    generated = _generated_stage(plan, runtime, bar)
+    with path_coverage.counting() as counts:  # the honest engine's runs only
+        case_results = _suite_stage(cases, runtime, bar)
+        generated = _generated_stage(plan, runtime, bar)
     # Engine mutants need the suites' cases; without any (a generated-only run) they run
     # against the generated scenarios alone, below.
     mutant_results = _mutant_stage(mutant_list, cases, runtime, bar) if cases else []
@@ -318,12 +329,13 @@ def _run_gate(plan: GatePlan, progress: bool) -> GateResult:
         case_results,
         mutant_results,
         time.perf_counter() - start,
-        _environment(model),
+        {**_environment(model), "fast_paths_off": list(plan.paths_off)},
         mutants_run=plan.mutants is not False,
         engine=dict(plan.engine),
         cases_not_applicable=unfit,
         generated=generated,
         generated_alone=alone,
+        fast_paths=path_coverage.summary(counts),
     )
 
 

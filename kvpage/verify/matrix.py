@@ -100,6 +100,9 @@ class Cell:
     # The model stage (kvpage.verify.gate.MODEL_CHECKS): transformers on the cell's model, in
     # its dtype and weight format ("served"); "full" adds every family and the stage's mutants.
     model_check: str = "served"
+    # Fast paths (kvpage.model.kernels.FAST_PATHS) the cell keeps off, so the paths behind them
+    # run: int8's widened tiles where the weight GEMV takes every row count (AVX-512).
+    paths_off: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mutants not in MUTANT_PARTS:
@@ -118,7 +121,8 @@ class Cell:
         weights = "" if self.quantization == "none" else f"/w-{self.quantization}"
         weights += "+head" if self.quantize_lm_head else ""
         dims = f"{self.dtype}{weights}/kv-{kv}{copies}/tp{self.tensor_parallel_size}"
-        return f"{model}/{dims}{parts}"
+        off = "".join(f"/off-{p}" for p in self.paths_off)
+        return f"{model}/{dims}{off}{parts}"
 
     def engine(self, base: dict) -> dict:
         """The user's engine fields with the cell's dimensions over them (a KV format of None
@@ -172,6 +176,11 @@ HYBRID = Cell("builtin:tiny-hybrid", suites=("layer_groups",), mutants="groups")
 # after preemption) through the same weights. Not prefix: 12 cases, 15 of the cell's 20 s (the
 # float32 int8 kernel is slow at more than one row), and a prefix hit reads KV, not weights.
 INT8_WEIGHTS = Cell(QWEN2, quantization="int8", suites=("batching", "preemption"))
+# The same weights with the weight GEMV off: where it takes every row count (AVX-512), the
+# widened int8 tiles (kvpage.model.widened) would otherwise never run in the gate.
+INT8_WIDENED = Cell(
+    QWEN2, quantization="int8", suites=("batching",), paths_off=("gemv",), model_check="none"
+)
 # The LM head in int8 too (EngineConfig.quantize_lm_head) on a tied model: the embedding stays
 # float, the head is an int8 copy, dequantised by the reference's own code like the other layers.
 # One suite: the decoder layers' int8 path is INT8_WEIGHTS' to cover; this cell adds the head.
@@ -202,6 +211,7 @@ DEFAULT: tuple[Cell, ...] = (
     Cell(QWEN2, kv_cache_dtype="int8", suites=("prefix", "batching", "preemption", "parallel")),
     Cell(QWEN2, kv_cache_dtype="int8", tensor_parallel_size=2, suites=("batching",)),
     INT8_WEIGHTS,
+    INT8_WIDENED,
     INT8_HEAD,
     HYBRID,
     STACK,
@@ -225,7 +235,11 @@ def full_cells() -> tuple[Cell, ...]:
                     cell = Cell(model, dtype, kv, tp, mutants=_full_mutants(model, dtype, kv, tp))
                     if _key(cell) != _key(MAIN):
                         cells.append(cell)
-    weights = (replace(INT8_WEIGHTS, suites=SUITES), replace(INT8_HEAD, suites=SUITES))
+    weights = (
+        replace(INT8_WEIGHTS, suites=SUITES),
+        replace(INT8_WIDENED, suites=SUITES),
+        replace(INT8_HEAD, suites=SUITES),
+    )
     return (*cells, *weights, HYBRID, GENERATED, STACK)
 
 
@@ -244,6 +258,7 @@ def _key(cell: Cell) -> tuple:
         cell.quantize_lm_head,
         cell.generated,
         cell.stack,
+        cell.paths_off,
     )
 
 
@@ -337,7 +352,20 @@ class MatrixResult:
             # the generated stage runs in one cell (the generated cell, or a --model run)
             "generated": next((r["generated"] for r in self.results if r.get("generated")), None),
             "cells": [_cell_dict(c, r) for c, r in zip(self.cells, self.results, strict=True)],
+            "fast_paths": fast_path_cover(self.cells, self.results),
         }
+
+
+def fast_path_cover(cells: list[Cell], results: list[dict]) -> dict[str, dict]:
+    """Each fast path: available on this machine, and the cells whose honest engine took it
+    (kvpage.verify.path_coverage); a path available and in no cell was checked by none."""
+    cover: dict[str, dict] = {}
+    for cell, result in zip(cells, results, strict=True):
+        for path, seen in result.get("fast_paths", {}).items():
+            entry = cover.setdefault(path, {"available": seen["available"], "cells": []})
+            if seen["calls"]:
+                entry["cells"].append(cell.name)
+    return cover
 
 
 def _share(mutants: list[dict], key: str) -> float:
@@ -369,7 +397,9 @@ def _cell_dict(cell: Cell, result: dict) -> dict:
             "generated": cell.generated,
             "stack": cell.stack,
             "model": cell.model_check,
+            "paths_off": list(cell.paths_off),
         },
+        "fast_paths": result.get("fast_paths", {}),
         "scenarios": (result.get("generated") or {}).get("scenarios", 0),
         "passed": result["passed"],
         "cases": sum(s["cases"] for s in suites.values()),
@@ -404,6 +434,7 @@ def run_cell(
         stack=cell.stack,
         report_dir=report_dir,
         model_check=cell.model_check,
+        paths_off=cell.paths_off,
     )
     return result.to_dict()
 

@@ -121,10 +121,30 @@ def summary_table(data: dict) -> str:
     generated = generated_summary_lines(data.get("generated"))
     if generated:
         lines += ["", *generated]
+    lines += fast_path_lines(data.get("fast_paths") or {})
     verdict = "PASSED" if data["passed"] else "FAILED"
     cells = f" over {len(data['cells'])} cells" if len(data.get("cells", [])) > 1 else ""
     lines.append(f"\ngate {verdict}{cells}: {scores(data)}, {data['seconds']:.1f}s")
     return "\n".join(lines)
+
+
+def fast_path_lines(paths: dict) -> list[str]:
+    """Which fast paths the honest engine took (kvpage.verify.path_coverage): per path the
+    cells (a matrix) or the calls (one configuration); a path this machine has and no case
+    took is checked by none, and says so."""
+    if not paths:
+        return []
+    lines = ["", "fast paths taken by the engine's cases (each checked against torch's kernels):"]
+    for path, seen in paths.items():
+        taken = len(seen["cells"]) if "cells" in seen else seen["calls"]
+        unit = "cells" if "cells" in seen else "calls"
+        if not seen["available"]:
+            lines.append(f"  {path}: not on this machine")
+        elif taken:
+            lines.append(f"  {path}: {taken} {unit}")
+        else:
+            lines.append(f"  {path}: on this machine, taken by NO case")
+    return lines
 
 
 # --- markdown ------------------------------------------------------------------------------

@@ -105,12 +105,14 @@ class Runtime:
         self.engine_overrides = dict(engine or {})
         self.engine_factory = engine_factory or (lambda cfg: LLMEngine(cfg, model, tokenizer))
         self._refs: dict[tuple, ReferenceOutput] = {}
-        self.adapter_files = AdapterFiles(model.config)
+        self.adapter_files: AdapterFiles | None = None  # written at the first adapter asked for
         self._merged: dict[str, object] = {}  # adapter identity -> the reference's merged model
 
     def adapter(self, spec: LoraSpec) -> WrittenAdapter:
         """The case's adapter written for this model as a PEFT directory (once per spec), with
         the verifier's own digest of what it wrote; the engine loads it by its path."""
+        if self.adapter_files is None:
+            self.adapter_files = AdapterFiles(self.model.config)
         return self.adapter_files(spec)
 
     def reference_model(self, lora: LoraSpec | None):

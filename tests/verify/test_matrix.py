@@ -41,7 +41,9 @@ def test_default_matrix_covers_every_value_of_every_dimension():
     assert [c for c in DEFAULT if not c.suites] == [matrix.GENERATED, matrix.STACK]
     assert matrix.GENERATED.generated and matrix.STACK.stack
     int8 = [c for c in DEFAULT if c.quantization == "int8"]
-    assert int8 == [matrix.INT8_WEIGHTS, matrix.INT8_HEAD] and 2 <= len(int8[0].suites) <= 3
+    assert int8 == [matrix.INT8_WEIGHTS, matrix.INT8_WIDENED, matrix.INT8_HEAD]
+    assert 2 <= len(int8[0].suites) <= 3
+    assert matrix.INT8_WIDENED.paths_off == ("gemv",) and "/off-gemv" in matrix.INT8_WIDENED.name
     assert "/w-int8/" in int8[0].name and int8[0].engine({})["quantization"] == "int8"
     assert "quantize_lm_head" not in int8[0].engine({})  # the head stays float by default
     head = matrix.INT8_HEAD
@@ -60,9 +62,10 @@ def test_pin_keeps_the_generated_and_stack_cells_only_when_their_part_is_asked_f
 
 def test_full_matrix_is_every_combination_once():
     weights = [c for c in full_cells() if c.quantization != "none"]
-    assert [(c.quantization, c.quantize_lm_head, c.suites) for c in weights] == [
-        ("int8", False, SUITES),
-        ("int8", True, SUITES),
+    assert [(c.quantization, c.quantize_lm_head, c.paths_off, c.suites) for c in weights] == [
+        ("int8", False, (), SUITES),
+        ("int8", False, ("gemv",), SUITES),
+        ("int8", True, (), SUITES),
     ]
     hybrid = [c for c in full_cells() if c.model == matrix.HYBRID.model]
     assert hybrid == [matrix.HYBRID]
@@ -111,7 +114,10 @@ def test_pin_fixes_dimensions_narrows_suites_and_drops_duplicates():
     cells = pin(DEFAULT, {"dtype": "bfloat16"}, ("batching",), mutants=False)
     assert cells and all(c.dtype == "bfloat16" and c.suites == ("batching",) for c in cells)
     assert all(c.mutants == "none" for c in cells)
-    keys = [(c.model, c.kv_cache_dtype, c.tensor_parallel_size, c.quantization) for c in cells]
+    keys = [
+        (c.model, c.kv_cache_dtype, c.tensor_parallel_size, c.quantization, c.paths_off)
+        for c in cells
+    ]
     assert len(keys) == len(set(keys))  # tiny-llama/bfloat16 folded into the main cell
     assert pin(DEFAULT, {}, ("namespaces",)) == [
         Cell(
@@ -122,10 +128,14 @@ def test_pin_fixes_dimensions_narrows_suites_and_drops_duplicates():
             ("namespaces",),
             c.mutants,
             c.kv_copies,
+            model_check="none",  # "model" not among the suites asked for
         )
         for c in DEFAULT
         if "namespaces" in c.suites
     ]
+    model_only = pin(DEFAULT, {}, ("model",))
+    assert model_only[0].model_check == "full" and not model_only[0].kv_copies
+    assert all(not c.suites and c.model_check != "none" for c in model_only)
 
 
 class _Capture:
