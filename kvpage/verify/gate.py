@@ -477,7 +477,7 @@ def run_mutant(mutant: Mutant, model, tokenizer, model_name: str, cases, base: R
     )
     runtime._refs = base._refs  # the references do not depend on the engine
     start = time.perf_counter()
-    caught_by, first_failure, divergence, crash = [], None, None, None
+    caught_by, first_failure, divergence = [], None, None
     focus = [c for c in cases if c.suite in mutant.suites]
     for case in focus + [c for c in cases if c.suite not in mutant.suites]:
         result = run_case(case, runtime)
@@ -485,13 +485,10 @@ def run_mutant(mutant: Mutant, model, tokenizer, model_name: str, cases, base: R
             continue
         caught_by.append(result.case)
         first_failure = first_failure or f"{result.case}: {result.failures[0].message}"
-        found = result.first_divergence
-        if found is not None and found.attribution.cls == "crash":
-            crash = crash or found.to_dict()  # a later case may say what the crash followed
-        elif found is not None:
-            divergence = found.to_dict()
+        # A crash's case diffs what ran before it: a divergence it followed comes first.
+        if result.first_divergence is not None:
+            divergence = result.first_divergence.to_dict()
             break
-    divergence = divergence or crash
     return MutantResult(
         mutant, bool(caught_by), caught_by, first_failure, divergence, time.perf_counter() - start
     )

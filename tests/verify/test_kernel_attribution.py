@@ -62,3 +62,13 @@ def test_a_crash_is_a_finding_with_its_step():
     assert attribution.cls == "crash" and not attribution.missing
     assert attribution.fields["step"] == 7 and "boom" in attribution.fields["error"]
     assert attribution.fields["raised_at"][-1].endswith("test_a_crash_is_a_finding_with_its_step")
+
+
+def test_a_crash_mutant_is_caught_as_a_crash_with_its_step():
+    result = run_gate("builtin:tiny-llama", suites=("stop",), progress=False, kv_cache_dtypes=(),
+                      mutants=["stop_window_indexes_past_start"])  # fmt: skip
+    [m] = result.mutants
+    assert m.caught and m.attribution_ok, m.first_failure
+    fields = m.divergence["attribution"]["fields"]
+    assert fields["step"] >= 1 and fields["error"].startswith("IndexError")
+    assert any("stop_reason" in frame for frame in fields["raised_at"])

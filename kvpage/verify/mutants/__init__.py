@@ -6,6 +6,7 @@ Mutants are grouped by the class of bug they plant, one module per class."""
 
 from kvpage.verify.mutants.base import MissingSeam, Mutant
 from kvpage.verify.mutants.cache import CACHE_MUTANTS
+from kvpage.verify.mutants.crashes import CRASH_MUTANTS
 from kvpage.verify.mutants.generations import GENERATION_MUTANTS
 from kvpage.verify.mutants.kernels import KERNEL_MUTANTS
 from kvpage.verify.mutants.layer_groups import LAYER_GROUP_MUTANTS
@@ -33,6 +34,7 @@ MUTANTS: tuple[Mutant, ...] = (
     *LORA_MUTANTS,
     *LAYER_GROUP_MUTANTS,
     *KERNEL_MUTANTS,
+    *CRASH_MUTANTS,
 )
 
 __all__ = ["MUTANTS", "MissingSeam", "Mutant"]
