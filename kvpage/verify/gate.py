@@ -345,7 +345,14 @@ def _model_stage(plan: GatePlan, model) -> ModelStageResult | None:
         return None
     full = plan.model_check == "full"
     mutants = plan.mutants if full else False
-    return run_model_stage(model, plan.model_name, mutants, families=None if full else ())
+    adapters = (
+        "lora" in plan.suites
+        and model.config.model_type == "llama"
+        and plan.engine.get("quantization", "none") == "none"
+    )
+    return run_model_stage(
+        model, plan.model_name, mutants, families=None if full else (), adapters=adapters
+    )
 
 
 def _model_mutant_results(stage: ModelStageResult) -> list[MutantResult]:

@@ -87,3 +87,23 @@ def test_the_gate_runs_the_stage_first_and_counts_its_mutants():
     assert mutant.caught and mutant.attribution_ok and result.passed
     assert result.mutation_score == 1.0
     assert torch.get_num_threads() >= 1
+
+
+def test_adapters_match_peft_and_a_wrong_merge_scale_is_caught(monkeypatch):
+    import kvpage.reference.lora_merge as lora_merge
+
+    model, _ = load_model("builtin:tiny-llama")
+    clean = run_model_stage(model, "builtin:tiny-llama", mutants=False, families=(), adapters=True)
+    assert [c.case for c in clean.cases] == ["served", "lora:a", "lora:b", "lora:rs", "lora:qv"]
+    assert all(c.passed for c in clean.cases), [
+        c.failures[0].message for c in clean.cases if c.failures
+    ]
+
+    def no_rslora(config: dict) -> float:
+        return config.get("lora_alpha", config["r"]) / config["r"]
+
+    monkeypatch.setattr(lora_merge, "adapter_scale", no_rslora)
+    broken = run_model_stage(model, "builtin:tiny-llama", mutants=False, families=(), adapters=True)
+    failed = [c.case for c in broken.cases if not c.passed]
+    assert failed == ["lora:rs"]  # only the rsLoRA adapter's scale depends on use_rslora
+    assert broken.cases[3].first_divergence.attribution.cls == "model"

@@ -32,6 +32,8 @@ class LayerGap:
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder stack of a kvpage or a transformers causal LM (Llama-shaped or GPT-2)."""
+    if hasattr(model, "get_base_model"):  # PEFT's wrapper: its LoRA layers sit in the base
+        model = model.get_base_model()
     for path in ("model.layers", "transformer.h", "model.language_model.layers"):
         owner = model
         for part in path.split("."):

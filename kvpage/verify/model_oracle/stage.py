@@ -20,7 +20,10 @@ import torch
 from kvpage.model import load_model
 from kvpage.model.base import CausalLM
 from kvpage.model.int8 import Int8Linear
+from kvpage.reference.lora_merge import merged_model
 from kvpage.verify.checks import Failure, finding
+from kvpage.verify.lora_adapters import write_peft
+from kvpage.verify.model_oracle.adapters import STAGE_SPECS, with_adapter
 from kvpage.verify.model_oracle.compare import LayerGap, first_gap
 from kvpage.verify.model_oracle.families import FAMILY_CONFIGS, save_family
 from kvpage.verify.model_oracle.mutants import MODEL_MUTANTS, ModelMutant
@@ -67,9 +70,11 @@ def run_model_stage(
     model_name: str,
     mutants: bool | Collection[str] = True,
     families: Collection[str] | None = None,
+    adapters: bool = False,
 ) -> ModelStageResult:
-    """The served model (as loaded for the gate), then the families' checkpoints, then the
-    stage's mutants wanted (all, none, or those named)."""
+    """The served model (as loaded for the gate), with `adapters` also under each of the lora
+    suite's adapters through PEFT; then the families' checkpoints, then the stage's mutants
+    wanted (all, none, or those named)."""
     result = ModelStageResult()
     families = sorted(FAMILY_CONFIGS) if families is None else sorted(families)
     with tempfile.TemporaryDirectory(prefix="kvpage-model-stage-") as scratch:
@@ -79,6 +84,8 @@ def run_model_stage(
             result.not_applicable[f"{SUITE}/served"] = served
         else:
             result.cases.append(served)
+            if adapters:
+                result.cases += _adapter_cases(model_name, root)
         dirs = {name: _family_dir(name, root) for name in families}
         for name, directory in dirs.items():
             ours, _ = load_model(str(directory))
@@ -107,6 +114,22 @@ def _served_case(model: CausalLM, model_name: str, root: Path) -> CaseResult | s
     except NoTwin as why:
         return f"no transformers model on the same weights: {why}"
     return _case("served", model, theirs, directory, model.dtype)
+
+
+def _adapter_cases(model_name: str, root: Path) -> list[CaseResult]:
+    """The reference's merge of each adapter against PEFT's on transformers' model, in float32
+    whatever the served dtype: a merged weight rounded to 16 bits and PEFT's unmerged product
+    round differently by more than the dtype's rule allows, and what is checked here (how the
+    directory is read, the scale, the merge) does not depend on the dtype."""
+    model, _ = load_model(model_name, "float32")
+    directory = checkpoint_dir(model_name, model, root / "twin32")
+    cases = []
+    for spec in STAGE_SPECS:
+        written = write_peft(spec, model.config, root / "adapters" / spec.name)
+        merged = merged_model(model, written.path)
+        theirs = with_adapter(_theirs(model, directory, torch.float32), Path(written.path))
+        cases.append(_case(f"lora:{spec.name}", merged, theirs, Path(written.path), torch.float32))
+    return cases
 
 
 def _theirs(ours: CausalLM, directory: Path, dtype: torch.dtype):
