@@ -52,7 +52,7 @@ def layer_outputs(layers: nn.ModuleList) -> Iterator[list[torch.Tensor]]:
 
     def keep(_module, _args, output) -> None:
         hidden = output[0] if isinstance(output, tuple) else output
-        outs.append(hidden.detach().reshape(-1, hidden.shape[-1]).float())
+        outs.append(hidden.detach().reshape(-1, hidden.shape[-1]).float().cpu())
 
     handles = [layer.register_forward_hook(keep) for layer in layers]
     try:
@@ -81,13 +81,14 @@ def first_gap(
     with layer_outputs(decoder_layers(ours)) as our_layers, torch_kernels():
         our_logits = ours.forward_full(ids).float()
     with layer_outputs(decoder_layers(theirs)) as their_layers:
-        their_logits = theirs(torch.tensor([ids])).logits[0].float()
+        device = next(theirs.parameters()).device
+        their_logits = theirs(torch.tensor([ids], device=device)).logits[0].float()
     pairs = list(zip(our_layers, their_layers, strict=True))
     for i, (a, b) in enumerate(pairs):
         gap = _gap(a, b, dtype)
         if gap is not None:
             return LayerGap(len(ids), f"layer {i}", i, layer_kind(ours, i), *gap)
-    gap = _gap(our_logits, their_logits, dtype)
+    gap = _gap(our_logits.cpu(), their_logits.cpu(), dtype)
     if gap is not None:
         return LayerGap(len(ids), "logits", -1, "final norm and LM head", *gap)
     return None

@@ -133,7 +133,7 @@ def _adapter_cases(model_name: str, root: Path) -> list[CaseResult]:
 
 
 def _theirs(ours: CausalLM, directory: Path, dtype: torch.dtype):
-    theirs = load_theirs(directory, dtype)
+    theirs = load_theirs(directory, dtype).to(ours.device)
     if any(isinstance(m, Int8Linear) for m in ours.modules()):
         dequantised_into(theirs, ours)
     return theirs
