@@ -107,3 +107,18 @@ def test_adapters_match_peft_and_a_wrong_merge_scale_is_caught(monkeypatch):
     failed = [c.case for c in broken.cases if not c.passed]
     assert failed == ["lora:rs"]  # only the rsLoRA adapter's scale depends on use_rslora
     assert broken.cases[3].first_divergence.attribution.cls == "model"
+
+
+@pytest.mark.parametrize("mutant", MODEL_MUTANTS, ids=lambda m: m.name)
+def test_verify_model_dir_fails_on_each_family_bug(tmp_path, mutant):
+    """`kvpage verify --model <that family's dir>`: the served case alone sees the bug (the
+    engine cases cannot: the reference runs the same model code)."""
+    from kvpage.verify.model_oracle.families import save_family
+
+    save_family(mutant.family, tmp_path)
+    model, _ = load_model(str(tmp_path))
+    clean = run_model_stage(model, str(tmp_path), mutants=False, families=())
+    assert clean.cases[0].passed
+    mutant.apply(model)
+    [served] = run_model_stage(model, str(tmp_path), mutants=False, families=()).cases
+    assert not served.passed and served.first_divergence.attribution.cls == "model"
