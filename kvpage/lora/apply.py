@@ -79,6 +79,9 @@ class LoraContext:
             t = torch.ops.mkldnn._linear_pointwise(t * step.mask, b_packed, None, "none", [], "")
             return y + t
         a_stack, b_stack = tables
+        if x.dtype != a_stack.dtype:  # a 16-bit model: the delta in float32, one rounding
+            t = (x.to(a_stack.dtype) @ a_stack) * step.mask
+            return torch.addmm(y.to(a_stack.dtype), t, b_stack).to(y.dtype)
         return torch.addmm(y, (x @ a_stack) * step.mask, b_stack)
 
 

@@ -119,10 +119,11 @@ class LoraSlots:
         self.tables.write(slot, factors if self.shard is None else self.shard(factors))
 
     def factors(self, adapter: LoraAdapter):
-        """(layer, module) -> (A^T, scale * B^T) in the model's dtype (a declared seam)."""
+        """(layer, module) -> (A^T, scale * B^T) in the tables' dtype (the model's, float32 for
+        a 16-bit model: kvpage.lora.tables) (a declared seam)."""
 
         def cast(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device=self.device, dtype=self.dtype).contiguous()
+            return t.to(device=self.device, dtype=self.tables.dtype).contiguous()
 
         return {
             where: (cast(a.t()), cast(b.t() * adapter.scale))

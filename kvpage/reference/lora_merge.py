@@ -16,10 +16,13 @@ import re
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
+from torch import nn
 
 from kvpage.model.base import CausalLM
 from kvpage.model.loader import build_model
+from kvpage.reference.weight_oracle import with_plain_layers
 
 _OWNER = {
     "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -74,8 +77,36 @@ def merged_model(model: CausalLM, directory: str | Path) -> CausalLM:
     merged.load_state_dict(model.state_dict())
     merged.tie_weights()
     merged.eval()
-    for (index, module), (a, b) in factors.items():
-        linear = getattr(getattr(merged.model.layers[index], _OWNER[module]), module)
-        delta = scale * (b.double() @ a.double())
+    deltas = {
+        f"model.layers.{index}.{_OWNER[module]}.{module}": scale * (b.double() @ a.double())
+        for (index, module), (a, b) in factors.items()
+    }
+    if model.dtype in (torch.bfloat16, torch.float16):
+        return with_plain_layers(merged, lambda name, layer: _delta_layer(deltas, name, layer))
+    for name, delta in deltas.items():
+        linear = merged.get_submodule(name)
         linear.weight.copy_((linear.weight.double() + delta).to(linear.weight.dtype))
     return merged
+
+
+class DeltaLinear(nn.Module):
+    """A 16-bit model's adapted layer: its base product in the model's dtype, the adapter's
+    dense delta x (scale * B @ A)^T in float32 added to it, the sum rounded once — the numeric
+    contract the engine serves (kvpage.lora.tables: the delta accumulated in float32, as
+    vLLM's LoRA kernels do), computed here another way (one dense merged delta, no slot
+    tables, masks or low-rank products). Merging into 16-bit weights instead rounds the merged
+    weight: another model than the base weights plus the delta, whose logits left the engine's
+    by more than the dtype's rule on the gate's adapters."""
+
+    def __init__(self, layer: nn.Module, delta: torch.Tensor) -> None:
+        super().__init__()
+        self.weight, self.bias = layer.weight, getattr(layer, "bias", None)
+        self.register_buffer("delta32", delta.to(torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return (y.to(torch.float32) + x.to(torch.float32) @ self.delta32.T).to(y.dtype)
+
+
+def _delta_layer(deltas: dict, name: str, layer: nn.Module) -> DeltaLinear | None:
+    return DeltaLinear(layer, deltas[name]) if name in deltas else None

@@ -38,22 +38,28 @@ def reference_model(model: CausalLM) -> CausalLM:
     return _twins[model]
 
 
-class DequantizedLinear(nn.Module):
-    """An Int8Linear's weights, dequantised to float32 once; a plain matmul per call."""
+class Float32Linear(nn.Module):
+    """y = (float32(x) @ W^T + b).to(x's dtype) on float32 weights kept as they are: one
+    rounding of the output, none of the weights (a merged adapter's W + scale * B @ A in a
+    16-bit model, an int8 layer's dequantised codes)."""
 
-    def __init__(self, layer: Int8Linear) -> None:
+    def __init__(self, weight32: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        codes, scales = layer.weight_int8, layer.scales
-        self.register_buffer(
-            "weight32", codes.to(torch.float32) * scales.to(torch.float32)[:, None]
-        )
-        bias = layer.bias
+        self.register_buffer("weight32", weight32.detach().to(torch.float32))
         self.register_buffer("bias32", None if bias is None else bias.detach().to(torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x.to(torch.float32) @ self.weight32.T  # (N, out)
         y = y if self.bias32 is None else y + self.bias32
         return y.to(x.dtype)
+
+
+class DequantizedLinear(Float32Linear):
+    """An Int8Linear's weights, dequantised to float32 once; a plain matmul per call."""
+
+    def __init__(self, layer: Int8Linear) -> None:
+        codes, scales = layer.weight_int8, layer.scales
+        super().__init__(codes.to(torch.float32) * scales.to(torch.float32)[:, None], layer.bias)
 
 
 class _PlainProjection:
@@ -68,9 +74,9 @@ class _PlainProjection:
 
 
 def _linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if isinstance(layer, DequantizedLinear):
-        return layer(x)
-    return F.linear(x, layer.weight, getattr(layer, "bias", None))
+    if isinstance(layer, (nn.Linear, nn.Embedding)):  # a tied embedding as LM head too
+        return F.linear(x, layer.weight, getattr(layer, "bias", None))
+    return layer(x)  # a replacement's own forward (Float32Linear, a merged adapter's layer)
 
 
 @torch.no_grad()
@@ -79,12 +85,33 @@ def _dequantized_twin(model: CausalLM) -> CausalLM:
     # Projections are not copied (their packed caches are the engine's); the twin makes its own.
     slots = [(name, attr, p) for name, m in model.named_modules() for attr, p in _projections(m)]
     twin = copy.deepcopy(model, {id(p): None for _, _, p in slots})
-    for parent_name, attr, layer in _int8_layers(twin):
-        twin.get_submodule(parent_name).register_module(attr, DequantizedLinear(layer))
+
+    def dequantized(_name: str, layer: nn.Module) -> nn.Module | None:
+        return DequantizedLinear(layer) if isinstance(layer, Int8Linear) else None
+
+    return _rebuilt(twin, names, slots, dequantized)
+
+
+@torch.no_grad()
+def with_plain_layers(model: CausalLM, replacement) -> CausalLM:
+    """`model` itself (its caller's own copy), each layer for which `replacement(name, layer)`
+    gives a module replaced by it, and every Projection a plain one over the layers (torch's
+    F.linear, or the replacement's own forward)."""
+    names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+    slots = [(name, attr, p) for name, m in model.named_modules() for attr, p in _projections(m)]
+    return _rebuilt(model, names, slots, replacement)
+
+
+def _rebuilt(model: CausalLM, names: dict, slots: list, replacement) -> CausalLM:
+    for parent_name, parent in list(model.named_modules()):
+        for attr, child in list(parent.named_children()):
+            new = replacement(f"{parent_name}.{attr}" if parent_name else attr, child)
+            if new is not None:
+                parent.register_module(attr, new)
     for module_name, attr, proj in slots:
-        layers = [twin.get_submodule(names[id(lin)]) for lin in proj.linears]
-        setattr(twin.get_submodule(module_name), attr, _PlainProjection(*layers))
-    return twin
+        layers = [model.get_submodule(names[id(lin)]) for lin in proj.linears]
+        setattr(model.get_submodule(module_name), attr, _PlainProjection(*layers))
+    return model
 
 
 def _projections(module: nn.Module):
@@ -98,10 +125,3 @@ def _is_projection(value) -> bool:
     return isinstance(linears, tuple) and all(isinstance(m, nn.Module) for m in linears)
 
 
-def _int8_layers(model: nn.Module):
-    return [
-        (parent_name, attr, child)
-        for parent_name, parent in model.named_modules()
-        for attr, child in parent.named_children()
-        if isinstance(child, Int8Linear)
-    ]

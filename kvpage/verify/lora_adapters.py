@@ -28,6 +28,7 @@ from kvpage.config import ModelConfig
 from kvpage.lora.adapter import TARGETS, LoraAdapter, load_peft_adapter
 
 ALL = TARGETS
+B_STD = 0.5  # the B factors' scale: deltas as large as the base weights
 CONFIG_FILE = "adapter_config.json"  # PEFT's names, spelled here, not taken from the loader
 WEIGHTS_FILE = "adapter_model.safetensors"
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -91,7 +92,7 @@ def peft_tensors(spec: LoraSpec, model: ModelConfig) -> dict[str, torch.Tensor]:
             block = "self_attn" if module in _ATTENTION else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
             a = torch.randn(spec.rank, fan_in, generator=g) / fan_in**0.5
-            b = torch.randn(fan_out, spec.rank, generator=g) * 0.5
+            b = torch.randn(fan_out, spec.rank, generator=g) * B_STD
             tensors[f"{prefix}.lora_A.weight"] = a.contiguous()
             tensors[f"{prefix}.lora_B.weight"] = b.contiguous()
     return tensors

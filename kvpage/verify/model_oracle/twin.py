@@ -15,12 +15,13 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from kvpage.config import ModelConfig
+from kvpage.errors import KVPageError
 from kvpage.model.base import CausalLM
 from kvpage.model.builtin import BUILTIN_PREFIX, SHIPPED_MODELS
 from kvpage.model.int8 import Int8Linear
 
 
-class NoTwin(ValueError):
+class NoTwin(KVPageError, ValueError):
     """The model has no checkpoint transformers can run on the same weights (the reason)."""
 
 
