@@ -205,6 +205,9 @@ DEFAULT: tuple[Cell, ...] = (
         dtype="bfloat16",
         suites=("prefix", "batching", "sampling", "parallel"),
     ),
+    # tiny-qwen2 in bfloat16: head_dim 64 and its biases under 16-bit ties (forks sampled at
+    # a top-p boundary, prompt-logprob rows, LoRA's float32 delta); 34 s alone
+    Cell(QWEN2, dtype="bfloat16", suites=("batching", "parallel", "prompt_logprobs", "lora")),
     Cell("builtin:tiny-llama", kv_cache_dtype="fp8_e4m3", suites=("prefix", "batching")),
     Cell("builtin:tiny-llama", kv_cache_dtype="bfloat16", suites=("batching", "preemption")),
     Cell(QWEN2, tensor_parallel_size=2, suites=("batching", "parallel", "lora")),
@@ -216,12 +219,6 @@ DEFAULT: tuple[Cell, ...] = (
     HYBRID,
     STACK,
 )
-# Not in DEFAULT: tiny-qwen2 in bfloat16. Its parallel/forks_tiny_pool_swap case fails the
-# sampling check, reproducibly: a draw at rank 17 "outside the filtered support of 18 tokens"
-# (T=0.9, top-k 40, top-p 0.95), i.e. on the support's boundary. Exact ties, common in bfloat16
-# logits, are a likely cause (not confirmed); it is the sampling check's or the sampler's to
-# settle, and until then `--matrix full` shows it.
-
 
 def full_cells() -> tuple[Cell, ...]:
     """Every combination, each with every suite; mutants where they add information."""
