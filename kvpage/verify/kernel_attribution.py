@@ -27,6 +27,8 @@ def attribute_kernels(case, runtime, failures: list[Failure], run: Callable) -> 
     diverged = [f for f in failures if f.divergence is not None]
     if not diverged or runtime.tensor_parallel_size != 1 or not all_allowed():
         return  # nothing to explain, other processes, or already a re-run
+    if not runtime.kernel_reruns:
+        return
     if any(f.divergence.attribution.cls in EXPLAINED for f in diverged):
         return
     with torch_kernels():

@@ -107,6 +107,10 @@ class Runtime:
         self._refs: dict[tuple, ReferenceOutput] = {}
         self.adapter_files: AdapterFiles | None = None  # written at the first adapter asked for
         self._merged: dict[str, object] = {}  # adapter identity -> the reference's merged model
+        # A diverging case runs again with the fast paths off to name a kernel
+        # (kvpage.verify.kernel_attribution); a caller that only asks whether a case still
+        # fails (shrinking a reproducer) turns it off.
+        self.kernel_reruns = True
 
     def adapter(self, spec: LoraSpec) -> WrittenAdapter:
         """The case's adapter written for this model as a PEFT directory (once per spec), with
