@@ -118,9 +118,8 @@ def _served_case(model: CausalLM, model_name: str, root: Path) -> CaseResult | s
 
 def _adapter_cases(model_name: str, root: Path) -> list[CaseResult]:
     """The reference's merge of each adapter against PEFT's on transformers' model, in float32
-    whatever the served dtype: a merged weight rounded to 16 bits and PEFT's unmerged product
-    round differently by more than the dtype's rule allows, and what is checked here (how the
-    directory is read, the scale, the merge) does not depend on the dtype."""
+    whatever the served dtype: what is checked here (how the directory is read, the scale, the
+    merge) does not depend on the dtype, and float32's tolerance is the tightest."""
     model, _ = load_model(model_name, "float32")
     directory = checkpoint_dir(model_name, model, root / "twin32")
     cases = []
