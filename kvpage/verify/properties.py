@@ -215,9 +215,13 @@ class StepProperties(EngineObserver):
     def _reachable(self, plan: StepPlan, seq: Sequence) -> bool:
         """The admission loop got to `seq` with room for it: nothing preempted or swapped,
         tokens and sequences left, and no chunk of this step computing a block it could hit
-        (then holding it back is the prefix rule, not a refusal)."""
+        (then holding it back is the prefix rule, not a refusal), and its adapter, if any,
+        resident or with a slot it may take (else it waits for one, whatever the pool)."""
         sched = self.engine.scheduler
         if plan.preempted or sched.swapped or self._hittable(seq, self._computing_now):
+            return False
+        slots = sched.lora_slots
+        if seq.lora is not None and not seq.lora_held and not slots.can_hold(seq.lora):
             return False
         tokens = sum(item.num_new_tokens for item in plan.scheduled)
         running = sum(self._unforked_n(s) for s in sched.running)

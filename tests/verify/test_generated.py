@@ -10,14 +10,24 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvpage.config import EngineConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.model import load_model
-from kvpage.verify.generated import GeneratedStage, Scenario, generate, run_scenario, run_stage
+from kvpage.reference.weight_oracle import reference_model
+from kvpage.verify.generated import (
+    GeneratedStage,
+    Scenario,
+    generate,
+    run_scenario,
+    run_stage,
+    served,
+)
 from kvpage.verify.generated import generator as gen
+from kvpage.verify.generated.alone import focus_order, generated_alone
 from kvpage.verify.generated.coverage import coverage_table
-from kvpage.verify.generated.scenario import EventScenario, RequestScenario
+from kvpage.verify.generated.scenario import EventScenario, RequestScenario, to_case
 from kvpage.verify.generated.stage import failure_signature
 from kvpage.verify.mutants import MUTANTS
 from kvpage.verify.suites import Runtime
@@ -153,3 +163,135 @@ def test_scenarios_that_once_raised_false_alarms_pass(runtime, name):
     scenario = Scenario.read(Path(__file__).parent / "scenarios" / f"{name}.json")
     result = run_scenario(scenario, runtime)
     assert result.passed, [f.message for f in result.failures]
+
+
+# --- draws from the served configuration (kvpage.verify.generated.served) ---------------------
+def _smallest(key: str, value=None, count: int = 120, windows=()) -> Scenario:
+    """The smallest of the first `count` scenarios of seed 0 that drew `key` (= `value`)."""
+    found = [
+        s
+        for s in (generate(0, i, windows=windows) for i in range(count))
+        if key in s.covers and (value is None or value in s.covers[key])
+    ]
+    assert found, key
+    return min(found, key=lambda s: s.size)
+
+
+def test_the_generator_draws_the_served_configuration():
+    table = coverage_table([generate(0, i) for i in range(80)])
+    expected = {
+        "max_loras": served.MAX_LORAS,
+        "lora_rank": served.LORA_RANKS,
+        "lora_rslora": (True, False),
+        "lora_targets": tuple(served.LORA_TARGETS),
+        "prompt_rows": served.ROWS_PATTERNS,
+        "lora_adapters": (2, 3),
+    }
+    for dimension, values in expected.items():
+        assert set(map(str, values)) <= set(table[dimension]), dimension
+    for pattern in ("lora_reload", "lora_mixed", "lora_named_like_salt", "eviction_order"):
+        assert pattern in table, pattern
+    assert {"seeded_recompute", "off_window_fitted"} <= set(table)
+    assert "window_hit" not in table  # tiny-llama's layers are global: no window to cut at
+    windowed = coverage_table([generate(0, i, windows=(12,)) for i in range(40)])
+    assert set(windowed["window_hit"]) == {"shorter", "longer"}
+
+
+def test_served_draws_keep_the_rest_of_a_scenario():
+    """Each draw has a stream of its own: a model's windows change only the prefix cuts."""
+    plain, windowed = generate(0, 3), generate(0, 3, windows=(12,))
+    assert plain.engine.keys() == windowed.engine.keys()
+    assert generate(0, 3, fixed={"quantization": "int8"}).covers.get("lora_adapters") is None
+
+
+def test_adapter_draws_are_real_configurations():
+    for s in (generate(0, i) for i in range(80)):
+        specs = [r.lora_spec() for r in s.requests if r.lora is not None]
+        for spec in specs:
+            assert spec.alpha != spec.rank and spec.rank in served.LORA_RANKS
+        if specs:
+            assert 1 <= s.engine["max_loras"] <= 3
+            assert any(r.lora is None for r in s.requests)  # base requests beside them
+            assert all(r.prompt_logprobs is None for r in s.requests if r.lora is not None)
+
+
+def test_a_hold_never_pins_a_scarce_adapter_slot():
+    a = {"name": "a", "seed": 1, "targets": ["q_proj"], "rank": 2, "alpha": 4.0, "rslora": False}
+    b = {**a, "name": "b"}
+    requests = [RequestScenario("x", [5] * 9, lora=a), RequestScenario("y", [6] * 9, lora=b)]
+    requests.append(RequestScenario("z", [7] * 9))
+    events = [EventScenario("preempt", 0, rid, after_tokens=1) for rid in ("x", "y", "z")]
+    assert [e.request_id for e in served.holds_within_slots(events, requests, 1)] == ["z"]
+    assert served.holds_within_slots(events, requests, 2) == events
+
+
+def test_top_next_is_a_kept_top_token_of_the_writer(runtime):
+    prompt = list(range(10, 30))
+    request = RequestScenario("z", prompt, prompt_logprobs=1, top_next=[8, 1])
+    scenario = Scenario("t", {"block_size": 8}, [request])
+    resolved = to_case(scenario, runtime.model).requests[0].prompt
+    logits = reference_model(runtime.model).forward_full(prompt[:8])[-1]
+    assert resolved[8] == int(torch.topk(logits.float(), 2).indices[1])
+    assert resolved[:8] == prompt[:8] and resolved[9:] == prompt[9:]
+    assert to_case(scenario).requests[0].prompt == prompt  # no model: the drawn token stays
+
+
+def test_an_eviction_order_scenario_states_exact_hits_and_catches_fifo(runtime):
+    scenario = _smallest("eviction_order")
+    assert scenario.expect_hit_tokens["R.after"] > 0 and not scenario.events
+    assert run_scenario(scenario, runtime).passed
+    assert not run_scenario(scenario, mutant_runtime(runtime, "fifo_eviction")).passed
+
+
+@pytest.mark.parametrize(
+    "pattern, name",
+    [
+        ("tenants", "prompt_rows_from_another_namespace"),
+        ("reused", "prompt_rows_after_generation_change"),
+    ],
+)
+def test_kept_prompt_rows_are_served_and_checked(runtime, pattern, name):
+    scenario = _smallest("prompt_rows", pattern)
+    assert run_scenario(scenario, runtime).passed
+    result = run_scenario(scenario, mutant_runtime(runtime, name))
+    assert not result.passed
+
+
+@pytest.mark.parametrize("name", ["lora_keyed_by_name", "lora_slot_keeps_old_factors"])
+def test_an_adapter_scenario_passes_and_catches_adapter_bugs(runtime, name):
+    found = [
+        s
+        for s in (generate(0, i) for i in range(120))
+        if s.covers.get("lora_reload") and s.covers.get("max_loras") == 1
+    ]
+    scenario = min(found, key=lambda s: s.size)
+    assert run_scenario(scenario, runtime).passed
+    assert not run_scenario(scenario, mutant_runtime(runtime, name)).passed
+
+
+def test_the_alone_pass_stops_at_the_first_catch_and_runs_a_mutants_dimensions_first():
+    scenarios = [generate(0, i) for i in range(12)]
+    lora = next(m for m in MUTANTS if m.name == "lora_wrong_scale")
+    ordered = focus_order(lora, scenarios)
+    firsts = [s for s in ordered if "lora_adapters" in s.covers]
+    assert firsts and ordered[: len(firsts)] == firsts
+    ran = []
+
+    class Ran:
+        def __init__(self, case):
+            self.caught, self.caught_by = len(ran) == 2, [case.full_name]
+            self.attributed_class, self.seconds = "lora", 0.1
+
+    def run_mutant(mutant, model, tokenizer, name, cases, runtime):
+        assert len(cases) == 1
+        ran.append(cases[0].name)
+        return Ran(cases[0])
+
+    model = type("M", (), {"config": None})()
+    generated = type("G", (), {"scenarios": scenarios, "results": [_Passed()] * 12})()
+    out = generated_alone([lora], model, None, MODEL, generated, None, run_mutant)
+    assert len(ran) == 2 and out[0].caught and out[0].caught_by.endswith(ran[-1])
+
+
+class _Passed:
+    passed = True

@@ -30,25 +30,50 @@ class AloneResult:
         }
 
 
+# The coverage dimensions that exercise what a suite's mutants break: a mutant's scenarios run
+# those first (only the order, and so the time, depends on it; any scenario may catch it), as
+# the gate's mutation check runs a mutant's own suites first.
+SUITE_DIMENSIONS: dict[str, tuple[str, ...]] = {
+    "lora": ("lora_adapters",),
+    "prompt_logprobs": ("prompt_rows", "prompt_logprobs"),
+    "policy": ("eviction_order", "siblings"),
+    "namespaces": ("off_window",),
+    "sampling": ("seeded_recompute",),
+}
+
+
+def focus_order(mutant, scenarios: list) -> list:
+    """`scenarios` with those covering one of the mutant's suites' dimensions first."""
+    dims = [d for suite in mutant.suites for d in SUITE_DIMENSIONS.get(suite, ())]
+    first = [s for s in scenarios if any(d in s.covers for d in dims)]
+    return first + [s for s in scenarios if not any(d in s.covers for d in dims)]
+
+
 def generated_alone(mutants, model, tokenizer, model_name, generated, runtime, run_mutant):
     """Each mutant (not-applicable ones left out) against the scenarios of `generated` the
-    honest engine passed, in their order; `run_mutant` is the gate's (it stops at the first
-    divergence)."""
+    honest engine passed, its suites' scenarios first; `run_mutant` is the gate's, given one
+    scenario at a time, so a mutant stops at the first scenario with any failure."""
     passed = [s for s, r in zip(generated.scenarios, generated.results, strict=True) if r.passed]
     out = []
     for mutant in mutants:
         if mutant.not_applicable(model.config) is not None:
             continue
-        cases = [to_case(s) for s in passed]  # a case from to_case serves one run
-        r = run_mutant(mutant, model, tokenizer, model_name, cases, runtime)
+        seconds, found = 0.0, None
+        for scenario in focus_order(mutant, passed):
+            case = to_case(scenario, model)  # a case from to_case serves one run
+            r = run_mutant(mutant, model, tokenizer, model_name, [case], runtime)
+            seconds += r.seconds
+            if r.caught:
+                found = r
+                break
         out.append(
             AloneResult(
                 mutant.name,
-                r.caught,
-                r.caught_by[0] if r.caught_by else None,
-                r.attributed_class,
+                found is not None,
+                found.caught_by[0] if found is not None else None,
+                None if found is None else found.attributed_class,
                 mutant.expected_class,
-                r.seconds,
+                seconds,
             )
         )
     return out

@@ -11,6 +11,7 @@ import math
 import random
 from dataclasses import dataclass
 
+from kvpage.verify.generated import served
 from kvpage.verify.generated.scenario import (
     ABORT_STATES,
     EventScenario,
@@ -43,6 +44,7 @@ EVENTS = (
     "park_first",
 )
 SALTS = (None, None, "tenant-a", "tenant-b", "")  # "" is a namespace of its own, not None's
+TENANTS = (None, "", "tenant-a", "tenant-b")  # the distinct namespaces among them
 TIMEOUT_MAX_TOKENS = 600  # a timed-out request must not be able to finish first, even unloaded
 TIMEOUT_S = 0.05
 
@@ -73,25 +75,91 @@ FIXABLE = (
 )
 
 
-def generate(seed: int, index: int, limits: Limits = Limits(), fixed: dict | None = None):
-    """Scenario `index` of the stream `seed`; `fixed`: engine fields (FIXABLE) it must keep."""
+def generate(
+    seed: int,
+    index: int,
+    limits: Limits = Limits(),
+    fixed: dict | None = None,
+    windows: tuple[int, ...] = (),
+):
+    """Scenario `index` of the stream `seed`; `fixed`: engine fields (FIXABLE) it must keep
+    (and, read but not kept, `quantization`: adapters are drawn on unquantized weights only);
+    `windows`: the model's sliding windows, around which prefixes are cut (kvpage.verify
+    .generated.served: the same (seed, index) on a model without windows draws none)."""
+    lora_ok = (fixed or {}).get("quantization", "none") in (None, "none")
     fixed = {k: v for k, v in (fixed or {}).items() if k in FIXABLE and v is not None}
     rng = random.Random(f"kvpage-scenario:{seed}:{index}")
     gen = _Draw(rng, limits, random.Random(f"kvpage-scenario:{seed}:{index}:side"))
+    gen.windows, gen.wrng = tuple(windows), served.stream(seed, index, "window")
+    gen.off_rng = served.stream(seed, index, "off_window")
     block = fixed.get("block_size", rng.choice(BLOCK_SIZES))
+    shape = served.stream(seed, index, "eviction")
+    if shape.random() < served.P_EVICTION and fixed.get("enable_prefix_caching", True):
+        return _eviction_scenario(seed, index, gen, shape, block, fixed)
     requests = gen.requests(block)
+    max_loras = None
+    if lora_ok:
+        added, max_loras = served.draw_lora(
+            served.stream(seed, index, "lora"), requests, gen.covers
+        )
+        requests += added
     for r in requests:  # a request of more samples than the fixed cap would be refused
         r.n = min(r.n, fixed.get("max_num_seqs", r.n))
     engine, covers = gen.engine(block, requests)
     engine.update(fixed)
+    if max_loras is not None:
+        engine["max_loras"] = max_loras
     covers.update({k: v for k, v in fixed.items() if k in covers})
     if "enable_prefix_caching" in fixed:
         covers["prefix_caching"] = fixed["enable_prefix_caching"]
     if "preemption_mode" in fixed and covers["preemption"] != "off":
         covers["preemption"] = fixed["preemption_mode"]
-    events = gen.events(requests, covers)
+    if engine["kv_cache_dtype"] == "auto":  # the row check's reference has no KV round trip
+        rows = served.stream(seed, index, "rows")
+        take = served.taker(rows, gen.tokens)
+        requests += served.draw_rows(rows, take, requests, engine, limits, TENANTS, covers)
+    events = gen.events(requests, covers, engine)
+    events += served.draw_seeded_recompute(
+        served.stream(seed, index, "recompute"), requests, covers
+    )
+    events = served.holds_within_slots(events, requests, max_loras)
     covers.update(gen.covers)
     return Scenario(f"s{seed}-{index}", engine, requests, events, seed, index, covers)
+
+
+def _eviction_scenario(seed: int, index: int, gen, shape: random.Random, block: int, fixed):
+    """A scenario of its own (served.eviction_requests): the eviction order decides a hit, so
+    the requests run one after the other in a pool they fill exactly, with no event."""
+    rng = gen.rng
+    budget = rng.choice(BUDGETS)
+    tokens = {"tight": max(block // 2, 3), "medium": 2 * block + 3, "large": 2048}[budget]
+    tokens = fixed.get("max_num_batched_tokens", tokens)
+    covers: dict = {}
+    take = served.taker(shape, gen.tokens)
+    requests, pool, hits = served.eviction_requests(shape, take, block, tokens, covers)
+    engine = dict(
+        block_size=block,
+        num_blocks=pool,
+        max_num_batched_tokens=tokens,
+        max_num_seqs=rng.choice((1, 2, 4, 64)),
+        preemption_mode=rng.choice(("recompute", "swap")),
+        swap_space_blocks=64,
+        enable_prefix_caching=True,
+        kv_cache_dtype=rng.choice(KV_CACHE_DTYPES),
+    )
+    engine.update(fixed)
+    covers.update(
+        block_size=block,
+        pool="exact",
+        budget=budget,
+        max_num_seqs=engine["max_num_seqs"],
+        preemption=engine["preemption_mode"],
+        prefix_caching=True,
+        kv_cache_dtype=engine["kv_cache_dtype"],
+        sampling=sorted({"greedy" if r.seed is None else "seeded" for r in requests}),
+    )
+    name = f"s{seed}-{index}"
+    return Scenario(name, engine, requests, [], seed, index, covers, expect_hit_tokens=hits)
 
 
 class _Draw:
@@ -100,6 +168,10 @@ class _Draw:
         self.covers: dict[str, object] = {}
         self.window: tuple[int, int, str | None] | None = None  # caching off from, on at, salt
         self.tokens = list(range(limits.vocab_low, limits.vocab_high))
+        self.windows: tuple[int, ...] = ()  # the model's sliding windows (served.window_cut)
+        self.wrng = random.Random(0)
+        self.off_rng = random.Random(0)  # the off window's writer and reader (generate sets it)
+        self.window_pair: tuple[str, str] | None = None  # writer, reader of the off window
 
     def take(self, n: int) -> list[int]:
         return [self.rng.choice(self.tokens) for _ in range(n)]
@@ -114,6 +186,9 @@ class _Draw:
             self.take(block * rng.randint(1, self.limits.max_prefix_blocks) + 1)
             for _ in range(rng.randint(1, 2))
         ]
+        longer = served.window_root_blocks(self.wrng, self.windows, block)
+        if longer is not None and len(roots[0]) < block * longer:  # a root to cut past a window
+            roots[0] = roots[0] + self.take(block * longer + 1 - len(roots[0]))
         # a prompt's namespace: most often its source's (sharing needs one), else any
         sources = [(root, rng.choice(SALTS)) for root in roots]
         prompts, salts, late, offsets = [], [], [], []
@@ -145,21 +220,25 @@ class _Draw:
         return requests
 
     def _after_an_off_window(self, requests, block: int) -> list[RequestScenario]:
-        """A writer runs while caching is off (globally or for its namespace) and a reader of
-        its prefix comes after caching is back on: what was computed while off must not be
-        served. The switch events follow from `self.window`."""
-        writers = [r for r in requests if len(r.prompt) >= block and r.timeout_s is None]
-        if not writers:
-            return []
-        w = self.rng.choice(writers)
-        shared = block * self.rng.randint(1, len(w.prompt) // block)
-        arrive = w.arrive_step + self.rng.randint(4, 14)
-        prompt = w.prompt[:shared] + self.take(self.rng.randint(1, 5))
-        reader = RequestScenario(f"r{len(requests)}", prompt, arrive, self.rng.randint(1, 6))
-        reader.cache_salt = w.cache_salt
-        self.window = (w.arrive_step, arrive - 1, w.cache_salt)
+        """A writer of a prompt of its own runs while caching is off (globally or for its
+        namespace: a tenant's kill switch) and a reader of its prefix in its namespace comes
+        after caching is back on: what was computed while off must not be served. The prompt
+        is no other request's, so nothing published while on can serve the reader. Drawn on
+        a stream of its own; the switch events follow from `self.window`."""
+        side = self.off_rng
+        take = served.taker(side, self.tokens)
+        prompt = take(block * side.randint(1, self.limits.max_prefix_blocks) + side.randint(1, 4))
+        salt, at = side.choice(TENANTS), side.randint(0, 8)
+        writer = RequestScenario(f"r{len(requests)}", prompt, at, side.randint(1, 4))
+        shared = block * side.randint(1, len(prompt) // block)
+        arrive = at + side.randint(4, 14)
+        reader_prompt = prompt[:shared] + take(side.randint(1, 5))
+        reader = RequestScenario(f"r{len(requests) + 1}", reader_prompt, arrive, side.randint(1, 6))
+        writer.cache_salt = reader.cache_salt = salt
+        self.window = (at, arrive - 1, salt)
+        self.window_pair = (writer.request_id, reader.request_id)
         self.covers["off_window"] = True
-        return [reader]
+        return [writer, reader]
 
     def _extend(self, source: list[int], block: int) -> tuple[list[int], int]:
         """`source` cut on a block boundary or one token either side, then a private tail."""
@@ -169,6 +248,10 @@ class _Draw:
         shared = max(0, min(len(source), block * rng.randint(0, max(whole, 1)) + offset))
         if rng.random() < 0.15:
             shared = len(source)  # the whole prompt again: the cap leaves one token
+        cut, side = served.window_cut(self.wrng, self.windows, block, len(source), offset)
+        if cut is not None:
+            shared = cut
+            served.add_cover(self.covers, "window_hit", side)
         tail = self.take(rng.randint(0 if shared else 1, self.limits.max_tail))
         return source[:shared] + tail, offset
 
@@ -282,7 +365,7 @@ class _Draw:
         )
         if engine["kv_cache_dtype"] == "auto":  # the row check's reference has no KV round trip
             for r in requests:  # a side stream: the scenarios drawn before it stay the same
-                if r.timeout_s is None and self.side.random() < 0.25:
+                if r.timeout_s is None and self.side.random() < 0.25 and r.lora is None:
                     r.prompt_logprobs = self.side.choice((0, 1, 3))
                     self.covers["prompt_logprobs"] = True
         covers = dict(
@@ -297,13 +380,14 @@ class _Draw:
         return engine, covers
 
     # --- events -----------------------------------------------------------------------------------
-    def events(self, requests: list[RequestScenario], covers: dict) -> list[EventScenario]:
+    def events(self, requests: list[RequestScenario], covers: dict, engine: dict):
         rng = self.rng
         events: list[EventScenario] = []
         if covers["preemption"] == "off":
             events.append(EventScenario("switch", 0, switch="preemption", enabled=False))
         if self.window is not None:
             off, on, salt = self.window
+            on = self._fit_window(requests, off, on, engine)
             which = rng.choice(("prefix_caching", "namespace_caching"))
             salt = salt if which == "namespace_caching" else None
             events.append(EventScenario("switch", off, switch=which, cache_salt=salt))
@@ -319,6 +403,21 @@ class _Draw:
             kinds.append(kind)
         covers["events"] = sorted(set(kinds))
         return events
+
+    def _fit_window(self, requests, off: int, on: int, engine: dict) -> int:
+        """The off window lasts until its writer could have finished inside it (its prefill
+        chunks and every decode step, with a margin): what it computed while off is then what
+        the reader, arriving after the window, must not be served."""
+        by_id = {r.request_id: r for r in requests}
+        writer, reader = (by_id[i] for i in self.window_pair)
+        budget = engine["max_num_batched_tokens"]
+        # twice its own steps: other requests share the steps, and a margin
+        work = 2 * (math.ceil(len(writer.prompt) / budget) + writer.n * writer.max_tokens) + 4
+        if on - off >= work:
+            return on
+        reader.arrive_step = off + work + 1
+        self.covers["off_window_fitted"] = True
+        return off + work
 
     def _event(self, kind: str, requests, covers) -> list[EventScenario]:
         rng = self.rng

@@ -7,13 +7,18 @@ a generated one gets too."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from kvpage.engine.sequence import SeqStatus
+from kvpage.model.kernels import torch_kernels
+from kvpage.reference.weight_oracle import reference_model
 from kvpage.sampling_params import SamplingParams
 from kvpage.verify.case import Action, Case, RequestSpec, status_of
 from kvpage.verify.driver import StepDriver
+from kvpage.verify.lora_adapters import LoraSpec
 
 FORMAT = "kvpage-scenario/1"
 SUITE = "generated"
@@ -37,6 +42,19 @@ class RequestScenario:
     cache_salt: str | None = None
     timeout_s: float | None = None
     prompt_logprobs: int | None = None
+    # A LoRA adapter (kvpage.verify.lora_adapters.LoraSpec's fields: name, seed, targets, rank,
+    # alpha, rslora), written as a PEFT directory and loaded by path; None: the base model.
+    lora: dict | None = None
+    # [position, rank]: the prompt's token at `position` becomes, when the scenario is run on a
+    # model, the rank-th most likely next token after prompt[:position] in the reference (a
+    # prompt-logprob hit whose next token is among its writer's kept top k). Without a model the
+    # drawn token stays.
+    top_next: list[int] | None = None
+
+    def lora_spec(self) -> LoraSpec | None:
+        if self.lora is None:
+            return None
+        return LoraSpec(**{**self.lora, "targets": tuple(self.lora["targets"])})
 
     def params(self) -> SamplingParams:
         return SamplingParams(
@@ -61,6 +79,7 @@ class RequestScenario:
             cache_salt=self.cache_salt,
             timeout_s=self.timeout_s,
             stop_at_ref_step=self.stop_at_ref_step,
+            lora=self.lora_spec(),
         )
 
 
@@ -94,6 +113,9 @@ class Scenario:
     seed: int | None = None  # the generator's seed and index, to say where it came from
     index: int | None = None
     covers: dict = field(default_factory=dict)  # dimension -> the value(s) drawn for it
+    # Exact cached tokens per request, where the scenario's construction determines them (an
+    # eviction-order scenario runs alone in its pool, one request after the other).
+    expect_hit_tokens: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self)}, indent=1)
@@ -126,11 +148,14 @@ class Scenario:
         return work + 8 * len(self.events) + 4 * len(self.requests) + special
 
 
-def to_case(scenario: Scenario) -> Case:
+def to_case(scenario: Scenario, model=None) -> Case:
     """The scenario as a verification case, good for one run. An abort that found its request
     already finished expects nothing; one that happened expects the request to finish as
-    aborted, so the expectation is written into this case when the abort is done."""
-    case = Case(SUITE, scenario.name, [r.spec() for r in scenario.requests], dict(scenario.engine))
+    aborted, so the expectation is written into this case when the abort is done. `model`:
+    the model it runs on, to resolve `top_next` tokens (None: the drawn tokens stay)."""
+    specs = [_resolved(r, model).spec() for r in scenario.requests]
+    case = Case(SUITE, scenario.name, specs, dict(scenario.engine))
+    case.expect_hit_tokens = dict(scenario.expect_hit_tokens)
     case.actions = [_action(e, case) for e in scenario.events]
     holds = [e.resume_after_steps for e in scenario.events if e.kind == "preempt"]
     case.hold_steps = sum(holds)
@@ -138,6 +163,22 @@ def to_case(scenario: Scenario) -> Case:
         if r.timeout_s is not None:
             case.expect_finish.setdefault(r.request_id, "timeout")
     return case
+
+
+def _resolved(request: RequestScenario, model) -> RequestScenario:
+    """`request` with its `top_next` token taken from the reference's logits (its own prefix,
+    so the writer's logits there: the same tokens before it)."""
+    if request.top_next is None or model is None:
+        return request
+    position, rank = request.top_next
+    if not 0 < position < len(request.prompt):
+        return request
+    with torch_kernels():
+        logits = reference_model(model).forward_full(request.prompt[:position])[-1].float()
+    token = int(torch.topk(logits, rank + 1).indices[rank])
+    prompt = list(request.prompt)
+    prompt[position] = token
+    return replace(request, prompt=prompt)
 
 
 def _action(event: EventScenario, case: Case) -> Action:

@@ -29,10 +29,11 @@ class GeneratedStage:
     limits: Limits = field(default_factory=Limits)
     fixed: dict = field(default_factory=dict)  # engine fields every scenario keeps (FIXABLE)
 
-    def scenarios(self):
+    def scenarios(self, windows: tuple[int, ...] = ()):
+        """`windows`: the model's sliding windows (generate's), none by default."""
         index = 0
         while self.count is None or index < self.count:
-            yield generate(self.seed, index, self.limits, self.fixed)
+            yield generate(self.seed, index, self.limits, self.fixed, windows)
             index += 1
 
 
@@ -76,7 +77,7 @@ def run_stage(
     `report_dir`/reproducers (when given)."""
     start = time.perf_counter()
     results, ran, stopped_by = [], [], "count"
-    for scenario in stage.scenarios():
+    for scenario in stage.scenarios(model_windows(runtime.model.config)):
         if stage.budget_s is not None and time.perf_counter() - start > stage.budget_s:
             stopped_by = "time budget"
             break
@@ -95,15 +96,24 @@ def run_stage(
     return out
 
 
+def model_windows(config) -> tuple[int, ...]:
+    """The distinct sliding windows of a model's layers (none for a global-only model)."""
+    return tuple(sorted({w for w in config.layer_windows or () if w is not None}))
+
+
 def run_scenario(scenario: Scenario, runtime: Runtime) -> CaseResult:
-    return run_case(to_case(scenario), runtime)
+    return run_case(to_case(scenario, runtime.model), runtime)
 
 
 def failure_signature(result: CaseResult) -> tuple[str, str | None]:
     """What "fails the same way" means to the shrinker: the first failure's kind and class."""
     first = result.failures[0]
     div = result.first_divergence
-    return first.kind, None if div is None else div.attribution.cls
+    if div is None:
+        return first.kind, None
+    # a kernel's re-attribution keeps what the divergence read as before it (what a run
+    # without the re-runs reports)
+    return first.kind, div.attribution.fields.get("class_before", div.attribution.cls)
 
 
 def reproducer(scenario: Scenario, result: CaseResult, runtime: Runtime, budget_s: float):
@@ -111,7 +121,11 @@ def reproducer(scenario: Scenario, result: CaseResult, runtime: Runtime, budget_
     want = failure_signature(result)
 
     def fails(candidate: Scenario) -> bool:
-        again = run_scenario(candidate, runtime)
+        runtime.kernel_reruns = False  # whether it fails, not which kernel: no re-runs
+        try:
+            again = run_scenario(candidate, runtime)
+        finally:
+            runtime.kernel_reruns = True
         return not again.passed and failure_signature(again) == want
 
     small, _ = shrink(scenario, fails, budget_s)
