@@ -11,12 +11,24 @@ import math
 import random
 from dataclasses import dataclass
 
-from kvpage.verify.generated import served
 from kvpage.verify.generated.scenario import (
     ABORT_STATES,
     EventScenario,
     RequestScenario,
     Scenario,
+)
+from kvpage.verify.generated.served import (
+    P_EVICTION,
+    add_cover,
+    draw_lora,
+    draw_rows,
+    draw_seeded_recompute,
+    eviction_requests,
+    holds_within_slots,
+    stream,
+    taker,
+    window_cut,
+    window_root_blocks,
 )
 
 BLOCK_SIZES = (4, 8, 16, 32)
@@ -90,18 +102,16 @@ def generate(
     fixed = {k: v for k, v in (fixed or {}).items() if k in FIXABLE and v is not None}
     rng = random.Random(f"kvpage-scenario:{seed}:{index}")
     gen = _Draw(rng, limits, random.Random(f"kvpage-scenario:{seed}:{index}:side"))
-    gen.windows, gen.wrng = tuple(windows), served.stream(seed, index, "window")
-    gen.off_rng = served.stream(seed, index, "off_window")
+    gen.windows, gen.wrng = tuple(windows), stream(seed, index, "window")
+    gen.off_rng = stream(seed, index, "off_window")
     block = fixed.get("block_size", rng.choice(BLOCK_SIZES))
-    shape = served.stream(seed, index, "eviction")
-    if shape.random() < served.P_EVICTION and fixed.get("enable_prefix_caching", True):
+    shape = stream(seed, index, "eviction")
+    if shape.random() < P_EVICTION and fixed.get("enable_prefix_caching", True):
         return _eviction_scenario(seed, index, gen, shape, block, fixed)
     requests = gen.requests(block)
     max_loras = None
     if lora_ok:
-        added, max_loras = served.draw_lora(
-            served.stream(seed, index, "lora"), requests, gen.covers
-        )
+        added, max_loras = draw_lora(stream(seed, index, "lora"), requests, gen.covers)
         requests += added
     for r in requests:  # a request of more samples than the fixed cap would be refused
         r.n = min(r.n, fixed.get("max_num_seqs", r.n))
@@ -115,28 +125,26 @@ def generate(
     if "preemption_mode" in fixed and covers["preemption"] != "off":
         covers["preemption"] = fixed["preemption_mode"]
     if engine["kv_cache_dtype"] == "auto":  # the row check's reference has no KV round trip
-        rows = served.stream(seed, index, "rows")
-        take = served.taker(rows, gen.tokens)
-        requests += served.draw_rows(rows, take, requests, engine, limits, TENANTS, covers)
+        rows = stream(seed, index, "rows")
+        take = taker(rows, gen.tokens)
+        requests += draw_rows(rows, take, requests, engine, limits, TENANTS, covers)
     events = gen.events(requests, covers, engine)
-    events += served.draw_seeded_recompute(
-        served.stream(seed, index, "recompute"), requests, covers
-    )
-    events = served.holds_within_slots(events, requests, max_loras)
+    events += draw_seeded_recompute(stream(seed, index, "recompute"), requests, covers)
+    events = holds_within_slots(events, requests, max_loras)
     covers.update(gen.covers)
     return Scenario(f"s{seed}-{index}", engine, requests, events, seed, index, covers)
 
 
 def _eviction_scenario(seed: int, index: int, gen, shape: random.Random, block: int, fixed):
-    """A scenario of its own (served.eviction_requests): the eviction order decides a hit, so
+    """A scenario of its own (eviction_requests): the eviction order decides a hit, so
     the requests run one after the other in a pool they fill exactly, with no event."""
     rng = gen.rng
     budget = rng.choice(BUDGETS)
     tokens = {"tight": max(block // 2, 3), "medium": 2 * block + 3, "large": 2048}[budget]
     tokens = fixed.get("max_num_batched_tokens", tokens)
     covers: dict = {}
-    take = served.taker(shape, gen.tokens)
-    requests, pool, hits = served.eviction_requests(shape, take, block, tokens, covers)
+    take = taker(shape, gen.tokens)
+    requests, pool, hits = eviction_requests(shape, take, block, tokens, covers)
     engine = dict(
         block_size=block,
         num_blocks=pool,
@@ -168,7 +176,7 @@ class _Draw:
         self.covers: dict[str, object] = {}
         self.window: tuple[int, int, str | None] | None = None  # caching off from, on at, salt
         self.tokens = list(range(limits.vocab_low, limits.vocab_high))
-        self.windows: tuple[int, ...] = ()  # the model's sliding windows (served.window_cut)
+        self.windows: tuple[int, ...] = ()  # the model's sliding windows (window_cut)
         self.wrng = random.Random(0)
         self.off_rng = random.Random(0)  # the off window's writer and reader (generate sets it)
         self.window_pair: tuple[str, str] | None = None  # writer, reader of the off window
@@ -186,7 +194,7 @@ class _Draw:
             self.take(block * rng.randint(1, self.limits.max_prefix_blocks) + 1)
             for _ in range(rng.randint(1, 2))
         ]
-        longer = served.window_root_blocks(self.wrng, self.windows, block)
+        longer = window_root_blocks(self.wrng, self.windows, block)
         if longer is not None and len(roots[0]) < block * longer:  # a root to cut past a window
             roots[0] = roots[0] + self.take(block * longer + 1 - len(roots[0]))
         # a prompt's namespace: most often its source's (sharing needs one), else any
@@ -226,7 +234,7 @@ class _Draw:
         is no other request's, so nothing published while on can serve the reader. Drawn on
         a stream of its own; the switch events follow from `self.window`."""
         side = self.off_rng
-        take = served.taker(side, self.tokens)
+        take = taker(side, self.tokens)
         prompt = take(block * side.randint(1, self.limits.max_prefix_blocks) + side.randint(1, 4))
         salt, at = side.choice(TENANTS), side.randint(0, 8)
         writer = RequestScenario(f"r{len(requests)}", prompt, at, side.randint(1, 4))
@@ -248,10 +256,10 @@ class _Draw:
         shared = max(0, min(len(source), block * rng.randint(0, max(whole, 1)) + offset))
         if rng.random() < 0.15:
             shared = len(source)  # the whole prompt again: the cap leaves one token
-        cut, side = served.window_cut(self.wrng, self.windows, block, len(source), offset)
+        cut, side = window_cut(self.wrng, self.windows, block, len(source), offset)
         if cut is not None:
             shared = cut
-            served.add_cover(self.covers, "window_hit", side)
+            add_cover(self.covers, "window_hit", side)
         tail = self.take(rng.randint(0 if shared else 1, self.limits.max_tail))
         return source[:shared] + tail, offset
 
