@@ -1,7 +1,8 @@
 """Chat messages -> one prompt string.
 
-A model directory whose tokenizer_config.json has a `chat_template` is rendered with it (Jinja2, as
-Hugging Face does). Every other model, the built-in ones included, uses this documented template:
+A model directory with a `chat_template.jinja` file, or whose tokenizer_config.json has a
+`chat_template`, is rendered with it (Jinja2, as Hugging Face does; the file first, as
+transformers reads it). Every other model, the built-in ones included, uses this documented template:
 
     <|system|>\\nYou are terse.\\n<|user|>\\nHi\\n<|assistant|>\\n
 
@@ -24,10 +25,11 @@ def simple_template(messages: Messages) -> str:
 def load_chat_template(model: str) -> Callable[[Messages], str]:
     """The renderer for `model`: its HF chat template if it has one, else `simple_template`."""
     config_path = Path(model) / "tokenizer_config.json"
-    if not config_path.is_file():
-        return simple_template
-    config = json.loads(config_path.read_text())
+    jinja_path = Path(model) / "chat_template.jinja"  # where transformers >= 4.47 saves it
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     source = config.get("chat_template")
+    if jinja_path.is_file():  # transformers reads the file over the config's field
+        source = jinja_path.read_text()
     if isinstance(source, list):  # named templates: take the default one
         source = next((t["template"] for t in source if t.get("name") == "default"), None)
     if not isinstance(source, str):

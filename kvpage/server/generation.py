@@ -16,7 +16,7 @@ from kvpage.model.tokenizer import Tokenizer
 from kvpage.sampling_params import SamplingParams
 from kvpage.server.shadow import ShadowJob
 from kvpage.server.state import ServerState
-from kvpage.server.text_stream import TextStream
+from kvpage.server.text_stream import TextStream, prompt_context
 
 
 @dataclass(slots=True)
@@ -121,10 +121,16 @@ class Generation:
         salt,
         tokenizer: Tokenizer,
         stop: list[str],
-        make_stream: Callable[[Tokenizer, list[str]], TextStream] = TextStream,
+        make_stream: Callable[..., TextStream] = TextStream,
     ):
-        """`make_stream`: the server's text-stream seam (ServerState.text_stream)."""
-        choices = [Choice(i, make_stream(tokenizer, list(stop))) for i in range(params.n)]
+        """`make_stream`: the server's text-stream seam (ServerState.text_stream), called as
+        `make_stream(tokenizer, stop, context=prompt tail)`: each choice's text follows its
+        prompt."""
+        context = prompt_context(prompt_ids)
+        choices = [
+            Choice(i, make_stream(tokenizer, list(stop), context=context))
+            for i in range(params.n)
+        ]
         return cls(request_id, prompt_ids, params, salt, choices)
 
     @property

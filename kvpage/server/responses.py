@@ -284,6 +284,16 @@ def token_bytes(tok: Tokenizer, token_id: int) -> list[int] | None:
 
 def token_text(tok: Tokenizer, token_id: int) -> str:
     """A token's text; `token_id:N` (vLLM's spelling) when it is not text on its own (a special
-    token, or part of a UTF-8 character)."""
-    text = tok.decode([token_id])
+    token, or part of a UTF-8 character). From the token's own bytes where the tokenizer gives
+    them: decoded alone, a SentencePiece token loses its leading space (the decoder's rule for
+    the start of a text), and the tokens would not add up to the text."""
+    raw = getattr(tok, "token_bytes", None)
+    if raw is not None:
+        data = raw(token_id)
+        try:
+            text = data.decode("utf-8") if data else ""
+        except UnicodeDecodeError:
+            text = ""
+    else:
+        text = tok.decode([token_id])
     return text if text and "\ufffd" not in text else f"token_id:{token_id}"

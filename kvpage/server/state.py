@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpage.lora.request import LoRARequest
-from kvpage.model.tokenizer import Tokenizer
 from kvpage.server.audit import AuditLog
 from kvpage.server.chat import Messages
 from kvpage.server.engine_loop import EngineLoop, ServerShutdown
@@ -55,7 +54,8 @@ class ServerState:
     draining: bool = False  # refuse new requests, finish running ones (admin switch, shutdown)
     shutting_down: bool = False  # the drain is the shutdown's (the refusals say which)
     # A declared seam (kvpage.server.seams): builds each choice's text stream.
-    text_stream: Callable[[Tokenizer, list[str]], TextStream] = TextStream
+    # make_stream(tokenizer, stop, context=prompt tail) -> TextStream
+    text_stream: Callable[..., TextStream] = TextStream
     created: int = field(default_factory=lambda: int(time.time()))  # /v1/models' `created`
 
     @property

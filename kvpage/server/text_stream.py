@@ -5,6 +5,9 @@ The engine decodes text only when a request finishes; a stream needs it token by
 decodes a small window: the tokens emitted last time (context, so a tokenizer that spells a token
 differently at the start of a text agrees with a whole decode) plus the tokens not emitted yet.
 Text ending in U+FFFD is a character still arriving (UTF-8 split across byte tokens) and waits.
+The first window starts with the prompt's last few tokens (`context`, vLLM's initial offset): a
+completion is text that follows its prompt, and a SentencePiece decoder drops the leading space of
+the first token of a text, so decoded alone the first completion token would lose its space.
 
 Stop strings are looked for in the new text plus what is held back. Text that could still grow
 into a stop string (at most the longest one less a character) is never sent, so a match never
@@ -26,6 +29,12 @@ _INCOMPLETE = "\ufffd"
 # they may be the start of a character that is still arriving.
 _MAX_PENDING = 8
 _TAIL = 3
+CONTEXT_TOKENS = 6  # prompt tokens the first window starts with
+
+
+def prompt_context(prompt_ids: list[int]) -> list[int]:
+    """The prompt's tail a choice's text is decoded after (its first window's context)."""
+    return list(prompt_ids[-CONTEXT_TOKENS:])
 
 
 @dataclass(slots=True)
@@ -33,9 +42,15 @@ class Detokenizer:
     """The stable text of a growing token list, a few tokens at a time (vLLM's two offsets)."""
 
     tokenizer: Tokenizer
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # the context, then the text's tokens
     prefix: int = 0  # the window starts here: the tokens emitted last time, as context
     read: int = 0  # tokens before this have been emitted
+    start: int = 0  # the text's first token: those before it are the prompt's, context only
+
+    @classmethod
+    def after(cls, tokenizer: Tokenizer, context: list[int]) -> Detokenizer:
+        """A text that follows `context` (the prompt's last tokens)."""
+        return cls(tokenizer, list(context), 0, len(context), len(context))
 
     def add(self, new_ids: list[int], final: bool) -> str:
         """Append tokens; return the text they complete (everything left when `final`)."""
@@ -107,13 +122,28 @@ def _one_char_so_far(data: bytes) -> bool:
         text = codecs.getincrementaldecoder("utf-8")().decode(data, final=False)
     except UnicodeDecodeError:
         return False
-    return text == "" or len(text) == 1 and text.encode() == data
+    if text:
+        return len(text) == 1 and text.encode() == data
+    # Python's incremental decoder waits on some bytes no character can follow (ED A0: a
+    # surrogate's start): the start of one only if some continuation makes it a character.
+    return any(_decodes_to_one(data + bytes([b]) * (4 - len(data))) for b in (0x80, 0x90, 0xA0))
+
+
+def _decodes_to_one(data: bytes) -> bool:
+    for end in range(1, len(data) + 1):
+        try:
+            if len(data[:end].decode("utf-8")) == 1:
+                return True
+        except UnicodeDecodeError:
+            continue
+    return False
 
 
 @dataclass(slots=True)
 class TextStream:
     tokenizer: Tokenizer
     stop: list[str] = field(default_factory=list)
+    context: list[int] = field(default_factory=list)  # the prompt's last tokens (prompt_context)
     stopped: bool = False  # a stop string matched; the text ends before it
     detok: Detokenizer = field(init=False)
     held: str = ""  # decoded, not sent: it may be the start of a stop string
@@ -122,13 +152,13 @@ class TextStream:
     first_chars: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.detok = Detokenizer(self.tokenizer)
+        self.detok = Detokenizer.after(self.tokenizer, self.context)
         self.longest = max((len(s) for s in self.stop), default=0)
         self.first_chars = frozenset(s[0] for s in self.stop if s)
 
     @property
     def token_ids(self) -> list[int]:
-        return self.detok.token_ids
+        return self.detok.token_ids[self.detok.start :]
 
     def add(self, new_ids: list[int], final: bool) -> str:
         """Append tokens; return the text that may be sent now (all of it when `final`)."""

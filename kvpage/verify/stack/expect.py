@@ -1,17 +1,26 @@
 """What each generated request must get back, from the reference and the oracles alone: the
-choices (text oracle), the usage, and the cached-token count (a per-namespace model of the
-prefix cache: block-granular reuse of earlier prompts in the same namespace, none across)."""
+choices (text oracle, the served model's tokenizer read independently), the usage, and the
+cached-token count (a per-namespace model of the prefix cache: block-granular reuse of earlier
+prompts in the same namespace, none across). Prompts are the oracle tokenizer's encoding (chat:
+the served model's own template through transformers, the built-in one where it has none); echo
+is the prompt's text and the reference's prompt logprobs before each choice; a list of prompts
+is choice i * n + j for sample j of prompt i."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field, replace
 
-from kvpage.reference.generator import ReferenceOutput, generate
+from kvpage.reference.generator import ReferenceOutput, generate, prompt_logprobs
 from kvpage.sampling_params import SamplingParams
 from kvpage.verify.diff import HALF_DTYPES, logit_atol
 from kvpage.verify.stack.scenario import GenRequest, pick_stops
-from kvpage.verify.stack.text_oracle import ExpectedChoice, expected_choice
+from kvpage.verify.stack.text_oracle import (
+    ExpectedChoice,
+    choice_texts,
+    expected_choice,
+    prompt_entries,
+)
 from kvpage.verify.stack.ties import EngineDraw, follow_ties
 
 Namespace = tuple[str, str | None]  # ("tenant", name) or ("salt", cache salt or None)
@@ -75,7 +84,7 @@ def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 @dataclass(frozen=True, slots=True)
 class Expected:
     request: GenRequest
-    prompt_ids: tuple[int, ...]
+    prompt_ids: tuple[int, ...]  # the first prompt's (`prompts`: every prompt of the request)
     params: SamplingParams
     stops: list[str]
     choices: list[ExpectedChoice]
@@ -84,10 +93,15 @@ class Expected:
     unswitched_cached: int  # what it would be had no caching switch ever been off
     switched: bool  # some caching switch has been off in this app, before or now
     atol: float = 0.0  # the logit tolerance (diff.logit_atol): logprobs, top-k ties, ties
+    prompts: tuple[tuple[int, ...], ...] = ()
 
     @property
     def completion_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.choices)
+        return sum(len(c.token_ids) - c.prefix_tokens for c in self.choices)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts or (self.prompt_ids,))
 
 
 @dataclass(slots=True)
@@ -116,12 +130,19 @@ class References:
         return logit_atol("auto", self.model.dtype, max([1.0, *peaks]))
 
 
-def prompt_ids(tokenizer, req: GenRequest) -> tuple[int, ...]:
+def prompt_ids(text_model, req: GenRequest, prompt=None) -> tuple[int, ...]:
+    """The oracle tokenizer's ids of `prompt` (default: the request's first): chat through the
+    model's own template where it has one (which spells its special tokens itself), else the
+    built-in template encoded as text."""
+    prompt = req.prompt if prompt is None else prompt
     if req.chat:
-        return tuple(tokenizer.encode(chat_prompt(req.prompt)))
-    if isinstance(req.prompt, str):
-        return tuple(tokenizer.encode(req.prompt))
-    return tuple(req.prompt)
+        messages = [{"role": "user", "content": prompt}]
+        if text_model.has_template:
+            return tuple(text_model.chat(messages))
+        return tuple(text_model.encode(chat_prompt(prompt)))
+    if isinstance(prompt, str):
+        return tuple(text_model.encode(prompt))
+    return tuple(prompt)
 
 
 def namespace_of(req: GenRequest) -> Namespace:
@@ -129,36 +150,81 @@ def namespace_of(req: GenRequest) -> Namespace:
 
 
 def expect(
-    req: GenRequest, tokenizer, refs: References, cache: CacheModel, rng: random.Random
+    req: GenRequest, text_model, refs: References, cache: CacheModel, rng: random.Random
 ) -> Expected:
-    ids = prompt_ids(tokenizer, req)
+    all_ids = tuple(prompt_ids(text_model, req, p) for p in req.prompts)
+    ids = all_ids[0]
     params = _params(req, ids, refs)
-    samples = [refs.get(ids, _sample_params(req, params, i)) for i in range(req.n)]
-    text = b"".join(tokenizer.token_bytes(t) or b"" for t in samples[0].token_ids)
-    stops = pick_stops(rng, text.decode("utf-8", errors="replace"), req.stop_picks)
+    per_prompt = [
+        [refs.get(p, _sample_params(req, params, i)) for i in range(req.n)] for p in all_ids
+    ]
+    samples = [s for group in per_prompt for s in group]
+    first = samples[0].token_ids if req.max_tokens else []
+    text = choice_texts(text_model, list(ids), first)[-1]
+    stops = pick_stops(rng, text, req.stop_picks)
     atol = refs.atol(samples)
-    choices = [_choice(tokenizer, req, params, i, s, stops, atol) for i, s in enumerate(samples)]
+    choices = [
+        _choice(text_model, refs, req, params, p * req.n + i, s, stops, atol, all_ids[p])
+        for p, group in enumerate(per_prompt)
+        for i, s in enumerate(group)
+    ]
     ns = namespace_of(req)
-    unswitched = cache.hit(ns, ids, cache.sent)
-    cached = cache.admit(ns, ids)
-    return Expected(req, ids, params, stops, choices, ns, cached, unswitched, cache.switched, atol)
+    unswitched = sum(cache.hit(ns, p, cache.sent) for p in all_ids)
+    cached = sum(cache.admit(ns, p) for p in all_ids)
+    return Expected(
+        req, ids, params, stops, choices, ns, cached, unswitched, cache.switched, atol, all_ids
+    )
 
 
 def _sample_params(req: GenRequest, params: SamplingParams, i: int) -> SamplingParams:
     return params.for_sample(i) if req.n > 1 else params
 
 
-def _choice(tokenizer, req, params, index: int, sample: ReferenceOutput, stops, atol: float):
-    return expected_choice(
-        tokenizer,
-        index,
-        sample.token_ids,
-        sample.step_logits,
-        sample.finish_reason,
-        stops,
-        params.logprobs,
-        req.stream,
-        atol,
+def _choice(
+    text_model, refs, req, params, index: int, sample: ReferenceOutput, stops, atol, prompt
+) -> ExpectedChoice:
+    if req.max_tokens == 0:  # echo alone: the token the engine drew is dropped
+        choice = ExpectedChoice(
+            index, "", "length", [], [] if params.logprobs is not None else None, None
+        )
+    else:
+        choice = expected_choice(
+            text_model,
+            index,
+            sample.token_ids,
+            sample.step_logits,
+            sample.finish_reason,
+            stops,
+            params.logprobs,
+            req.stream,
+            atol,
+            prompt,
+        )
+    return _echoed(text_model, refs, req, params, choice, prompt, atol) if req.echo else choice
+
+
+def _echoed(text_model, refs, req, params, choice: ExpectedChoice, prompt, atol):
+    """The choice after its echoed prompt: text, tokens, logprobs (the reference's prompt rows,
+    with a band's worth of entries past the k), offsets counted from the prompt's text."""
+    k = params.logprobs
+    vocab = refs.model.config.vocab_size
+    rows = prompt_logprobs(refs.model, list(prompt), min(vocab, (k or 0) + 16))
+    text, entries, stable = prompt_entries(text_model, list(prompt), rows, k or 0, atol)
+    if stable is None and choice.stable is not None:
+        stable = len(text) + choice.stable
+    completion = choice.entries
+    if k is None:
+        all_entries = None
+    else:
+        shift = len(text)
+        all_entries = entries + [replace(e, offset=e.offset + shift) for e in (completion or [])]
+    return replace(
+        choice,
+        text=text + choice.text,
+        token_ids=list(prompt) + choice.token_ids,
+        entries=all_entries,
+        stable=stable,
+        prefix_tokens=len(prompt),
     )
 
 
@@ -168,24 +234,28 @@ def follow(
     """`exp` with each choice whose engine tokens left the reference's at a numeric tie
     (16-bit models) expected along the reference forced at those ties (kvpage.verify.stack.ties);
     every other choice, and every other field, as it was (`exp` itself when none is)."""
-    if not draws or not refs.ties:
+    if not draws or not refs.ties or len(exp.request.prompts) > 1 or not exp.request.max_tokens:
         return exp
     choices = list(exp.choices)
     for i, choice in enumerate(exp.choices):
         params = _sample_params(exp.request, exp.params, i)
         engine = draws.get(i, [])
-        if [d.token for d in engine[: len(choice.token_ids)]] == choice.token_ids[: len(engine)]:
+        tokens = choice.token_ids[choice.prefix_tokens :]
+        if [d.token for d in engine[: len(tokens)]] == tokens[: len(engine)]:
             continue  # no token differs: nothing to follow
         path = follow_ties(refs.model, list(exp.prompt_ids), params, engine, exp.atol)
         if path is not None:
-            choices[i] = _choice(tokenizer, exp.request, exp.params, i, path, exp.stops, exp.atol)
+            choices[i] = _choice(
+                tokenizer, refs, exp.request, exp.params, i, path, exp.stops, exp.atol,
+                exp.prompt_ids,
+            )  # fmt: skip
     return exp if choices == exp.choices else replace(exp, choices=choices)
 
 
 def _params(req: GenRequest, ids: tuple[int, ...], refs: References) -> SamplingParams:
     params = SamplingParams(
         temperature=req.temperature,
-        max_tokens=req.max_tokens,
+        max_tokens=max(req.max_tokens, 1),  # 0 (echo alone): the server draws one, dropped
         seed=req.seed,
         logprobs=req.logprobs,
         n=req.n,

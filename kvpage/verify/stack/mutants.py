@@ -25,6 +25,8 @@ class StackMutant:
     expected_class: str
     layer: str  # "server": apply(StackTarget) on each app; "router": apply(Router)
     apply: Callable
+    # text_model -> why the bug cannot show on this model's tokenizer (None: it can)
+    not_applicable: Callable | None = None
 
 
 def plant_server(target: StackTarget, seam: str, value) -> None:
@@ -64,6 +66,26 @@ class _CountsPendingBytes(TextStream):
 
 def _offset_off_by_one(target: StackTarget) -> None:
     plant_server(target, "text_stream", _CountsPendingBytes)
+
+
+class _NoPromptContext(TextStream):
+    def __post_init__(self) -> None:
+        self.context = []  # the choice's text decoded as if it started a text of its own
+        TextStream.__post_init__(self)
+
+
+def _completion_without_prompt(target: StackTarget) -> None:
+    plant_server(target, "text_stream", _NoPromptContext)
+
+
+def _without_prompt_not_applicable(text_model) -> str | None:
+    """Only a tokenizer whose decoder spells the start of a text differently (SentencePiece's
+    leading space) can show the bug."""
+    spell = getattr(text_model, "spell", None)
+    anchor = getattr(text_model, "anchor", None)
+    if anchor is None or spell(anchor) == text_model.decode([anchor]):
+        return "this tokenizer spells a token the same at the start of a text and inside it"
+    return None
 
 
 class _ClientSalt(Tenants):
@@ -138,6 +160,15 @@ STACK_MUTANTS: tuple[StackMutant, ...] = (
         "server_logprobs",
         "server",
         _offset_off_by_one,
+    ),
+    StackMutant(
+        "completion_decoded_without_prompt",
+        "each choice's text is decoded without the prompt before it: a SentencePiece decoder "
+        "drops the first completion token's leading space (Llama 2, Mistral)",
+        "server_text",
+        "server",
+        _completion_without_prompt,
+        _without_prompt_not_applicable,
     ),
     StackMutant(
         "tenant_salt_dropped",

@@ -37,6 +37,12 @@ class GenRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    echo: bool = False  # completions: the prompt (and its logprobs) before each choice
+    more_prompts: tuple = ()  # completions: a list of prompts, `prompt` first, then these
+
+    @property
+    def prompts(self) -> tuple:
+        return (self.prompt, *self.more_prompts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +69,16 @@ class Scenario:
 
 
 def make_scenario(
-    rng: random.Random, tokenizer, with_keys: bool, size: int, chat_allowed: bool
+    rng: random.Random,
+    tokenizer,
+    with_keys: bool,
+    size: int,
+    chat_allowed: bool,
+    batches: bool = True,
 ) -> Scenario:
+    """`tokenizer`: the oracle's (kvpage.verify.stack.text_oracle), to cut prompts on token
+    boundaries. `batches`: lists of prompts in one request (off where ties are followed: the
+    engine's draws are followed for one request at a time)."""
     block_size = rng.choice((4, 8, 16))
     plan = _Plan(rng, with_keys, [_text(rng, rng.randint(40, 70)) for _ in range(3)])
     scoped_at = rng.randint(size // 3, 2 * size // 3)  # one scoped switch-off at least
@@ -73,9 +87,8 @@ def make_scenario(
     for i in range(size):
         events += plan.switches(i, i == scoped_at)
         doc, who = plan.next_sender()
-        events.append(
-            _request(rng, f"r{i}", doc, who, block_size, chat_allowed, tokenizer, prompts)
-        )
+        req = _request(rng, f"r{i}", doc, who, block_size, chat_allowed, tokenizer, prompts)
+        events.append(_extend(rng, req, plan.docs, block_size, tokenizer, prompts, batches))
     events.extend(_closing(with_keys))
     return Scenario(with_keys, block_size, chat_allowed, events)
 
@@ -168,6 +181,58 @@ def _request(rng, name, doc, who, block_size, chat_allowed, tokenizer, prompts):
     )
 
 
+def _extend(rng, req: GenRequest, docs, block_size, tokenizer, prompts, batches) -> GenRequest:
+    """Completions only: now and then echo (with max_tokens 0 at times: the prompt scored
+    alone), or a list of prompts (each on another document, so no two share a whole block:
+    which of them the engine runs first, and so which would hit the other, is its choice)."""
+    if req.chat:
+        return req
+    roll = rng.random()
+    if roll < 0.25:
+        max_tokens = 0 if rng.random() < 0.35 else req.max_tokens
+        req = dc_replace(req, echo=True, max_tokens=max_tokens, stop_token_at=None)
+        if req.logprobs is None:
+            return req
+        # Prompt logprobs hit only blocks whose rows the engine kept, and what it publishes
+        # then is its own business: a prompt of its own, sharing no block with any other.
+        prompts.pop()
+        for _ in range(20):
+            text = _text(rng, rng.randint(block_size, 40))
+            ids = _ids(tokenizer, text)
+            if not any(_common(ids, p) >= min(block_size, len(ids) - 1) for p in prompts):
+                break
+        prompts.append(ids)
+        return dc_replace(req, prompt=text if isinstance(req.prompt, str) else ids)
+    if roll > 0.82 and batches:
+        first = _ids(tokenizer, req.prompt)
+        more = []
+        for doc in rng.sample(docs, rng.randint(1, 2)):
+            prompt = _prompt(rng, doc, block_size, tokenizer, isinstance(req.prompt, tuple))
+            ids = _ids(tokenizer, prompt)
+            taken = [first, *(_ids(tokenizer, p) for p in more)]
+            if any(_common(ids, p) >= block_size for p in taken) or any(
+                _strict_prefix(ids, p) or _strict_prefix(p, ids) for p in prompts
+            ):
+                continue
+            more.append(prompt)
+            prompts.append(ids)
+        return dc_replace(req, more_prompts=tuple(more))
+    return req
+
+
+def _ids(tokenizer, prompt) -> tuple[int, ...]:
+    return tuple(prompt) if isinstance(prompt, tuple) else tuple(tokenizer.encode(prompt))
+
+
+def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def _prompt(rng, doc: str, block_size: int, tokenizer, as_ids: bool) -> str | tuple[int, ...]:
     """A document's head cut near a block boundary, then a few characters of its own."""
     suffix = _text(rng, rng.randint(1, 6))
@@ -180,9 +245,8 @@ def _prompt(rng, doc: str, block_size: int, tokenizer, as_ids: bool) -> str | tu
 
 
 def _encode_bare(tokenizer, text: str) -> list[int]:
-    """`text`'s ids without the BOS an encoder may put in front."""
-    ids = tokenizer.encode(text)
-    return ids[1:] if ids[:1] == [tokenizer.bos_token_id] else ids
+    """`text`'s ids without the special tokens an encoder may put in front."""
+    return list(tokenizer.encode(text, bos=False))
 
 
 def _strict_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> bool:

@@ -15,7 +15,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 
@@ -32,6 +31,7 @@ from kvpage.verify.stack.compare import compare as compare_response
 from kvpage.verify.stack.expect import CacheModel, Expected, References, expect, follow
 from kvpage.verify.stack.responses import parse_body, parse_stream
 from kvpage.verify.stack.scenario import TENANTS, AdminEvent, GenRequest, Scenario, make_scenario
+from kvpage.verify.stack.text_oracle import text_model
 from kvpage.verify.stack.ties import StepRecorder
 from kvpage.verify.suites import CaseResult
 
@@ -58,7 +58,7 @@ class Run:
     """The oracle's side of one app's run."""
 
     scenario: Scenario
-    tokenizer: object
+    tokenizer: object  # the oracle's (kvpage.verify.stack.text_oracle), never the server's
     refs: References
     cache: CacheModel
     rng: random.Random
@@ -81,12 +81,13 @@ def server_cases(
     """Both apps' cases. `plant(target)`: a server mutant, applied to each app; `first`: stop
     after the first case that fails."""
     rng = random.Random(seed)
-    chat = not (Path(model_name) / "tokenizer_config.json").is_file()  # built-in template only
+    oracle = text_model(model_name, tokenizer)  # the served tokenizer, read independently
     refs = References(model)
     results = []
     for with_keys in (True, False):
-        scenario = make_scenario(rng, tokenizer, with_keys, REQUESTS_PER_APP, chat)
+        scenario = make_scenario(rng, oracle, with_keys, REQUESTS_PER_APP, True, not refs.ties)
         run = _new_run(scenario, model, tokenizer, model_name, refs, rng.randrange(2**32))
+        run.tokenizer = oracle
         results.append(_run_case(run, model, tokenizer, model_name, deadline, plant))
         if first and not results[-1].passed:
             break
@@ -125,7 +126,9 @@ def _run_case(run: Run, model, tokenizer, model_name, deadline, plant) -> CaseRe
 
 def _target(scenario: Scenario, model, tokenizer, model_name: str) -> StackTarget:
     """An engine whose pool holds every token the scenario can write: nothing is evicted."""
-    tokens = sum((len(str(r.prompt)) * 4 + r.max_tokens) * r.n for r in scenario.requests)
+    tokens = sum(
+        (len(str(p)) * 4 + r.max_tokens + 1) * r.n for r in scenario.requests for p in r.prompts
+    )
     config = EngineConfig(
         model=model_name,
         block_size=scenario.block_size,
@@ -186,9 +189,12 @@ def _body(req: GenRequest, stops: list[str], stop_ids: tuple[int, ...]) -> dict:
         if req.logprobs is not None:
             body |= {"logprobs": True, "top_logprobs": req.logprobs}
     else:
-        body["prompt"] = req.prompt if isinstance(req.prompt, str) else list(req.prompt)
+        prompts = [p if isinstance(p, str) else list(p) for p in req.prompts]
+        body["prompt"] = prompts if len(prompts) > 1 else prompts[0]
         if req.logprobs is not None:
             body["logprobs"] = req.logprobs
+        if req.echo:
+            body["echo"] = True
     return body
 
 
@@ -203,7 +209,7 @@ async def _request(run: Run, client: httpx.AsyncClient, req: GenRequest) -> None
     if run.draining:  # the engine never sees it, so neither does the cache model
         return await _refused(client, path, _body(req, [], ()), req, where, run)
     exp = expect(req, run.tokenizer, run.refs, run.cache, run.rng)
-    _cover(run.coverage, exp)
+    _cover(run.coverage, exp, run.tokenizer.has_template)
     body = _body(req, exp.stops, exp.params.stop_token_ids)
     response = await client.post(path, json=body, headers=_headers(req))
     if req.stream and response.status_code == 200:
@@ -226,21 +232,22 @@ async def _audited(run: Run, client, exp: Expected, request_id, where: Where) ->
         return []
     response = await client.get("/admin/audit", headers={"X-Admin-Token": ADMIN_TOKEN})
     events = response.json().get("events", [])
-    mine = [e for e in events if str(e.get("request_id", "")).split("#")[0] == request_id]
     req = exp.request
+    ids = {request_id} | {f"{request_id}-{i}" for i in range(len(req.prompts))}  # a list's
+    mine = [e for e in events if str(e.get("request_id", "")).split("#")[0] in ids]
     salt = _salt(req.tenant) if req.tenant is not None else req.cache_salt
     want = {"namespace": run.namespace_hex(salt), "tenant": req.tenant}
     for event in mine:
         have = {"namespace": event.get("namespace"), "tenant": event.get("tenant")}
         if have != want:
             f = where.fields(None, f"audit {event.get('event')}", want, have)
-            f |= {"namespace": repr(exp.namespace), "prompt_tokens": len(exp.prompt_ids)}
+            f |= {"namespace": repr(exp.namespace), "prompt_tokens": exp.prompt_tokens}
             reason = "the request ran in another namespace than its tenant's"
             return [failure(where, "server_tenancy", reason, f)]
     return []
 
 
-def _cover(coverage: Counter, exp: Expected) -> None:
+def _cover(coverage: Counter, exp: Expected, template: bool) -> None:
     req, cuts = exp.request, [c.stop for c in exp.choices if c.stop is not None]
     coverage.update(
         {
@@ -248,6 +255,13 @@ def _cover(coverage: Counter, exp: Expected) -> None:
             "stream": req.stream,
             "chat": req.chat,
             "n>1": req.n > 1,
+            "echo": req.echo,
+            "echo with logprobs": req.echo and req.logprobs is not None,
+            "echo, max_tokens 0": req.echo and not req.max_tokens,
+            "list of prompts": len(req.prompts) > 1,
+            "list of prompts, n>1": len(req.prompts) > 1 and req.n > 1,
+            "chat with the model's template": req.chat and template,
+            "text past an unstable decode": any(c.stable is not None for c in exp.choices),
             "logprobs": req.logprobs is not None,
             "stop string hit": bool(cuts),
             "stop string with a multi-byte char hit": any(max(map(ord, s)) > 127 for s in cuts),

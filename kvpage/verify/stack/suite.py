@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kvpage.verify.stack.mutants import STACK_MUTANTS, StackMutant
 from kvpage.verify.stack.router_model import router_cases
 from kvpage.verify.stack.server_suite import server_cases
+from kvpage.verify.stack.text_oracle import text_model
 from kvpage.verify.suites import CaseResult
 
 DEFAULT_SEED = 0
@@ -24,11 +25,11 @@ def run_server_suite(
 ) -> list[CaseResult]:
     """The server cases (two apps) then the router cases. Past `budget_s` the remaining
     generated requests are skipped (each case's `requests` says how many ran); the router
-    cases take well under a second and always run. A model without a tokenizer that gives
-    each token's bytes (the text oracle's input) gets the router cases only."""
+    cases take well under a second and always run. A model without a tokenizer (no text to
+    judge) gets the router cases only."""
     deadline = time.perf_counter() + budget_s
     router = router_cases(seed)
-    if not callable(getattr(tokenizer, "token_bytes", None)):
+    if tokenizer is None or text_model(model_name, tokenizer) is None:
         return router
     return server_cases(model, tokenizer, model_name, seed, deadline) + router
 
@@ -44,7 +45,7 @@ class StackMutantResult:
     divergence: dict | None
     seconds: float
     cases: list[CaseResult] = field(default_factory=list)
-    not_applicable: str | None = None  # as the gate's MutantResult: every stack mutant applies
+    not_applicable: str | None = None  # as the gate's MutantResult: why it cannot show here
 
     @property
     def attributed_class(self) -> str | None:
@@ -53,7 +54,8 @@ class StackMutantResult:
     @property
     def attribution_ok(self) -> bool:
         return (
-            self.attributed_class == self.mutant.expected_class
+            self.divergence is not None
+            and self.attributed_class == self.mutant.expected_class
             and not self.divergence["attribution"]["missing"]
         )
 
@@ -69,6 +71,10 @@ def run_server_mutant(
     """The suite of the mutant's layer with the mutant planted in every app (or router) it
     builds, until the first case that fails."""
     start = time.perf_counter()
+    if mutant.not_applicable is not None:
+        why = mutant.not_applicable(text_model(model_name, tokenizer))
+        if why is not None:
+            return StackMutantResult(mutant, False, [], None, None, 0.0, [], why)
     if mutant.layer == "server":
         deadline = start + budget_s
         cases = server_cases(model, tokenizer, model_name, seed, deadline, mutant.apply, True)

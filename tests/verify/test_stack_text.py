@@ -1,0 +1,138 @@
+"""The whole-stack suite's text oracle on real tokenizers (issue 39): the served model's
+tokenizer read by transformers, not kvpage's; a SentencePiece completion keeps its first
+token's leading space; echo and lists of prompts in the scenarios; and the server fixes the
+oracle found (the prompt as the detokenizer's context, token spellings from their own bytes,
+`chat_template.jinja`, a surrogate's lead byte in text_offset)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+from kvpage.model.tokenizer import ByteTokenizer, HFTokenizer
+from kvpage.server.chat import load_chat_template
+from kvpage.server.responses import token_text
+from kvpage.server.text_stream import TextStream
+from kvpage.verify.stack.scenario import make_scenario
+from kvpage.verify.stack.text_oracle import ByteText, HFText, choice_texts, expected_choice
+
+WORDS = ["\u2581hello", "\u2581world", "\u2581the", "\u2581cat"]
+HELLO, WORLD, THE, CAT = 259, 260, 261, 262  # no merges: the words are spelled by id here
+PROMPT = [1, HELLO]
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+
+
+def spm_dir(tmp_path, template: str | None = None, jinja_file: bool = False):
+    """A Llama-2-style tokenizer: <unk> <s> </s>, byte fallback, ▁ for spaces, the decoder
+    stripping the first token's leading space; BOS added on encode."""
+    from tokenizers import processors
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab |= {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    vocab |= {w: len(vocab) + i for i, w in enumerate(WORDS)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
+    tok.pre_tokenizer = None
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in vocab][:3])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    if template is not None and not jinja_file:
+        config["chat_template"] = template
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    if template is not None and jinja_file:
+        (tmp_path / "chat_template.jinja").write_text(template)
+    return tmp_path
+
+
+def test_the_oracle_keeps_a_sentencepiece_completions_leading_space(tmp_path):
+    oracle = HFText(str(spm_dir(tmp_path)))
+    prompt, world, cat = PROMPT, WORLD, CAT
+    assert oracle.decode([world]) == "world"  # alone: the start of a text
+    assert choice_texts(oracle, prompt, [world, cat])[-1] == " world cat"
+    assert oracle.spell(world) == " world"
+    choice = expected_choice(oracle, 0, [world, cat], [], "length", [], None, context=prompt)
+    assert choice.text == " world cat" and choice.stable is None
+
+
+def test_an_unstable_byte_fallback_run_is_judged_only_up_to_it(tmp_path):
+    oracle = HFText(str(spm_dir(tmp_path)))
+    prompt = PROMPT
+    c3, a9, x80 = (3 + b for b in (0xC3, 0xA9, 0x80))  # é, then a byte no character takes
+    world = WORLD
+    choice = expected_choice(
+        oracle, 0, [world, c3, a9, x80], [], "length", [], None, context=prompt
+    )
+    assert choice.stable == len(" world")  # the run's é turns into U+FFFD once 0x80 arrives
+    assert choice.text.startswith(" world\ufffd")
+
+
+def test_the_server_decodes_a_completion_after_its_prompt(tmp_path):
+    tok = HFTokenizer(spm_dir(tmp_path) / "tokenizer.json", None, None)
+    prompt, world, cat = PROMPT, WORLD, CAT
+    alone = TextStream(tok, [])
+    assert alone.add([world, cat], final=True) == "world cat"  # what the bug looked like
+    stream = TextStream(tok, [], context=prompt)
+    assert stream.add([world], final=False) + stream.add([cat], final=True) == " world cat"
+    assert stream.token_ids == [world, cat]  # the context is not the choice's
+    assert token_text(tok, world) == " world"  # tokens add up to the text
+
+
+def test_the_server_reads_chat_template_jinja(tmp_path):
+    directory = spm_dir(tmp_path, TEMPLATE, jinja_file=True)
+    render = load_chat_template(str(directory))
+    messages = [{"role": "user", "content": "hello"}]
+    assert render(messages) == "<s>[user] hello\n[assistant]"
+    oracle = HFText(str(directory))
+    assert oracle.has_template and oracle.chat(messages).count(1) == 1  # one BOS
+
+
+def test_a_surrogates_lead_byte_is_a_character_of_its_own_in_text_offset():
+    stream = TextStream(ByteTokenizer(), [])
+    offsets = []
+    for t in [0x2F, 0xED, 0xA0, 0x68]:  # ED A0 starts a surrogate: two U+FFFD, not one
+        offsets.append(stream.offset_of(t))
+        stream.add([t], final=False)
+    assert offsets == [0, 1, 2, 3]
+
+
+def test_scenarios_have_echo_lists_of_prompts_and_chat():
+    reqs = [
+        r
+        for seed in range(3)
+        for r in make_scenario(random.Random(seed), ByteText(), True, 22, True).requests
+    ]
+    assert any(r.echo and r.max_tokens == 0 for r in reqs)
+    assert any(r.echo and r.logprobs is not None and r.max_tokens for r in reqs)
+    assert any(len(r.prompts) > 1 and r.n > 1 for r in reqs)
+    assert any(r.chat for r in reqs)
+    for r in reqs:  # a list of prompts is all text or all token ids, as OpenAI takes it
+        assert len({isinstance(p, str) for p in r.prompts}) == 1
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_honest_stack_passes_on_more_seeds(seed):
+    import torch
+
+    from kvpage.model import load_model
+    from kvpage.verify.stack.suite import run_server_suite
+
+    m, tok = load_model("builtin:tiny-llama", torch.float32)
+    cases = run_server_suite(m, tok, "builtin:tiny-llama", seed=seed, budget_s=120)
+    assert [f.message for c in cases for f in c.failures] == []
