@@ -128,8 +128,7 @@ class Generation:
         prompt."""
         context = prompt_context(prompt_ids)
         choices = [
-            Choice(i, make_stream(tokenizer, list(stop), context=context))
-            for i in range(params.n)
+            Choice(i, make_stream(tokenizer, list(stop), context=context)) for i in range(params.n)
         ]
         return cls(request_id, prompt_ids, params, salt, choices)
 

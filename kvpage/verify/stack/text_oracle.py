@@ -196,10 +196,13 @@ def choice_texts(text_model, context: list[int], token_ids: list[int]) -> list[s
     for k in range(len(token_ids) + 1):
         whole = text_model.decode(context + list(token_ids[:k]))
         if not whole.startswith(base):  # the prompt's own text changed: unstable from 0
-            return ["\uffff"] + [  # never a prefix of any text: stable from nothing
-                text_model.decode(context + list(token_ids[:j]))[len(base) :]
-                for j in range(1, len(token_ids) + 1)
-            ]
+            return (
+                ["\uffff"]
+                + [  # never a prefix of any text: stable from nothing
+                    text_model.decode(context + list(token_ids[:j]))[len(base) :]
+                    for j in range(1, len(token_ids) + 1)
+                ]
+            )
         out.append(whole[len(base) :])
     return out
 
