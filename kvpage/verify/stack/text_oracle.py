@@ -228,11 +228,14 @@ def hf_offsets(texts: list[str], token_ids: list[int], text_model) -> list[int]:
         before, after = texts[j], texts[j + 1]
         common = _lcp(before, after)
         if common < len(before):
-            offsets.append(common)
+            offset = common
         elif len(after) > len(before) or token in getattr(text_model, "special", ()):
-            offsets.append(len(before))
+            offset = len(before)
         else:
-            offsets.append(max(len(before) - 1, 0))
+            offset = max(len(before) - 1, 0)
+        # A pending character spelled one U+FFFD per byte (ByteFallback) starts where the
+        # character it becomes does: no later than the text before it agrees with the last.
+        offsets.append(min(offset, _lcp(before, texts[-1])))
     return offsets
 
 
