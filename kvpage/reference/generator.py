@@ -151,13 +151,29 @@ def check_prompt(model: CausalLM, prompt_ids: list[int], params: SamplingParams)
 
 
 @torch.inference_mode()
-def prompt_logprobs(
-    model: CausalLM, prompt_ids: list[int], k: int
-) -> list[dict[int, float] | None]:
-    """Prompt logprobs from one forward pass over the whole prompt, no cache: None for the first
-    token, then per token the top k of the logits before it and the token itself."""
+def prompt_logits(
+    model: CausalLM, prompt_ids: list[int], kv_cache_dtype: str = "auto"
+) -> torch.Tensor:
+    """(L, V) logits of one forward pass over the whole prompt. With a rounded KV format every
+    K/V vector goes through its round trip before attention reads it, as the paged engine's
+    prefill reads the stored form of the prompt's own new tokens too."""
     with torch_kernels():
-        logits = reference_model(model).forward_full(prompt_ids)
+        ref = reference_model(model)
+        if kv_cache_dtype == "auto":
+            return ref.forward_full(prompt_ids)
+        cache = RoundTripKVCache(ref.config.num_layers, RoundTrip(kv_cache_dtype))
+        ids = torch.tensor(prompt_ids, dtype=torch.long, device=ref.device)
+        positions = torch.arange(len(prompt_ids), device=ref.device)
+        return ref.compute_logits(ref(ids, positions, cache))
+
+
+@torch.inference_mode()
+def prompt_logprobs(
+    model: CausalLM, prompt_ids: list[int], k: int, kv_cache_dtype: str = "auto"
+) -> list[dict[int, float] | None]:
+    """Prompt logprobs from one forward pass over the whole prompt (prompt_logits): None for
+    the first token, then per token the top k of the logits before it and the token itself."""
+    logits = prompt_logits(model, prompt_ids, kv_cache_dtype)
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (L, V)
     rows: list[dict[int, float] | None] = [None]
     for p, token in enumerate(prompt_ids[1:]):

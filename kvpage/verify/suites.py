@@ -160,12 +160,15 @@ class Runtime:
             spec.prompt, params, ns.digest().hex(), kv_cache_dtype, span, spec.lora
         )
 
-    def resolve(self, spec: RequestSpec) -> RequestSpec:
-        """Fix a stop-at-reference-step request's stop token from its reference run."""
+    def resolve(self, spec: RequestSpec, kv_cache_dtype: str = "auto") -> RequestSpec:
+        """Fix a stop-at-reference-step request's stop token from its reference run (with the
+        K/V round trip of the pool's format: a rounded KV may draw another token there)."""
         if spec.stop_at_ref_step is None:
             return spec
         free = replace(spec.params, stop_token_ids=())
-        tokens = self._generate(spec.prompt, free.for_sample(0), "", lora=spec.lora).token_ids
+        tokens = self._generate(
+            spec.prompt, free.for_sample(0), "", kv_cache_dtype, lora=spec.lora
+        ).token_ids
         stop = tokens[min(spec.stop_at_ref_step, len(tokens) - 1)]
         return replace(spec, params=replace(spec.params, stop_token_ids=(stop,)))
 
@@ -203,8 +206,9 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
     engine = props = None
     steps = 0
     try:
-        case = replace(case, requests=[runtime.resolve(s) for s in case.requests])
         engine = runtime.make_engine({**lora_fields(case, runtime.engine_overrides), **case.engine})
+        kv = engine.config.kv_cache_dtype  # a stop token is the reference's in the pool's format
+        case = replace(case, requests=[runtime.resolve(s, kv) for s in case.requests])
         engine.add_observer(EngineTracer(engine))
         props = StepProperties(engine)
         engine.add_observer(props)
@@ -455,7 +459,8 @@ def _partial_divergences(case: Case, runtime: Runtime, engine: LLMEngine) -> lis
                 continue
             kv_dtype = engine.config.kv_cache_dtype
             ref = runtime.reference(spec, engine.config.block_size, sample, len(cand), kv_dtype)
-            atol = logit_atol(kv_dtype, runtime.model.dtype, logit_scale(ref.records))
+            scale = logit_scale(ref.records)
+            atol = logit_atol(kv_dtype, runtime.model.dtype, scale, spec.lora is not None)
             ties = _ties(runtime, kv_dtype)
             div = first_divergence(ref.records[: len(cand)], cand, atol, ties_allowed=ties)
             if div is not None:
@@ -474,7 +479,7 @@ def _tie_step(runtime: Runtime, spec, sample: int, ref, cand, kv_dtype: str) -> 
     if not _ties(runtime, kv_dtype):
         return None
     greedy = spec.params.for_sample(sample).temperature == 0.0
-    atol = logit_atol(kv_dtype, runtime.model.dtype, logit_scale(ref))
+    atol = logit_atol(kv_dtype, runtime.model.dtype, logit_scale(ref), spec.lora is not None)
     return numeric_tie_step(ref, cand, atol, greedy)
 
 
@@ -502,6 +507,7 @@ def _diff_sample(
         finish_cand,
         tuple(sorted(stop_token_ids(runtime.model, params))),
     )
-    atol = logit_atol(kv_dtype, runtime.model.dtype, logit_scale(ref.records))
+    adapter = spec.lora is not None
+    atol = logit_atol(kv_dtype, runtime.model.dtype, logit_scale(ref.records), adapter)
     ties = _ties(runtime, kv_dtype)
     return first_divergence(ref_records, cand, atol, context=context, ties_allowed=ties)

@@ -18,9 +18,7 @@ import torch
 
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.outputs import RequestOutput
-from kvpage.model.kernels import torch_kernels
-from kvpage.reference.generator import prompt_logprobs
-from kvpage.reference.weight_oracle import reference_model
+from kvpage.reference.generator import prompt_logits, prompt_logprobs
 from kvpage.sampling_params import SamplingParams
 from kvpage.verify.case import Action, Case, RequestSpec, Tokens
 from kvpage.verify.checks import Failure, finding
@@ -123,8 +121,8 @@ def check_prompt_logprobs(
         out = finished[spec.request_id]
         if any(c.finish_reason not in ("stop", "length") for c in out.outputs):
             continue  # aborted, timed out or failed: its prompt may never have been scored
-        expected = prompt_logprobs(model, spec.prompt, k)
-        exact, scale = reference_prompt_logprobs(model, spec.prompt)
+        expected = prompt_logprobs(model, spec.prompt, k, kv_cache_dtype)
+        exact, scale = reference_prompt_logprobs(model, spec.prompt, kv_cache_dtype)
         atol = logit_atol(kv_cache_dtype, model.dtype, scale)
         problem = _first_difference(expected, out.prompt_logprobs, spec.prompt, exact, k, atol)
         if problem is not None:
@@ -143,12 +141,13 @@ def check_prompt_logprobs(
     return failures
 
 
-def reference_prompt_logprobs(model, prompt: list[int]) -> tuple[torch.Tensor, float]:
+def reference_prompt_logprobs(
+    model, prompt: list[int], kv_cache_dtype: str = "auto"
+) -> tuple[torch.Tensor, float]:
     """The whole log_softmax of the reference's pass over the prompt (the pass
     reference.generator.prompt_logprobs takes its rows from): (L - 1, V) float32, row p scoring
     prompt[p + 1]; and the largest |logit| of those rows (at least 1), the tolerance's scale."""
-    with torch_kernels():
-        logits = reference_model(model).forward_full(prompt)[:-1].float()
+    logits = prompt_logits(model, prompt, kv_cache_dtype)[:-1].float()
     scale = max(1.0, float(logits.abs().max())) if logits.numel() else 1.0
     return torch.log_softmax(logits, dim=-1), scale
 
