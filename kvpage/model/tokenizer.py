@@ -64,6 +64,7 @@ class HFTokenizer:
         self.revision = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         special = _special_ids_from_tokenizer_config(path.parent, self._tok)
+        self._fallback_bytes = _fallback_byte_ids(path, self._tok)
         self.bos_token_id = bos_token_id if bos_token_id is not None else special.get("bos")
         self.eos_token_id = eos_token_id if eos_token_id is not None else special.get("eos")
 
@@ -90,6 +91,27 @@ class HFTokenizer:
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode("utf-8")
+
+    def is_fallback_byte(self, token_id: int) -> bool:
+        """Whether the token is a byte-fallback `<0xNN>` that the decoder's ByteFallback step
+        decodes together with its neighbours: a run of such tokens is one UTF-8 buffer, every
+        byte of it U+FFFD when any part is not UTF-8, so a window that starts inside the run
+        decodes it differently from the whole text."""
+        return token_id in self._fallback_bytes
+
+
+def _fallback_byte_ids(path: Path, tok) -> frozenset[int]:
+    """The `<0xNN>` tokens, where the decoder has a ByteFallback step (none otherwise)."""
+    decoder = json.loads(path.read_text()).get("decoder") or {}
+
+    def has_fallback(d: dict) -> bool:
+        return d.get("type") == "ByteFallback" or any(
+            has_fallback(x) for x in d.get("decoders") or []
+        )
+
+    if not has_fallback(decoder):
+        return frozenset()
+    return frozenset(i for b in range(256) if (i := tok.token_to_id(f"<0x{b:02X}>")) is not None)
 
 
 def _byte_level_alphabet() -> dict[str, int]:

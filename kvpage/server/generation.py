@@ -126,7 +126,7 @@ class Generation:
         """`make_stream`: the server's text-stream seam (ServerState.text_stream), called as
         `make_stream(tokenizer, stop, context=prompt tail)`: each choice's text follows its
         prompt."""
-        context = prompt_context(prompt_ids)
+        context = prompt_context(prompt_ids, tokenizer)
         choices = [
             Choice(i, make_stream(tokenizer, list(stop), context=context)) for i in range(params.n)
         ]

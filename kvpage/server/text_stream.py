@@ -30,11 +30,33 @@ _INCOMPLETE = "\ufffd"
 _MAX_PENDING = 8
 _TAIL = 3
 CONTEXT_TOKENS = 6  # prompt tokens the first window starts with
+# How far back the context may reach to start outside a run of byte-fallback tokens.
+MAX_CONTEXT_TOKENS = 64
 
 
-def prompt_context(prompt_ids: list[int]) -> list[int]:
-    """The prompt's tail a choice's text is decoded after (its first window's context)."""
-    return list(prompt_ids[-CONTEXT_TOKENS:])
+def prompt_context(prompt_ids: list[int], tokenizer: Tokenizer | None = None) -> list[int]:
+    """The prompt's tail a choice's text is decoded after (its first window's context): its
+    last CONTEXT_TOKENS tokens, started further back where that would cut a run of byte-fallback
+    tokens (`is_fallback_byte`). A ByteFallback decoder decodes such a run as one buffer, every
+    byte of it U+FFFD when any part is not UTF-8: cut inside it, the run's tail decodes
+    differently from the whole prompt (a stray continuation byte turns the completion's first
+    bytes into U+FFFD; a valid character's first byte cut off, the same), and so would the
+    completion's text. At most MAX_CONTEXT_TOKENS tokens; a longer run is cut where a character
+    starts, so a run that is UTF-8 throughout still decodes as a whole prompt does."""
+    start = max(len(prompt_ids) - CONTEXT_TOKENS, 0)
+    joined = getattr(tokenizer, "is_fallback_byte", None)
+    if joined is None:
+        return list(prompt_ids[start:])
+    floor = max(len(prompt_ids) - MAX_CONTEXT_TOKENS, 0)
+    while start > floor and joined(prompt_ids[start]) and joined(prompt_ids[start - 1]):
+        start -= 1
+    if start > 0 and joined(prompt_ids[start]) and joined(prompt_ids[start - 1]):
+        # Still inside a run: at its first token that is no UTF-8 continuation byte.
+        for back in range(start, max(start - 4, -1), -1):
+            if not _is_continuation(tokenizer.token_bytes(prompt_ids[back])):
+                start = back
+                break
+    return list(prompt_ids[start:])
 
 
 @dataclass(slots=True)
@@ -88,7 +110,10 @@ class Detokenizer:
         )
         if common is None:  # `after` extends `before`, or the token joined its last character
             common = min(len(before), max(len(after) - 1, 0))
-        return common - context
+        # Never inside text already emitted: a ByteFallback decoder turns a whole byte run into
+        # U+FFFD when a byte that is not UTF-8 joins it, changing the window's text before this
+        # token, but that text is out (the token's own starts after it).
+        return max(common - context, 0)
 
     def _lead_of(self, token_id: int) -> int | None:
         """If `token_id` is a UTF-8 continuation byte of the character the pending byte tokens

@@ -15,7 +15,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 from kvpage.model.tokenizer import ByteTokenizer, HFTokenizer
 from kvpage.server.chat import load_chat_template
 from kvpage.server.responses import token_text
-from kvpage.server.text_stream import TextStream
+from kvpage.server.text_stream import TextStream, prompt_context
 from kvpage.verify.stack.scenario import make_scenario
 from kvpage.verify.stack.text_oracle import ByteText, HFText, choice_texts, expected_choice
 
@@ -136,3 +136,83 @@ def test_the_honest_stack_passes_on_more_seeds(seed):
     m, tok = load_model("builtin:tiny-llama", torch.float32)
     cases = run_server_suite(m, tok, "builtin:tiny-llama", seed=seed, budget_s=120)
     assert [f.message for c in cases for f in c.failures] == []
+
+
+# --- byte-fallback runs (issue 39.5: a real tokenizer's stack suite on clean code) -----------
+SNOW = [3 + b for b in "☃".encode()]  # E2 98 83 as byte-fallback tokens
+PAREN = 3 + ord(")")
+
+
+def test_the_servers_prompt_context_starts_where_its_byte_run_does(tmp_path):
+    """Six tokens back from the prompt's end is 98 (inside ☃☃)): a ByteFallback decoder reads
+    the run from there as bytes that are not UTF-8, every one U+FFFD, the completion's ")"
+    too. The context reaches back to the run's start, and the text is the whole decode's."""
+    tok = HFTokenizer(spm_dir(tmp_path) / "tokenizer.json", None, None)
+    prompt = [1, *SNOW, *SNOW, PAREN]
+    oracle = HFText(str(tmp_path))
+    assert choice_texts(oracle, prompt, [PAREN, WORLD])[-1] == ") world"
+    from kvpage.sampling_params import SamplingParams
+    from kvpage.server.generation import Generation
+
+    stream = Generation.new("r", prompt, SamplingParams(max_tokens=2), None, tok, []).choices[0]
+    text = stream.text.add([PAREN], final=False) + stream.text.add([WORLD], final=True)
+    assert text == ") world"  # was "\ufffd world"
+    assert prompt_context(prompt, tok) == prompt[1:]  # the run, not BOS
+    assert prompt_context([1, HELLO, *[3 + 0x41] * 100], tok) == [3 + 0x41] * 64  # bounded
+
+
+def test_a_token_never_starts_inside_text_already_sent(tmp_path):
+    """ "A" is out when 0x80 arrives; the decoder then reads the run A 80 as two U+FFFD, so the
+    window's text changed before 0x80. Its text_offset is after the "A" sent (1), never
+    before it (0; inside a longer prompt context, a negative offset)."""
+    tok = HFTokenizer(spm_dir(tmp_path) / "tokenizer.json", None, None)
+    stream = TextStream(tok, [], context=[1])
+    assert stream.add([3 + 0x41], final=False) == "A"
+    assert stream.offset_of(3 + 0x80) == 1
+    long = TextStream(tok, [], context=prompt_context([1, *SNOW * 4], tok))
+    assert long.offset_of(3 + 0x80) == 0
+
+
+def test_the_oracle_puts_a_byte_where_its_character_starts_in_the_whole_run(tmp_path):
+    """☃☃ as six byte tokens: cut after the second ☃'s first byte, the run decodes as four
+    U+FFFD, which says nothing about where that byte's character starts (the first text
+    offsets read 0 for it); the whole run puts it at 1. A run that is not UTF-8 as a whole is
+    one U+FFFD per byte."""
+    from kvpage.verify.stack.text_oracle import hf_offsets
+
+    oracle = HFText(str(spm_dir(tmp_path)))
+    ids = SNOW * 2
+    assert hf_offsets(choice_texts(oracle, [1], ids), ids, oracle) == [0, 0, 0, 1, 1, 1]
+    bad = [*SNOW[:2], 3 + 0x41, WORLD]  # E2 98 A: three U+FFFD, then " world"
+    texts = choice_texts(oracle, [1], bad)
+    assert texts[-1] == "\ufffd" * 3 + " world"
+    assert hf_offsets(texts, bad, oracle) == [0, 1, 2, 3]
+
+
+def test_usage_counts_what_a_choice_ended_early_returned():
+    """A stop string past the stable text may end a choice early (tokens_exact False): usage
+    counts the tokens the choice returned, not the reference's all."""
+    from kvpage.sampling_params import SamplingParams
+    from kvpage.verify.stack.compare import Where, compare
+    from kvpage.verify.stack.expect import Expected
+    from kvpage.verify.stack.responses import parse_body
+    from kvpage.verify.stack.scenario import GenRequest
+    from kvpage.verify.stack.text_oracle import ExpectedChoice
+
+    req = GenRequest("r0", False, (1, 2), None, None, 1, 0.0, None, 5, None, 1, None, False,
+                     False, True)  # fmt: skip
+    choice = ExpectedChoice(0, "ab", "length", [5, 6, 7, 8, 9], None, None, 1, False)
+    exp = Expected(req, (1, 2), SamplingParams(max_tokens=5), ["x"], [choice], ("salt", None),
+                   0, 0, False)  # fmt: skip
+
+    def body(tokens: int, usage: int) -> dict:
+        usage_ = {"prompt_tokens": 2, "completion_tokens": usage, "total_tokens": 2 + usage}
+        c = {"index": 0, "text": "ab", "finish_reason": "stop", "token_ids": [5, 6, 7][:tokens]}
+        return {"object": "text_completion", "model": "m", "id": "cmpl-1", "choices": [c],
+                "usage": usage_ | {"prompt_tokens_details": {"cached_tokens": 0}}}  # fmt: skip
+
+    where = Where("r0", False, "m", "")
+    assert compare(exp, parse_body(200, body(3, 3), False), where) == []
+    assert [f.message for f in compare(exp, parse_body(200, body(3, 5), False), where)] == [
+        "r0: usage counts differ"
+    ]

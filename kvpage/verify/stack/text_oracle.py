@@ -75,6 +75,18 @@ class HFText:
         self.anchor = self._anchor()
         self.anchor_text = self.decode([self.anchor])
         self.memo: dict[int, str] = {}
+        self.fallback_bytes = self._fallback_bytes()
+
+    def _fallback_bytes(self) -> dict[int, int]:
+        """Byte-fallback tokens (`<0xNN>`, SentencePiece's spelling of a byte no piece has) ->
+        their byte, where the decoder reads them as bytes (<0x41> decodes to "A")."""
+        ids = {}
+        for b in range(256):
+            i = self.tok.convert_tokens_to_ids(f"<0x{b:02X}>")
+            if isinstance(i, int) and i != self.tok.unk_token_id and i not in self.special:
+                ids[i] = b
+        probe = next((i for i, b in ids.items() if b == 0x41), None)
+        return ids if probe is not None and self.decode([probe]) == "A" else {}
 
     def _anchor(self) -> int:
         """A plain token (an ASCII word, no byte token) that a token is spelled after: the
@@ -236,7 +248,34 @@ def hf_offsets(texts: list[str], token_ids: list[int], text_model) -> list[int]:
         # A pending character spelled one U+FFFD per byte (ByteFallback) starts where the
         # character it becomes does: no later than the text before it agrees with the last.
         offsets.append(min(offset, _lcp(before, texts[-1])))
-    return offsets
+    return _byte_run_offsets(offsets, token_ids, getattr(text_model, "fallback_bytes", {}))
+
+
+def _byte_run_offsets(offsets: list[int], token_ids: list[int], byte_of: dict[int, int]):
+    """Offsets inside runs of byte-fallback tokens, by the ByteFallback rule rather than from
+    the texts after each token: the decoder reads a run as one buffer, so a run cut before a
+    character's last byte decodes all of its bytes as U+FFFD (the texts say nothing about
+    where a byte's character starts). A run is one UTF-8 text when it is valid as a whole
+    (each byte starts where its character does), else one U+FFFD per byte; counted from where
+    the run's first token starts."""
+    out, j = list(offsets), 0
+    while j < len(token_ids):
+        if token_ids[j] not in byte_of:
+            j += 1
+            continue
+        k = j
+        while k < len(token_ids) and token_ids[k] in byte_of:
+            k += 1
+        data = bytes(byte_of[t] for t in token_ids[j:k])
+        try:
+            data.decode("utf-8")
+            valid = True
+        except UnicodeDecodeError:
+            valid = False
+        for p in range(j, k):
+            out[p] = offsets[j] + (char_index(data, p - j) if valid else p - j)
+        j = k
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,13 +403,20 @@ def _entries(tm, token_ids, texts, step_logits, k, text_len, sent, atol, stable)
             near = (logprobs >= float(values[-1]) - atol).nonzero()[:, 0].tolist()
             for i in near:
                 band[tm.spell(i)] = (float(logprobs[i]), tm.raw(i))
-        judged = stable is None or limit.startswith(texts[j + 1].rstrip(FFFD))
+        judged = _judged(stable, limit, texts[j + 1], unclamped[j])
         chosen = float(logprobs[token])
         entry = TokenEntry(
             token, tm.spell(token), tm.raw(token), chosen, top, top_bytes, offset, band, judged
         )
         entries.append(entry)
     return entries
+
+
+def _judged(stable: int | None, limit: str, text_after: str, offset: int) -> bool:
+    """Whether a token's offset has one answer: all of the text is stable, or the token starts
+    within the stable text and the text after it agrees with that (past it, a server's text
+    and offsets follow its own decode)."""
+    return stable is None or (offset <= stable and limit.startswith(text_after.rstrip(FFFD)))
 
 
 def prompt_entries(
@@ -386,7 +432,7 @@ def prompt_entries(
     limit = texts[-1][: len(texts[-1]) if stable is None else stable]
     entries = []
     for j, (token, row, offset) in enumerate(zip(prompt_ids, rows, offsets, strict=True)):
-        judged = stable is None or limit.startswith(texts[j + 1].rstrip(FFFD))
+        judged = _judged(stable, limit, texts[j + 1], offset)
         spell, raw = text_model.spell(token), text_model.raw(token)
         if row is None:
             entries.append(TokenEntry(token, spell, raw, None, None, {}, offset, {}, judged))
