@@ -93,12 +93,14 @@ def generate(
     limits: Limits = Limits(),
     fixed: dict | None = None,
     windows: tuple[int, ...] = (),
+    adapters: bool = True,
 ):
     """Scenario `index` of the stream `seed`; `fixed`: engine fields (FIXABLE) it must keep
     (and, read but not kept, `quantization`: adapters are drawn on unquantized weights only);
+    `adapters`: whether the engine serves LoRA adapters on the model (Llama-shaped ones);
     `windows`: the model's sliding windows, around which prefixes are cut (kvpage.verify
     .generated.served: the same (seed, index) on a model without windows draws none)."""
-    lora_ok = (fixed or {}).get("quantization", "none") in (None, "none")
+    lora_ok = adapters and (fixed or {}).get("quantization", "none") in (None, "none")
     fixed = {k: v for k, v in (fixed or {}).items() if k in FIXABLE and v is not None}
     rng = random.Random(f"kvpage-scenario:{seed}:{index}")
     gen = _Draw(rng, limits, random.Random(f"kvpage-scenario:{seed}:{index}:side"))

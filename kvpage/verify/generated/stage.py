@@ -29,11 +29,12 @@ class GeneratedStage:
     limits: Limits = field(default_factory=Limits)
     fixed: dict = field(default_factory=dict)  # engine fields every scenario keeps (FIXABLE)
 
-    def scenarios(self, windows: tuple[int, ...] = ()):
-        """`windows`: the model's sliding windows (generate's), none by default."""
+    def scenarios(self, windows: tuple[int, ...] = (), adapters: bool = True):
+        """`windows`: the model's sliding windows, `adapters`: whether it is served adapters
+        (generate's)."""
         index = 0
         while self.count is None or index < self.count:
-            yield generate(self.seed, index, self.limits, self.fixed, windows)
+            yield generate(self.seed, index, self.limits, self.fixed, windows, adapters)
             index += 1
 
 
@@ -77,7 +78,8 @@ def run_stage(
     `report_dir`/reproducers (when given)."""
     start = time.perf_counter()
     results, ran, stopped_by = [], [], "count"
-    for scenario in stage.scenarios(model_windows(runtime.model.config)):
+    config = runtime.model.config
+    for scenario in stage.scenarios(model_windows(config), serves_adapters(config)):
         if stage.budget_s is not None and time.perf_counter() - start > stage.budget_s:
             stopped_by = "time budget"
             break
@@ -99,6 +101,12 @@ def run_stage(
 def model_windows(config) -> tuple[int, ...]:
     """The distinct sliding windows of a model's layers (none for a global-only model)."""
     return tuple(sorted({w for w in config.layer_windows or () if w is not None}))
+
+
+def serves_adapters(config) -> bool:
+    """The engine serves LoRA adapters on Llama-shaped models (it refuses them on GPT-2, and
+    on int8 weights, which `generate` reads from the fixed fields)."""
+    return config.model_type in ("llama", "gemma3")
 
 
 def run_scenario(scenario: Scenario, runtime: Runtime) -> CaseResult:
