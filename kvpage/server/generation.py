@@ -66,6 +66,8 @@ class Choice:
             piece, logprobs = self._add_logged(completion, new, final)
             self.logprobs.extend(logprobs)
         cut = self.text.stopped
+        if logprobs is not None and (cut or final):  # the whole response's offsets
+            self.logprobs.offsets[:] = self.text.settled_offsets(self.logprobs.offsets)
         if cut:
             self.finish_reason = "stop"
             self._clamp_offsets()

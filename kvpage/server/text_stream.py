@@ -84,9 +84,11 @@ class Detokenizer:
                 return ""
             end -= _TAIL
             text = self._decode(end)
-        context = self._decode(self.read)
-        self.prefix, self.read = self.read, end
-        return text[len(context) :]
+        new = text[len(self._decode(self.read)) :]
+        if new:  # else the window keeps its start: a context of special tokens alone has no
+            self.prefix = self.read  # text, and the next token would decode as a text's first
+        self.read = end  # (SentencePiece's leading space dropped after an <unk>)
+        return new
 
     def _decode(self, end: int) -> str:
         return self.tokenizer.decode(self.token_ids[self.prefix : end]) if end > self.prefix else ""
@@ -129,10 +131,37 @@ class Detokenizer:
             if _is_continuation(piece):
                 tail = piece + tail
             elif piece is not None and len(piece) == 1:
-                return k if _one_char_so_far(piece + tail) else None
+                return k if _one_char_so_far(piece + tail) and self._run_ok(k, tail) else None
             else:
                 return None
         return None
+
+    def _run_ok(self, lead: int, tail: bytes) -> bool:
+        """Whether the character begun at `lead` is text in the window: a ByteFallback decoder
+        reads the window's whole run of byte-fallback tokens as one buffer, one U+FFFD per byte
+        when some byte of it is not UTF-8 (A2 C8 86: three, not U+FFFD then Ȇ), and then each
+        byte is a character of its own."""
+        joined = getattr(self.tokenizer, "is_fallback_byte", None)
+        if joined is None:
+            return True
+        start = lead
+        while start > self.prefix and joined(self.token_ids[start - 1]):
+            start -= 1
+        run = b"".join(self.tokenizer.token_bytes(t) for t in self.token_ids[start:lead])
+        try:
+            codecs.getincrementaldecoder("utf-8")().decode(
+                run + self.tokenizer.token_bytes(self.token_ids[lead]) + tail, final=False
+            )
+        except UnicodeDecodeError:
+            return False
+        return True
+
+
+def _is_one_char(data: bytes) -> bool:
+    try:
+        return len(data.decode("utf-8")) == 1
+    except UnicodeDecodeError:
+        return False
 
 
 def _is_continuation(piece: bytes | None) -> bool:
@@ -205,6 +234,34 @@ class TextStream:
         if self.stopped:
             return len(self.text)
         return len(self.text) + len(self.held) + self.detok.start_of(token_id)
+
+    def settled_offsets(self, offsets: list[int]) -> list[int]:
+        """`offsets` (one per token, as offset_of gave them) once the text is complete. A byte
+        that continued a character still arriving was put where that character starts; where
+        the character never completed and the decoder spells every byte of a byte-fallback run
+        that is not UTF-8 as its own U+FFFD (ByteFallback), each such byte starts at its own
+        character. A whole response says so; a stream has sent the first answer."""
+        joined = getattr(self.tokenizer, "is_fallback_byte", None)
+        if joined is None:
+            return offsets
+        ids, out, i = self.token_ids, list(offsets), 0
+        raw = self.tokenizer.token_bytes
+        while i < min(len(ids), len(offsets)):
+            lead = raw(ids[i]) if joined(ids[i]) else None
+            j = i + 1
+            if lead is not None and lead[0] >= 0xC0:  # a lead byte, then its continuations
+                while (
+                    j < len(offsets)
+                    and joined(ids[j])
+                    and _is_continuation(raw(ids[j]))
+                    and offsets[j] == offsets[i]
+                ):
+                    j += 1
+                group = b"".join(raw(t) for t in ids[i:j])
+                if j > i + 1 and not _is_one_char(group):
+                    out[i + 1 : j] = [offsets[i] + k for k in range(1, j - i)]
+            i = j
+        return out
 
     def stop_at(self, window: str) -> int | None:
         """Where the earliest stop string found in `window` starts (None: none found)."""

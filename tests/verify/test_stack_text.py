@@ -216,3 +216,42 @@ def test_usage_counts_what_a_choice_ended_early_returned():
     assert [f.message for f in compare(exp, parse_body(200, body(3, 5), False), where)] == [
         "r0: usage counts differ"
     ]
+
+
+def test_a_token_after_an_unk_keeps_its_leading_space(tmp_path):
+    """<unk> has no text: the window after it must still start with text, or the next token
+    decodes as a text's first and SentencePiece drops its space ("hello world", not
+    "helloworld")."""
+    tok = HFTokenizer(spm_dir(tmp_path) / "tokenizer.json", None, None)
+    stream = TextStream(tok, [], context=[1, HELLO])
+    assert stream.add([0], final=False) + stream.add([WORLD], final=True) == " world"
+    assert choice_texts(HFText(str(tmp_path)), [1, HELLO], [0, WORLD])[-1] == " world"
+
+
+def test_a_whole_response_settles_the_offsets_of_a_character_that_never_completed(tmp_path):
+    """E3 B9 is a character still arriving (B9 at E3's offset) until "s" (a byte token, 73)
+    ends it: the ByteFallback decoder spells the run E3 B9 73 as three U+FFFD, so B9 starts
+    at 1 in the text the whole response returns (a stream sent 0 before it could know)."""
+    from kvpage.engine.outputs import CompletionOutput
+    from kvpage.server.generation import Choice
+
+    tok = HFTokenizer(spm_dir(tmp_path) / "tokenizer.json", None, None)
+    choice = Choice(0, TextStream(tok, [], context=[1, HELLO]))
+    data = [3 + 0xE3, 3 + 0xB9, 3 + 0x73, WORLD]
+    for i, t in enumerate(data):
+        out = CompletionOutput(0, [t], "", [{t: -1.0}], None, [-1.0])
+        choice.advance(out, [t], final=i == len(data) - 1)
+    assert choice.text.text == "\ufffd" * 3 + " world"
+    assert choice.logprobs.offsets == [0, 1, 2, 3]
+
+
+def test_the_oracle_does_not_judge_offsets_a_stream_cannot_know(tmp_path):
+    """B9 after E3 in a run that never becomes UTF-8: unsure in a stream, not in a whole
+    response; a special token between two bytes of one character is unsure in both."""
+    from kvpage.verify.stack.text_oracle import unsure_offsets
+
+    oracle = HFText(str(spm_dir(tmp_path)))
+    ids = [3 + 0xE3, 3 + 0xB9, 3 + 0x73, WORLD]
+    assert unsure_offsets(ids, oracle, stream=True) == {1}
+    assert unsure_offsets(ids, oracle, stream=False) == set()
+    assert unsure_offsets([3 + 0xC7, 1, 3 + 0xA4], oracle, stream=False) == {1}

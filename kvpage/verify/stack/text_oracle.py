@@ -25,7 +25,7 @@ with the stable part (`ExpectedChoice.stable`), and the fields past it are not j
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -248,33 +248,65 @@ def hf_offsets(texts: list[str], token_ids: list[int], text_model) -> list[int]:
         # A pending character spelled one U+FFFD per byte (ByteFallback) starts where the
         # character it becomes does: no later than the text before it agrees with the last.
         offsets.append(min(offset, _lcp(before, texts[-1])))
-    return _byte_run_offsets(offsets, token_ids, getattr(text_model, "fallback_bytes", {}))
+    return _byte_run_offsets(offsets, token_ids, text_model)
 
 
-def _byte_run_offsets(offsets: list[int], token_ids: list[int], byte_of: dict[int, int]):
+def byte_runs(token_ids: list[int], byte_of: dict[int, int], special=()) -> list[list[int]]:
+    """The positions of each run of byte-fallback tokens, as the decoder joins them: special
+    tokens are skipped before decoding, so one between two byte tokens does not end a run."""
+    runs: list[list[int]] = []
+    current: list[int] = []
+    for j, t in enumerate(token_ids):
+        if t in byte_of:
+            current.append(j)
+        elif t not in special and current:
+            runs.append(current)
+            current = []
+    return runs + ([current] if current else [])
+
+
+def unsure_offsets(token_ids: list[int], text_model, stream: bool) -> set[int]:
+    """The tokens whose text_offset has no one answer: a special token inside a run of bytes
+    (no text, between two bytes of one character); and in a stream, in a run that is not
+    UTF-8 as a whole, a continuation byte after another non-ASCII byte: it may be the next
+    byte of a character still arriving (its offset that character's) until a later byte
+    shows the character never completes (then one U+FFFD per byte), after it was sent."""
+    byte_of = getattr(text_model, "fallback_bytes", {})
+    unsure = set()
+    for run in byte_runs(token_ids, byte_of, getattr(text_model, "special", ())):
+        unsure |= set(range(run[0], run[-1] + 1)) - set(run)
+        data = bytes(byte_of[token_ids[j]] for j in run)
+        if stream and not _is_utf8(data):
+            unsure |= {
+                run[p]
+                for p in range(1, len(data))
+                if 0x80 <= data[p] < 0xC0 and data[p - 1] >= 0x80
+            }
+    return unsure
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _byte_run_offsets(offsets: list[int], token_ids: list[int], text_model) -> list[int]:
     """Offsets inside runs of byte-fallback tokens, by the ByteFallback rule rather than from
     the texts after each token: the decoder reads a run as one buffer, so a run cut before a
     character's last byte decodes all of its bytes as U+FFFD (the texts say nothing about
     where a byte's character starts). A run is one UTF-8 text when it is valid as a whole
     (each byte starts where its character does), else one U+FFFD per byte; counted from where
     the run's first token starts."""
-    out, j = list(offsets), 0
-    while j < len(token_ids):
-        if token_ids[j] not in byte_of:
-            j += 1
-            continue
-        k = j
-        while k < len(token_ids) and token_ids[k] in byte_of:
-            k += 1
-        data = bytes(byte_of[t] for t in token_ids[j:k])
-        try:
-            data.decode("utf-8")
-            valid = True
-        except UnicodeDecodeError:
-            valid = False
-        for p in range(j, k):
-            out[p] = offsets[j] + (char_index(data, p - j) if valid else p - j)
-        j = k
+    byte_of = getattr(text_model, "fallback_bytes", {})
+    out = list(offsets)
+    for run in byte_runs(token_ids, byte_of, getattr(text_model, "special", ())):
+        data = bytes(byte_of[token_ids[j]] for j in run)
+        valid = _is_utf8(data)
+        for p, j in enumerate(run):
+            out[j] = offsets[run[0]] + (char_index(data, p) if valid else p)
     return out
 
 
@@ -365,9 +397,13 @@ def expected_choice(
     entries = None
     if num_logprobs is not None:
         sent = cut.tokens - 1 if stream and cut is not None else 0  # offsets already out
+        unsure = unsure_offsets(token_ids, text_model, stream)
         entries = _entries(
             text_model, token_ids, texts, step_logits, num_logprobs, len(text), sent, atol, stable
         )
+        entries = [
+            replace(e, offset_judged=False) if j in unsure else e for j, e in enumerate(entries)
+        ]
     return ExpectedChoice(
         index,
         text,
@@ -430,9 +466,10 @@ def prompt_entries(
     stable = stable_length(texts)
     offsets = _offsets(text_model, prompt_ids, texts)
     limit = texts[-1][: len(texts[-1]) if stable is None else stable]
+    unsure = unsure_offsets(prompt_ids, text_model, False)
     entries = []
     for j, (token, row, offset) in enumerate(zip(prompt_ids, rows, offsets, strict=True)):
-        judged = _judged(stable, limit, texts[j + 1], offset)
+        judged = _judged(stable, limit, texts[j + 1], offset) and j not in unsure
         spell, raw = text_model.spell(token), text_model.raw(token)
         if row is None:
             entries.append(TokenEntry(token, spell, raw, None, None, {}, offset, {}, judged))
