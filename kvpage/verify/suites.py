@@ -220,10 +220,11 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         failures += drive.liveness  # when the engine stalls, the rest follows from it
         refs: dict[str, list[StepRecord]] = {}
         pinned, outputs = pin_unseeded(case, engine.tracer.records, finished)
-        failures += _check_requests(pinned, runtime, engine, outputs, refs)
+        tied: set[str] = set()
+        failures += _check_requests(pinned, runtime, engine, outputs, refs, tied)
         failures += check_adapters(drive.loaded, engine.tracer.records, refs)
         failures += check_provenance(engine.tracer, refs)
-        failures += check_expectations(case, engine, finished, refs)
+        failures += check_expectations(case, engine, finished, refs, frozenset(tied))
         failures += bounds.check(finished, refs, drive.driver.switch_log)
         failures += check_prompt_logprobs(
             case, runtime.model, finished, engine.config.kv_cache_dtype
@@ -410,9 +411,15 @@ class _Drive:
 
 
 def _check_requests(
-    case: Case, runtime: Runtime, engine: LLMEngine, finished, refs: dict[str, list[StepRecord]]
+    case: Case,
+    runtime: Runtime,
+    engine: LLMEngine,
+    finished,
+    refs: dict[str, list[StepRecord]],
+    tied: set[str],
 ) -> list[Failure]:
-    """Diffs every sample against its reference; fills `refs` (sample id -> reference records)."""
+    """Diffs every sample against its reference; fills `refs` (sample id -> reference records)
+    and `tied` (the samples whose comparison a numeric tie ended)."""
     failures: list[Failure] = []
     block_size, kv_dtype = engine.config.block_size, engine.config.kv_cache_dtype
     records = dict(engine.tracer.records)  # cut at a numeric tie (16-bit) for the canary check
@@ -429,6 +436,7 @@ def _check_requests(
             tie = _tie_step(runtime, spec, sample, ref.records, cand, kv_dtype)
             if tie is not None:  # both sides follow other tokens after it: compare up to it
                 records[sample_id] = cand = cand[:tie]
+                tied.add(sample_id)
             refs[sample_id] = ref.records if tie is None else ref.records[:tie]
             # Up to a tie every step matched (numeric_tie_step stops at the first difference).
             div = None
