@@ -122,6 +122,10 @@ class LLMEngine:
         )
         self.lora_slots = self._serve_adapters()
         self.scheduler.lora_slots = self.lora_slots
+        # The kill switch per tenant (set_namespace_caching): salts switched off, and the
+        # adapter namespaces seen under each salt (a tenant's adapter requests are its too).
+        self.salts_off: set[str | None] = set()
+        self.salt_adapter_namespaces: dict[str | None, set[bytes]] = {}
         self.failure: WorkerFailure | None = None  # set when a tensor-parallel worker is lost
         self.step_count = 0
 
@@ -232,6 +236,8 @@ class LLMEngine:
         adapter = None if lora_request is None else self.load_lora_adapter(lora_request)
         req = NewRequest(request_id, prompt_ids, params, cache_salt, now, deadline, adapter)
         namespace = self.request_namespace(cache_salt, adapter)
+        if adapter is not None:
+            self._follow_salt_switch(cache_salt, namespace.digest())
         self.scheduler.add(self.requests.new_sequence(req, namespace))
 
     def request_namespace(self, cache_salt: str | None, adapter: LoraAdapter | None):
@@ -533,8 +539,20 @@ class LLMEngine:
         self.cache.enable_prefix_caching = enabled
 
     def set_namespace_caching(self, cache_salt: str | None, enabled: bool) -> None:
-        """Per namespace (tenant): while off, no hit and no publish for requests of that salt."""
-        self.cache.set_namespace_enabled(self.namespace.with_salt(cache_salt).digest(), enabled)
+        """Per namespace (tenant): while off, no hit and no publish for requests of that salt,
+        with an adapter or without (each adapter keys its own namespace under the salt)."""
+        (self.salts_off.discard if enabled else self.salts_off.add)(cache_salt)
+        digests = {self.namespace.with_salt(cache_salt).digest()}
+        digests |= self.salt_adapter_namespaces.get(cache_salt, set())
+        for digest in digests:
+            self.cache.set_namespace_enabled(digest, enabled)
+
+    def _follow_salt_switch(self, cache_salt: str | None, digest: bytes) -> None:
+        """An adapter namespace under `cache_salt`: remembered for the salt's switch, and off
+        now if the salt is."""
+        self.salt_adapter_namespaces.setdefault(cache_salt, set()).add(digest)
+        if cache_salt in self.salts_off:
+            self.cache.set_namespace_enabled(digest, False)
 
     def set_preemption(self, enabled: bool) -> None:
         """While off, admission reserves each request's worst case; a request that still cannot
