@@ -5,7 +5,7 @@ generated scenario found adapter requests of a switched-off tenant still hitting
 from __future__ import annotations
 
 from kvpage import LLM, LoRARequest, SamplingParams
-from kvpage.verify.cases.lora import A, QV
+from kvpage.verify.cases.lora import QV, A
 from kvpage.verify.lora_adapters import write_peft
 
 PROMPT = list(range(20, 20 + 48))  # three 16-token blocks
