@@ -227,7 +227,11 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         failures += check_expectations(case, engine, finished, refs, frozenset(tied))
         failures += bounds.check(finished, refs, drive.driver.switch_log)
         failures += check_prompt_logprobs(
-            case, runtime.model, finished, engine.config.kv_cache_dtype
+            case,
+            runtime.model,
+            finished,
+            engine.config.kv_cache_dtype,
+            lambda spec: runtime.reference_model(spec.lora),
         )
         failures += check_baseline(engine)
         if engine.kv_format.quantized or engine.kv_format.cast_only:

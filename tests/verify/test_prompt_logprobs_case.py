@@ -72,3 +72,26 @@ def test_the_gate_catches_its_prompt_logprob_mutants(loaded, mutant):
     assert divergences, f"{mutant.name} was not caught"
     assert divergences[0].attribution.cls == mutant.expected_class
     assert divergences[0].attribution.missing == []
+
+
+def test_an_adapter_requests_prompt_rows_are_checked_against_its_own_reference(monkeypatch):
+    """Rows of a request with an adapter come from the adapter's merged reference: they pass,
+    and the same rows judged against the base model's reference fail."""
+    from kvpage.model import load_model
+    from kvpage.sampling_params import SamplingParams
+    from kvpage.verify.case import Case, RequestSpec
+    from kvpage.verify.cases.lora import A
+    from kvpage.verify.suites import Runtime, run_case
+
+    model, tokenizer = load_model("builtin:tiny-llama")
+    params = SamplingParams(max_tokens=2, prompt_logprobs=3, ignore_eos=True)
+    spec = RequestSpec("scored", list(range(30, 60)), params, lora=A)
+    case = Case("prompt_logprobs", "adapter rows", [spec], dict(block_size=8, num_blocks=32))
+    runtime = Runtime(model, tokenizer, "builtin:tiny-llama")
+    assert run_case(case, runtime).passed
+    base_only = Runtime(model, tokenizer, "builtin:tiny-llama")
+    original = base_only.reference_model
+    monkeypatch.setattr(base_only, "reference_model", lambda lora: original(None))
+    failed = run_case(case, base_only)
+    assert any(f.divergence and f.divergence.attribution.cls == "prompt_logprobs"
+               for f in failed.failures)  # fmt: skip

@@ -107,12 +107,17 @@ def prompt_logprob_cases(vocab: int) -> list[Case]:
 
 
 def check_prompt_logprobs(
-    case: Case, model, finished: dict[str, RequestOutput], kv_cache_dtype: str = "auto"
+    case: Case,
+    model,
+    finished: dict[str, RequestOutput],
+    kv_cache_dtype: str = "auto",
+    model_for=None,
 ) -> list[Failure]:
     """Every request that asked for prompt logprobs against the reference: one row per prompt
     token, None first, the top-k set (up to ties within the tolerance), and each logprob within
     the logit tolerance of a run in the model's dtype with its pool in `kv_cache_dtype`. The
-    first bad row of each request is reported."""
+    first bad row of each request is reported. `model_for(spec)`: the reference model of a
+    request (its adapter merged), the base `model` when not given."""
     failures = []
     for spec in case.requests:
         k = spec.params.prompt_logprobs
@@ -121,9 +126,10 @@ def check_prompt_logprobs(
         out = finished[spec.request_id]
         if any(c.finish_reason not in ("stop", "length") for c in out.outputs):
             continue  # aborted, timed out or failed: its prompt may never have been scored
-        expected = prompt_logprobs(model, spec.prompt, k, kv_cache_dtype)
-        exact, scale = reference_prompt_logprobs(model, spec.prompt, kv_cache_dtype)
-        atol = logit_atol(kv_cache_dtype, model.dtype, scale)
+        ref_model = model if model_for is None else model_for(spec)
+        expected = prompt_logprobs(ref_model, spec.prompt, k, kv_cache_dtype)
+        exact, scale = reference_prompt_logprobs(ref_model, spec.prompt, kv_cache_dtype)
+        atol = logit_atol(kv_cache_dtype, model.dtype, scale, spec.lora is not None)
         problem = _first_difference(expected, out.prompt_logprobs, spec.prompt, exact, k, atol)
         if problem is not None:
             position, reason, want, got = problem
