@@ -79,7 +79,7 @@ class Detokenizer:
         self.token_ids.extend(new_ids)
         end = len(self.token_ids)
         text = self._decode(end)
-        if not final and text.endswith(_INCOMPLETE):
+        if not final and text.endswith(_INCOMPLETE) and self._may_complete(end):
             if end - self.read <= _MAX_PENDING:
                 return ""
             end -= _TAIL
@@ -89,6 +89,24 @@ class Detokenizer:
             self.prefix = self.read  # text, and the next token would decode as a text's first
         self.read = end  # (SentencePiece's leading space dropped after an <unk>)
         return new
+
+    def _may_complete(self, end: int) -> bool:
+        """Whether the window's trailing U+FFFD may still become a character: its bytes end
+        with the start of one (where the tokenizer gives its tokens' bytes). Bytes that are
+        no character's start (a continuation byte after a complete character, "Ƙ" then 83 in
+        one byte-level token) are final: the text before them is out now, and a stop string
+        in it ends the choice on this token, not several later."""
+        token_bytes = getattr(self.tokenizer, "token_bytes", None)
+        joined = getattr(self.tokenizer, "is_fallback_byte", None)
+        if token_bytes is None or joined is not None and joined(self.token_ids[end - 1]):
+            return True  # a ByteFallback run waits whole: cut inside, it decodes otherwise
+        data = b"".join(
+            token_bytes(t) or b"" for t in self.token_ids[max(self.prefix, end - 4) : end]
+        )
+        return any(
+            data[-n] >= 0xC0 and _one_char_so_far(data[-n:]) and not _is_one_char(data[-n:])
+            for n in range(1, min(len(data), 3) + 1)
+        )
 
     def _decode(self, end: int) -> str:
         return self.tokenizer.decode(self.token_ids[self.prefix : end]) if end > self.prefix else ""

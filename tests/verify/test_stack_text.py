@@ -255,3 +255,18 @@ def test_the_oracle_does_not_judge_offsets_a_stream_cannot_know(tmp_path):
     assert unsure_offsets(ids, oracle, stream=True) == {1}
     assert unsure_offsets(ids, oracle, stream=False) == set()
     assert unsure_offsets([3 + 0xC7, 1, 3 + 0xA4], oracle, stream=False) == {1}
+
+
+def test_bytes_no_character_can_take_go_out_at_once_in_byte_level_bpe(tmp_path):
+    """Byte-level BPE: "Æ" (C6) then "ĺĥ" (98 83) is Ƙ and a continuation byte no character
+    can take: the text "Ƙ" is final on that token, so the stop string "Ƙ" ends the choice
+    there (it waited for more tokens, as for a character still arriving)."""
+    from .stack_dirs import write_bpe_tokenizer
+
+    write_bpe_tokenizer(tmp_path, 320)
+    tok = HFTokenizer(tmp_path / "tokenizer.json", None, None)
+    lead, tail = tok._tok.token_to_id("Æ"), tok._tok.token_to_id("ĺĥ")
+    stream = TextStream(tok, ["Ƙ"], context=[1])
+    stream.add([lead], final=False)
+    stream.add([tail], final=False)
+    assert stream.stopped and stream.text == ""

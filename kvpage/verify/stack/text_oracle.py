@@ -71,7 +71,11 @@ class HFText:
         self.tok = AutoTokenizer.from_pretrained(directory)
         self.bos_token_id = self.tok.bos_token_id
         self.has_template = bool(getattr(self.tok, "chat_template", None))
-        self.special = set(self.tok.all_special_ids)
+        # The named special tokens and every added token marked special (which decode skips).
+        added = getattr(self.tok, "added_tokens_decoder", {})
+        self.special = set(self.tok.all_special_ids) | {
+            i for i, t in added.items() if getattr(t, "special", False)
+        }
         self.anchor = self._anchor()
         self.anchor_text = self.decode([self.anchor])
         self.memo: dict[int, str] = {}
@@ -265,15 +269,23 @@ def byte_runs(token_ids: list[int], byte_of: dict[int, int], special=()) -> list
     return runs + ([current] if current else [])
 
 
-def unsure_offsets(token_ids: list[int], text_model, stream: bool) -> set[int]:
+def unsure_offsets(token_ids: list[int], text_model, stream: bool, texts=None) -> set[int]:
     """The tokens whose text_offset has no one answer: a special token inside a run of bytes
-    (no text, between two bytes of one character); and in a stream, in a run that is not
+    or after text still changing (`texts`: a character still arriving; it has no text and sits
+    between two bytes of one character); and in a stream, in a run that is not
     UTF-8 as a whole, a continuation byte after another non-ASCII byte: it may be the next
     byte of a character still arriving (its offset that character's) until a later byte
     shows the character never completes (then one U+FFFD per byte), after it was sent."""
     byte_of = getattr(text_model, "fallback_bytes", {})
+    special = getattr(text_model, "special", ())
     unsure = set()
-    for run in byte_runs(token_ids, byte_of, getattr(text_model, "special", ())):
+    if texts is not None:
+        unsure = {
+            j
+            for j, t in enumerate(token_ids)
+            if t in special and (texts[j].endswith(FFFD) or not texts[-1].startswith(texts[j]))
+        }
+    for run in byte_runs(token_ids, byte_of, special):
         unsure |= set(range(run[0], run[-1] + 1)) - set(run)
         data = bytes(byte_of[token_ids[j]] for j in run)
         if stream and not _is_utf8(data):
@@ -397,7 +409,7 @@ def expected_choice(
     entries = None
     if num_logprobs is not None:
         sent = cut.tokens - 1 if stream and cut is not None else 0  # offsets already out
-        unsure = unsure_offsets(token_ids, text_model, stream)
+        unsure = unsure_offsets(token_ids, text_model, stream, texts)
         entries = _entries(
             text_model, token_ids, texts, step_logits, num_logprobs, len(text), sent, atol, stable
         )
@@ -466,7 +478,7 @@ def prompt_entries(
     stable = stable_length(texts)
     offsets = _offsets(text_model, prompt_ids, texts)
     limit = texts[-1][: len(texts[-1]) if stable is None else stable]
-    unsure = unsure_offsets(prompt_ids, text_model, False)
+    unsure = unsure_offsets(prompt_ids, text_model, False, texts)
     entries = []
     for j, (token, row, offset) in enumerate(zip(prompt_ids, rows, offsets, strict=True)):
         judged = _judged(stable, limit, texts[j + 1], offset) and j not in unsure
