@@ -21,7 +21,7 @@ import transformers
 from kvpage import EngineConfig, LLMEngine
 from kvpage.server import ServerOptions, create_app
 from kvpage.server.background import BackgroundServer
-from kvpage.server.text_stream import TextStream
+from kvpage.server.text_stream import TextStream, prompt_context
 
 from ..real_servers.models import CLIENT_TINY, build
 
@@ -283,18 +283,28 @@ def test_lm_eval_chat_generate_until_matches_transformers_greedy(harness):
         drawn = generated[tuple(ids)]  # up to the stop string (and a step past it, at most)
         assert drawn and drawn == greedy[: len(drawn)], (messages, drawn, greedy)
         resp = doc["resps"][0][0]
-        assert resp == _streamed_text(engine.tokenizer, greedy, "\n"), (messages, greedy)
-        whole = hf_tok.decode(greedy, skip_special_tokens=True).split("\n")[0]
-        if "\ufffd" not in whole:  # no invalid bytes: transformers' text too
-            assert resp == whole, (messages, greedy)
+        assert resp == _streamed_text(engine.tokenizer, ids, greedy, "\n"), (messages, greedy)
+        whole = _completion_text(hf_tok, ids, greedy)
+        if whole is not None and "\ufffd" not in whole:  # valid text: transformers' too
+            assert resp == whole.split("\n")[0], (messages, greedy)
 
 
-def _streamed_text(tokenizer, ids: list[int], stop: str) -> str:
-    """The text the server makes of `ids`, token by token, cut at `stop`. It can differ from a
-    whole decode only where the tokens are bytes that are not UTF-8: byte-fallback decoding
-    turns each byte of an invalid run into U+FFFD, and a byte that was valid text on its own
-    (as "/" before a stray 0x8F) was sent before the next one came."""
-    stream = TextStream(tokenizer, [stop])
+def _completion_text(hf_tok, prompt: list[int], ids: list[int]) -> str | None:
+    """transformers' text of a completion: the decode of prompt + completion after the prompt's
+    own (a SentencePiece completion keeps its first token's leading space); None where the
+    prompt's decode is not a prefix of the whole (a byte-fallback run across the two decodes as
+    one buffer)."""
+    head = hf_tok.decode(prompt, skip_special_tokens=True)
+    full = hf_tok.decode(prompt + ids, skip_special_tokens=True)
+    return full[len(head) :] if full.startswith(head) else None
+
+
+def _streamed_text(tokenizer, prompt: list[int], ids: list[int], stop: str) -> str:
+    """The text the server makes of `ids` after `prompt`, token by token, cut at `stop`. It can
+    differ from a whole decode only where the tokens are bytes that are not UTF-8: byte-fallback
+    decoding turns each byte of an invalid run into U+FFFD, and a byte that was valid text on its
+    own (as "/" before a stray 0x8F) was sent before the next one came."""
+    stream = TextStream(tokenizer, [stop], context=prompt_context(prompt, tokenizer))
     for i, token in enumerate(ids):
         stream.add([token], final=i == len(ids) - 1)
         if stream.stopped:
