@@ -44,11 +44,6 @@ def allowed(path: str) -> bool:
     return not off or path not in off
 
 
-def native_allowed() -> bool:
-    """False inside `torch_kernels()` on this thread."""
-    return all_allowed()
-
-
 @contextmanager
 def fast_paths_off(*paths: str) -> Iterator[None]:
     """`paths` (FAST_PATHS) off for the duration, on this thread; nests. The decode plan runs

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from kvpage.reference.generator import ReferenceOutput, generate, prompt_logprobs
 from kvpage.sampling_params import SamplingParams
 from kvpage.verify.diff import HALF_DTYPES, logit_atol
-from kvpage.verify.stack.scenario import GenRequest, pick_stops
+from kvpage.verify.stack.scenario import GenRequest, common_prefix, pick_stops
 from kvpage.verify.stack.text_oracle import (
     ExpectedChoice,
     choice_texts,
@@ -60,7 +60,7 @@ class CacheModel:
         earlier prompt of the namespace, leaving at least one prompt token to compute."""
         bs = self.block_size
         held = self.published if held is None else held
-        best = max((_common(prompt, p) for p in held.get(ns, [])), default=0)
+        best = max((common_prefix(prompt, p) for p in held.get(ns, [])), default=0)
         return min(best // bs, (len(prompt) - 1) // bs) * bs
 
     def admit(self, ns: Namespace, prompt: tuple[int, ...]) -> int:
@@ -70,15 +70,6 @@ class CacheModel:
         hit = self.hit(ns, prompt)
         self.published.setdefault(ns, []).append(prompt)
         return hit
-
-
-def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass(frozen=True, slots=True)

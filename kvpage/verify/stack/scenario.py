@@ -199,7 +199,7 @@ def _extend(rng, req: GenRequest, docs, block_size, tokenizer, prompts, batches)
         for _ in range(20):
             text = _text(rng, rng.randint(block_size, 40))
             ids = _ids(tokenizer, text)
-            if not any(_common(ids, p) >= min(block_size, len(ids) - 1) for p in prompts):
+            if not any(common_prefix(ids, p) >= min(block_size, len(ids) - 1) for p in prompts):
                 break
         prompts.append(ids)
         return dc_replace(req, prompt=text if isinstance(req.prompt, str) else ids)
@@ -210,7 +210,7 @@ def _extend(rng, req: GenRequest, docs, block_size, tokenizer, prompts, batches)
             prompt = _prompt(rng, doc, block_size, tokenizer, isinstance(req.prompt, tuple))
             ids = _ids(tokenizer, prompt)
             taken = [first, *(_ids(tokenizer, p) for p in more)]
-            if any(_common(ids, p) >= block_size for p in taken) or any(
+            if any(common_prefix(ids, p) >= block_size for p in taken) or any(
                 _strict_prefix(ids, p) or _strict_prefix(p, ids) for p in prompts
             ):
                 continue
@@ -224,7 +224,8 @@ def _ids(tokenizer, prompt) -> tuple[int, ...]:
     return tuple(prompt) if isinstance(prompt, tuple) else tuple(tokenizer.encode(prompt))
 
 
-def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many leading tokens a and b share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
