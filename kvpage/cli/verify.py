@@ -46,7 +46,8 @@ def add_parser(sub) -> None:
         "--suite",
         default="all",
         help=f"comma-separated suite names, or all; one of {', '.join(ALL_SUITES)}, or the parts "
-        "generated (the generated stage) and stack (server and router). The mutation "
+        "generated (the generated stage), stack (server and router) and model (transformers "
+        "on the same weights, before any engine case). The mutation "
         "check runs against the chosen suites only, so a subset misses mutants of other "
         "classes: add --no-mutants for a quick partial run",
     )
