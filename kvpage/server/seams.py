@@ -6,7 +6,7 @@ removing one fails that mutant loudly instead of letting it pass as "missed"."""
 from __future__ import annotations
 
 SEAMS: dict[str, str] = {
-    "text_stream": "each choice's TextStream factory: detokenizer, stop strings (stop_at, "
-    "held_back) and text offsets (offset_of)",
+    "text_stream": "each choice's TextStream factory: detokenizer (its `detok`, a Detokenizer: "
+    "still_arriving), stop strings (stop_at, held_back) and text offsets (offset_of)",
     "tenants": "the Tenants object: API key -> tenant -> cache salt (cache_salt, salt_for)",
 }

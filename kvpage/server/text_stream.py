@@ -13,8 +13,8 @@ Stop strings are looked for in the new text plus what is held back. Text that co
 into a stop string (at most the longest one less a character) is never sent, so a match never
 starts in text already sent and nothing before the held-back tail needs scanning again.
 
-`stop_at`, `held_back` and `offset_of` are declared seams (kvpage.server.seams): a verifier's
-mutant replaces them on a TextStream subclass, never a private name."""
+`stop_at`, `held_back`, `offset_of` and the detokenizer's `still_arriving` are declared seams
+(kvpage.server.seams): a verifier's mutant replaces them on a subclass, never a private name."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ class Detokenizer:
         self.token_ids.extend(new_ids)
         end = len(self.token_ids)
         text = self._decode(end)
-        if not final and text.endswith(_INCOMPLETE) and self._may_complete(end):
+        if not final and self.still_arriving(text, end):
             if end - self.read <= _MAX_PENDING:
                 return ""
             end -= _TAIL
@@ -89,6 +89,12 @@ class Detokenizer:
             self.prefix = self.read  # text, and the next token would decode as a text's first
         self.read = end  # (SentencePiece's leading space dropped after an <unk>)
         return new
+
+    def still_arriving(self, text: str, end: int) -> bool:
+        """Whether `text`, the window decoded up to token `end`, ends in a character whose
+        bytes are still arriving (U+FFFD that more tokens may turn into a character): that
+        text waits for them. A declared seam (kvpage.server.seams)."""
+        return text.endswith(_INCOMPLETE) and self._may_complete(end)
 
     def _may_complete(self, end: int) -> bool:
         """Whether the window's trailing U+FFFD may still become a character: its bytes end

@@ -29,7 +29,7 @@ from kvpage.verify.generated.alone import alone_summary, generated_alone
 from kvpage.verify.generated.stage import GeneratedResult, GeneratedStage, run_stage
 from kvpage.verify.model_oracle.stage import ModelStageResult, run_model_stage
 from kvpage.verify.mutants import MUTANTS, Mutant
-from kvpage.verify.stack import STACK_MUTANTS, run_server_mutant, run_server_suite
+from kvpage.verify.stack import STACK_MUTANTS, TextTarget, run_stack_stage
 from kvpage.verify.suites import SUITES, CaseResult, Runtime, build_suites, run_case
 
 STACK_SUITES = ("server", "router")
@@ -390,15 +390,14 @@ def _generated_stage(plan: GatePlan, runtime: Runtime, bar: Progress) -> Generat
 
 
 def _stack_stage(plan: GatePlan, runtime: Runtime):
-    """The server and router cases, then (with mutants) each stack mutant against them."""
-    model, tokenizer, name = _model_of(runtime)
-    cases = run_server_suite(model, tokenizer, name)
+    """The server cases on the served tokenizer and two trained ones, the router cases, then
+    (with mutants) each stack mutant against them."""
     wanted = [
         m
         for m in STACK_MUTANTS
         if plan.mutants is True or (plan.mutants is not False and m.name in plan.mutants)
     ]
-    return cases, [run_server_mutant(m, model, tokenizer, name) for m in wanted]
+    return run_stack_stage(TextTarget(*_model_of(runtime)), wanted)
 
 
 def _cases(plan: GatePlan, config, kv_copies: tuple[str, ...]):

@@ -270,3 +270,13 @@ def test_bytes_no_character_can_take_go_out_at_once_in_byte_level_bpe(tmp_path):
     stream.add([lead], final=False)
     stream.add([tail], final=False)
     assert stream.stopped and stream.text == ""
+
+
+def test_completion_keys_never_merge_two_tokens_spelled_the_same():
+    from kvpage.verify.stack.text_oracle import completion_keys
+
+    class Spelled:
+        def spell(self, token_id: int) -> str:
+            return {5: "a", 7: "a", 9: " a"}[token_id]
+
+    assert completion_keys(Spelled(), [7, 9, 5, 7]) == {7: "a", 9: " a", 5: "token_id:5"}

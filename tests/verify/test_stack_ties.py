@@ -19,6 +19,7 @@ ATOL = 0.05
 
 
 def _entry(top: dict[str, float], band: dict[str, float]) -> TokenEntry:
+    band_values = {n: (v, n.encode()) for n, v in band.items()}
     return TokenEntry(
         token_id=1,
         text="c",
@@ -27,7 +28,10 @@ def _entry(top: dict[str, float], band: dict[str, float]) -> TokenEntry:
         top=top,
         top_bytes={n: n.encode() for n in top},
         offset=0,
-        band={n: (v, n.encode()) for n, v in band.items()},
+        band=band_values,
+        key="c",  # no two tokens here share a spelling: completions' keys are the spellings
+        keyed_top={**top, "c": -3.0},
+        keyed_band=band_values,
     )
 
 

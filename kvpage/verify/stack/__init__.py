@@ -6,14 +6,18 @@ from kvpage.verify.stack.suite import (
     STACK_MUTANTS,
     StackMutant,
     StackMutantResult,
+    TextTarget,
     run_server_mutant,
     run_server_suite,
+    run_stack_stage,
 )
 
 __all__ = [
     "STACK_MUTANTS",
     "StackMutant",
     "StackMutantResult",
+    "TextTarget",
     "run_server_mutant",
     "run_server_suite",
+    "run_stack_stage",
 ]

@@ -153,8 +153,9 @@ def _per_token(exp: Expected, ec: ExpectedChoice, gc: GotChoice, where: Where) -
 def _entry(
     want: TokenEntry, have: dict, chat: bool, atol: float
 ) -> tuple[str, object, object] | None:
-    if have["token"] != want.text:
-        return "token", want.text, have["token"]
+    spelled = want.text if chat else want.key
+    if have["token"] != spelled:
+        return "token", spelled, have["token"]
     if want.logprob is None or have["logprob"] is None:  # an echoed prompt's first token
         if (want.logprob, want.top) != (have["logprob"], have["top"]):
             return "logprob", (want.logprob, want.top), (have["logprob"], have["top"])
@@ -181,12 +182,12 @@ def _top(
 ) -> tuple[str, object, object] | None:
     # Completions (OpenAI, vLLM) list the chosen token too when it is outside the top k; chat's
     # top_logprobs are the top k alone.
-    top = want.top if chat else {want.text: want.logprob, **want.top}
+    top = want.top if chat else want.keyed_top
     values = {name: (value, want.top_bytes.get(name)) for name, value in top.items()}
     if set(top) != set(have["top"]):
         if not _tied_top(want, have, chat, atol):
             return "top_logprobs", sorted(top), sorted(have["top"])
-        values = dict(want.band) | ({} if chat else {want.text: (want.logprob, want.piece)})
+        values = dict(want.band) if chat else {**want.keyed_band, want.key: (want.logprob, None)}
     for name in have["top"]:
         value, alt = values[name]
         if not math.isclose(have["top"][name], value, abs_tol=atol):
@@ -201,14 +202,15 @@ def _tied_top(want: TokenEntry, have: dict, chat: bool, atol: float) -> bool:
     band (within `atol` below the reference's k-th) and none left out scores more than `atol`
     above one kept (drift of `atol` on each logit can swap such a pair, and no other)."""
     k, names = len(want.top), set(have["top"])
+    band = want.band if chat else want.keyed_band
     if not chat:  # the chosen token is listed too when it is outside the top k
-        if want.text not in names:
+        if want.key not in names:
             return False
-        names = names - {want.text} if len(names) == k + 1 else names
-    if len(names) != k or not names <= set(want.band):
+        names = names - {want.key} if len(names) == k + 1 else names
+    if len(names) != k or not names <= set(band):
         return False
-    lowest_kept = min(want.band[n][0] for n in names)
-    left = [v for n, (v, _) in want.band.items() if n not in names]
+    lowest_kept = min(band[n][0] for n in names)
+    left = [v for n, (v, _) in band.items() if n not in names]
     return not left or max(left) - lowest_kept <= atol
 
 

@@ -13,7 +13,7 @@ from kvpage.serve_replicas.prefix_router import Router
 from kvpage.serve_replicas.prefix_tree import PrefixTree
 from kvpage.server.seams import SEAMS as SERVER_SEAMS
 from kvpage.server.tenants import Tenants
-from kvpage.server.text_stream import TextStream
+from kvpage.server.text_stream import Detokenizer, TextStream
 from kvpage.verify.mutants.base import MissingSeam, bind, replace
 from kvpage.verify.stack.server_suite import StackTarget
 
@@ -76,6 +76,30 @@ class _NoPromptContext(TextStream):
 
 def _completion_without_prompt(target: StackTarget) -> None:
     plant_server(target, "text_stream", _NoPromptContext)
+
+
+class _TokenCountOffsets(TextStream):
+    def offset_of(self, token_id: int) -> int:
+        return len(self.token_ids)  # the token's index: text_offset counted in tokens
+
+
+def _offset_in_tokens(target: StackTarget) -> None:
+    plant_server(target, "text_stream", _TokenCountOffsets)
+
+
+class _EagerDetokenizer(Detokenizer):
+    def still_arriving(self, text: str, end: int) -> bool:
+        return False  # a byte of a character goes out at once, as U+FFFD
+
+
+class _EagerBytes(TextStream):
+    def __post_init__(self) -> None:
+        TextStream.__post_init__(self)
+        self.detok = _EagerDetokenizer.after(self.tokenizer, self.context)
+
+
+def _byte_piece_early(target: StackTarget) -> None:
+    plant_server(target, "text_stream", _EagerBytes)
 
 
 def _without_prompt_not_applicable(text_model) -> str | None:
@@ -160,6 +184,21 @@ STACK_MUTANTS: tuple[StackMutant, ...] = (
         "server_logprobs",
         "server",
         _offset_off_by_one,
+    ),
+    StackMutant(
+        "text_offset_counted_in_tokens",
+        "text_offset is the token's index in the choice, not the character its text starts at",
+        "server_logprobs",
+        "server",
+        _offset_in_tokens,
+    ),
+    StackMutant(
+        "byte_piece_sent_before_its_character",
+        "a byte token goes out before the rest of its UTF-8 character has arrived: the text "
+        "shows U+FFFD and then the character's remaining bytes, each as U+FFFD too",
+        "server_text",
+        "server",
+        _byte_piece_early,
     ),
     StackMutant(
         "completion_decoded_without_prompt",

@@ -76,10 +76,18 @@ class Run:
 
 
 def server_cases(
-    model, tokenizer, model_name: str, seed: int, deadline: float, plant=None, first=False
+    model,
+    tokenizer,
+    model_name: str,
+    seed: int,
+    deadline: float,
+    plant=None,
+    first=False,
+    label: str = "",
 ) -> list[CaseResult]:
     """Both apps' cases. `plant(target)`: a server mutant, applied to each app; `first`: stop
-    after the first case that fails."""
+    after the first case that fails; `label`: the tokenizer's, in the cases' names
+    (`server-open[spm]`) where the stage runs on more than the served one."""
     rng = random.Random(seed)
     oracle = text_model(model_name, tokenizer)  # the served tokenizer, read independently
     refs = References(model)
@@ -88,7 +96,7 @@ def server_cases(
         scenario = make_scenario(rng, oracle, with_keys, REQUESTS_PER_APP, True, not refs.ties)
         run = _new_run(scenario, model, tokenizer, model_name, refs, rng.randrange(2**32))
         run.tokenizer = oracle
-        results.append(_run_case(run, model, tokenizer, model_name, deadline, plant))
+        results.append(_run_case(run, model, tokenizer, model_name, deadline, plant, label))
         if first and not results[-1].passed:
             break
     return results
@@ -109,7 +117,7 @@ def _new_run(scenario, model, tokenizer, model_name, refs, seed: int) -> Run:
     )
 
 
-def _run_case(run: Run, model, tokenizer, model_name, deadline, plant) -> CaseResult:
+def _run_case(run: Run, model, tokenizer, model_name, deadline, plant, label) -> CaseResult:
     start = time.perf_counter()
     target = _target(run.scenario, model, tokenizer, model_name)
     if run.refs.ties:  # 16-bit: the reference is followed through the engine's numeric ties
@@ -118,7 +126,7 @@ def _run_case(run: Run, model, tokenizer, model_name, deadline, plant) -> CaseRe
     if plant is not None:
         plant(target)
     asyncio.run(_drive(run, target, deadline))
-    name = "server-tenants" if run.scenario.with_keys else "server-open"
+    name = ("server-tenants" if run.scenario.with_keys else "server-open") + label
     stats = {**target.engine.stats(), "coverage": dict(sorted(run.coverage.items()))}
     seconds = time.perf_counter() - start
     return CaseResult(name, "server", run.failures, run.requests, run.requests, seconds, stats)
@@ -253,6 +261,7 @@ def _cover(coverage: Counter, exp: Expected, template: bool) -> None:
         {
             "requests": 1,
             "stream": req.stream,
+            "sampled": req.temperature > 0,
             "chat": req.chat,
             "n>1": req.n > 1,
             "echo": req.echo,

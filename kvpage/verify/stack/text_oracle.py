@@ -25,6 +25,7 @@ with the stable part (`ExpectedChoice.stable`), and the fields past it are not j
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -361,6 +362,11 @@ class TokenEntry:
     # (logprob, raw bytes): the tokens a top k may hold when logits tie (16-bit models).
     band: dict[str, tuple[float, object]] = field(default_factory=dict)
     offset_judged: bool = True  # False: past the stable text (its offset has no one answer)
+    # Completions' keys (completion_keys): the chosen token's `tokens` spelling, its position's
+    # `top_logprobs` (the top k and the chosen token) and band, keyed so no two tokens merge.
+    key: str = ""
+    keyed_top: dict[str, float] | None = None
+    keyed_band: dict[str, tuple[float, object]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,6 +450,7 @@ def _entries(tm, token_ids, texts, step_logits, k, text_len, sent, atol, stable)
     for j, (token, logits, offset) in enumerate(zip(token_ids, step_logits, offsets, strict=False)):
         logprobs = torch.log_softmax(logits.float(), dim=-1)  # (V,) the raw distribution
         top, top_bytes, band = {}, {}, {}
+        ranked: list[tuple[float, int]] = []
         if k:
             values, ids = torch.topk(logprobs, k)
             for i, v in zip(ids.tolist(), values.tolist(), strict=True):
@@ -451,13 +458,43 @@ def _entries(tm, token_ids, texts, step_logits, k, text_len, sent, atol, stable)
             near = (logprobs >= float(values[-1]) - atol).nonzero()[:, 0].tolist()
             for i in near:
                 band[tm.spell(i)] = (float(logprobs[i]), tm.raw(i))
+            ranked = sorted(((float(logprobs[i]), i) for i in {*ids.tolist(), *near}), reverse=True)
         judged = _judged(stable, limit, texts[j + 1], unclamped[j])
         chosen = float(logprobs[token])
         entry = TokenEntry(
             token, tm.spell(token), tm.raw(token), chosen, top, top_bytes, offset, band, judged
         )
-        entries.append(entry)
+        entries.append(keyed_entry(tm, entry, ranked, k))
     return entries
+
+
+def completion_keys(tm, ranked: list[int]) -> dict[int, str]:
+    """Each token's key in a completions `top_logprobs` dict, `ranked` best first (the chosen
+    token last): its spelling, unless a higher-ranked token has that spelling already, then
+    `token_id:N`. A dict keyed by spelling alone would merge two distinct tokens (a byte-fallback
+    `<0x61>` and the piece `a`), keeping one value for both."""
+    names: dict[int, str] = {}
+    for i in ranked:
+        if i not in names:
+            name = tm.spell(i)
+            names[i] = f"token_id:{i}" if name in names.values() else name
+    return names
+
+
+def keyed_entry(tm, entry: TokenEntry, ranked: list[tuple[float, int]], k: int) -> TokenEntry:
+    """`entry` with its completions keys, from `ranked` ((logprob, id) best first, at least
+    the top k and the band) and the entry's own token."""
+    if entry.logprob is None:
+        return replace(entry, key=entry.text)
+    names = completion_keys(tm, [i for _, i in ranked[:k]] + [entry.token_id])
+    top = {names[i]: v for v, i in ranked[:k]}
+    top.setdefault(names[entry.token_id], entry.logprob)
+    # Where logits tie, another top k is the server's: its keys follow its own ranking.
+    floor = min((b for b, _ in entry.band.values()), default=math.inf)
+    in_band = [(v, i) for v, i in ranked if v >= floor]
+    band_names = completion_keys(tm, [i for _, i in in_band] + [entry.token_id])
+    band = {band_names[i]: (v, tm.raw(i)) for v, i in in_band}
+    return replace(entry, key=names[entry.token_id], keyed_top=top, keyed_band=band)
 
 
 def _judged(stable: int | None, limit: str, text_after: str, offset: int) -> bool:
@@ -484,7 +521,8 @@ def prompt_entries(
         judged = _judged(stable, limit, texts[j + 1], offset) and j not in unsure
         spell, raw = text_model.spell(token), text_model.raw(token)
         if row is None:
-            entries.append(TokenEntry(token, spell, raw, None, None, {}, offset, {}, judged))
+            entry = TokenEntry(token, spell, raw, None, None, {}, offset, {}, judged)
+            entries.append(replace(entry, key=spell))
             continue
         ranked = sorted(((v, i) for i, v in row.items()), reverse=True)
         top = {text_model.spell(i): v for v, i in ranked[:k]}
@@ -495,7 +533,6 @@ def prompt_entries(
             band = {
                 text_model.spell(i): (v, text_model.raw(i)) for v, i in ranked if v >= kth - atol
             }
-        entries.append(
-            TokenEntry(token, spell, raw, row[token], top, top_bytes, offset, band, judged)
-        )
+        entry = TokenEntry(token, spell, raw, row[token], top, top_bytes, offset, band, judged)
+        entries.append(keyed_entry(text_model, entry, ranked, k))
     return texts[-1], entries, stable
