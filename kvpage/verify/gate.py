@@ -345,10 +345,7 @@ def _model_stage(plan: GatePlan, model) -> ModelStageResult | None:
         return None
     full = plan.model_check == "full"
     mutants = plan.mutants if full else False
-    adapters = (
-        "lora" in plan.suites
-        and _lora_unfit(model.config, plan.engine) is None
-    )
+    adapters = "lora" in plan.suites and _lora_unfit(model.config, plan.engine) is None
     return run_model_stage(
         model, plan.model_name, mutants, families=None if full else (), adapters=adapters
     )

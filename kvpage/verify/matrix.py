@@ -220,6 +220,7 @@ DEFAULT: tuple[Cell, ...] = (
     STACK,
 )
 
+
 def full_cells() -> tuple[Cell, ...]:
     """Every combination, each with every suite; mutants where they add information."""
     cells = [MAIN]
