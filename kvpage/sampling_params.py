@@ -20,7 +20,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = -1
     top_p: float = 1.0
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: the prompt is only scored (prompt_logprobs), nothing is drawn
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
@@ -42,8 +42,8 @@ class SamplingParams:
             raise InvalidRequest(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise InvalidRequest(f"max_tokens must be >= 0, got {self.max_tokens}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise InvalidRequest(f"n must be an int >= 1, got {self.n!r}")
         if self.logprobs is not None and self.logprobs < 0:

@@ -19,7 +19,7 @@ def test_params_validation():
         dict(top_k=0),
         dict(top_p=0.0),
         dict(top_p=1.5),
-        dict(max_tokens=0),
+        dict(max_tokens=-1),
         dict(logprobs=-1),
     ):
         with pytest.raises(InvalidRequest):

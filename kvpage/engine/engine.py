@@ -304,21 +304,27 @@ class LLMEngine:
             raise InvalidRequest(
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
             )
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_model_len}"
-            )
+        self._check_context(len(prompt_ids), params.max_tokens)
         total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequest(
-                f"max_tokens {params.max_tokens} + prompt {len(prompt_ids)} tokens exceeds the "
-                f"model's context of {self.max_model_len}"
-            )
         need = self.cache.blocks_for(total)
         if need > self.cache.pool.num_blocks:
             raise InvalidRequest(
                 f"prompt + max_tokens needs {need} KV blocks; the pool has only "
                 f"{self.cache.pool.num_blocks}"
+            )
+
+    def _check_context(self, prompt_len: int, max_tokens: int) -> None:
+        """Every position the model runs must fit the context: the prompt's and each drawn
+        token's but the last. A prompt may fill the context only to be scored (max_tokens 0):
+        with one token more, the context could not hold it, as vLLM counts it too."""
+        limit = self.max_model_len
+        if prompt_len > limit:
+            raise InvalidRequest(f"prompt has {prompt_len} tokens; the model's context is {limit}")
+        if prompt_len + max_tokens > limit:
+            full = " (a prompt that fills it can only be scored: max_tokens 0)"
+            raise InvalidRequest(
+                f"max_tokens {max_tokens} + prompt {prompt_len} tokens exceeds the model's "
+                f"context of {limit}" + (full if prompt_len == limit else "")
             )
 
     def abort_request(self, request_id: str, reason: str = "abort") -> bool:

@@ -505,6 +505,9 @@ class Scheduler:
 
     def _append_draw(self, draw: Draw) -> None:
         seq, token = draw.seq, draw.token
+        if seq.params.max_tokens == 0:  # the prompt only scored: its rows are the output
+            self.finish(seq, "length")
+            return
         seq.output_ids.append(token)
         seq.chain.extend((token,))
         if seq.logprobs is not None:

@@ -70,7 +70,7 @@ def _generate(
     stop_ids = stop_token_ids(model, params)
     out = ReferenceOutput([], [], [] if params.logprobs is not None else None)
     step_input = list(prompt_ids)
-    while True:
+    while params.max_tokens > 0:  # 0: the prompt is only scored, nothing is drawn
         logits = _step(model, cache, step_input, out)
         token = sample_token(logits, params, generator)
         if trace_as is not None:
@@ -89,6 +89,7 @@ def _generate(
         if len(out.token_ids) >= params.max_tokens:
             return out
         step_input = [token]
+    return out
 
 
 def _step(model: CausalLM, cache: RoundTripKVCache, ids: list[int], out: ReferenceOutput):

@@ -301,12 +301,13 @@ async def _serve_batch(request, state, body, all_ids: list[list[int]]) -> Respon
         body.include_usage,
         body.echo,
         body.prompt_logprobs,
+        body.return_tokens_as_token_ids,
     )
     tokenizer = state.loop.engine.tokenizer
     gens = []
     for i, ids in enumerate(all_ids):
         max_tokens = _room(state, ids) if body.max_tokens is None else body.max_tokens
-        params = sampling_params(body, max(max_tokens, 1), body.logprobs)
+        params = sampling_params(body, max_tokens, body.logprobs)
         rid = f"{shape.request_id}-{i}"
         gen = Generation.new(
             rid, ids, params, salt, tokenizer, body.stop_strings, state.text_stream
@@ -404,9 +405,9 @@ def _room(state: ServerState, prompt_ids: list[int]) -> int:
 
 
 async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, chat) -> Response:
-    # max_tokens 0 (echo only): one token is drawn, since the prompt's rows come with a step,
-    # and dropped (Generation.echo_only).
-    params = sampling_params(body, max(max_tokens, 1), num_logprobs)
+    # max_tokens 0 (echo only): the engine scores the prompt and draws nothing, so a prompt
+    # may fill the whole context.
+    params = sampling_params(body, max_tokens, num_logprobs)
     salt = state.tenants.cache_salt(request.state.tenant, body.cache_salt)
     model = _served_name(state, body.model)
     echo = not chat and body.echo
@@ -418,6 +419,7 @@ async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, cha
         body.include_usage,
         echo,
         body.prompt_logprobs,
+        body.return_tokens_as_token_ids,
     )
     tokenizer = state.loop.engine.tokenizer
     stop = body.stop_strings

@@ -108,8 +108,8 @@ class Generation:
     salt: str | None
     choices: list[Choice]
     cached_tokens: int = 0
-    # max_tokens 0 with echo: the engine draws one token (the prompt's rows need a step) and
-    # every choice drops it, ending with "length" and no completion tokens.
+    # max_tokens 0 with echo: the engine scores the prompt and draws nothing; every choice ends
+    # with "length" and no completion tokens.
     echo_only: bool = False
     prompt_logprobs: list[dict[int, float] | None] | None = None  # from the first output
     lora: LoRARequest | None = None  # the adapter the request's `model` named

@@ -431,7 +431,9 @@ health, Prometheus metrics and the admin switches.
 
 Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`; an invalid request is a
 400 (never a 422), and `param` names the field at fault. Integers are JSON integers: where one is
-expected, `2.0` is refused, as is `true`. Some refusals depend on the served model and are not
+expected, `2.0` is refused, as is `true`; token ids (`prompt`, `stop_token_ids`, /detokenize
+`tokens`) are the exception, where `450.0` is token 450, as JSON Schema's integers include it.
+Some refusals depend on the served model and are not
 written in the schemas: the prompt's tokens plus `max_tokens` must fit the context (`max_model_len`
 in /v1/models) and the KV pool, and `seed + n - 1` must fit in 64 bits.
 

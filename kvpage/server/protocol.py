@@ -4,11 +4,11 @@ engine never sees it."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from kvpage.errors import InvalidRequest, KVPageError
 from kvpage.sampling_params import SamplingParams
@@ -133,7 +133,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (),
     "structured_outputs": (),
     "logits_processors": ([],),
-    "return_tokens_as_token_ids": (False,),
     "skip_special_tokens": (True,),  # special tokens are always left out of the text
     "prompt_embeds": (),
     "tools": ([],),
@@ -195,10 +194,23 @@ def _check_unicode(body: BaseModel) -> None:
 
 
 class _Strict(BaseModel):
-    """No coercion: `"3"` is not 3, `true` is not 1, `2.0` is not a token id, and NaN or
-    Infinity (which Python's JSON parser accepts) is not a number."""
+    """No coercion: `"3"` is not 3, `true` is not 1, `2.0` is not a count (max_tokens, n...),
+    and NaN or Infinity (which Python's JSON parser accepts) is not a number. Token ids are
+    the exception (`TokenId`)."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+def _integral(value: Any) -> Any:
+    """JSON has one number type, and OpenAI's schema types token ids as numbers: a client may
+    send `450.0` for token 450. Anything else (`450.5`, NaN, `true`, `"450"`) is left to the
+    strict integer check, which refuses it by field."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+TokenId = Annotated[int, BeforeValidator(_integral)]
 
 
 class StreamOptions(_Strict):
@@ -218,7 +230,7 @@ class _Common(_Strict):
     top_k: int = -1
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     n: int = 1
     stream: bool = False
@@ -227,6 +239,8 @@ class _Common(_Strict):
     frequency_penalty: float = 0.0
     cache_salt: str | None = None
     return_token_ids: bool = False
+    # vLLM's: every token in logprobs spelled `token_id:N` (kvpage.server.responses)
+    return_tokens_as_token_ids: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
 
     def check_unsupported(self) -> None:
@@ -260,7 +274,7 @@ class _Common(_Strict):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt is scored alone
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -361,7 +375,7 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: str = ""
-    tokens: list[int] = Field(max_length=1_000_000)
+    tokens: list[TokenId] = Field(max_length=1_000_000)
 
 
 class Switch(_Strict):

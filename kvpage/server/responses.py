@@ -27,6 +27,7 @@ class Shape:
     include_usage: bool = False  # stream chunks carry `usage` (null until the last one)
     echo: bool = False  # completions: each choice starts with the prompt (and its logprobs)
     prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` field, with this top k
+    tokens_as_ids: bool = False  # vLLM's `return_tokens_as_token_ids`: every token `token_id:N`
 
     @property
     def object(self) -> str:
@@ -46,6 +47,7 @@ def new_shape(
     include_usage: bool = False,
     echo: bool = False,
     prompt_logprobs: int | None = None,
+    tokens_as_ids: bool = False,
 ) -> Shape:
     prefix = "chatcmpl" if chat else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -60,6 +62,7 @@ def new_shape(
         include_usage,
         echo,
         prompt_logprobs,
+        tokens_as_ids,
     )
 
 
@@ -228,40 +231,62 @@ def _logprobs(
 ) -> dict[str, Any] | None:
     if shape.num_logprobs is None or lp is None:
         return None
-    k = shape.num_logprobs
+    k, as_ids = shape.num_logprobs, shape.tokens_as_ids
     per_token = list(zip(token_ids, lp.chosen, lp.top, strict=True))
     if shape.chat:
-        return {"content": [_chat_entry(t, chosen, top, k, tok) for t, chosen, top in per_token]}
+        return {
+            "content": [_chat_entry(t, chosen, top, k, tok, as_ids) for t, chosen, top in per_token]
+        }
+    keyed = [_top_with_chosen(t, c, top, k, tok, as_ids) for t, c, top in per_token]
     return {
-        "tokens": [token_text(tok, t) for t in token_ids],
+        "tokens": [name for name, _ in keyed],
         "token_logprobs": list(lp.chosen),
-        "top_logprobs": [_top_with_chosen(t, c, top, k, tok) for t, c, top in per_token],
+        "top_logprobs": [entries for _, entries in keyed],
         "text_offset": list(lp.offsets),
     }
 
 
-def _top_with_chosen(token_id, chosen, top, k: int, tok: Tokenizer) -> dict[str, float] | None:
-    """The top k and the chosen token, k + 1 entries when it is outside them (OpenAI and vLLM);
-    None for an echoed prompt's first token."""
+def _top_with_chosen(
+    token_id: int, chosen: float, top: dict[int, float] | None, k: int, tok: Tokenizer, as_ids: bool
+) -> tuple[str, dict[str, float] | None]:
+    """The chosen token's spelling and its position's `top_logprobs`: the top k and the chosen
+    token, k + 1 entries when it is outside them (OpenAI and vLLM); None for an echoed prompt's
+    first token. Two tokens never share a key: the text belongs to the higher-ranked one and
+    each later token spelled the same is keyed `token_id:N` (a dict keyed by text would keep
+    only the last, so the top-1 token's entry would read a lower logprob, and the chosen token
+    could look greedy when it was not). The chosen token is spelled as its key, so `tokens[i]`
+    always names its own entry (lm-eval's is_greedy compares the two)."""
     if top is None:
-        return None
-    entries = {token_text(tok, i): v for i, v in _top(top, k)}
-    entries.setdefault(token_text(tok, token_id), chosen)
-    return entries
+        return _spelling(tok, token_id, as_ids), None
+    entries: dict[str, float] = {}
+    names: dict[int, str] = {}
+    for i, v in [*_top(top, k), (token_id, chosen)]:  # by rank; the chosen token last
+        if i in names:
+            continue
+        name = _spelling(tok, i, as_ids)
+        names[i] = name if name not in entries else f"token_id:{i}"
+        entries[names[i]] = v
+    return names[token_id], entries
+
+
+def _spelling(tok: Tokenizer, token_id: int, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else token_text(tok, token_id)
 
 
 def _chat_entry(
-    token_id: int, chosen: float, top: dict[int, float], k: int, tok: Tokenizer
+    token_id: int, chosen: float, top: dict[int, float], k: int, tok: Tokenizer, as_ids: bool
 ) -> dict[str, Any]:
+    """Chat's alternatives are a list, so two tokens spelled alike stay two entries."""
     return {
-        **_chat_token(token_id, chosen, tok),
-        "top_logprobs": [_chat_token(i, v, tok) for i, v in _top(top, k)],
+        **_chat_token(token_id, chosen, tok, as_ids),
+        "top_logprobs": [_chat_token(i, v, tok, as_ids) for i, v in _top(top, k)],
     }
 
 
-def _chat_token(token_id: int, logprob: float, tok: Tokenizer) -> dict[str, Any]:
+def _chat_token(token_id: int, logprob: float, tok: Tokenizer, as_ids: bool) -> dict[str, Any]:
+    """`bytes` stay the token's own bytes when `token` is spelled `token_id:N`."""
     return {
-        "token": token_text(tok, token_id),
+        "token": _spelling(tok, token_id, as_ids),
         "logprob": logprob,
         "bytes": token_bytes(tok, token_id),
     }

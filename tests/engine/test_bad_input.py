@@ -54,7 +54,7 @@ def test_bad_request_fails_alone(tiny, case, references):
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-1), "max_tokens"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.01), "top_p"),
         (dict(temperature=-0.5), "temperature"),
