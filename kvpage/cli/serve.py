@@ -43,6 +43,12 @@ def add_parser(sub) -> None:
         type=_lora_module,
         help="PEFT adapter directories served as models NAME (implies --enable-lora)",
     )
+    srv.add_argument(
+        "--chat-template",
+        metavar="FILE|TEMPLATE",
+        help="the chat template, in place of the model's (as vLLM: a file's path, else the "
+        "Jinja template itself, backslash escapes decoded)",
+    )
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=port, default=8000, help="port to listen on")
     srv.add_argument(
@@ -237,6 +243,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         _check_writable(audit_log)
     else:
         _audit_to_stderr()
+    chat_template = _chat_template(args)
     names = tuple(args.served_model_name or (args.model,))
     if any(not name for name in names):
         raise CliError("--served-model-name: names must be non-empty")
@@ -252,7 +259,21 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         body_read_timeout=args.body_read_timeout,
         shutdown_timeout=args.shutdown_timeout,
         lora_modules=tuple(args.lora_modules),
+        chat_template=chat_template,
     )
+
+
+def _chat_template(args: argparse.Namespace) -> str | None:
+    """--chat-template's text; it and the model's own templates are compiled now, so that one
+    that does not compile stops the server before the model loads."""
+    from kvpage.server.chat import ChatTemplateInvalid, load_chat_template, template_text
+
+    try:
+        text = None if args.chat_template is None else template_text(args.chat_template)
+        load_chat_template(args.model, text)
+    except ChatTemplateInvalid as err:
+        raise CliError(str(err)) from None
+    return text
 
 
 def _admin_token(args: argparse.Namespace) -> str | None:

@@ -155,6 +155,7 @@ class IngressSpec:
     max_body_bytes: int
     body_read_timeout: float = 30.0  # the replica's: a body that takes longer is a 408
     base_names: tuple[str, ...] = ()  # the base model's names; any other `model` is an adapter
+    chat_template: str | None = None  # --chat-template's text: the replicas render with it too
 
 
 api = FastAPI(title="kvpage (Ray Serve)")
@@ -177,7 +178,7 @@ class IngressCore:
         self.keys = RoutingKeys(
             Tenants(dict(spec.api_keys)),
             tokenizer,
-            load_chat_template(spec.model),
+            load_chat_template(spec.model, spec.chat_template),
             frozenset(spec.base_names),
         )
 
@@ -359,6 +360,7 @@ def build_app(config: ServiceConfig) -> serve.Application:
         options.max_body_bytes,
         options.body_read_timeout,
         options.served_model_names or (options.model_name,),
+        options.chat_template,
     )
     return ingress.bind(engines.bind(config.replica), spec)
 

@@ -60,7 +60,7 @@ class RoutingKeys:
             prompt = CompletionRequest.model_validate(raw).single_prompt()
             return self._encode(prompt) if isinstance(prompt, str) else list(prompt)
         chat = ChatCompletionRequest.model_validate(raw)
-        messages = [{"role": m.role, "content": m.text} for m in chat.messages]
+        messages = [m.template_dict() for m in chat.messages]
         return self._encode(self.chat_template(messages))
 
     def _encode(self, text: str) -> list[int]:

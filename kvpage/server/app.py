@@ -32,7 +32,7 @@ from kvpage.server.batch import (
     deltas_of_all,
     submit_all,
 )
-from kvpage.server.chat import load_chat_template, simple_template
+from kvpage.server.chat import Conversation, load_chat_template
 from kvpage.server.engine_loop import EngineFailure, EngineLoop
 from kvpage.server.generation import Generation, run, submit
 from kvpage.server.metrics import ServerMetrics, engine_snapshot
@@ -83,7 +83,7 @@ def create_app(engine: LLMEngine, options: ServerOptions | None = None) -> FastA
         audit=audit,
         tenants=_tenants(options),
         shadow=shadow,
-        chat_template=load_chat_template(engine.config.model),
+        chat_template=load_chat_template(engine.config.model, options.chat_template),
     )
     for name, path in options.lora_modules:
         engine.load_lora_adapter(LoRARequest(name, path))
@@ -234,12 +234,13 @@ async def tokenize(
     state = _check_model(request, body.model, authorization)
     body.check()
     if body.messages is not None:
-        messages = [{"role": m.role, "content": m.text} for m in body.messages]
         specials = body.add_special_tokens
         if specials is None:  # as chat does: a model's own template spells its specials
-            specials = state.chat_template is simple_template
-        ids = _encode(state, state.chat_template(messages), add_special_tokens=specials)
+            specials = state.chat_template.builtin
+        ids = _encode(state, _render(state, body), add_special_tokens=specials)
     else:
+        if body.chat_template is not None:  # unused with a prompt, but a name the model has
+            state.chat_template.select(body.chat_template, body.tools)
         add = True if body.add_special_tokens is None else body.add_special_tokens
         ids = _encode(state, body.prompt, add_special_tokens=add)
     engine = state.loop.engine
@@ -361,13 +362,26 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request, authorization: str | None = Header(default=None)
 ) -> Response:
     state = _admit(request, body, authorization)
-    messages = [{"role": m.role, "content": m.text} for m in body.messages]
     # A model's own (Jinja) template spells BOS and the other specials itself; encoding its text
     # with special tokens would add them twice. The built-in template has none.
-    specials = state.chat_template is simple_template
-    prompt_ids = _encode(state, state.chat_template(messages), add_special_tokens=specials)
+    specials = state.chat_template.builtin
+    prompt_ids = _encode(state, _render(state, body), add_special_tokens=specials)
     max_tokens = body.max_completion_tokens or body.max_tokens or _room(state, prompt_ids)
     return await _serve(request, state, body, prompt_ids, max_tokens, body.num_logprobs, chat=True)
+
+
+def _render(state: ServerState, body: ChatCompletionRequest | TokenizeRequest) -> str:
+    """The request's chat as the template writes it (a template's refusal is a 400)."""
+    conversation = Conversation(
+        messages=[m.template_dict() for m in body.messages or ()],
+        tools=body.tools,
+        documents=body.documents,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        template_name=body.chat_template,
+        kwargs=body.chat_template_kwargs or {},
+    )
+    return state.chat_template.render(conversation)
 
 
 def _admit(request: Request, body, authorization: str | None) -> ServerState:

@@ -20,7 +20,7 @@ from fastapi.openapi.utils import get_openapi
 
 from kvpage.sampling_params import SEED_MAX, SEED_MIN
 from kvpage.server.batch import MAX_PROMPTS
-from kvpage.server.protocol import MAX_N, MAX_STOP, MAX_STOP_CHARS, UNSUPPORTED
+from kvpage.server.protocol import MAX_N, MAX_STOP, MAX_STOP_CHARS, RENDER_ARGUMENTS, UNSUPPORTED
 
 Schema = dict[str, Any]
 
@@ -273,6 +273,14 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
 
 
 _CHAT = [{"role": "user", "content": "Hello"}]
+_TOOL = {  # shown to the model by its chat template; no tool call is parsed from the reply
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 # Request bodies a reader can start from (and schemathesis sends first): one of each shape.
 EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
     ("/v1/completions", "post"): {
@@ -302,6 +310,7 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
             "prompt_logprobs": 1,
             "return_token_ids": True,
         },
+        "tools": {"messages": _CHAT, "max_tokens": 4, "tools": [_TOOL], "tool_choice": "auto"},
     },
     ("/tokenize", "post"): {
         "prompt": {"prompt": "Hello"},
@@ -377,8 +386,20 @@ def _common(vocab: int) -> dict[str, Schema]:
     }
 
 
-def _tighten(schemas: dict[str, Schema], vocab: int) -> None:
-    """Request schemas as the server accepts them (pydantic's say only the types)."""
+def _chat_template(names: list[str]) -> dict[str, Schema]:
+    """A request's `chat_template` names one of the served model's templates; its
+    chat_template_kwargs may not set what the request has fields for (kvpage.server.chat)."""
+    reserved = {"not": {"enum": sorted(RENDER_ARGUMENTS)}}
+    kwargs = {"type": "object", "propertyNames": reserved}
+    return {
+        "chat_template": {"enum": [None, *names]},
+        "chat_template_kwargs": _nullable(kwargs),
+    }
+
+
+def _tighten(schemas: dict[str, Schema], vocab: int, names: list[str]) -> None:
+    """Request schemas as the server accepts them (pydantic's say only the types); `names`: the
+    served model's chat templates."""
     fields = {
         "CompletionRequest": {
             **_common(vocab),
@@ -387,9 +408,9 @@ def _tighten(schemas: dict[str, Schema], vocab: int) -> None:
             "best_of": {"anyOf": [{"type": "null"}, {"type": "integer", "const": 1}]},
             "suffix": {"enum": [None, ""]},
         },
-        "ChatCompletionRequest": _common(vocab),
+        "ChatCompletionRequest": {**_common(vocab), **_chat_template(names)},
         "DetokenizeRequest": {"tokens": {**_list(_token_ids(vocab)), "maxItems": 1_000_000}},
-        "TokenizeRequest": {"add_generation_prompt": {"const": True}},
+        "TokenizeRequest": _chat_template(names),
     }
     for model, props in fields.items():
         schemas[model]["properties"].update(props)
@@ -407,13 +428,17 @@ def _needs(field: str, value: Schema, needed: str, needed_value: Any) -> Schema:
 
 
 _STREAM_OPTIONS = _needs("stream_options", {"type": "object"}, "stream", True)
+# the final message is continued, so no new one is begun (transformers refuses both)
+_CONTINUE = _needs("continue_final_message", {"const": True}, "add_generation_prompt", False)
 # Rules across fields, as the models' check_unsupported methods apply them.
 _RULES: dict[str, list[Schema]] = {
     "CompletionRequest": [_STREAM_OPTIONS, _needs("max_tokens", {"const": 0}, "echo", True)],
     "ChatCompletionRequest": [
         _STREAM_OPTIONS,
         _needs("top_logprobs", {"type": "integer"}, "logprobs", True),
+        _CONTINUE,
     ],
+    "TokenizeRequest": [_CONTINUE],
 }
 
 
@@ -461,7 +486,8 @@ def document(app: FastAPI) -> Schema:
     schemas = doc["components"]["schemas"]
     for unused in ("HTTPValidationError", "ValidationError"):  # only FastAPI's 422 used them
         schemas.pop(unused, None)
-    _tighten(schemas, state.loop.engine.model.config.vocab_size)
+    names = sorted(state.chat_template.compiled)
+    _tighten(schemas, state.loop.engine.model.config.vocab_size, names)
     schemas.update(SCHEMAS)
     return doc
 

@@ -4,6 +4,7 @@ engine never sees it."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +19,8 @@ MAX_N = 16  # parallel samples per request: each one is a sequence of its own af
 MAX_STOP = 16  # stop strings per request: each one is searched for on every token
 MAX_STOP_TOKEN_IDS = 1024  # each one is a set lookup per token; more is a mistake or an attack
 MAX_STOP_CHARS = 256  # per stop string: the text held back from a stream is one less than this
+MAX_TOOLS = 128  # tools and documents a chat template is given (the body's size bounds them too)
+MAX_DOCUMENTS = 128
 
 
 class ApiError(KVPageError):
@@ -135,8 +138,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logits_processors": ([],),
     "skip_special_tokens": (True,),  # special tokens are always left out of the text
     "prompt_embeds": (),
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),
+    "tool_choice": ("none", "auto"),  # tools reach the template; no tool call is parsed out
     "functions": ([],),
     "function_call": ("none", "auto"),
     "audio": (),
@@ -144,11 +146,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "prediction": (),
     "reasoning_effort": (),
     "web_search_options": (),
-    "chat_template": (),
-    "chat_template_kwargs": ({},),
-    "continue_final_message": (False,),
-    "add_generation_prompt": (True,),
-    "documents": (),
     "echo": (False,),  # a field of completions; chat (vLLM) has it too
     "best_of": (1,),
 }
@@ -323,9 +320,37 @@ class ContentPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    """An assistant message's call of a tool, as OpenAI's API spells it."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def template_dict(self) -> dict[str, Any]:
+        """The arguments as a dict where they are a JSON object (vLLM does the same: templates
+        index them, or write them with `tojson`)."""
+        call = self.model_dump()
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            return call
+        if isinstance(arguments, dict):
+            call["function"]["arguments"] = arguments
+        return call
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None  # a tool message's answer to this call
 
     @property
     def text(self) -> str:
@@ -333,8 +358,55 @@ class ChatMessage(_Strict):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
+    def template_dict(self) -> dict[str, Any]:
+        """The message as a chat template sees it: content as text, and (as transformers does)
+        no key whose value is null (templates test `is defined`, and would write "None")."""
+        out: dict[str, Any] = {"role": self.role}
+        if self.content is not None:
+            out["content"] = self.text
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            out["tool_calls"] = [call.template_dict() for call in self.tool_calls]
+        return out
 
-class ChatCompletionRequest(_Common):
+
+# transformers' names for what a render gets besides the template kwargs: a request sets them as
+# fields of their own, not in chat_template_kwargs
+RENDER_ARGUMENTS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"}
+    | {"chat_template", "tokenize"}  # vLLM refuses these two in chat_template_kwargs as well
+)
+
+
+class _ChatTemplateFields(_Strict):
+    """What a chat template renders besides the messages (transformers' apply_chat_template
+    arguments, vLLM's request fields). `chat_template` names one of the model's templates."""
+
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    documents: list[dict[str, Any]] | None = Field(None, max_length=MAX_DOCUMENTS)
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def check_template_fields(self) -> None:
+        bad = sorted(RENDER_ARGUMENTS & (self.chat_template_kwargs or {}).keys())
+        if bad:
+            message = (
+                f"chat_template_kwargs.{bad[0]}: set it as a request field, not a template kwarg"
+            )
+            raise ApiError(message, "chat_template_kwargs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ApiError(
+                "continue_final_message and add_generation_prompt cannot both be true: set "
+                "add_generation_prompt to false to continue the final message",
+                "continue_final_message",
+            )
+
+
+class ChatCompletionRequest(_ChatTemplateFields, _Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -353,24 +425,23 @@ class ChatCompletionRequest(_Common):
         super().check_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError("top_logprobs needs logprobs set to true", "top_logprobs")
+        self.check_template_fields()
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_ChatTemplateFields):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
 
     model: str = ""
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None  # None: True for a prompt, as chat does for messages
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ApiError("send exactly one of prompt and messages", "prompt")
-        if self.add_generation_prompt is not True:
-            raise ApiError("add_generation_prompt false is not supported", "add_generation_prompt")
         _check_unicode(self)  # the tokenizer cannot encode a lone surrogate (a 500, before)
+        self.check_template_fields()
 
 
 class DetokenizeRequest(_Strict):
@@ -441,6 +512,8 @@ _KNOWN_PARAMS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.
 _FIELD_NAMES = _KNOWN_PARAMS.union(
     ChatMessage.model_fields,
     ContentPart.model_fields,
+    ToolCall.model_fields,
+    FunctionCall.model_fields,
     StreamOptions.model_fields,
     TokenizeRequest.model_fields,  # so that a bad token id names `tokens`, not ""
     DetokenizeRequest.model_fields,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvpage.lora.request import LoRARequest
 from kvpage.server.audit import AuditLog
-from kvpage.server.chat import Messages
+from kvpage.server.chat import ChatTemplate
 from kvpage.server.engine_loop import EngineLoop, ServerShutdown
 from kvpage.server.metrics import ServerMetrics
 from kvpage.server.protocol import ApiError, unavailable
@@ -40,6 +40,8 @@ class ServerOptions:
     # vLLM's --lora-modules: (name, PEFT directory) adapters loaded at start-up; a request
     # selects one with `model: name` (the engine needs enable_lora).
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # vLLM's --chat-template: a template's text, in place of the model's own (kvpage.server.chat)
+    chat_template: str | None = None
 
 
 @dataclass(slots=True)
@@ -50,7 +52,7 @@ class ServerState:
     audit: AuditLog
     tenants: Tenants
     shadow: ShadowChecker
-    chat_template: Callable[[Messages], str]
+    chat_template: ChatTemplate
     draining: bool = False  # refuse new requests, finish running ones (admin switch, shutdown)
     shutting_down: bool = False  # the drain is the shutdown's (the refusals say which)
     # A declared seam (kvpage.server.seams): builds each choice's text stream.
@@ -111,6 +113,7 @@ class ServerState:
             f"KV pool: {pool_blocks} blocks x {block_size} tokens = {pool_blocks * block_size} "
             f"tokens, {_mib(engine.storage.nbytes)}, KV {engine.storage.format.describe()}",
             f"prefix caching: {caching}; preemption: {engine.config.preemption_mode}",
+            f"chat template: {self.chat_template.describe()}",
             f"auth: {self._auth()}",
             f"admin API: {'on' if opts.admin_token else 'off (no admin token)'}",
             f"audit log: {opts.audit_log or 'stderr (the kvpage.audit logger)'}",
