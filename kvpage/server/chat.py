@@ -22,10 +22,13 @@ too unless started with --trust-request-chat-template: it runs the client's code
 The Jinja environment is transformers': sandboxed (immutable), trim_blocks and lstrip_blocks, the
 loopcontrols extension and `{% generation %}` blocks, `tojson` without HTML escaping,
 `raise_exception(message)` and `strftime_now(format)`, and its guarded `dict` and `namespace`. A
-render sees `messages` (keys whose value is null left out), `tools`, `documents`,
+render sees `messages` (keys whose value is null left out; a tool call's JSON `arguments` as a
+dict, as vLLM hands them over), `tools`, `documents`,
 `add_generation_prompt`, the tokenizer's named special tokens as strings (bos_token, eos_token,
 unk_token, pad_token, ...: tokenizer_config.json, then special_tokens_map.json over it), and the
-request's `chat_template_kwargs` over those (vLLM merges them the same way). `continue_final_message`
+request's `chat_template_kwargs` over those (vLLM merges them the same way; they may not set
+the render's own arguments, which are request fields: protocol.RENDER_ARGUMENTS).
+`continue_final_message`
 renders the last message open, transformers' way (a tag after its content, the text cut there).
 
 A template that refuses a conversation (`raise_exception`, an undefined name it dereferences, any
@@ -95,10 +98,10 @@ class ChatTemplate:
         object.__setattr__(self, "compiled", compiled)
 
     def describe(self) -> str:
-        names = (
-            "" if list(self.compiled) == ["default"] else f" ({', '.join(sorted(self.compiled))})"
-        )
-        return self.origin + names
+        """For the start-up banner: where the templates came from, and their names if several."""
+        if list(self.compiled) == ["default"]:
+            return self.origin
+        return f"{self.origin} ({', '.join(sorted(self.compiled))})"
 
     def __call__(self, messages: Messages) -> str:
         return self.render(Conversation(messages))
@@ -153,9 +156,14 @@ class ChatTemplate:
                 "continue_final_message needs add_generation_prompt false", "continue_final_message"
             )
         final = conv.messages[-1].get("content")
-        if not isinstance(final, str) or "content" not in self.sources[name]:
+        if not isinstance(final, str):
             raise ApiError(
                 "continue_final_message: the final message has no content to continue", "messages"
+            )
+        if "content" not in self.sources[name]:  # transformers' test: it names no content
+            raise ApiError(
+                "continue_final_message: the chat template writes no message content",
+                "continue_final_message",
             )
         messages = [*conv.messages[:-1], {**conv.messages[-1], "content": final + _CONTINUE_TAG}]
         text = self._render(name, conv, messages)

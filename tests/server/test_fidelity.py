@@ -254,7 +254,6 @@ UNSUPPORTED = [  # (path, field, a value that would change the output)
     (COMPLETIONS, "bad_words", ["x"]),
     (COMPLETIONS, "include_stop_str_in_output", True),
     (COMPLETIONS, "skip_special_tokens", False),
-    (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
     (CHAT, "tool_choice", "required"),
     (CHAT, "response_format", {"type": "json_schema"}),
     (CHAT, "logit_bias", {"65": -100}),
@@ -262,7 +261,6 @@ UNSUPPORTED = [  # (path, field, a value that would change the output)
     (CHAT, "repetition_penalty", 0.9),
     (CHAT, "min_tokens", 1),
     (CHAT, "echo", True),
-    (CHAT, "continue_final_message", True),
 ]
 
 
