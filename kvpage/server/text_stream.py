@@ -68,6 +68,9 @@ class Detokenizer:
     prefix: int = 0  # the window starts here: the tokens emitted last time, as context
     read: int = 0  # tokens before this have been emitted
     start: int = 0  # the text's first token: those before it are the prompt's, context only
+    # Characters of the pending tokens' text already emitted: the text before a character
+    # still arriving in the same token (byte-level "a\xc3": the "a").
+    ahead: int = 0
 
     @classmethod
     def after(cls, tokenizer: Tokenizer, context: list[int]) -> Detokenizer:
@@ -81,13 +84,27 @@ class Detokenizer:
         text = self._decode(end)
         if not final and self.still_arriving(text, end):
             if end - self.read <= _MAX_PENDING:
-                return ""
+                return self._text_before_pending(text, end)
             end -= _TAIL
             text = self._decode(end)
         new = text[len(self._decode(self.read)) :]
         if new:  # else the window keeps its start: a context of special tokens alone has no
             self.prefix = self.read  # text, and the next token would decode as a text's first
         self.read = end  # (SentencePiece's leading space dropped after an <unk>)
+        sent, self.ahead = self.ahead, max(self.ahead - len(new), 0)
+        return new[sent:]
+
+    def _text_before_pending(self, text: str, end: int) -> str:
+        """The pending tokens' text before the character still arriving, not sent yet. Where
+        one token holds both (byte-level BPE's "a\xc3"), that text is final — bytes before a
+        character's start decode the same whatever follows — and a stop string in it must end
+        the choice on this token. A byte-fallback run decodes as one buffer (its text may still
+        change), and such a token holds one byte: nothing goes out before it."""
+        joined = getattr(self.tokenizer, "is_fallback_byte", None)
+        if joined is not None and joined(self.token_ids[end - 1]):
+            return ""
+        before = text[len(self._decode(self.read)) : -1]  # the one U+FFFD: the partial bytes
+        new, self.ahead = before[self.ahead :], max(self.ahead, len(before))
         return new
 
     def still_arriving(self, text: str, end: int) -> bool:
@@ -123,7 +140,7 @@ class Detokenizer:
         (a UTF-8 byte) starts where that character does; one that follows pending text that
         is already final (an invalid byte, shown as U+FFFD) starts after it."""
         end = len(self.token_ids)
-        context = len(self._decode(self.read))
+        context = len(self._decode(self.read)) + self.ahead
         lead = self._lead_of(token_id)
         if lead is not None:  # a byte of a character still arriving: where its first byte is
             return len(self._decode(lead)) - context

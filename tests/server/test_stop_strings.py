@@ -148,3 +148,37 @@ def test_stop_limits_allow_the_maximum(open_server):
         "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stop": stop}
     )
     assert r.status_code == 200, r.text
+
+
+class PieceTokenizer:
+    """Byte-level pieces, some ending in a character's first byte (as byte-level BPE merges
+    "a" with the lead byte after it)."""
+
+    PIECES = {0: b"h\xc3\xa9", 1: b"a\xc3", 2: b"\xa9", 3: b"z"}
+    vocab_size, eos_token_id = 4, None
+
+    def decode(self, ids: list[int]) -> str:
+        return b"".join(self.PIECES[i] for i in ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.PIECES[token_id]
+
+
+def test_a_stop_string_ends_the_choice_on_the_token_that_completes_it():
+    """The token "a\\xc3" completes "éa" and starts a character: the stop string is found on it,
+    not one token later when that character is complete."""
+    stream = TextStream(PieceTokenizer(), ["éa"])
+    assert stream.add([0], final=False) == "h"  # "é" is held: the stop string starts with it
+    assert stream.add([1], final=False) == ""
+    assert stream.stopped and stream.text == "h"
+
+
+def test_text_before_a_character_still_arriving_goes_out_with_its_token():
+    stream = TextStream(PieceTokenizer())
+    offsets, sent = [], []
+    for t in (0, 1, 2, 3):
+        offsets.append(stream.offset_of(t))
+        sent.append(stream.add([t], final=t == 3))
+    assert "".join(sent) == "héaéz" == PieceTokenizer().decode([0, 1, 2, 3])
+    assert sent == ["hé", "a", "é", "z"]  # the "a" before "\xc3" did not wait for it
+    assert offsets == [0, 2, 3, 4]
