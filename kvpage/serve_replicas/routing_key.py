@@ -11,14 +11,13 @@ the replicas key adapters apart: its prefix follows the replica that cached it w
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from pydantic import ValidationError
 
 from kvpage.model.tokenizer import Tokenizer
 from kvpage.serve_replicas.prefix_router import RoutingKey
-from kvpage.server.chat import Messages
+from kvpage.server.chat import ChatTemplate, Conversation
 from kvpage.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from kvpage.server.tenants import Tenants
 
@@ -30,7 +29,7 @@ UNROUTED = RoutingKey("", ())  # no prefix to follow: least-loaded
 class RoutingKeys:
     tenants: Tenants  # API keys only: the salts are the replicas' business
     tokenizer: Tokenizer | None
-    chat_template: Callable[[Messages], str]
+    chat_template: ChatTemplate
     base_names: frozenset[str] = frozenset()  # the base model's names: no adapter
 
     def key(self, path: str, authorization: str | None, body: bytes) -> RoutingKey:
@@ -60,8 +59,12 @@ class RoutingKeys:
             prompt = CompletionRequest.model_validate(raw).single_prompt()
             return self._encode(prompt) if isinstance(prompt, str) else list(prompt)
         chat = ChatCompletionRequest.model_validate(raw)
-        messages = [m.template_dict() for m in chat.messages]
-        return self._encode(self.chat_template(messages))
+        # as the replica renders and encodes it (kvpage.server.app): a model's own template
+        # spells its special tokens
+        text = self.chat_template.render(Conversation.of(chat))
+        return self._encode(text, self.chat_template.builtin)
 
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text) if self.tokenizer is not None else []
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            return []
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

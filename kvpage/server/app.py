@@ -372,16 +372,7 @@ async def chat_completions(
 
 def _render(state: ServerState, body: ChatCompletionRequest | TokenizeRequest) -> str:
     """The request's chat as the template writes it (a template's refusal is a 400)."""
-    conversation = Conversation(
-        messages=[m.template_dict() for m in body.messages or ()],
-        tools=body.tools,
-        documents=body.documents,
-        add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message,
-        template_name=body.chat_template,
-        kwargs=body.chat_template_kwargs or {},
-    )
-    return state.chat_template.render(conversation)
+    return state.chat_template.render(Conversation.of(body))
 
 
 def _admit(request: Request, body, authorization: str | None) -> ServerState:

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpage.errors import ModelLoadError
-from kvpage.server.protocol import ApiError
+from kvpage.server.protocol import ApiError, ChatCompletionRequest, TokenizeRequest
 
 Messages = list[dict[str, Any]]
 
@@ -77,6 +77,18 @@ class Conversation:
     continue_final_message: bool = False
     template_name: str | None = None  # the request's `chat_template`: one of the model's names
     kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
+
+    @classmethod
+    def of(cls, body: ChatCompletionRequest | TokenizeRequest) -> Conversation:
+        return cls(
+            messages=[m.template_dict() for m in body.messages or ()],
+            tools=body.tools,
+            documents=body.documents,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            template_name=body.chat_template,
+            kwargs=body.chat_template_kwargs or {},
+        )
 
 
 @dataclass(frozen=True, slots=True)

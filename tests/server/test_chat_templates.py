@@ -28,9 +28,12 @@ from kvpage import EngineConfig, LLMEngine
 from kvpage.cli import build_parser
 from kvpage.cli.common import CliError
 from kvpage.cli.serve import server_options
+from kvpage.model import load_tokenizer
+from kvpage.serve_replicas.routing_key import RoutingKeys
 from kvpage.server import ServerOptions, create_app
 from kvpage.server.background import BackgroundServer
-from kvpage.server.chat import ChatTemplateInvalid
+from kvpage.server.chat import ChatTemplateInvalid, load_chat_template
+from kvpage.server.tenants import Tenants
 
 from ..verify.stack_dirs import build
 
@@ -355,6 +358,20 @@ def test_continue_final_message_and_no_generation_prompt(built, tmp_path, kind):
         )
         r = _chat(url, {"messages": open_turn, "continue_final_message": True})
         assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+def test_the_replica_routers_key_is_the_prompt_a_replica_takes(built, tmp_path):
+    """The ingress renders (tools selecting tool_use) and encodes (no second BOS) as the app."""
+    named = [{"name": "default", "template": TURNS}, {"name": "tool_use", "template": TOOL_USE}]
+    directory = _model(built, tmp_path, "bpe", named)
+    keys = RoutingKeys(
+        Tenants({}), load_tokenizer(str(directory)), load_chat_template(str(directory))
+    )
+    body = {"messages": USER_ONLY, "tools": [TOOL]}
+    key = keys.key("/v1/chat/completions", None, json.dumps(body).encode())
+    assert list(key.tokens) == _hf_ids(directory, USER_ONLY, tools=[TOOL])
+    refused = keys.key("/v1/chat/completions", None, b'{"messages": [], "chat_template": "x"}')
+    assert refused.tokens == ()
 
 
 # --- schemathesis: a model whose template refuses ----------------------------------------------
