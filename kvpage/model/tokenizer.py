@@ -73,8 +73,17 @@ class HFTokenizer:
         rendered chat template): the post-processor would add a second BOS."""
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def with_special_tokens(self) -> SpecialTokensShown:
+        """This tokenizer decoding special tokens as their text (skip_special_tokens=False)."""
+        return SpecialTokensShown(self)
+
+    def special_text(self, token_id: int) -> str | None:
+        """A special token's text ("</s>"); None for any other token."""
+        added = self._tok.get_added_tokens_decoder().get(token_id)
+        return added.content if added is not None and added.special else None
 
     def token_bytes(self, token_id: int) -> bytes | None:
         """The token's raw bytes: byte-level BPE pieces map back through GPT-2's byte alphabet,
@@ -98,6 +107,32 @@ class HFTokenizer:
         byte of it U+FFFD when any part is not UTF-8, so a window that starts inside the run
         decodes it differently from the whole text."""
         return token_id in self._fallback_bytes
+
+
+class SpecialTokensShown:
+    """A tokenizer's text with its special tokens spelled out ("<s>", "<|eot_id|>"), as
+    transformers' and vLLM's `skip_special_tokens=False` decode: a choice's text, its stream
+    and its stop strings then see them. Everything else is the tokenizer's own."""
+
+    def __init__(self, inner: HFTokenizer) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.inner.decode(ids, skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        special = self.inner.special_text(token_id)
+        return special.encode("utf-8") if special is not None else self.inner.token_bytes(token_id)
+
+
+def text_tokenizer(tokenizer: Tokenizer, skip_special_tokens: bool) -> Tokenizer:
+    """The tokenizer a request's text is decoded with: special tokens left out (the default)
+    or spelled out. The built-in byte tokenizer's BOS and EOS have no text: itself either way."""
+    show = getattr(tokenizer, "with_special_tokens", None)
+    return tokenizer if skip_special_tokens or show is None else show()
 
 
 def _fallback_byte_ids(path: Path, tok) -> frozenset[int]:

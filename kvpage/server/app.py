@@ -23,7 +23,7 @@ import kvpage.server.openapi as openapi
 from kvpage.engine.engine import LLMEngine
 from kvpage.errors import InvalidRequest
 from kvpage.lora.request import LoRARequest
-from kvpage.model.tokenizer import encode_text
+from kvpage.model.tokenizer import encode_text, text_tokenizer
 from kvpage.server.audit import AuditLog, AuditObserver
 from kvpage.server.batch import (
     MAX_PROMPTS,
@@ -304,7 +304,7 @@ async def _serve_batch(request, state, body, all_ids: list[list[int]]) -> Respon
         body.prompt_logprobs,
         body.return_tokens_as_token_ids,
     )
-    tokenizer = state.loop.engine.tokenizer
+    tokenizer = text_tokenizer(state.loop.engine.tokenizer, body.skip_special_tokens is not False)
     gens = []
     for i, ids in enumerate(all_ids):
         max_tokens = _room(state, ids) if body.max_tokens is None else body.max_tokens
@@ -426,7 +426,7 @@ async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, cha
         body.prompt_logprobs,
         body.return_tokens_as_token_ids,
     )
-    tokenizer = state.loop.engine.tokenizer
+    tokenizer = text_tokenizer(state.loop.engine.tokenizer, body.skip_special_tokens is not False)
     stop = body.stop_strings
     gen = Generation.new(
         shape.request_id, prompt_ids, params, salt, tokenizer, stop, state.text_stream

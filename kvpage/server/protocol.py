@@ -136,7 +136,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (),
     "structured_outputs": (),
     "logits_processors": ([],),
-    "skip_special_tokens": (True,),  # special tokens are always left out of the text
     "prompt_embeds": (),
     "tool_choice": ("none", "auto"),  # tools reach the template; no tool call is parsed out
     "functions": ([],),
@@ -238,6 +237,11 @@ class _Common(_Strict):
     return_token_ids: bool = False
     # vLLM's: every token in logprobs spelled `token_id:N` (kvpage.server.responses)
     return_tokens_as_token_ids: bool = False
+    # vLLM's: special tokens in the text ("</s>") or left out (kvpage.model.tokenizer.
+    # text_tokenizer); the spaces option is the slow tokenizers' and changes nothing here, as
+    # in transformers' fast tokenizers (the ones tokenizer.json gives).
+    skip_special_tokens: bool | None = True  # null: the default
+    spaces_between_special_tokens: bool | None = True
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
 
     def check_unsupported(self) -> None:

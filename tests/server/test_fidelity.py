@@ -253,7 +253,6 @@ UNSUPPORTED = [  # (path, field, a value that would change the output)
     (COMPLETIONS, "allowed_token_ids", [65, 66]),
     (COMPLETIONS, "bad_words", ["x"]),
     (COMPLETIONS, "include_stop_str_in_output", True),
-    (COMPLETIONS, "skip_special_tokens", False),
     (CHAT, "tool_choice", "required"),
     (CHAT, "response_format", {"type": "json_schema"}),
     (CHAT, "logit_bias", {"65": -100}),
