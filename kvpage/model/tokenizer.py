@@ -65,6 +65,10 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         special = _special_ids_from_tokenizer_config(path.parent, self._tok)
         self._fallback_bytes = _fallback_byte_ids(path, self._tok)
+        # id -> text of each special added token (read once: the hot path asks per token)
+        self._specials = {
+            i: t.content for i, t in self._tok.get_added_tokens_decoder().items() if t.special
+        }
         self.bos_token_id = bos_token_id if bos_token_id is not None else special.get("bos")
         self.eos_token_id = eos_token_id if eos_token_id is not None else special.get("eos")
 
@@ -82,8 +86,7 @@ class HFTokenizer:
 
     def special_text(self, token_id: int) -> str | None:
         """A special token's text ("</s>"); None for any other token."""
-        added = self._tok.get_added_tokens_decoder().get(token_id)
-        return added.content if added is not None and added.special else None
+        return self._specials.get(token_id)
 
     def token_bytes(self, token_id: int) -> bytes | None:
         """The token's raw bytes: byte-level BPE pieces map back through GPT-2's byte alphabet,
@@ -91,8 +94,7 @@ class HFTokenizer:
         from tokenizers import decoders
 
         piece = self._tok.id_to_token(token_id)
-        added = self._tok.get_added_tokens_decoder().get(token_id)
-        if piece is None or (added is not None and added.special):
+        if piece is None or token_id in self._specials:
             return None
         byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
         if byte_level and all(ch in _BYTE_LEVEL for ch in piece):  # else an added plain token

@@ -19,6 +19,7 @@ starts in text already sent and nothing before the held-back tail needs scanning
 from __future__ import annotations
 
 import codecs
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpage.model.tokenizer import Tokenizer
@@ -34,6 +35,17 @@ CONTEXT_TOKENS = 6  # prompt tokens the first window starts with
 MAX_CONTEXT_TOKENS = 64
 
 
+def run_member(tokenizer) -> Callable[[int], bool] | None:
+    """Whether a token is read into a run of byte-fallback tokens (None: the decoder has no
+    ByteFallback step): a `<0xNN>` token, or a token with no text — a special token the
+    decode drops before the decoder joins the run, so one between two bytes does not end it."""
+    fallback = getattr(tokenizer, "is_fallback_byte", None)
+    if fallback is None:
+        return None
+    raw = tokenizer.token_bytes
+    return lambda token_id: fallback(token_id) or raw(token_id) is None
+
+
 def prompt_context(prompt_ids: list[int], tokenizer: Tokenizer | None = None) -> list[int]:
     """The prompt's tail a choice's text is decoded after (its first window's context): its
     last CONTEXT_TOKENS tokens, started further back where that would cut a run of byte-fallback
@@ -44,7 +56,7 @@ def prompt_context(prompt_ids: list[int], tokenizer: Tokenizer | None = None) ->
     completion's text. At most MAX_CONTEXT_TOKENS tokens; a longer run is cut where a character
     starts, so a run that is UTF-8 throughout still decodes as a whole prompt does."""
     start = max(len(prompt_ids) - CONTEXT_TOKENS, 0)
-    joined = getattr(tokenizer, "is_fallback_byte", None)
+    joined = run_member(tokenizer)
     if joined is None:
         return list(prompt_ids[start:])
     floor = max(len(prompt_ids) - MAX_CONTEXT_TOKENS, 0)
@@ -100,7 +112,7 @@ class Detokenizer:
         character's start decode the same whatever follows — and a stop string in it must end
         the choice on this token. A byte-fallback run decodes as one buffer (its text may still
         change), and such a token holds one byte: nothing goes out before it."""
-        joined = getattr(self.tokenizer, "is_fallback_byte", None)
+        joined = run_member(self.tokenizer)
         if joined is not None and joined(self.token_ids[end - 1]):
             return ""
         before = text[len(self._decode(self.read)) : -1]  # the one U+FFFD: the partial bytes
@@ -120,7 +132,7 @@ class Detokenizer:
         one byte-level token) are final: the text before them is out now, and a stop string
         in it ends the choice on this token, not several later."""
         token_bytes = getattr(self.tokenizer, "token_bytes", None)
-        joined = getattr(self.tokenizer, "is_fallback_byte", None)
+        joined = run_member(self.tokenizer)
         if token_bytes is None or joined is not None and joined(self.token_ids[end - 1]):
             return True  # a ByteFallback run waits whole: cut inside, it decodes otherwise
         data = b"".join(
@@ -182,13 +194,13 @@ class Detokenizer:
         reads the window's whole run of byte-fallback tokens as one buffer, one U+FFFD per byte
         when some byte of it is not UTF-8 (A2 C8 86: three, not U+FFFD then Ȇ), and then each
         byte is a character of its own."""
-        joined = getattr(self.tokenizer, "is_fallback_byte", None)
+        joined = run_member(self.tokenizer)
         if joined is None:
             return True
         start = lead
         while start > self.prefix and joined(self.token_ids[start - 1]):
             start -= 1
-        run = b"".join(self.tokenizer.token_bytes(t) for t in self.token_ids[start:lead])
+        run = b"".join(self.tokenizer.token_bytes(t) or b"" for t in self.token_ids[start:lead])
         try:
             codecs.getincrementaldecoder("utf-8")().decode(
                 run + self.tokenizer.token_bytes(self.token_ids[lead]) + tail, final=False
@@ -196,6 +208,31 @@ class Detokenizer:
         except UnicodeDecodeError:
             return False
         return True
+
+
+def _byte_runs(ids: list[int], fallback, raw) -> list[list[int]]:
+    """The positions of each run of byte-fallback tokens, special tokens (no bytes) inside
+    one skipped."""
+    runs: list[list[int]] = [[]]
+    for j, t in enumerate(ids):
+        if fallback(t):
+            runs[-1].append(j)
+        elif raw(t) is not None and runs[-1]:
+            runs.append([])
+    return [r for r in runs if r]
+
+
+def _char_starts(data: bytes) -> list[int] | None:
+    """For each byte of `data`, the index of the character holding it; None where `data` is
+    not UTF-8 as a whole."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    starts = []
+    for index, char in enumerate(text):
+        starts += [index] * len(char.encode("utf-8"))
+    return starts
 
 
 def _is_one_char(data: bytes) -> bool:
@@ -277,31 +314,22 @@ class TextStream:
         return len(self.text) + len(self.held) + self.detok.start_of(token_id)
 
     def settled_offsets(self, offsets: list[int]) -> list[int]:
-        """`offsets` (one per token, as offset_of gave them) once the text is complete. A byte
-        that continued a character still arriving was put where that character starts; where
-        the character never completed and the decoder spells every byte of a byte-fallback run
-        that is not UTF-8 as its own U+FFFD (ByteFallback), each such byte starts at its own
-        character. A whole response says so; a stream has sent the first answer."""
-        joined = getattr(self.tokenizer, "is_fallback_byte", None)
-        if joined is None:
+        """`offsets` (one per token, as offset_of gave them) once the text is complete, by the
+        ByteFallback rule: a run of byte-fallback tokens (special tokens inside it skipped, as
+        the decode skips them) is one buffer — UTF-8 as a whole, each byte starts where its
+        character does; else one U+FFFD per byte, each its own character — counted from where
+        the run's first byte starts. While the run was arriving a byte was put where its
+        character would start; a whole response says how the run ended, a stream has sent
+        the first answer."""
+        fallback = getattr(self.tokenizer, "is_fallback_byte", None)
+        if fallback is None:
             return offsets
-        ids, out, i = self.token_ids, list(offsets), 0
-        raw = self.tokenizer.token_bytes
-        while i < min(len(ids), len(offsets)):
-            lead = raw(ids[i]) if joined(ids[i]) else None
-            j = i + 1
-            if lead is not None and lead[0] >= 0xC0:  # a lead byte, then its continuations
-                while (
-                    j < len(offsets)
-                    and joined(ids[j])
-                    and _is_continuation(raw(ids[j]))
-                    and offsets[j] == offsets[i]
-                ):
-                    j += 1
-                group = b"".join(raw(t) for t in ids[i:j])
-                if j > i + 1 and not _is_one_char(group):
-                    out[i + 1 : j] = [offsets[i] + k for k in range(1, j - i)]
-            i = j
+        ids, out = self.token_ids[: len(offsets)], list(offsets)
+        for run in _byte_runs(ids, fallback, self.tokenizer.token_bytes):
+            data = b"".join(self.tokenizer.token_bytes(ids[j]) for j in run)
+            starts = _char_starts(data)
+            for p, j in enumerate(run):
+                out[j] = offsets[run[0]] + (starts[p] if starts is not None else p)
         return out
 
     def stop_at(self, window: str) -> int | None:

@@ -83,3 +83,27 @@ async def _stop_then_audit(app, body: dict) -> list[dict]:
         await asyncio.sleep(0.1)  # and any line after the abort's
         events = (await client.get("/admin/audit", headers=admin)).json()["events"]
         return [e for e in events if e["request_id"].split("#")[0] == rid]
+
+
+def test_a_special_token_inside_a_byte_fallback_run_does_not_end_it(tmp_path):
+    """The decode drops special tokens before ByteFallback joins a run: <0x9B> <s> <0xDA> <0x9B>
+    is one run, not UTF-8 as a whole (it starts with a stray continuation byte), so three
+    U+FFFD, each byte its own character — not a U+FFFD and then "ڛ" (the whole-stack suite
+    found this on a trained vocabulary). transformers' decode is the oracle."""
+    from transformers import AutoTokenizer
+
+    from kvpage.model.tokenizer import HFTokenizer
+    from kvpage.verify.stack.tokenizer_dirs import build
+
+    directory = build(tmp_path / "spm", "spm")
+    theirs = AutoTokenizer.from_pretrained(directory)
+    tok = HFTokenizer(directory / "tokenizer.json", 1, 2)
+    byte = {b: theirs.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0x9B, 0xDA)}
+    word = theirs.encode("the", add_special_tokens=False)
+    ids = [*word, byte[0x9B], theirs.bos_token_id, byte[0xDA], byte[0x9B]]
+    choice = Choice(0, TextStream(tok))
+    offsets = _offsets(choice, ids)
+    text = theirs.decode(ids, skip_special_tokens=True)
+    assert choice.text.text == text and text.endswith("\ufffd" * 3)
+    n, bytes_at = len(text) - 3, [len(word), len(word) + 2, len(word) + 3]
+    assert [offsets[i] for i in bytes_at] == [n, n + 1, n + 2]  # <s> has no one offset

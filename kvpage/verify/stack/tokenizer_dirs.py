@@ -1,7 +1,9 @@
 """Hugging Face directories with real tokenizers for the whole-stack suite, built here without
 network: a random-weight Llama (kvpage.verify.model_oracle.families' "llama-mha", vocabulary
 320) and a tokenizer trained by the `tokenizers` library to exactly that vocabulary, with a
-tokenizer_config.json (bos/eos, add_bos_token, a chat template):
+tokenizer_config.json (bos/eos, add_bos_token, a chat template). `build` uses the tokenizers
+this module trained once and ships (tokenizers/{spm,bpe}.json; `python -m
+kvpage.verify.stack.tokenizer_dirs` trains and writes them anew), `train` a fresh one:
 
   - `spm`: Llama-2 style — <unk> <s> </s>, the 256 byte-fallback tokens <0x00>..<0xFF>, then
     BPE pieces over ▁ (Metaspace); the decoder ▁ -> space, ByteFallback, Fuse, Strip the first
@@ -15,7 +17,12 @@ them into bytes and the random model samples byte tokens freely."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+
+import torch
+
+from kvpage.verify.model_oracle.families import VOCAB, save_family
 
 CORPUS = [
     "the cat sat on the mat; the dog ran to the park and back",
@@ -116,14 +123,46 @@ def write_bpe_tokenizer(directory: Path, vocab_size: int) -> None:
     _config(directory, "<|begin_of_text|>", "<|end_of_text|>", None)
 
 
+SHIPPED = Path(__file__).parent / "tokenizers"  # {kind}.json: what train_tokenizer wrote once
+KINDS = ("spm", "bpe")
+
+
 def build(directory: Path, kind: str) -> Path:
-    """A random-weight Llama (bos 1, eos 2) with a `kind` ("spm" or "bpe") tokenizer."""
-    import torch
+    """A random-weight Llama (bos 1, eos 2) with the shipped `kind` ("spm" or "bpe") tokenizer:
+    the same vocabulary on every machine (training one is not deterministic: pairs that tie
+    merge in hash order, and each vocabulary draws other byte runs)."""
+    _model(directory)
+    shutil.copyfile(SHIPPED / f"{kind}.json", directory / "tokenizer.json")
+    _tokenizer_config(directory, kind)
+    return directory
 
-    from kvpage.verify.model_oracle.families import VOCAB, save_family
 
+def train(directory: Path, kind: str) -> Path:
+    """As `build`, with a tokenizer trained anew (another vocabulary each time)."""
+    _model(directory)
+    (write_spm_tokenizer if kind == "spm" else write_bpe_tokenizer)(directory, VOCAB)
+    return directory
+
+
+def _model(directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     save_family("llama-mha", directory)
-    (write_spm_tokenizer if kind == "spm" else write_bpe_tokenizer)(directory, VOCAB)
-    return directory
+
+
+def _tokenizer_config(directory: Path, kind: str) -> None:
+    if kind == "spm":
+        _config(directory, "<s>", "</s>", "<unk>")
+    else:
+        _config(directory, "<|begin_of_text|>", "<|end_of_text|>", None)
+
+
+if __name__ == "__main__":  # python -m kvpage.verify.stack.tokenizer_dirs: train and ship anew
+    import tempfile
+
+    for kind in KINDS:
+        with tempfile.TemporaryDirectory() as tmp:
+            (write_spm_tokenizer if kind == "spm" else write_bpe_tokenizer)(Path(tmp), VOCAB)
+            SHIPPED.mkdir(exist_ok=True)
+            shutil.copyfile(Path(tmp) / "tokenizer.json", SHIPPED / f"{kind}.json")
+            print(f"wrote {SHIPPED / f'{kind}.json'}")
