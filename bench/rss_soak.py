@@ -28,11 +28,13 @@ import ctypes
 import gc
 import json
 import os
+import random
 import socket
 import time
 import tracemalloc
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 MIB = 1024 * 1024
@@ -75,6 +77,8 @@ class Sample:
     live_requests: int
     sinks: int
     tenants: int
+    plan_rows: int  # row counts the decode plan keeps buffers (and kernels, one-call steps) for
+    shapes: int  # distinct step sizes (tokens a forward pass ran) seen so far
 
 
 def _status_mib(field: str) -> float:
@@ -127,9 +131,25 @@ def _idle(engine, timeout: float = 60.0) -> None:
     raise RuntimeError(f"engine not idle after {timeout:g} s: {engine.stats()}")
 
 
+def _plan_rows(engine) -> int:
+    """The most entries of the decode plan's per-row-count dicts (0: no plan built)."""
+    plan = getattr(getattr(engine.model, "_plan", None), "plan", None)
+    if plan is None:
+        return 0
+    return max(len(plan._buffers), len(plan._kernel_cache), len(plan._fused))
+
+
+SHAPES: set[int] = set()  # the token counts of the forward passes run so far
+
+
+def _count_shapes(engine) -> None:
+    engine.model.register_forward_pre_hook(lambda _m, args: SHAPES.add(args[0].shape[0]))
+
+
 def _sample(done: int, engine, state, traced: bool) -> Sample:
-    _idle(engine)
-    time.sleep(0.2)  # the audit log forgets a request's tenant just after its last event
+    if state is not None:
+        _idle(engine)
+        time.sleep(0.2)  # the audit log forgets a request's tenant just after its last event
     gc.collect()
     s = engine.stats()
     return Sample(
@@ -142,8 +162,10 @@ def _sample(done: int, engine, state, traced: bool) -> Sample:
         s["free_blocks"],
         s["cached_blocks"],
         len(engine.seqs) + len(engine.samples),
-        state.loop.in_flight,
-        len(state.audit.tenants) + len(state.audit.adapters),
+        state.loop.in_flight if state is not None else 0,
+        len(state.audit.tenants) + len(state.audit.adapters) if state is not None else 0,
+        _plan_rows(engine),
+        len(SHAPES),
     )
 
 
@@ -152,7 +174,7 @@ def _print(x: Sample) -> None:
         f"{x.requests:6d} {x.rss:8.1f} {x.anon:8.1f} {x.used:8.1f} {x.held_free:8.1f} "
         f"{x.objects:9d} {x.traced:8.2f} "
         f"{x.free_blocks:5d} {x.cached_blocks:6d} {x.live_requests:5d} {x.sinks:5d} "
-        f"{x.tenants:7d}"
+        f"{x.tenants:7d} {x.plan_rows:5d} {x.shapes:6d}"
     )
 
 
@@ -161,28 +183,84 @@ def _types() -> Counter:
     return Counter(type(o).__qualname__ for o in gc.get_objects())
 
 
-def _round(r: int, args, port: int, engine, state, start: int) -> tuple[Sample, Sample, Counter]:
+def _round(r: int, args, send, engine, state, start: int) -> tuple[Sample, Sample, Counter]:
+    """One round of args.requests: send(batch) -> requests refused, then a sample."""
     before_types = _types()
     first = _sample(start, engine, state, args.tracemalloc)
     _print(first)
     failed = 0
     last = first
-    with ThreadPoolExecutor(args.clients) as pool:
-        for at in range(start, start + args.requests, args.every):
-            batch = range(at, min(at + args.every, start + args.requests))
-            ok = pool.map(lambda i: _abandon(port, _body(i, args)), batch)
-            failed += sum(not x for x in ok)
-            last = _sample(batch[-1] + 1, engine, state, args.tracemalloc)
-            _print(last)
+    for at in range(start, start + args.requests, args.every):
+        batch = range(at, min(at + args.every, start + args.requests))
+        failed += send(batch)
+        last = _sample(batch[-1] + 1, engine, state, args.tracemalloc)
+        _print(last)
     grew = _types()
     grew.subtract(before_types)
     per_k = 1000 / args.requests
     print(
         f"round {r}: RSS {first.rss:.1f} -> {last.rss:.1f} MiB "
-        f"({(last.rss - first.rss) * per_k:+.1f} MiB per 1,000 requests), objects "
+        f"({(last.rss - first.rss) * per_k:+.1f} MiB per 1,000 requests), malloc used "
+        f"{first.used:.1f} -> {last.used:.1f} MiB, objects "
         f"{(last.objects - first.objects) * per_k:+.0f} per 1,000, {failed} requests refused"
     )
     return first, last, grew
+
+
+class _EngineDriver:
+    """--engine-only: the server's traffic without the server. `clients` requests in flight on
+    the engine itself, each n samples of a prompt of random token ids (--prompt-tokens lengths),
+    aborted as the engine loop aborts a stream whose client hung up (abort_request) once a
+    sample's first token is out, after 0 to --linger more steps (the server's abort lands a
+    step or two late), so the steps' batch shapes vary as under concurrent HTTP streams."""
+
+    def __init__(self, engine, args) -> None:
+        from kvpage import SamplingParams
+
+        self.engine, self.args, self.rng = engine, args, random.Random(args.seed)
+        self.params = SamplingParams
+        self.vocab = engine.model.config.vocab_size
+        lo, _, hi = args.prompt_tokens.partition("-")
+        self.lengths = (int(lo), int(hi or lo))
+
+    def _add(self, i: int) -> str:
+        rid = f"soak-{i}"
+        prompt = [self.rng.randrange(3, self.vocab) for _ in range(self.rng.randint(*self.lengths))]
+        a = self.args
+        params = self.params(
+            n=a.n, max_tokens=a.max_tokens, temperature=0.8, seed=i, ignore_eos=True, logprobs=1
+        )
+        self.engine.add_request(rid, prompt, params)
+        return rid
+
+    def __call__(self, batch: range) -> int:
+        engine, todo = self.engine, list(batch)[::-1]
+        live: dict[str, int | None] = {}  # request id -> steps left before its abort
+        while todo or live or engine.has_unfinished_requests():
+            while todo and len(live) < self.args.clients:
+                live[self._add(todo.pop())] = None
+            for out in engine.step():
+                rid = out.request_id.partition("#")[0]
+                if out.finished:
+                    live.pop(rid, None)
+                elif live.get(rid, 0) is None and any(c.token_ids for c in out.outputs):
+                    live[rid] = self.rng.randint(0, self.args.linger)
+            for rid, left in list(live.items()):
+                if left == 0:
+                    engine.abort_request(rid)
+                    del live[rid]
+                elif left is not None:
+                    live[rid] = left - 1
+        return 0
+
+
+def _engine(args):
+    import torch
+
+    from kvpage import EngineConfig, LLMEngine
+
+    torch.set_num_threads(args.threads)
+    return LLMEngine(EngineConfig(model=args.model, num_blocks=args.num_blocks))
 
 
 def _local_server(args):
@@ -194,6 +272,7 @@ def _local_server(args):
 
     torch.set_num_threads(args.threads)
     engine = LLMEngine(EngineConfig(model=args.model, num_blocks=args.num_blocks))
+    _count_shapes(engine)
     options = ServerOptions(
         model_name=args.model, shadow_rate=args.shadow_rate, audit_log=args.audit_log
     )
@@ -217,27 +296,82 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--tracemalloc", action="store_true", help="also trace Python's allocations")
     p.add_argument("--no-trim", action="store_true", help="skip malloc_trim(0) at the end")
+    p.add_argument(
+        "--engine-only",
+        action="store_true",
+        help="drive kvpage.LLMEngine directly: no HTTP, no server, no shadow",
+    )
+    p.add_argument("--prompt-tokens", default="4-96", help="--engine-only: prompt lengths LO-HI")
+    p.add_argument(
+        "--linger",
+        type=int,
+        default=2,
+        help="--engine-only: most steps a request runs on after its first token",
+    )
+    p.add_argument("--seed", type=int, default=0, help="--engine-only: prompts and lingers")
+    p.add_argument(
+        "--fast-paths-off",
+        default="",
+        help="--engine-only: kvpage.model.kernels paths off (comma-separated; 'all')",
+    )
     args = p.parse_args()
-    env = {k: os.environ[k] for k in os.environ if k.startswith("MALLOC_")}
+    env = {
+        k: os.environ[k]
+        for k in os.environ
+        if k.startswith(("MALLOC_", "ONEDNN_", "DNNL_", "MKL_", "KVPAGE_", "LRU_"))
+    }
+    mode = "engine only" if args.engine_only else "server"
     print(
-        f"rss_soak: {args.rounds} x {args.requests} abandoned streams, n={args.n}, "
-        f"{args.clients} at once, {args.model}, malloc env {env or 'default'}"
+        f"rss_soak ({mode}): {args.rounds} x {args.requests} abandoned streams, n={args.n}, "
+        f"{args.clients} at once, {args.model}, env {env or 'default'}"
     )
     if args.tracemalloc:
         tracemalloc.start()
+    header = (
+        "  reqs  RSS MiB anon MiB malloc used  free   objects  traced  free cached  live "
+        "sinks tenants  plan shapes"
+    )
+    if args.engine_only:
+        return _engine_main(args, header)
     server, engine, state = _local_server(args)
     print(f"KV pool: {engine.cache.pool.num_blocks} blocks; shadow rate {args.shadow_rate}")
     with server:
         port = server.port
+
+        def send(batch: range) -> int:
+            with ThreadPoolExecutor(args.clients) as pool:
+                ok = pool.map(lambda i: _abandon(port, _body(i, args)), batch)
+                return sum(not x for x in ok)
+
         for i in range(args.warmup):
             _abandon(port, _body(-1 - i, args))
-        print(
-            "  reqs  RSS MiB anon MiB malloc used  free   objects  traced  free cached  live "
-            "sinks tenants"
-        )
+        print(header)
         done, rounds = 0, []
         for r in range(1, args.rounds + 1):
-            rounds.append(_round(r, args, port, engine, state, done))
+            rounds.append(_round(r, args, send, engine, state, done))
+            done += args.requests
+        _report(rounds, args)
+    return 0
+
+
+def _engine_main(args, header: str) -> int:
+    from kvpage.model.kernels import FAST_PATHS, fast_paths_off
+
+    engine = _engine(args)
+    _count_shapes(engine)
+    off = (
+        FAST_PATHS
+        if args.fast_paths_off == "all"
+        else tuple(filter(None, args.fast_paths_off.split(",")))
+    )
+    print(f"KV pool: {engine.cache.pool.num_blocks} blocks; fast paths off: {off or 'none'}")
+    drive = _EngineDriver(engine, args)
+    with fast_paths_off(*off) if off else nullcontext():
+        drive(range(-args.warmup, 0))
+        print(header)
+        done, rounds = 0, []
+        for r in range(1, args.rounds + 1):
+            rounds.append(_round(r, args, drive, engine, None, done))
             done += args.requests
         _report(rounds, args)
     return 0
