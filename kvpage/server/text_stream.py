@@ -101,8 +101,10 @@ class Detokenizer:
             text = self._decode(end)
         new = text[len(self._decode(self.read)) :]
         if new:  # else the window keeps its start: a context of special tokens alone has no
-            self.prefix = self.read  # text, and the next token would decode as a text's first
-        self.read = end  # (SentencePiece's leading space dropped after an <unk>)
+            # text, and the next token would decode as a text's first (SentencePiece's leading
+            # space dropped after an <unk>)
+            self.prefix = min(self.read, self._run_start(end))
+        self.read = end
         sent, self.ahead = self.ahead, max(self.ahead - len(new), 0)
         return new[sent:]
 
@@ -132,9 +134,14 @@ class Detokenizer:
         one byte-level token) are final: the text before them is out now, and a stop string
         in it ends the choice on this token, not several later."""
         token_bytes = getattr(self.tokenizer, "token_bytes", None)
+        if token_bytes is None:
+            return True
         joined = run_member(self.tokenizer)
-        if token_bytes is None or joined is not None and joined(self.token_ids[end - 1]):
-            return True  # a ByteFallback run waits whole: cut inside, it decodes otherwise
+        if joined is not None and joined(self.token_ids[end - 1]):
+            # A ByteFallback run spells every byte U+FFFD until it is UTF-8 as a whole: it
+            # waits while it may still become that; once it cannot, its text is final.
+            run = self.token_ids[self._run_start(end) : end]
+            return _utf8_so_far(b"".join(token_bytes(t) or b"" for t in run))
         data = b"".join(
             token_bytes(t) or b"" for t in self.token_ids[max(self.prefix, end - 4) : end]
         )
@@ -142,6 +149,16 @@ class Detokenizer:
             data[-n] >= 0xC0 and _one_char_so_far(data[-n:]) and not _is_one_char(data[-n:])
             for n in range(1, min(len(data), 3) + 1)
         )
+
+    def _run_start(self, end: int) -> int:
+        """Where the run of byte-fallback tokens that token `end - 1` ends starts (`end`: it
+        is in none), within the window and at most MAX_CONTEXT_TOKENS back: the next window
+        starts there, since the decoder reads a run as one buffer."""
+        joined = run_member(self.tokenizer)
+        start, floor = end, max(end - MAX_CONTEXT_TOKENS, self.prefix)
+        while joined is not None and start > floor and joined(self.token_ids[start - 1]):
+            start -= 1
+        return start
 
     def _decode(self, end: int) -> str:
         return self.tokenizer.decode(self.token_ids[self.prefix : end]) if end > self.prefix else ""
@@ -233,6 +250,15 @@ def _char_starts(data: bytes) -> list[int] | None:
     for index, char in enumerate(text):
         starts += [index] * len(char.encode("utf-8"))
     return starts
+
+
+def _utf8_so_far(data: bytes) -> bool:
+    """Whether `data` is UTF-8, or the start of some (a character's first bytes at its end)."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=False)
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _is_one_char(data: bytes) -> bool:

@@ -107,3 +107,33 @@ def test_a_special_token_inside_a_byte_fallback_run_does_not_end_it(tmp_path):
     assert choice.text.text == text and text.endswith("\ufffd" * 3)
     n, bytes_at = len(text) - 3, [len(word), len(word) + 2, len(word) + 3]
     assert [offsets[i] for i in bytes_at] == [n, n + 1, n + 2]  # <s> has no one offset
+
+
+def test_a_long_run_of_bytes_that_is_not_utf8_is_one_replacement_character_per_byte(tmp_path):
+    """24 byte-fallback tokens, not UTF-8 as a whole: ByteFallback spells each byte U+FFFD. Once
+    a run cannot become UTF-8 its text is final and goes out; a window never starts inside it
+    (cut there, part of it may decode as characters and the count of U+FFFD differs: the
+    whole-stack suite found 26 for 24)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from kvpage.model.tokenizer import HFTokenizer
+    from kvpage.verify.stack.tokenizer_dirs import build
+
+    directory = build(tmp_path / "spm", "spm")
+    theirs = AutoTokenizer.from_pretrained(directory)
+    tok = HFTokenizer(directory / "tokenizer.json", 1, 2)
+    rng = random.Random(0)
+    found = bytes.fromhex("9c8361b959b82222eba1bc2c65f572464a354474f8787dc5")  # "롼" inside
+    # a stray continuation byte first: not UTF-8 from its first byte on, whatever follows
+    drawn = [
+        bytes([0x9C]) + bytes(rng.randrange(0x20, 0x100) for _ in range(23)) for _ in range(20)
+    ]
+    for data in [found, *drawn]:
+        ids = theirs.encode(" brac", add_special_tokens=False)
+        ids += [theirs.convert_tokens_to_ids(f"<0x{b:02X}>") for b in data]
+        stream = TextStream(tok)
+        text = "".join(stream.add([t], final=i == len(ids) - 1) for i, t in enumerate(ids))
+        assert text == theirs.decode(ids, skip_special_tokens=True), data.hex()
+        assert text.endswith("\ufffd" * 24)
