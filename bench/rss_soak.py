@@ -1,25 +1,44 @@
-"""RSS soak of the server: streams with n > 1 opened and abandoned, and what memory does meanwhile.
+"""RSS soak of the server (or the engine alone): streams with n > 1 opened and abandoned, and
+what memory does meanwhile.
 
-    python bench/rss_soak.py [--requests 1000] [--rounds 2] [--every 100] [--n 3]
+    python bench/rss_soak.py [--requests 1000] [--rounds 2] [--every 100] [--clients 1] [--n 3]
                              [--max-tokens 64] [--warmup 50] [--tracemalloc] [--no-trim]
+    python bench/rss_soak.py --engine-only [--clients 16] [--prompt-tokens 4-96] [--linger 2]
+                             [--seed 0] [--fast-paths-off onednn,...|all] ...
     MALLOC_ARENA_MAX=2 python bench/rss_soak.py ...   # glibc: two malloc arenas, not 8 per core
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 LRU_CACHE_CAPACITY=1 python bench/rss_soak.py ...
 
-Starts the server in this process (uvicorn in a thread, `builtin:tiny-llama`, the engine and
-shadow defaults of `kvpage serve`), then, `--clients` at a time, sends a streamed completion with `n` samples, reads up to its first event and closes
-the connection, so the server aborts it. Every `--every` requests, once the engine is idle, it
-prints RSS (VmRSS and RssAnon from /proc/self/status), malloc's bytes in use and held free
-(glibc's mallinfo2), the live Python objects after a full collection (and, with --tracemalloc, the bytes Python allocated and still holds), the engine's
-free and cached KV blocks and its live requests, and the server's per-request state (the engine
-loop's sinks, the audit log's tenants). After each round it prints the round's growth per 1,000
-requests and the object types that grew most.
+Server mode starts the server in this process (uvicorn in a thread, `builtin:tiny-llama`, the
+engine and shadow defaults of `kvpage serve`), then, `--clients` at a time, sends a streamed
+completion with `n` samples, reads up to its first event and closes the connection, so the
+server aborts it. `--engine-only` drives kvpage.LLMEngine itself with the same traffic and no
+HTTP, server or shadow (_EngineDriver: `--clients` requests in flight, prompts of random token
+ids, each aborted with `abort_request` 0 to `--linger` steps after its first token, as the engine
+loop aborts a stream whose client hung up), so the steps' batch shapes vary as under concurrent
+streams; `--fast-paths-off` runs it inside kvpage.model.kernels.fast_paths_off. Every `--every`
+requests, once the engine is idle, it prints RSS (VmRSS and RssAnon from /proc/self/status),
+malloc's bytes in use and held free (glibc's mallinfo2), the live Python objects after a full
+collection (and, with --tracemalloc, the bytes Python allocated and still holds), the engine's
+free and cached KV blocks and its live requests, the server's per-request state (the engine
+loop's sinks, the audit log's tenants), the row counts the decode plan keeps buffers for
+(`plan`: kvpage's only per-shape dicts, at most one per decode batch size, so at most
+max_num_seqs) and the distinct step sizes run so far (`shapes`: tokens per forward pass). After
+each round it prints the round's growth per 1,000 requests and the object types that grew most.
 
-Telling a leak from allocator retention: a leak holds Python objects (or tensors) that a request
-left behind, so object counts and per-request state grow with the requests, round after round;
-retention is memory freed by Python and torch that glibc keeps in its arenas ("held free"
-grows), so objects stay flat, growth slows down in later rounds, and `malloc_trim(0)` at the
-end (skipped with --no-trim) hands much of it back. Growth in "malloc used" with flat Python
-objects and traced bytes is native memory still allocated (a C++ cache or leak). Run it twice, with and without MALLOC_ARENA_MAX=2: retention
-in per-thread arenas shrinks with fewer arenas, a leak does not."""
+Telling a leak from allocator retention from a cache: a leak holds Python objects (or tensors)
+that a request left behind, so object counts and per-request state grow with the requests, round
+after round; retention is memory freed by Python and torch that glibc keeps in its arenas ("held
+free" grows), and `malloc_trim(0)` at the end (skipped with --no-trim) hands much of it back.
+Growth in "malloc used" with flat Python objects and traced bytes is native memory still
+allocated: a C++ cache (it follows `shapes` and stops when the cache is full) or a leak (it goes
+on with the requests). Found so far (bench/README.md, issue 40): it is two bounded caches of
+compiled oneDNN primitives, one per (rows, weight shape) of kvpage's prepacked linear layers
+(`torch.ops.mkldnn._linear_pointwise`): oneDNN's primitive cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY,
+1024 entries by default) and ideep's LRU of computations inside torch (LRU_CACHE_CAPACITY, 1024; 0
+crashes torch, 1 is the smallest). With both off, or with `--fast-paths-off onednn`, RSS is flat;
+with the defaults, `--engine-only --clients 16` levels off at ~1,040 MiB RSS (~660 MiB malloc
+used) after ~3,000 requests, once oneDNN has created ~1,024 primitives (ONEDNN_VERBOSE=
+profile_create counts them)."""
 
 from __future__ import annotations
 
