@@ -68,6 +68,8 @@ def prompt_context(prompt_ids: list[int], tokenizer: Tokenizer | None = None) ->
             if not _is_continuation(tokenizer.token_bytes(prompt_ids[back])):
                 start = back
                 break
+    while start < len(prompt_ids) - 1 and tokenizer.token_bytes(prompt_ids[start]) is None:
+        start += 1  # a special token before the run: no text, the decode skips it anyway
     return list(prompt_ids[start:])
 
 
