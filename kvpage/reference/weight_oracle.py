@@ -123,5 +123,3 @@ def _projections(module: nn.Module):
 def _is_projection(value) -> bool:
     linears = getattr(value, "linears", None)
     return isinstance(linears, tuple) and all(isinstance(m, nn.Module) for m in linears)
-
-
