@@ -14,6 +14,8 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvpage.cache.prefix_index import common_prefix
+
 TEXT_OVERHEAD = 2  # tokens a text prompt may have beyond one per character (BOS, specials)
 # What a text prompt (the capability probes') may share with a random token-id prompt: its BOS
 # and one more token. Random letters and random ids agree on a longer prefix only by chance.
@@ -82,7 +84,7 @@ class Accounting:
         best = 0
         for other in others:
             if other.ids is not None:
-                best = max(best, _common_prefix(sent.ids, other.ids))
+                best = max(best, common_prefix(sent.ids, other.ids))
             elif other.max_tokens is not None:
                 best = max(best, min(other.max_tokens, TEXT_VS_IDS, len(sent.ids)))
             else:
@@ -100,12 +102,3 @@ class Accounting:
 
     def _same_space(self, a: Sent, b: Sent) -> bool:
         return not self.separate_salts or a.salt == b.salt
-
-
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -235,3 +235,14 @@ class PrefixIndex:
 @functools.cache
 def _group_salt(group: int) -> int:
     return int.from_bytes(hashlib.sha256(b"kvpage.group%d" % group).digest()[:8], "little")
+
+
+def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
+    """How many leading tokens `a` and `b` share: the most a prefix cache can serve one from
+    the other (before rounding down to full blocks)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -339,23 +339,9 @@ async def _counted(events: AsyncIterator[str], state, path: str) -> AsyncIterato
 
 
 async def _complete_batch(request, state, shape, gens, sinks) -> Response:
-    async def collect() -> None:
-        async with aclosing(deltas_of_all(state, gens, sinks)) as deltas:
-            async for _ in deltas:
-                pass
-
-    task = asyncio.create_task(collect())
-    gone = asyncio.create_task(_disconnected(request))
-    await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    gone.cancel()
-    if not task.done():
-        task.cancel()  # every prompt's run aborts its request on the way out
-        return Response(status_code=499)
-    try:
-        task.result()
-    except EngineFailure as err:
-        raise ApiError(str(err), None, err.status, err.kind) from err
-    return JSONResponse(batch_body(shape, gens, state.loop.engine.tokenizer))
+    if await _collected_unless_gone(request, deltas_of_all(state, gens, sinks)):
+        return JSONResponse(batch_body(shape, gens, state.loop.engine.tokenizer))
+    return Response(status_code=499)  # every prompt's run aborts its request on the way out
 
 
 async def chat_completions(
@@ -494,10 +480,18 @@ async def _stream_events(state, shape, gen, sink, include_usage: bool) -> AsyncI
 
 async def _complete(request, state, shape, gen, sink) -> Response:
     """Collect the whole response; a client that hangs up meanwhile aborts the request."""
+    if await _collected_unless_gone(request, run(state, gen, sink)):
+        return JSONResponse(final_body(shape, gen, state.loop.engine.tokenizer))
+    return Response(status_code=499)  # run() aborts the request on its way out
+
+
+async def _collected_unless_gone(request: Request, deltas) -> bool:
+    """Drain `deltas` (an async generator of a request's deltas); False if the client hung up
+    first (the generator is cancelled, and its runs abort their requests on the way out)."""
 
     async def collect() -> None:
-        async with aclosing(run(state, gen, sink)) as deltas:
-            async for _ in deltas:
+        async with aclosing(deltas) as running:
+            async for _ in running:
                 pass
 
     task = asyncio.create_task(collect())
@@ -505,13 +499,13 @@ async def _complete(request, state, shape, gen, sink) -> Response:
     await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     gone.cancel()
     if not task.done():
-        task.cancel()  # run() aborts the request on its way out
-        return Response(status_code=499)
+        task.cancel()
+        return False
     try:
         task.result()
     except EngineFailure as err:
         raise ApiError(str(err), None, err.status, err.kind) from err
-    return JSONResponse(final_body(shape, gen, state.loop.engine.tokenizer))
+    return True
 
 
 async def _disconnected(request: Request) -> None:

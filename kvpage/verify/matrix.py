@@ -63,6 +63,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from multiprocessing import get_context
 
+from kvpage.config import KV_CACHE_DTYPES
 from kvpage.verify.cases import ALL_SUITES, SUITES
 from kvpage.verify.gate import MODEL_CHECKS, run_gate
 from kvpage.verify.generated.stage import GeneratedStage
@@ -71,7 +72,7 @@ from kvpage.verify.mutants.layer_groups import LAYER_GROUP_MUTANTS
 
 MODELS = ("builtin:tiny-llama", "builtin:tiny-qwen2")
 DTYPES = ("float32", "bfloat16")
-KV_DTYPES = ("auto", "bfloat16", "int8", "fp8_e4m3")
+KV_DTYPES = KV_CACHE_DTYPES  # every KV format the engine stores
 TP_SIZES = (1, 2)
 MUTANT_PARTS = ("all", "format", "groups", "none")
 # Scenarios of the default generated stage: the generality figure is measured over the same

@@ -11,6 +11,7 @@ import math
 import random
 from dataclasses import dataclass
 
+from kvpage.config import KV_CACHE_DTYPES
 from kvpage.verify.generated.scenario import (
     ABORT_STATES,
     EventScenario,
@@ -32,7 +33,6 @@ from kvpage.verify.generated.served import (
 )
 
 BLOCK_SIZES = (4, 8, 16, 32)
-KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8_e4m3")
 POOLS = ("tiny", "small", "ample")
 BUDGETS = ("tight", "medium", "large")
 PREEMPTION = ("recompute", "swap", "off")

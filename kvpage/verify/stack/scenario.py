@@ -15,6 +15,8 @@ import random
 from dataclasses import dataclass, field
 from dataclasses import replace as dc_replace
 
+from kvpage.cache.prefix_index import common_prefix
+
 ALPHABET = "abcdefgh ijklm nopqrstuvwxyz,.\n" + "éü€ß中😀"
 TENANTS = ("alice", "bob", "carol")
 SALTS = (None, "s1", "s2")
@@ -222,16 +224,6 @@ def _extend(rng, req: GenRequest, docs, block_size, tokenizer, prompts, batches)
 
 def _ids(tokenizer, prompt) -> tuple[int, ...]:
     return tuple(prompt) if isinstance(prompt, tuple) else tuple(tokenizer.encode(prompt))
-
-
-def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """How many leading tokens a and b share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _prompt(rng, doc: str, block_size: int, tokenizer, as_ids: bool) -> str | tuple[int, ...]:
