@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import heapq
+import os
 from dataclasses import dataclass
 
 from kvpage.cache.block_pool import BlockPool, BlockState
@@ -240,9 +241,4 @@ def _group_salt(group: int) -> int:
 def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
     """How many leading tokens `a` and `b` share: the most a prefix cache can serve one from
     the other (before rounding down to full blocks)."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    return len(os.path.commonprefix([a, b]))

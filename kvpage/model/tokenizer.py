@@ -58,6 +58,7 @@ class HFTokenizer:
 
     def __init__(self, path: Path, bos_token_id: int | None, eos_token_id: int | None) -> None:
         from tokenizers import Tokenizer as _Tokenizer
+        from tokenizers import decoders
 
         self._tok = _Tokenizer.from_file(str(path))
         # Identifies the vocabulary for the cache namespace: same ids, different text = miss.
@@ -65,6 +66,8 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         special = _special_ids_from_tokenizer_config(path.parent, self._tok)
         self._fallback_bytes = _fallback_byte_ids(path, self._tok)
+        self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
+        self._bytes: dict[int, bytes | None] = {}  # token_bytes, memoized
         # id -> text of each special added token (read once: the hot path asks per token)
         self._specials = {
             i: t.content for i, t in self._tok.get_added_tokens_decoder().items() if t.special
@@ -91,13 +94,15 @@ class HFTokenizer:
     def token_bytes(self, token_id: int) -> bytes | None:
         """The token's raw bytes: byte-level BPE pieces map back through GPT-2's byte alphabet,
         SentencePiece's `<0xNN>` is that byte and `▁` a space. None for special tokens."""
-        from tokenizers import decoders
+        if token_id not in self._bytes:  # a pure function of the id, asked per token: memoized
+            self._bytes[token_id] = self._piece_bytes(token_id)
+        return self._bytes[token_id]
 
+    def _piece_bytes(self, token_id: int) -> bytes | None:
         piece = self._tok.id_to_token(token_id)
         if piece is None or token_id in self._specials:
             return None
-        byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
-        if byte_level and all(ch in _BYTE_LEVEL for ch in piece):  # else an added plain token
+        if self._byte_level and all(ch in _BYTE_LEVEL for ch in piece):  # else an added token
             return bytes(_BYTE_LEVEL[ch] for ch in piece)
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             return bytes([int(piece[3:5], 16)])

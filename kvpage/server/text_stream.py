@@ -82,9 +82,14 @@ class Detokenizer:
     prefix: int = 0  # the window starts here: the tokens emitted last time, as context
     read: int = 0  # tokens before this have been emitted
     start: int = 0  # the text's first token: those before it are the prompt's, context only
+    # run_member(tokenizer), once: whether a token is read into a byte-fallback run
+    member: Callable[[int], bool] | None = field(init=False, default=None)
     # Characters of the pending tokens' text already emitted: the text before a character
     # still arriving in the same token (byte-level "a\xc3": the "a").
     ahead: int = 0
+
+    def __post_init__(self) -> None:
+        self.member = run_member(self.tokenizer)
 
     @classmethod
     def after(cls, tokenizer: Tokenizer, context: list[int]) -> Detokenizer:
@@ -116,7 +121,7 @@ class Detokenizer:
         character's start decode the same whatever follows — and a stop string in it must end
         the choice on this token. A byte-fallback run decodes as one buffer (its text may still
         change), and such a token holds one byte: nothing goes out before it."""
-        joined = run_member(self.tokenizer)
+        joined = self.member
         if joined is not None and joined(self.token_ids[end - 1]):
             return ""
         before = text[len(self._decode(self.read)) : -1]  # the one U+FFFD: the partial bytes
@@ -138,7 +143,7 @@ class Detokenizer:
         token_bytes = getattr(self.tokenizer, "token_bytes", None)
         if token_bytes is None:
             return True
-        joined = run_member(self.tokenizer)
+        joined = self.member
         if joined is not None and joined(self.token_ids[end - 1]):
             # A ByteFallback run spells every byte U+FFFD until it is UTF-8 as a whole: it
             # waits while it may still become that; once it cannot, its text is final.
@@ -156,7 +161,7 @@ class Detokenizer:
         """Where the run of byte-fallback tokens that token `end - 1` ends starts (`end`: it
         is in none), within the window and at most MAX_CONTEXT_TOKENS back: the next window
         starts there, since the decoder reads a run as one buffer."""
-        joined = run_member(self.tokenizer)
+        joined = self.member
         start, floor = end, max(end - MAX_CONTEXT_TOKENS, self.prefix)
         while joined is not None and start > floor and joined(self.token_ids[start - 1]):
             start -= 1
@@ -213,7 +218,7 @@ class Detokenizer:
         reads the window's whole run of byte-fallback tokens as one buffer, one U+FFFD per byte
         when some byte of it is not UTF-8 (A2 C8 86: three, not U+FFFD then Ȇ), and then each
         byte is a character of its own."""
-        joined = run_member(self.tokenizer)
+        joined = self.member
         if joined is None:
             return True
         start = lead

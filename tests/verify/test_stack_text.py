@@ -10,7 +10,7 @@ import json
 import random
 
 import pytest
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+from tokenizers import AddedToken, Tokenizer, models, normalizers
 
 from kvpage.model.tokenizer import ByteTokenizer, HFTokenizer
 from kvpage.server.chat import load_chat_template
@@ -18,6 +18,7 @@ from kvpage.server.responses import token_text
 from kvpage.server.text_stream import TextStream, prompt_context
 from kvpage.verify.stack.scenario import make_scenario
 from kvpage.verify.stack.text_oracle import ByteText, HFText, choice_texts, expected_choice
+from kvpage.verify.stack.tokenizer_dirs import sentencepiece_decoder
 
 WORDS = ["\u2581hello", "\u2581world", "\u2581the", "\u2581cat"]
 HELLO, WORLD, THE, CAT = 259, 260, 261, 262  # no merges: the words are spelled by id here
@@ -41,14 +42,7 @@ def spm_dir(tmp_path, template: str | None = None, jinja_file: bool = False):
         [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
     )
     tok.pre_tokenizer = None
-    tok.decoder = decoders.Sequence(
-        [
-            decoders.Replace("\u2581", " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
+    tok.decoder = sentencepiece_decoder()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in vocab][:3])
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.save(str(tmp_path / "tokenizer.json"))

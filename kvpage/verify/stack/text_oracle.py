@@ -26,6 +26,7 @@ with the stable part (`ExpectedChoice.stable`), and the fields past it are not j
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -193,12 +194,7 @@ def text_offsets(pieces: list[bytes], text_len: int) -> list[int]:
 
 
 def _lcp(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    return len(os.path.commonprefix([a, b]))
 
 
 def choice_texts(text_model, context: list[int], token_ids: list[int]) -> list[str]:

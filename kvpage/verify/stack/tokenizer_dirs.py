@@ -61,9 +61,18 @@ def _trained(model, pre_tokenizer, vocab_size: int, specials: list[str]):
     return json.loads(tok.to_str())["model"]
 
 
+def sentencepiece_decoder():
+    """Llama 2's decoder: ▁ -> space, byte-fallback bytes joined, pieces fused, the text's
+    first space stripped."""
+    from tokenizers import decoders
+
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    return decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)])
+
+
 def write_spm_tokenizer(directory: Path, vocab_size: int) -> None:
     """SentencePiece-style BPE with byte fallback, `vocab_size` tokens."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
 
     specials = ["<unk>", "<s>", "</s>"]
     meta = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
@@ -84,14 +93,7 @@ def write_spm_tokenizer(directory: Path, vocab_size: int) -> None:
         models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True)
     )
     tok.pre_tokenizer = meta
-    tok.decoder = decoders.Sequence(
-        [
-            decoders.Replace("\u2581", " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
+    tok.decoder = sentencepiece_decoder()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
