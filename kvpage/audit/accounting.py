@@ -10,11 +10,10 @@ hits across models are the models suite's to judge."""
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
-
-from kvpage.cache.prefix_index import common_prefix
 
 TEXT_OVERHEAD = 2  # tokens a text prompt may have beyond one per character (BOS, specials)
 # What a text prompt (the capability probes') may share with a random token-id prompt: its BOS
@@ -84,7 +83,7 @@ class Accounting:
         best = 0
         for other in others:
             if other.ids is not None:
-                best = max(best, common_prefix(sent.ids, other.ids))
+                best = max(best, len(os.path.commonprefix([sent.ids, other.ids])))
             elif other.max_tokens is not None:
                 best = max(best, min(other.max_tokens, TEXT_VS_IDS, len(sent.ids)))
             else:

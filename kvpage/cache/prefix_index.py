@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import heapq
-import os
 from dataclasses import dataclass
 
 from kvpage.cache.block_pool import BlockPool, BlockState
@@ -236,9 +235,3 @@ class PrefixIndex:
 @functools.cache
 def _group_salt(group: int) -> int:
     return int.from_bytes(hashlib.sha256(b"kvpage.group%d" % group).digest()[:8], "little")
-
-
-def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
-    """How many leading tokens `a` and `b` share: the most a prefix cache can serve one from
-    the other (before rounding down to full blocks)."""
-    return len(os.path.commonprefix([a, b]))

@@ -11,11 +11,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field, replace
 
-from kvpage.cache.prefix_index import common_prefix
 from kvpage.reference.generator import ReferenceOutput, generate, prompt_logprobs
 from kvpage.sampling_params import SamplingParams
 from kvpage.verify.diff import HALF_DTYPES, logit_atol
-from kvpage.verify.stack.scenario import GenRequest, pick_stops
+from kvpage.verify.stack.scenario import GenRequest, common_prefix, pick_stops
 from kvpage.verify.stack.text_oracle import (
     ExpectedChoice,
     choice_texts,

@@ -11,11 +11,10 @@ across multi-byte characters, or nearly occur (a prefix of one, held back, then 
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass, field
 from dataclasses import replace as dc_replace
-
-from kvpage.cache.prefix_index import common_prefix
 
 ALPHABET = "abcdefgh ijklm nopqrstuvwxyz,.\n" + "éü€ß中😀"
 TENANTS = ("alice", "bob", "carol")
@@ -224,6 +223,11 @@ def _extend(rng, req: GenRequest, docs, block_size, tokenizer, prompts, batches)
 
 def _ids(tokenizer, prompt) -> tuple[int, ...]:
     return tuple(prompt) if isinstance(prompt, tuple) else tuple(tokenizer.encode(prompt))
+
+
+def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many leading tokens a and b share."""
+    return len(os.path.commonprefix([a, b]))
 
 
 def _prompt(rng, doc: str, block_size: int, tokenizer, as_ids: bool) -> str | tuple[int, ...]:
