@@ -40,6 +40,12 @@ class Mutant:
         return None if self.not_applicable_on is None else self.not_applicable_on(cfg)
 
 
+def mutant_table(expected_class: str, rows, **shared) -> tuple[Mutant, ...]:
+    """Mutants of one bug class that share their other settings (suites, config, ...): one
+    `(name, bug, apply)` row each."""
+    return tuple(Mutant(name, bug, expected_class, apply, **shared) for name, bug, apply in rows)
+
+
 class MissingSeam(KVPageError, AttributeError):
     """A mutant targets a seam or public attribute the engine no longer has, or a private one."""
 

@@ -5,7 +5,7 @@ divergence of some cache class."""
 from __future__ import annotations
 
 from kvpage.engine.engine import LLMEngine
-from kvpage.verify.mutants.base import Mutant, plant
+from kvpage.verify.mutants.base import mutant_table, plant
 
 
 def _stop_window_indexes_past_start(engine: LLMEngine) -> None:
@@ -24,12 +24,14 @@ def _stop_window_indexes_past_start(engine: LLMEngine) -> None:
     plant(engine, "scheduler.stop_reason", stop_reason)
 
 
-CRASH_MUTANTS: tuple[Mutant, ...] = (
-    Mutant(
-        "stop_window_indexes_past_start",
-        "the stop rule reads 4 output tokens back before a request has 4 (IndexError)",
-        "crash",
-        _stop_window_indexes_past_start,
-        suites=("stop",),
+CRASH_MUTANTS = mutant_table(
+    "crash",
+    (
+        (
+            "stop_window_indexes_past_start",
+            "the stop rule reads 4 output tokens back before a request has 4 (IndexError)",
+            _stop_window_indexes_past_start,
+        ),
     ),
+    suites=("stop",),
 )

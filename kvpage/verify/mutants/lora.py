@@ -17,7 +17,7 @@ import torch
 
 from kvpage.engine.engine import LLMEngine
 from kvpage.lora.apply import AdapterRows, LoraBatch
-from kvpage.verify.mutants.base import Mutant, plant
+from kvpage.verify.mutants.base import mutant_table, plant
 
 
 def adapter_left_out(engine: LLMEngine) -> None:
@@ -111,9 +111,9 @@ def slot_keeps_old_factors(engine: LLMEngine) -> None:
     plant(engine, "lora_tables.clear_slot", clear_slot)
 
 
-LORA_MUTANTS: tuple[Mutant, ...] = tuple(
-    Mutant(name, what, "lora", apply, suites=("lora",))
-    for name, what, apply in (
+LORA_MUTANTS = mutant_table(
+    "lora",
+    (
         (
             "lora_left_out_of_namespace",
             "the adapter is not part of the block key",
@@ -146,5 +146,6 @@ LORA_MUTANTS: tuple[Mutant, ...] = tuple(
             "a reused slot keeps the previous adapter's factors for projections it lacks",
             slot_keeps_old_factors,
         ),
-    )
+    ),
+    suites=("lora",),
 )

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 from kvpage.cache.namespace import CacheNamespace
 from kvpage.engine.engine import LLMEngine
-from kvpage.verify.mutants.base import Mutant, bind, replace
+from kvpage.verify.mutants.base import bind, mutant_table, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,33 +61,25 @@ def tenant_switch_ignores_salt(engine: LLMEngine) -> None:
     bind(engine, "set_namespace_caching", set_namespace_caching)
 
 
-NAMESPACE_MUTANTS: tuple[Mutant, ...] = (
-    Mutant(
-        "empty_salt_is_no_salt",
-        'cache salt "" keyed like no salt',
-        "prefix_key",
-        empty_salt_is_no_salt,
-        suites=("namespaces",),
+NAMESPACE_MUTANTS = mutant_table(
+    "prefix_key",
+    (
+        ("empty_salt_is_no_salt", 'cache salt "" keyed like no salt', empty_salt_is_no_salt),
+        (
+            "tenant_switch_lookup_only",
+            "tenant kill switch still publishes",
+            tenant_switch_lookup_only,
+        ),
+        (
+            "global_switch_lookup_only",
+            "global kill switch still publishes",
+            global_switch_lookup_only,
+        ),
+        (
+            "tenant_switch_ignores_salt",
+            "tenant kill switch keyed without the salt",
+            tenant_switch_ignores_salt,
+        ),
     ),
-    Mutant(
-        "tenant_switch_lookup_only",
-        "tenant kill switch still publishes",
-        "prefix_key",
-        tenant_switch_lookup_only,
-        suites=("namespaces",),
-    ),
-    Mutant(
-        "global_switch_lookup_only",
-        "global kill switch still publishes",
-        "prefix_key",
-        global_switch_lookup_only,
-        suites=("namespaces",),
-    ),
-    Mutant(
-        "tenant_switch_ignores_salt",
-        "tenant kill switch keyed without the salt",
-        "prefix_key",
-        tenant_switch_ignores_salt,
-        suites=("namespaces",),
-    ),
+    suites=("namespaces",),
 )

@@ -19,7 +19,7 @@ from array import array
 import torch
 
 from kvpage.engine.engine import LLMEngine
-from kvpage.verify.mutants.base import Mutant, plant
+from kvpage.verify.mutants.base import mutant_table, plant
 
 
 def rows_offset_by_one(engine: LLMEngine) -> None:
@@ -66,40 +66,39 @@ def kept_rows_offset_by_one(engine: LLMEngine) -> None:
     plant(engine, "rows.rows_for", rows_for)
 
 
-PROMPT_LOGPROB_MUTANTS: tuple[Mutant, ...] = (
-    Mutant(
-        "prompt_rows_under_a_hit",
-        "a prompt-logprob request takes a prefix hit; the hit's rows are never computed",
-        "prefix_key",
-        hit_for_prompt_rows,
-        suites=("prompt_logprobs",),
+PROMPT_LOGPROB_MUTANTS = mutant_table(
+    "prefix_key",
+    (
+        (
+            "prompt_rows_under_a_hit",
+            "a prompt-logprob request takes a prefix hit; the hit's rows are never computed",
+            hit_for_prompt_rows,
+        ),
     ),
-    Mutant(
-        "prompt_rows_offset_by_one",
-        "prompt logprob rows scored from the next position's logits",
-        "prompt_logprobs",
-        rows_offset_by_one,
-        suites=("prompt_logprobs",),
+    suites=("prompt_logprobs",),
+) + mutant_table(
+    "prompt_logprobs",
+    (
+        (
+            "prompt_rows_offset_by_one",
+            "prompt logprob rows scored from the next position's logits",
+            rows_offset_by_one,
+        ),
+        (
+            "prompt_rows_from_another_namespace",
+            "kept prompt rows keyed without the namespace: one tenant's hit gets another's rows",
+            rows_keyed_without_namespace,
+        ),
+        (
+            "prompt_rows_after_generation_change",
+            "kept prompt rows served after the block they were computed for was reused",
+            rows_outlive_generation,
+        ),
+        (
+            "kept_prompt_rows_offset_by_one",
+            "a hit's kept prompt rows served one position off",
+            kept_rows_offset_by_one,
+        ),
     ),
-    Mutant(
-        "prompt_rows_from_another_namespace",
-        "kept prompt rows keyed without the namespace: one tenant's hit gets another's rows",
-        "prompt_logprobs",
-        rows_keyed_without_namespace,
-        suites=("prompt_logprobs",),
-    ),
-    Mutant(
-        "prompt_rows_after_generation_change",
-        "kept prompt rows served after the block they were computed for was reused",
-        "prompt_logprobs",
-        rows_outlive_generation,
-        suites=("prompt_logprobs",),
-    ),
-    Mutant(
-        "kept_prompt_rows_offset_by_one",
-        "a hit's kept prompt rows served one position off",
-        "prompt_logprobs",
-        kept_rows_offset_by_one,
-        suites=("prompt_logprobs",),
-    ),
+    suites=("prompt_logprobs",),
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvpage.engine.engine import LLMEngine
 from kvpage.engine.sequence import SeqStatus
-from kvpage.verify.mutants.base import Mutant, bind, plant
+from kvpage.verify.mutants.base import bind, mutant_table, plant
 
 
 def abort_keeps_swap_space(engine: LLMEngine) -> None:
@@ -52,33 +52,34 @@ def held_swap_blocks_admission(engine: LLMEngine) -> None:
     plant(engine, "scheduler.may_admit", may_admit)
 
 
-RESOURCE_MUTANTS: tuple[Mutant, ...] = (
-    Mutant(
-        "abort_keeps_swap_space",
-        "abort/timeout of a swapped request leaks its swap space",
-        "resource",
-        abort_keeps_swap_space,
-        suites=("resources",),
+RESOURCE_MUTANTS = mutant_table(
+    "resource",
+    (
+        (
+            "abort_keeps_swap_space",
+            "abort/timeout of a swapped request leaks its swap space",
+            abort_keeps_swap_space,
+        ),
+        (
+            "abort_mid_prefill_leaks_blocks",
+            "abort during a chunked prefill leaks its blocks",
+            abort_mid_prefill_leaks_blocks,
+        ),
     ),
-    Mutant(
-        "abort_mid_prefill_leaks_blocks",
-        "abort during a chunked prefill leaks its blocks",
-        "resource",
-        abort_mid_prefill_leaks_blocks,
-        suites=("resources",),
+    suites=("resources",),
+) + mutant_table(
+    "liveness",
+    (
+        (
+            "restore_needs_whole_remainder",
+            "a request swapped out mid-prefill is never restored",
+            restore_needs_whole_remainder,
+        ),
+        (
+            "held_swap_blocks_admission",
+            "a request held in swap blocks every admission",
+            held_swap_blocks_admission,
+        ),
     ),
-    Mutant(
-        "restore_needs_whole_remainder",
-        "a request swapped out mid-prefill is never restored",
-        "liveness",
-        restore_needs_whole_remainder,
-        suites=("resources",),
-    ),
-    Mutant(
-        "held_swap_blocks_admission",
-        "a request held in swap blocks every admission",
-        "liveness",
-        held_swap_blocks_admission,
-        suites=("resources",),
-    ),
+    suites=("resources",),
 )

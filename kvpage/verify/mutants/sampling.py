@@ -20,7 +20,7 @@ from kvpage.engine.engine import LLMEngine
 from kvpage.engine.sequence import Sequence
 from kvpage.sampling import filtered_probs, make_generator, sample_token
 from kvpage.sampling_params import SamplingParams
-from kvpage.verify.mutants.base import Mutant, bind, plant
+from kvpage.verify.mutants.base import bind, mutant_table, plant
 
 ProbsFn = Callable[[torch.Tensor, SamplingParams], torch.Tensor]  # (V,) logits -> (V,) probs
 
@@ -102,33 +102,25 @@ def top_k_off_by_one(engine: LLMEngine) -> None:
     _sample_with(engine, probs_top_k_off_by_one)
 
 
-SAMPLING_MUTANTS: tuple[Mutant, ...] = (
-    Mutant(
-        "sampler_shared_generator",
-        "all rows of a step draw from one generator",
-        "sampling",
-        sampler_shared_generator,
-        suites=("sampling",),
+SAMPLING_MUTANTS = mutant_table(
+    "sampling",
+    (
+        (
+            "sampler_shared_generator",
+            "all rows of a step draw from one generator",
+            sampler_shared_generator,
+        ),
+        (
+            "generator_reseeded_on_recompute",
+            "generator re-created from its seed after recompute preemption",
+            generator_reseeded_on_recompute,
+        ),
+        (
+            "top_p_before_temperature",
+            "top-p applied to the untempered logits",
+            top_p_before_temperature,
+        ),
+        ("top_k_off_by_one", "top-k keeps k + 1 tokens", top_k_off_by_one),
     ),
-    Mutant(
-        "generator_reseeded_on_recompute",
-        "generator re-created from its seed after recompute preemption",
-        "sampling",
-        generator_reseeded_on_recompute,
-        suites=("sampling",),
-    ),
-    Mutant(
-        "top_p_before_temperature",
-        "top-p applied to the untempered logits",
-        "sampling",
-        top_p_before_temperature,
-        suites=("sampling",),
-    ),
-    Mutant(
-        "top_k_off_by_one",
-        "top-k keeps k + 1 tokens",
-        "sampling",
-        top_k_off_by_one,
-        suites=("sampling",),
-    ),
+    suites=("sampling",),
 )

@@ -5,7 +5,7 @@ divergence."""
 from __future__ import annotations
 
 from kvpage.engine.engine import LLMEngine
-from kvpage.verify.mutants.base import Mutant, plant
+from kvpage.verify.mutants.base import mutant_table, plant
 
 
 def eos_not_a_stop(engine: LLMEngine) -> None:
@@ -41,26 +41,12 @@ def stop_one_token_late(engine: LLMEngine) -> None:
     plant(engine, "scheduler.stop_reason", stop_reason)
 
 
-STOP_MUTANTS: tuple[Mutant, ...] = (
-    Mutant(
-        "eos_not_a_stop",
-        "EOS left out of the stop set",
-        "stop_rule",
-        eos_not_a_stop,
-        suites=("stop",),
+STOP_MUTANTS = mutant_table(
+    "stop_rule",
+    (
+        ("eos_not_a_stop", "EOS left out of the stop set", eos_not_a_stop),
+        ("max_tokens_off_by_one", "one token more than max_tokens", max_tokens_off_by_one),
+        ("stop_one_token_late", "stop checked on the previous token", stop_one_token_late),
     ),
-    Mutant(
-        "max_tokens_off_by_one",
-        "one token more than max_tokens",
-        "stop_rule",
-        max_tokens_off_by_one,
-        suites=("stop",),
-    ),
-    Mutant(
-        "stop_one_token_late",
-        "stop checked on the previous token",
-        "stop_rule",
-        stop_one_token_late,
-        suites=("stop",),
-    ),
+    suites=("stop",),
 )
