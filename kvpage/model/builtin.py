@@ -15,8 +15,11 @@ from kvpage.model.tokenizer import ByteTokenizer
 BUILTIN_PREFIX = "builtin:"
 _BYTES = ByteTokenizer()
 
-BUILTIN_CONFIGS: dict[str, ModelConfig] = {
-    "tiny-llama": ModelConfig(
+
+def _tiny(name: str, **fields) -> ModelConfig:
+    """A built-in config: the byte tokenizer's vocabulary and special tokens, a revision naming
+    the model, and tiny-llama's shape, with `fields` over them."""
+    shape = dict(
         model_type="llama",
         vocab_size=_BYTES.vocab_size,
         hidden_size=64,
@@ -30,16 +33,17 @@ BUILTIN_CONFIGS: dict[str, ModelConfig] = {
         rope=RopeConfig(theta=10000.0),
         bos_token_id=_BYTES.bos_token_id,
         eos_token_ids=(_BYTES.eos_token_id,),
-        revision="builtin:tiny-llama@seed0",
-    ),
-    "tiny-gpt2": ModelConfig(
+        revision=f"{BUILTIN_PREFIX}{name}@seed0",
+    )
+    return ModelConfig(**(shape | fields))
+
+
+# What each built-in model changes of tiny-llama's shape.
+_BUILTIN_SHAPES: dict[str, dict] = {
+    "tiny-llama": {},
+    "tiny-gpt2": dict(
         model_type="gpt2",
-        vocab_size=_BYTES.vocab_size,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
         num_kv_heads=4,
-        head_dim=16,
         intermediate_size=256,
         max_position_embeddings=2048,
         norm_eps=1e-5,
@@ -48,49 +52,24 @@ BUILTIN_CONFIGS: dict[str, ModelConfig] = {
         qkv_bias=True,
         o_bias=True,
         mlp_bias=True,
-        bos_token_id=_BYTES.bos_token_id,
-        eos_token_ids=(_BYTES.eos_token_id,),
-        revision="builtin:tiny-gpt2@seed0",
     ),
     # Qwen2's shape where tiny-llama has none: head_dim 64 (kernels and KV layouts that only
     # exist at head_dim >= 32) and biases on q/k/v (not on o). Loads into transformers'
     # Qwen2ForCausalLM unchanged (tests/model/test_builtin_qwen2.py).
-    "tiny-qwen2": ModelConfig(
-        model_type="llama",
-        vocab_size=_BYTES.vocab_size,
+    "tiny-qwen2": dict(
         hidden_size=128,
-        num_layers=2,
-        num_heads=4,
         num_kv_heads=2,  # GQA, and divisible by a TP size of 2
         head_dim=64,  # num_heads * head_dim = 256 != hidden_size: q/o are not square
         intermediate_size=256,
-        max_position_embeddings=4096,
-        norm_eps=1e-6,
         rope=RopeConfig(theta=1000000.0),
         qkv_bias=True,
-        bos_token_id=_BYTES.bos_token_id,
-        eos_token_ids=(_BYTES.eos_token_id,),
-        revision="builtin:tiny-qwen2@seed0",
     ),
     # Hybrid attention (kvpage.cache.groups): 1 global : 2 sliding-window layers, a window of
     # 12 keys, so 8- and 16-token blocks fall out of it within a short decode.
-    "tiny-hybrid": ModelConfig(
-        model_type="llama",
-        vocab_size=_BYTES.vocab_size,
-        hidden_size=64,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        max_position_embeddings=4096,
-        norm_eps=1e-6,
-        rope=RopeConfig(theta=10000.0),
-        layer_windows=(12, 12, None),
-        bos_token_id=_BYTES.bos_token_id,
-        eos_token_ids=(_BYTES.eos_token_id,),
-        revision="builtin:tiny-hybrid@seed0",
-    ),
+    "tiny-hybrid": dict(num_layers=3, layer_windows=(12, 12, None)),
+}
+BUILTIN_CONFIGS: dict[str, ModelConfig] = {
+    name: _tiny(name, **fields) for name, fields in _BUILTIN_SHAPES.items()
 }
 
 # Bias scale per model (default BIAS_STD). Qwen2 checkpoints carry large q/k biases; at the
