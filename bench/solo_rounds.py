@@ -30,7 +30,7 @@ MAX_NUM_SEQS = 64  # as throughput.py's kvpage settings
 MAX_BATCHED_TOKENS = 2048
 MAX_MODEL_LEN = 1024
 GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16"}
-ENGINE_ORDER = ("kvpage", "hf", "vllm", "llama.cpp")
+ENGINE_ORDER = ("kvpage", "kvpage-base", "hf", "vllm", "llama.cpp")
 Runner = Callable[[str, list[solo.SoloWorkload]], dict[str, dict]]  # (dtype, wls) -> per workload
 
 
@@ -39,18 +39,24 @@ class EngineFailed(RuntimeError):
 
 
 # --- the engines --------------------------------------------------------------------------------
-def worker_runner(engine: str, model_dir: Path, workdir: Path, args) -> Runner:
-    """kvpage or HF in bench/solo_worker.py, a fresh process per call."""
+def worker_runner(
+    engine: str, model_dir: Path, workdir: Path, args, source: Path | None = None
+) -> Runner:
+    """kvpage or HF in bench/solo_worker.py, a fresh process per call; with `source` (a checkout
+    of another commit: `--base-tree`) its kvpage package is the one imported, first on the path."""
     script = Path(__file__).with_name("solo_worker.py")
+    kind = "kvpage" if source is not None else engine
 
     def run(dtype: str, wls: list[solo.SoloWorkload]) -> dict[str, dict]:
-        spec = {"engine": engine, "model_dir": str(model_dir), "dtype": dtype, "seed": args.seed}
+        spec = {"engine": kind, "model_dir": str(model_dir), "dtype": dtype, "seed": args.seed}
         spec |= {"threads": args.threads, "hf_batch": args.hf_batch}
         spec["workloads"] = [w.as_json() for w in wls]
         spec_path, out_path = workdir / f"{engine}-spec.json", workdir / f"{engine}-out.json"
         spec_path.write_text(json.dumps(spec))
         out_path.unlink(missing_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        if source is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(source), env.get("PYTHONPATH"))))
         log = workdir / f"{engine}.log"
         with open(log, "w") as fh:
             cmd = [sys.executable, str(script), str(spec_path), str(out_path)]
@@ -102,10 +108,23 @@ def llama_cpp_runner(model_dir: Path, dtypes: list[str], args) -> Runner:
 VERSIONS: dict[str, str] = {}
 
 
+def base_runner(model_dir: Path, workdir: Path, args) -> Runner:
+    """kvpage as it was at another commit: `--base-tree DIR`, a checkout of it (`git worktree
+    add DIR REV`), its package imported in place of this one; the same worker and settings."""
+    source = Path(args.base_tree).resolve()
+    if not (source / "kvpage" / "__init__.py").is_file():
+        raise EngineFailed(f"--base-tree {source} holds no kvpage package")
+    rev = subprocess.run(["git", "-C", str(source), "log", "-1", "--format=%h %s"],
+                         capture_output=True, text=True).stdout.strip()  # fmt: skip
+    VERSIONS["kvpage-base"] = f"{source} at {rev or 'an unknown commit'}"
+    return worker_runner("kvpage-base", model_dir, workdir, args, source)
+
+
 def make_runners(engines: list[str], model_dir: Path, workdir: Path, args) -> dict:
     """engine -> Runner, or -> the error that keeps it out."""
     makers = {
         "kvpage": lambda: worker_runner("kvpage", model_dir, workdir, args),
+        "kvpage-base": lambda: base_runner(model_dir, workdir, args),
         "hf": lambda: worker_runner("hf", model_dir, workdir, args),
         "vllm": lambda: vllm_runner(model_dir, workdir, args),
         "llama.cpp": lambda: llama_cpp_runner(model_dir, args.dtypes, args),
@@ -126,7 +145,8 @@ def runs_on(engine: str, wl: solo.SoloWorkload) -> bool:
 
 def run_rounds(args, model_dir: Path, vocab: int, workdir: Path) -> None:
     workloads = solo.make_workloads(args.workloads, vocab, args.seed, args.quick)
-    engines = [e for e in ENGINE_ORDER if e == "kvpage" or e in args.peers]
+    wanted = {"kvpage", *args.peers, *(["kvpage-base"] if args.base_tree else [])}
+    engines = [e for e in ENGINE_ORDER if e in wanted]
     cells = {(w.name, d, e): solo.Cell() for w in workloads for d in args.dtypes for e in engines}
     for wl in workloads:
         if "llama.cpp" in engines and wl.llama_cpp is None:

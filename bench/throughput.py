@@ -845,11 +845,18 @@ def add_solo_args(ap: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="smoke test: small model, 1 round, tiny workloads"
     )
     g.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager=True")
+    g.add_argument(
+        "--base-tree",
+        default=None,
+        help="a checkout of another commit (git worktree add DIR REV): its kvpage runs as the "
+        "peer kvpage-base, for before/after ratios",
+    )
     g.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
 
 
 def is_solo(args) -> bool:
     asked = args.solo or args.quick or args.rounds is not None or args.workloads is not None
+    asked = asked or args.base_tree is not None
     return asked or "vllm" in (args.peers or "").split(",")
 
 
