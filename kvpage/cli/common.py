@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NoReturn
 
 from kvpage.config import (
@@ -117,43 +118,56 @@ def add_tensor_parallel(p: argparse.ArgumentParser, default: int | None = 1) -> 
 
 
 # --- the engine flags of `serve` and `verify` ----------------------------------------------
-# Each flag's dest -> the EngineConfig field it sets (`--no-prefix-caching` sets the negation).
-ENGINE_FLAGS = {
-    "model": "model",
-    "dtype": "dtype",
-    "device": "device",
-    "block_size": "block_size",
-    "num_blocks": "num_blocks",
-    "max_num_seqs": "max_num_seqs",
-    "max_num_batched_tokens": "max_num_batched_tokens",
-    "no_prefix_caching": "enable_prefix_caching",
-    "kv_cache_dtype": "kv_cache_dtype",
-    "quantization": "quantization",
-    "quantize_lm_head": "quantize_lm_head",
-    "preemption_mode": "preemption_mode",
-    "tensor_parallel_size": "tensor_parallel_size",
-    "enable_lora": "enable_lora",
-    "max_loras": "max_loras",
-    "max_lora_rank": "max_lora_rank",
-}
-# serve's defaults (the engine's); `verify` leaves every flag unset unless given.
-ENGINE_DEFAULTS = {
-    "model": "builtin:tiny-llama",
-    "dtype": "float32",
-    "device": "cpu",
-    "block_size": 16,
-    "num_blocks": None,
-    "max_num_seqs": 64,
-    "max_num_batched_tokens": 2048,
-    "no_prefix_caching": False,
-    "kv_cache_dtype": "auto",
-    "quantization": "none",
-    "quantize_lm_head": False,
-    "preemption_mode": "recompute",
-    "tensor_parallel_size": 1,
-    "enable_lora": False,
-    "max_loras": 1,
-    "max_lora_rank": 16,
+@dataclass(frozen=True, slots=True)
+class EngineFlag:
+    """One engine flag, named by its dest (`--block-size`: block_size, the EngineConfig field it
+    sets unless it `negates` one)."""
+
+    default: object  # serve's (the engine's); `verify` leaves every flag unset unless given
+    options: dict  # add_argument's; empty where add_model_args or add_tensor_parallel adds it
+    negates: str | None = None  # the field the flag sets to its negation
+
+
+def _flag(default: object, negates: str | None = None, **options) -> EngineFlag:
+    return EngineFlag(default, options, negates)
+
+
+ENGINE_FLAGS: dict[str, EngineFlag] = {
+    "model": _flag("builtin:tiny-llama"),
+    "dtype": _flag("float32"),
+    "device": _flag("cpu"),
+    "tensor_parallel_size": _flag(1),
+    "block_size": _flag(16, type=count, help="tokens per KV block"),
+    "num_blocks": _flag(
+        None, type=count, help="KV pool blocks (default: sized from the model and --max-num-seqs)"
+    ),
+    "max_num_seqs": _flag(64, type=count, help="requests per step"),
+    "max_num_batched_tokens": _flag(2048, type=count, help="per step"),
+    "no_prefix_caching": _flag(
+        False, "enable_prefix_caching", action="store_true", help="never share KV blocks"
+    ),
+    "kv_cache_dtype": _flag(
+        "auto",
+        choices=KV_CACHE_DTYPES,
+        help="how the KV pool stores K/V (auto: the model dtype; int8/fp8_e4m3: quantized)",
+    ),
+    "quantization": _flag(
+        "none",
+        choices=QUANTIZATIONS,
+        help="the linear layers' weights (none: the model dtype; int8: per-output-channel "
+        "weight-only int8, CPU)",
+    ),
+    "quantize_lm_head": _flag(
+        False,
+        action="store_true",
+        help="the LM head in int8 too (needs --quantization int8; a tied embedding stays float)",
+    ),
+    "preemption_mode": _flag(
+        "recompute", choices=PREEMPTION_MODES, help="what happens to a preempted request's KV"
+    ),
+    "enable_lora": _flag(False, action="store_true", help="serve LoRA adapters (vLLM's flag)"),
+    "max_loras": _flag(1, type=count, help="adapters resident at once"),
+    "max_lora_rank": _flag(16, type=count, help="the largest adapter rank served"),
 }
 
 
@@ -162,83 +176,22 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: bool = True) -> None:
     command can tell what the user gave (`verify` verifies that and chooses the rest)."""
 
     def default(dest: str):
-        return ENGINE_DEFAULTS[dest] if defaults else None
+        return ENGINE_FLAGS[dest].default if defaults else None
 
     add_model_args(p, default("model"), default("dtype"), default("device"))
-    p.add_argument(
-        "--block-size", type=count, default=default("block_size"), help="tokens per KV block"
-    )
-    p.add_argument(
-        "--num-blocks",
-        type=count,
-        default=None,
-        help="KV pool blocks (default: sized from the model and --max-num-seqs)",
-    )
-    p.add_argument(
-        "--max-num-seqs", type=count, default=default("max_num_seqs"), help="requests per step"
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=count,
-        default=default("max_num_batched_tokens"),
-        help="per step",
-    )
-    p.add_argument(
-        "--no-prefix-caching",
-        action="store_true",
-        default=default("no_prefix_caching"),
-        help="never share KV blocks",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        default=default("kv_cache_dtype"),
-        help="how the KV pool stores K/V (auto: the model dtype; int8/fp8_e4m3: quantized)",
-    )
-    p.add_argument(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        default=default("quantization"),
-        help="the linear layers' weights (none: the model dtype; int8: per-output-channel "
-        "weight-only int8, CPU)",
-    )
-    p.add_argument(
-        "--quantize-lm-head",
-        action="store_true",
-        default=default("quantize_lm_head"),
-        help="the LM head in int8 too (needs --quantization int8; a tied embedding stays float)",
-    )
-    p.add_argument(
-        "--preemption-mode",
-        choices=PREEMPTION_MODES,
-        default=default("preemption_mode"),
-        help="what happens to a preempted request's KV",
-    )
     add_tensor_parallel(p, default("tensor_parallel_size"))
-    p.add_argument(
-        "--enable-lora",
-        action="store_true",
-        default=default("enable_lora"),
-        help="serve LoRA adapters (vLLM's flag)",
-    )
-    p.add_argument(
-        "--max-loras", type=count, default=default("max_loras"), help="adapters resident at once"
-    )
-    p.add_argument(
-        "--max-lora-rank",
-        type=count,
-        default=default("max_lora_rank"),
-        help="the largest adapter rank served",
-    )
+    for dest, flag in ENGINE_FLAGS.items():
+        if flag.options:
+            p.add_argument("--" + dest.replace("_", "-"), default=default(dest), **flag.options)
 
 
 def engine_fields(args: argparse.Namespace) -> dict:
     """The EngineConfig fields the engine flags set (an unset flag, None, sets nothing)."""
     fields = {}
-    for dest, name in ENGINE_FLAGS.items():
+    for dest, flag in ENGINE_FLAGS.items():
         value = getattr(args, dest)
         if value is not None:
-            fields[name] = not value if dest == "no_prefix_caching" else value
+            fields[flag.negates or dest] = not value if flag.negates else value
     return fields
 
 
