@@ -73,6 +73,10 @@ def check_adapters(
             "path": item.written.path,
         }
 
+    def fail(kind: str, message: str, item: LoadedAdapter) -> None:
+        div = finding(kind, "lora", message, fields(item), item.sample_id)
+        failures.append(Failure("adapter", message, item.sample_id, div))
+
     for item in loaded:
         got = None if item.adapter is None else item.adapter.digest
         if got == item.written.digest:
@@ -81,8 +85,7 @@ def check_adapters(
             f"adapter {item.written.spec.name!r} loaded from {item.written.path} has digest "
             f"{str(got)[:16]}, the files written there hash to {item.written.digest[:16]}"
         )
-        div = finding("adapter_digest", "lora", message, fields(item), item.sample_id)
-        failures.append(Failure("adapter", message, item.sample_id, div))
+        fail("adapter_digest", message, item)
     first: dict[tuple[str, str], LoadedAdapter] = {}  # (name, files digest) -> first request
     for item in loaded:
         first.setdefault((item.written.spec.name, item.written.digest), item)
@@ -97,46 +100,53 @@ def check_adapters(
                 f"{other.sample_id} ran adapter {name!r} from other files than "
                 f"{item.sample_id} (a reload) in the same namespace {mine[:16]}"
             )
-            div = finding("adapter_reload", "lora", message, fields(other), other.sample_id)
-            failures.append(Failure("adapter", message, other.sample_id, div))
+            fail("adapter_reload", message, other)
     return failures
+
+
+def _pool(**more) -> dict:
+    """The suite's engine: 8-token blocks, 64 of them, and `more`."""
+    return dict(block_size=B, num_blocks=64, **more)
+
+
+def _one_prompt(
+    prompt: list[int], rows: list[tuple], max_tokens: int = 4
+) -> tuple[list[RequestSpec], dict[str, int]]:
+    """Greedy requests of one prompt, a row each: (id, adapter or None, arrival step, the cached
+    tokens it must be served); their specs and those expected hits."""
+    specs = [
+        RequestSpec(rid, prompt, greedy(max_tokens), at, lora=lora) for rid, lora, at, _ in rows
+    ]
+    return specs, {rid: hits for rid, _, _, hits in rows}
 
 
 def _mixed(t: Tokens) -> Case:
     prompt, full = t.take(3 * B + 2), 3 * B
-    order = [
-        ("base.1", None, 0, 0),
-        ("a.1", A, 0, 0),
-        ("b.1", BB, 0, 0),
-        ("a.2", A, 16, full),
-        ("b.2", BB, 16, full),
-        ("base.2", None, 16, full),
-    ]
-    specs = [RequestSpec(rid, prompt, greedy(5), at, lora=lora) for rid, lora, at, _ in order]
-    specs.append(RequestSpec("a.other", t.take(2 * B + 3), greedy(5), 0, lora=A))
-    return Case(
-        SUITE,
-        "base and two adapters in one batch, then each again",
-        specs,
-        dict(block_size=B, num_blocks=64),
-        expect_hit_tokens={rid: hits for rid, _, _, hits in order},
+    specs, hits = _one_prompt(
+        prompt,
+        [
+            ("base.1", None, 0, 0),
+            ("a.1", A, 0, 0),
+            ("b.1", BB, 0, 0),
+            ("a.2", A, 16, full),
+            ("b.2", BB, 16, full),
+            ("base.2", None, 16, full),
+        ],
+        max_tokens=5,
     )
+    specs.append(RequestSpec("a.other", t.take(2 * B + 3), greedy(5), 0, lora=A))
+    what = "base and two adapters in one batch, then each again"
+    return Case(SUITE, what, specs, _pool(), expect_hit_tokens=hits)
 
 
 def _reload(t: Tokens) -> Case:
     prompt, full = t.take(3 * B + 1), 3 * B
-    specs = [
-        RequestSpec("old", prompt, greedy(4), 0, lora=A),
-        RequestSpec("reloaded", prompt, greedy(4), 8, lora=A_RELOADED),
-        RequestSpec("reloaded.2", prompt, greedy(4), 16, lora=A_RELOADED),
-    ]
-    return Case(
-        SUITE,
-        "an adapter reloaded under its name with other weights",
-        specs,
-        dict(block_size=B, num_blocks=64),
-        expect_hit_tokens={"old": 0, "reloaded": 0, "reloaded.2": full},
+    specs, hits = _one_prompt(
+        prompt,
+        [("old", A, 0, 0), ("reloaded", A_RELOADED, 8, 0), ("reloaded.2", A_RELOADED, 16, full)],
     )
+    what = "an adapter reloaded under its name with other weights"
+    return Case(SUITE, what, specs, _pool(), expect_hit_tokens=hits)
 
 
 def _named_like_a_salt(t: Tokens) -> Case:
@@ -149,7 +159,7 @@ def _named_like_a_salt(t: Tokens) -> Case:
         SUITE,
         "adapter 'a' against the tenant salt 'a'",
         specs,
-        dict(block_size=B, num_blocks=64),
+        _pool(),
         expect_hit_tokens={"salted": 0, "adapter": 0},
     )
 
@@ -167,7 +177,7 @@ def _preempted(t: Tokens) -> Case:
         SUITE,
         "adapters preempted by recompute and swap, a parallel request with an adapter",
         specs,
-        dict(block_size=B, num_blocks=64, max_num_batched_tokens=16),
+        _pool(max_num_batched_tokens=16),
         actions=[
             Action("preempt r", lambda e, s: s == 3, lambda e: e.force_preempt("r", 0, 2)),
             Action(
@@ -181,17 +191,11 @@ def _preempted(t: Tokens) -> Case:
 def _rslora(t: Tokens) -> Case:
     """An rsLoRA adapter (alpha / sqrt(r)) beside the base model, then again from its blocks."""
     prompt, full = t.take(2 * B + 3), 2 * B
-    specs = [
-        RequestSpec("rs.1", prompt, greedy(4), 0, lora=RS),
-        RequestSpec("base", prompt, greedy(4), 0),
-        RequestSpec("rs.2", prompt, greedy(4), 8, lora=RS),
-    ]
+    specs, hits = _one_prompt(
+        prompt, [("rs.1", RS, 0, 0), ("base", None, 0, 0), ("rs.2", RS, 8, full)]
+    )
     return Case(
-        SUITE,
-        "an rsLoRA adapter with alpha != rank",
-        specs,
-        dict(block_size=B, num_blocks=64),
-        expect_hit_tokens={"rs.1": 0, "base": 0, "rs.2": full},
+        SUITE, "an rsLoRA adapter with alpha != rank", specs, _pool(), expect_hit_tokens=hits
     )
 
 
@@ -200,16 +204,8 @@ def _slot_reused(t: Tokens) -> Case:
     it while a base request runs beside A, takes it over, then A takes it back and hits its own
     blocks. QV must see nothing of A's factors."""
     prompt, full = t.take(3 * B + 1), 3 * B
-    specs = [
-        RequestSpec("all", prompt, greedy(4), 0, lora=A),
-        RequestSpec("qv", prompt, greedy(4), 0, lora=QV),
-        RequestSpec("base", prompt, greedy(4), 0),
-        RequestSpec("all.2", prompt, greedy(4), 14, lora=A),
-    ]
-    return Case(
-        SUITE,
-        "one adapter slot reused by an adapter with fewer targets",
-        specs,
-        dict(block_size=B, num_blocks=64, max_loras=1),
-        expect_hit_tokens={"all": 0, "qv": 0, "base": 0, "all.2": full},
+    specs, hits = _one_prompt(
+        prompt, [("all", A, 0, 0), ("qv", QV, 0, 0), ("base", None, 0, 0), ("all.2", A, 14, full)]
     )
+    what = "one adapter slot reused by an adapter with fewer targets"
+    return Case(SUITE, what, specs, _pool(max_loras=1), expect_hit_tokens=hits)
