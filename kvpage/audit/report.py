@@ -4,7 +4,6 @@ divergence with class and evidence), `report.md` (readable, with the first-diver
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +17,12 @@ from kvpage.audit.tables import (
     divergence_rows,
     model_rows,
 )
+from kvpage.verify.report import write_report_files
 
 
 def write_reports(result: AuditResult, directory: str | Path) -> dict[str, Any]:
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
     data = result.to_json()
-    (out / "report.json").write_text(json.dumps(data, indent=2, default=str))
-    (out / "report.md").write_text(markdown(data))
-
-    (out / "report.html").write_text(html_page(data))
+    write_report_files(directory, data, markdown(data), html_page(data))
     return data
 
 

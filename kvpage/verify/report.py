@@ -25,14 +25,20 @@ STEP_FIELDS = (
 )
 
 
-def write_reports(result, directory: str | Path) -> dict:
-    """`result`: a GateResult or a MatrixResult (its to_dict() has `cells`)."""
+def write_report_files(directory: str | Path, data: dict, markdown_text: str, html_text: str):
+    """report.json, report.md and report.html in `directory` (made if missing): the gate's and
+    the audit's reports share these names and this layout."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    data = result.to_dict()
     (out / "report.json").write_text(json.dumps(data, indent=2, default=str))
-    (out / "report.md").write_text(markdown(data))
-    (out / "report.html").write_text(html_page(data))
+    (out / "report.md").write_text(markdown_text)
+    (out / "report.html").write_text(html_text)
+
+
+def write_reports(result, directory: str | Path) -> dict:
+    """`result`: a GateResult or a MatrixResult (its to_dict() has `cells`)."""
+    data = result.to_dict()
+    write_report_files(directory, data, markdown(data), html_page(data))
     return data
 
 
