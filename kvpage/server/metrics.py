@@ -8,6 +8,7 @@ events (ServerMetrics is an engine observer), and pollution by the shadow compar
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -97,54 +98,40 @@ class ServerMetrics(EngineObserver):
 
     def __init__(self, shadow_counts: Callable[[], tuple[int, int]]) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.ttft = Histogram(
-            "kvpage_time_to_first_token_seconds",
-            "Arrival to first token",
-            registry=r,
-            buckets=LATENCY_BUCKETS,
+        # Every metric lives in this app's registry; latencies share their buckets.
+        latency = partial(Histogram, registry=self.registry, buckets=LATENCY_BUCKETS)
+        counter = partial(Counter, registry=self.registry)
+        self.ttft = latency("kvpage_time_to_first_token_seconds", "Arrival to first token")
+        self.itl = latency(
+            "kvpage_inter_token_latency_seconds", "Between consecutive tokens of a request"
         )
-        self.itl = Histogram(
-            "kvpage_inter_token_latency_seconds",
-            "Between consecutive tokens of a request",
-            registry=r,
-            buckets=LATENCY_BUCKETS,
-        )
-        self.e2e = Histogram(
+        self.e2e = latency(
             "kvpage_e2e_request_latency_seconds",
             "Arrival to the last token of a request that completed",
-            registry=r,
             buckets=LATENCY_BUCKETS + (60, 120, 300),
         )
-        self.prompt_tokens = Counter(
-            "kvpage_prompt_tokens", "Prompt tokens of requests admitted", registry=r
+        self.prompt_tokens = counter("kvpage_prompt_tokens", "Prompt tokens of requests admitted")
+        self.generation_tokens = counter(
+            "kvpage_generation_tokens", "Tokens generated and sent to clients"
         )
-        self.generation_tokens = Counter(
-            "kvpage_generation_tokens", "Tokens generated and sent to clients", registry=r
+        self.adapter_requests = counter(
+            "kvpage_lora_requests", "Requests admitted, by LoRA adapter", ["adapter"]
         )
-        self.adapter_requests = Counter(
-            "kvpage_lora_requests", "Requests admitted, by LoRA adapter", ["adapter"], registry=r
-        )
-        self.adapter_tokens = Counter(
+        self.adapter_tokens = counter(
             "kvpage_lora_generation_tokens",
             "Tokens generated and sent to clients, by LoRA adapter",
             ["adapter"],
-            registry=r,
         )
-        self.restore_latency = Histogram(
-            "kvpage_restore_latency_seconds",
-            "Swap-in of a preempted request",
-            registry=r,
-            buckets=LATENCY_BUCKETS,
+        self.restore_latency = latency(
+            "kvpage_restore_latency_seconds", "Swap-in of a preempted request"
         )
-        self.requests = Counter(
+        self.requests = counter(
             "kvpage_http_requests",
             "Requests by path and final status (499: the client went away first)",
             ["path", "status"],
-            registry=r,
         )
         self._collector = _EngineCollector(shadow_counts)
-        r.register(self._collector)
+        self.registry.register(self._collector)
 
     def on_event(self, event: EngineEvent) -> None:
         if isinstance(event, SwappedIn):
