@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,17 +37,11 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvpage.experiments.passphrase import ExperimentConfig, load_secrets, run_experiment
 
-    cfg = ExperimentConfig(
-        runs=args.runs,
-        concurrency=args.concurrency,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_model_len=args.max_model_len,
-        strategies=tuple(args.strategies.split(",")),
-        secrets=load_secrets(args.secrets) if args.secrets else None,
-        seed=args.seed,
-        model=args.model,
-    )
+    # Every field has the flag of its name; two are parsed further.
+    given = {f.name: getattr(args, f.name) for f in fields(ExperimentConfig)}
+    given["strategies"] = tuple(args.strategies.split(","))
+    given["secrets"] = load_secrets(args.secrets) if args.secrets else None
+    cfg = ExperimentConfig(**given)
     results = run_experiment(cfg, Path(args.out))
     print(f"{'group':<15}{'runs':>6}{'requests':>10}{'correct':>9}{'contaminated':>14}")
     for name, g in results["groups"].items():
