@@ -6,7 +6,7 @@ the one that demands the exact class)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from kvpage.verify.generated.scenario import to_case
 
@@ -21,13 +21,10 @@ class AloneResult:
     seconds: float
 
     def to_dict(self) -> dict:
-        return {
-            "caught": self.caught,
-            "caught_by": self.caught_by,
-            "attributed_class": self.attributed_class,
-            "expected_class": self.expected_class,
-            "seconds": round(self.seconds, 2),
-        }
+        """Every field but the mutant's name (the report's key for it)."""
+        out = asdict(self)
+        del out["mutant"]
+        return out | {"seconds": round(self.seconds, 2)}
 
 
 # The coverage dimensions that exercise what a suite's mutants break: a mutant's scenarios run
