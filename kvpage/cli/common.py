@@ -182,7 +182,14 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: bool = True) -> None:
     add_tensor_parallel(p, default("tensor_parallel_size"))
     for dest, flag in ENGINE_FLAGS.items():
         if flag.options:
-            p.add_argument("--" + dest.replace("_", "-"), default=default(dest), **flag.options)
+            add_engine_flag(p, dest, default=default(dest))
+
+
+def add_engine_flag(p: argparse.ArgumentParser, dest: str, **options) -> None:
+    """Engine flag `dest` as serve takes it, `options` (default, help, ...) over its own."""
+    flag = ENGINE_FLAGS[dest]
+    options = {"default": flag.default, **flag.options, **options}
+    p.add_argument("--" + dest.replace("_", "-"), **options)
 
 
 def engine_fields(args: argparse.Namespace) -> dict:

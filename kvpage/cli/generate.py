@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 
 from kvpage.cli.common import (
     CliError,
+    add_engine_flag,
     add_model_args,
     add_tensor_parallel,
     count,
     number,
     token_ids,
 )
-from kvpage.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from kvpage.errors import WorkerFailure
 from kvpage.sampling_params import SamplingParams
 
@@ -33,23 +33,15 @@ def add_parser(sub) -> None:
     gen.add_argument("--top-p", type=number(float, 0.0, 1.0), default=1.0, help="nucleus mass")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens")
-    gen.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        default="auto",
-        help="K/V round trip of the reference (auto: as computed)",
+    add_engine_flag(
+        gen, "kv_cache_dtype", help="K/V round trip of the reference (auto: as computed)"
     )
-    gen.add_argument(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        default="none",
+    add_engine_flag(
+        gen,
+        "quantization",
         help="the linear layers' weights (int8: per-output-channel weight-only int8)",
     )
-    gen.add_argument(
-        "--quantize-lm-head",
-        action="store_true",
-        help="the LM head in int8 too (needs --quantization int8; a tied embedding stays float)",
-    )
+    add_engine_flag(gen, "quantize_lm_head")
     add_tensor_parallel(gen)
     gen.set_defaults(func=run)
 
