@@ -251,7 +251,7 @@ WHERE_TO_LOOK = {
     "prefix_key": "prefix key (namespace, chained digest) and position ids",
     "block_table": "in-block offset and last-block valid length in the block table",
     "layer_group": "per-layer-group KV: the window trim, the hybrid prefix-hit rule, which "
-    "group's table each layer reads (kvpage/cache/groups.py, manager.trim / extra_hits, "
+    "group's table each layer reads (kvpage/cache/groups.py, manager.trim / hit_tables, "
     "runner.layer_map)",
     "lora": "LoRA: the adapter's identity in the namespace (name and weights digest, apart "
     "from the salt), the mixed batch's row groups, the adapter's factors and scale "
@@ -333,6 +333,25 @@ class Attribution:
     @property
     def complete(self) -> bool:
         return not self.missing
+
+
+class MutantAttribution:
+    """What a mutant's first divergence was attributed to, for a result type with `mutant` (its
+    `expected_class`) and `divergence` (Divergence.to_dict(), or None: nothing diverged)."""
+
+    __slots__ = ()
+
+    @property
+    def attributed_class(self) -> str | None:
+        return None if self.divergence is None else self.divergence["attribution"]["class"]
+
+    @property
+    def attribution_ok(self) -> bool:
+        return (
+            self.divergence is not None
+            and self.attributed_class == self.mutant.expected_class
+            and not self.divergence["attribution"]["missing"]
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpage.verify.diff import MutantAttribution
 from kvpage.verify.stack.mutants import STACK_MUTANTS, StackMutant
 from kvpage.verify.stack.router_model import router_cases
 from kvpage.verify.stack.server_suite import server_cases
@@ -104,7 +105,7 @@ def _run_on_targets(mutant: StackMutant, targets: list[TextTarget], seed: int):
 
 
 @dataclass(slots=True)
-class StackMutantResult:
+class StackMutantResult(MutantAttribution):
     """Like the gate's MutantResult: `divergence` is Divergence.to_dict() of the first one."""
 
     mutant: StackMutant
@@ -115,18 +116,6 @@ class StackMutantResult:
     seconds: float
     cases: list[CaseResult] = field(default_factory=list)
     not_applicable: str | None = None  # as the gate's MutantResult: why it cannot show here
-
-    @property
-    def attributed_class(self) -> str | None:
-        return None if self.divergence is None else self.divergence["attribution"]["class"]
-
-    @property
-    def attribution_ok(self) -> bool:
-        return (
-            self.divergence is not None
-            and self.attributed_class == self.mutant.expected_class
-            and not self.divergence["attribution"]["missing"]
-        )
 
 
 def run_server_mutant(
