@@ -89,6 +89,24 @@ def with_canaries(specs: list[RequestSpec], vocab: int, seed: int) -> list[Reque
     return specs
 
 
+def preempt_once_added(
+    name: str,
+    rid: str,
+    after_tokens: int,
+    resume_after_steps: int,
+    mode: str | None,
+    sample: str | None = None,
+) -> Action:
+    """As soon as request `rid` is in the engine, force-preempt `sample` (default: `rid`, its
+    sample 0) after its `after_tokens`-th token, to resume `resume_after_steps` steps later."""
+    target = rid if sample is None else sample
+    return Action(
+        name,
+        lambda e, s: rid in e.seqs,
+        lambda e: e.force_preempt(target, after_tokens, resume_after_steps, mode),
+    )
+
+
 def status_of(driver: StepDriver, rid: str):
     seq = driver.seqs.get(rid)
     return None if seq is None else seq.status

@@ -6,7 +6,7 @@ the reference run alone with its derived seed; without preemption the copy count
 from __future__ import annotations
 
 from kvpage.sampling_params import SamplingParams
-from kvpage.verify.case import Action, Case, RequestSpec, Tokens
+from kvpage.verify.case import Case, RequestSpec, Tokens, preempt_once_added
 
 B = 8
 
@@ -54,10 +54,8 @@ def _forks_under_pressure(t: Tokens, mode: str) -> Case:
         RequestSpec(f"x{i}", t.take(9 + 3 * i), _sampled(3, 90 + i, 24), arrive_step=i)
         for i in range(5)
     ]
-    preempt_child = Action(
-        "preempt sample x0#1 after 3 tokens",
-        lambda e, s: "x0" in e.seqs,
-        lambda e: e.force_preempt("x0#1", after_tokens=3, resume_after_steps=2, mode=mode),
+    preempt_child = preempt_once_added(
+        "preempt sample x0#1 after 3 tokens", "x0", 3, 2, mode, "x0#1"
     )
     return Case(
         "parallel",

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from kvpage.verify.case import Action, Case, RequestSpec, Tokens, greedy, with_canaries
+from kvpage.verify.case import (
+    Action,
+    Case,
+    RequestSpec,
+    Tokens,
+    greedy,
+    preempt_once_added,
+    with_canaries,
+)
 
 
 def _abc_script(t: Tokens, mode: str) -> Case:
@@ -16,11 +24,7 @@ def _abc_script(t: Tokens, mode: str) -> Case:
         RequestSpec("C", t.take(9), greedy(40), arrive_step=2),
     ]
     specs = with_canaries(specs, 256, seed=7)
-    preempt = Action(
-        "preempt C at token 8",
-        lambda e, s: "C" in e.seqs,
-        lambda e: e.force_preempt("C", after_tokens=8, resume_after_steps=6, mode=mode),
-    )
+    preempt = preempt_once_added("preempt C at token 8", "C", 8, 6, mode)
     return Case(
         "preemption",
         f"abc_{mode}",

@@ -6,7 +6,7 @@ case must stay live."""
 
 from __future__ import annotations
 
-from kvpage.verify.case import Action, Case, RequestSpec, Tokens, greedy
+from kvpage.verify.case import Action, Case, RequestSpec, Tokens, greedy, preempt_once_added
 
 B = 8
 MODES = ("swap", "recompute")
@@ -91,11 +91,7 @@ def _preempt_after_prefix_hit(t: Tokens, mode: str) -> Case:
         RequestSpec("B", prefix + t.take(5), greedy(24), arrive_step=6),
         RequestSpec("C", t.take(14), greedy(16), arrive_step=6),
     ]
-    preempt = Action(
-        "preempt B after 5 tokens",
-        lambda e, s: "B" in e.seqs,
-        lambda e: e.force_preempt("B", after_tokens=5, resume_after_steps=3, mode=mode),
-    )
+    preempt = preempt_once_added("preempt B after 5 tokens", "B", 5, 3, mode)
     return Case(
         "resources",
         f"preempt_after_prefix_hit_{mode}",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvpage.sampling_params import SamplingParams
-from kvpage.verify.case import Action, Case, RequestSpec, Tokens
+from kvpage.verify.case import Case, RequestSpec, Tokens, preempt_once_added
 
 B = 8
 SETTINGS = (  # (temperature, top_k, top_p)
@@ -64,14 +64,7 @@ def _seeded_preempted(t: Tokens, mode: str) -> Case:
     """Seeded requests preempted mid-decode (forced, and by a tiny pool): a replay after
     recompute or swap must continue the same generator, not restart it."""
     specs = [RequestSpec(f"p{i}", t.take(9 + 2 * i), _params(i, 28), i // 3) for i in range(9)]
-    forced = [
-        Action(
-            f"preempt p{i}",
-            lambda e, s, i=i: f"p{i}" in e.seqs,
-            lambda e, i=i: e.force_preempt(f"p{i}", 4 + i, 2, mode),
-        )
-        for i in (0, 4, 8)
-    ]
+    forced = [preempt_once_added(f"preempt p{i}", f"p{i}", 4 + i, 2, mode) for i in (0, 4, 8)]
     return Case(
         "sampling",
         f"seeded_preempted_{mode}",
