@@ -103,10 +103,10 @@ def test_the_check_sees_what_it_should():
     text = (
         "from kvpage.engine.scheduler import _prompt_tokens\n"
         "def f(engine):\n"
-        "    return engine.scheduler._fail_if_stuck, getattr(engine.cache, '_reserve')\n"
+        "    return engine.scheduler._make_room, getattr(engine.cache, '_reserve')\n"
     )
     assert _violations([(planted, text)]) == [
         "kvpage/verify/planted.py:1: _prompt_tokens (of ['engine'])",
-        "kvpage/verify/planted.py:3: _fail_if_stuck (of ['engine'])",
+        "kvpage/verify/planted.py:3: _make_room (of ['engine'])",
         "kvpage/verify/planted.py:3: _reserve (of ['cache'])",
     ]

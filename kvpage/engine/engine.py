@@ -3,9 +3,10 @@
     plan = scheduler.schedule(step)          the step's sequences, chunks and block operations
     executor.apply_block_ops(plan)           copies, swap-outs, swap-ins, invalidations, in order
     batch = executor.build(plan)             token ids, positions, cu_seqlens, table snapshots
-    logits = executor.run(batch)             the model, once over the packed batch
+    out = executor.run(batch)                the model, once over the packed batch: StepLogits
+    prompt_scorer.score(...)                 prompt logprobs of the rows that asked for them
     scheduler.commit(plan)                   KV written: computed counts, full blocks published
-    sampled = sampler over logits            (a parallel request forks here)
+    sampled = sampler.draw(...)              one draw per row (a parallel request forks here)
     outputs = scheduler.update(plan, sampled)
 
 The engine builds the parts (model, KV pool, cache manager, scheduler, executor, sampler), checks
@@ -18,23 +19,31 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import torch
-
 from kvpage.cache.block_table import blocks_for
 from kvpage.cache.groups import kv_layout
 from kvpage.cache.manager import KVCacheManager
 from kvpage.config import EngineConfig
+from kvpage.engine.checks import (
+    RequestChecks,
+    check_quantization,
+    live_sample,
+    preemptible,
+    suspendable,
+    timeout_seconds,
+)
 from kvpage.engine.events import EngineObserver
 from kvpage.engine.executor import Executor
 from kvpage.engine.namespace import base_namespace
 from kvpage.engine.outputs import RequestOutput
-from kvpage.engine.plan import Draw, Sampled, StepBatch, StepPlan
+from kvpage.engine.plan import StepBatch, StepPlan
+from kvpage.engine.prompt_logprobs import PromptScorer
 from kvpage.engine.requests import NewRequest, Requests
 from kvpage.engine.runner import ModelRunner
 from kvpage.engine.sampler import Sampler
 from kvpage.engine.scheduler import Scheduler
-from kvpage.engine.sequence import SeqStatus, Sequence
-from kvpage.errors import InvalidConfig, InvalidRequest, LoRAError, WorkerFailure
+from kvpage.engine.sequence import Sequence
+from kvpage.engine.stats import engine_stats
+from kvpage.errors import InvalidRequest, LoRAError, WorkerFailure
 from kvpage.host_memory import keep_freed_memory
 from kvpage.kv.format import kv_format
 from kvpage.kv.storage import KVShard, KVStorage
@@ -45,10 +54,8 @@ from kvpage.lora.request import LoRARequest
 from kvpage.lora.slots import LoraSlots
 from kvpage.model import load_model
 from kvpage.model.base import CausalLM
-from kvpage.model.quantize import head_quantized, weight_quantization
 from kvpage.model.tokenizer import Tokenizer, encode_text
 from kvpage.parallel.executor import TensorParallelExecutor
-from kvpage.sampling import chosen_logprobs
 from kvpage.sampling_params import SamplingParams
 
 DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
@@ -72,7 +79,7 @@ class LLMEngine:
                 config.quantization,
                 config.quantize_lm_head,
             )
-        _check_quantization(model, config.quantization, config.quantize_lm_head)
+        check_quantization(model, config.quantization, config.quantize_lm_head)
         self.model, self.tokenizer = model, tokenizer
         mcfg = model.config
         limit = mcfg.max_position_embeddings
@@ -104,24 +111,38 @@ class LLMEngine:
         self._observers: list[EngineObserver] = []  # shared with the scheduler
         self.swap_space = SwapSpace(config.swap_space_blocks * pages_per_block)
         self.requests = Requests(self.cache, config.seed, model.device, mcfg.eos_token_ids)
+        self.checks = RequestChecks(
+            mcfg.vocab_size, self.max_model_len, config.max_num_seqs, self.cache
+        )
+        self.lora_slots, lora = self._serve_adapters()
         decode = tokenizer.decode if tokenizer is not None else None
         self.scheduler = Scheduler(
-            config, self.cache, self.swap_space, self.requests, self._observers, decode
+            config,
+            self.cache,
+            self.swap_space,
+            self.requests,
+            self._observers,
+            decode,
+            self.lora_slots,
         )
         self.runner = (
             ModelRunner(
-                self.tp.model, self.storage.shard, self.cache, self.tp.forward_on_every_rank
+                self.tp.model,
+                self.storage.shard,
+                self.cache,
+                self.tp.forward_on_every_rank,
+                lora,
+                self.lora_slots,
             )
             if self.tp
-            else ModelRunner(model, self.storage, self.cache)
+            else ModelRunner(model, self.storage, self.cache, None, lora, self.lora_slots)
         )
         self.executor = Executor(self.runner, self.storage, self.swap_space)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.scheduler)
+        self.prompt_scorer = PromptScorer()
         self.namespace = base_namespace(
             model, tokenizer, config.block_size, config.model, self.kv_format
         )
-        self.lora_slots = self._serve_adapters()
-        self.scheduler.lora_slots = self.lora_slots
         # The kill switch per tenant (set_namespace_caching): salts switched off, and the
         # adapter namespaces seen under each salt (a tenant's adapter requests are its too).
         self.salts_off: set[str | None] = set()
@@ -130,12 +151,12 @@ class LLMEngine:
         self.step_count = 0
 
     # --- construction helpers --------------------------------------------------------------
-    def _serve_adapters(self) -> LoraSlots | None:
+    def _serve_adapters(self) -> tuple[LoraSlots | None, LoraContext | None]:
         """With enable_lora: the adapter slots, and every layer's projections routed through
         one LoraContext that the runner fills per step (under tensor parallelism: on every
         rank, each computing from its shard of the slot tables)."""
         if not self.config.enable_lora:
-            return None
+            return None, None
         if self.model.config.model_type not in ("llama", "gemma3"):
             raise LoRAError(f"LoRA adapters on {self.model.config.model_type!r} are not supported")
         cfg, model = self.config, self.model
@@ -153,8 +174,7 @@ class LLMEngine:
                 on_write=self.tp.write_lora_slot,
             )
             context = self.tp.serve_lora(slots.tables)
-        self.runner.lora, self.runner.lora_slots = context, slots
-        return slots
+        return slots, context
 
     def _local_storage(self, num_blocks: int) -> KVStorage:
         mcfg = self.model.config
@@ -195,11 +215,11 @@ class LLMEngine:
     @property
     def emit_progress(self) -> bool:
         """Per-token outputs for streaming; offline callers turn them off."""
-        return self.scheduler.emit_progress
+        return self.scheduler.outputs.emit_progress
 
     @emit_progress.setter
     def emit_progress(self, on: bool) -> None:
-        self.scheduler.emit_progress = on
+        self.scheduler.outputs.emit_progress = on
 
     def add_request(
         self,
@@ -214,22 +234,10 @@ class LLMEngine:
         `lora_request` runs it with that adapter (loaded on first use; enable_lora=True)."""
         if self.failure is not None:
             raise WorkerFailure(f"the engine lost its tensor-parallel group: {self.failure}")
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"sampling_params must be SamplingParams, got {type(params)}")
-        if request_id in self.requests:
-            raise InvalidRequest(f"request_id {request_id!r} is already in use")
-        if params.n > self.config.max_num_seqs:
-            raise InvalidRequest(
-                f"n={params.n} samples run at once, more than max_num_seqs="
-                f"{self.config.max_num_seqs} sequences per step"
-            )
+        params = self.checks.params(request_id, params, self.requests)
         prompt_ids = self.prompt_ids(prompt)
-        self._check_request(prompt_ids, params)
-        if timeout_s is not None and not _positive_seconds(timeout_s):
-            raise InvalidRequest(
-                f"timeout_s must be None or a number of seconds > 0, got {timeout_s!r}"
-            )
+        self.checks.prompt(prompt_ids, params)
+        timeout_seconds(timeout_s)
         now = time.monotonic()
         timeout_s = timeout_s if timeout_s is not None else self.config.request_timeout_s
         deadline = None if timeout_s is None else now + timeout_s
@@ -282,51 +290,6 @@ class LLMEngine:
             raise InvalidRequest("prompt must be a string or a list of token ids (ints)")
         return list(prompt)
 
-    def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        vocab = self.model.config.vocab_size
-        if not prompt_ids:
-            raise InvalidRequest("prompt is empty: at least one token is needed")
-        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad_stops:
-            raise InvalidRequest(
-                f"stop_token_ids {bad_stops[:5]} are outside the vocabulary [0, {vocab})"
-            )
-        if params.top_k > vocab:
-            raise InvalidRequest(
-                f"top_k {params.top_k} is more than the vocabulary's {vocab} tokens"
-            )
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > vocab:
-                raise InvalidRequest(f"{name} {k} is more than the vocabulary's {vocab} tokens")
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(
-                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
-            )
-        self._check_context(len(prompt_ids), params.max_tokens)
-        total = len(prompt_ids) + params.max_tokens
-        need = self.cache.blocks_for(total)
-        if need > self.cache.pool.num_blocks:
-            raise InvalidRequest(
-                f"prompt + max_tokens needs {need} KV blocks; the pool has only "
-                f"{self.cache.pool.num_blocks}"
-            )
-
-    def _check_context(self, prompt_len: int, max_tokens: int) -> None:
-        """Every position the model runs must fit the context: the prompt's and each drawn
-        token's but the last. A prompt may fill the context only to be scored (max_tokens 0):
-        with one token more, the context could not hold it, as vLLM counts it too."""
-        limit = self.max_model_len
-        if prompt_len > limit:
-            raise InvalidRequest(f"prompt has {prompt_len} tokens; the model's context is {limit}")
-        if prompt_len + max_tokens > limit:
-            full = " (a prompt that fills it can only be scored: max_tokens 0)"
-            raise InvalidRequest(
-                f"max_tokens {max_tokens} + prompt {prompt_len} tokens exceeds the model's "
-                f"context of {limit}" + (full if prompt_len == limit else "")
-            )
-
     def abort_request(self, request_id: str, reason: str = "abort") -> bool:
         """Abort wherever the request is (waiting, running, swapped); its blocks come back.
         Every unfinished sample of a parallel request goes; a sample id `rid#i` aborts only
@@ -347,12 +310,7 @@ class LLMEngine:
         """Preempt a RUNNING sample now, between steps; `mode` defaults to the engine's.
         Its KV moves at once (a swap-out is copied before this returns); returns the mode
         used (a swap that cannot be stored falls back to recompute)."""
-        seq = self._live_sample(sample_id)
-        mode = self.config.preemption_mode if mode is None else mode
-        if mode not in ("recompute", "swap"):
-            raise InvalidRequest(f"mode must be 'recompute' or 'swap', got {mode!r}")
-        if seq.status is not SeqStatus.RUNNING:
-            raise InvalidRequest(f"{sample_id!r} is {seq.status.value}, not running")
+        seq, mode = preemptible(self.requests, sample_id, mode, self.config.preemption_mode)
         plan = StepPlan(self.step_count)
         self.scheduler.preempt(seq, plan, mode)
         self.scheduler.block_ops_applied(plan, self.executor.apply_block_ops(plan.block_ops))
@@ -360,25 +318,13 @@ class LLMEngine:
 
     def suspend(self, sample_id: str) -> None:
         """Keep a waiting or swapped sample out of every step until `resume`."""
-        seq = self._live_sample(sample_id)
-        if seq.status not in (SeqStatus.WAITING, SeqStatus.SWAPPED):
-            raise InvalidRequest(
-                f"{sample_id!r} is {seq.status.value}: only a waiting or "
-                "swapped sample can be suspended"
-            )
-        self.scheduler.suspend(seq)
+        self.scheduler.queues.suspend(suspendable(self.requests, sample_id))
 
     def resume(self, sample_id: str) -> None:
-        seq = self._live_sample(sample_id)
+        seq = live_sample(self.requests, sample_id)
         if seq.seq_id not in self.scheduler.suspended:
             raise InvalidRequest(f"{sample_id!r} is not suspended")
-        self.scheduler.resume(seq)
-
-    def _live_sample(self, sample_id: str) -> Sequence:
-        seq = self.requests.sample(sample_id)
-        if seq is None or seq.finished:
-            raise InvalidRequest(f"no live request or sample {sample_id!r}")
-        return seq
+        self.scheduler.queues.resume(seq)
 
     def patch_kv_shards(self, patch: Callable[[KVShard], None]) -> None:
         """Run `patch` on every rank's KV pool shard, for this engine's life: this process's
@@ -451,15 +397,16 @@ class LLMEngine:
         try:
             if self.config.debug_checks:
                 self._validate(batch)
-            logits = self.executor.run(batch)
+            out = self.executor.run(batch)
             for observer in self._observers:
                 observer.on_step_ran(batch)
         finally:
             self.executor.release(batch)
-        if batch.prompt_logits is not None:
-            self._score_prompts(batch)
+        if out.prompt_logits is not None:
+            self.prompt_scorer.score(batch.prompt_rows, out.prompt_logits)
         self.scheduler.commit(plan)
-        sampled = self._sample(batch, logits)
+        logits = out.logits
+        sampled = self.sampler.draw(batch.sample_seqs, logits)
         outputs = self.scheduler.update(plan, sampled)
         for draw in sampled.forked:
             for observer in self._observers:
@@ -469,75 +416,12 @@ class LLMEngine:
             observer.on_sampled(batch, logits, tokens)
         return outputs
 
-    def _score_prompts(self, batch: StepBatch) -> None:
-        at = 0
-        for rows in batch.prompt_rows:
-            seq, p = rows.seq, rows.first_position
-            scored = seq.prompt_ids[p + 1 : p + 1 + rows.count]
-            logits = batch.prompt_logits[at : at + rows.count]
-            seq.prompt_logprobs += self.prompt_logprob_rows(
-                logits, scored, seq.params.prompt_logprobs
-            )
-            at += rows.count
-
-    def prompt_logprob_rows(
-        self, logits: torch.Tensor, token_ids: list[int], k: int
-    ) -> list[dict[int, float]]:
-        """Row i of `logits` (R, V) scores token_ids[i] (the prompt token after its position):
-        the top k and that token itself, k + 1 entries when it is outside the top k (vLLM's
-        prompt_logprobs). A declared seam (kvpage.engine.hooks)."""
-        logprobs = torch.log_softmax(logits, dim=-1)  # (R, V)
-        ids = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
-        chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
-        if k:
-            top_vals, top_ids = torch.topk(logprobs, k, dim=-1)
-            tops = zip(top_ids.tolist(), top_vals.tolist(), strict=True)
-        else:
-            tops = (([], []) for _ in token_ids)
-        rows = []
-        for token, lp, (t_ids, t_vals) in zip(token_ids, chosen, tops, strict=True):
-            row = dict(zip(t_ids, t_vals, strict=True))
-            row[token] = lp
-            rows.append(row)
-        return rows
-
     def _validate(self, batch: StepBatch) -> None:
         """Debug checks: every table entry the step reads is the incarnation it snapshotted,
         and every slot before the step's own tokens was written."""
         for item, snap in zip(batch.scheduled, batch.snapshots, strict=True):
             self.cache.validate_snapshot(snap)
             self.storage.check_written(snap.block_ids, item.seq.num_computed, f"seq {snap.seq_id}")
-
-    def _sample(self, batch: StepBatch, logits: torch.Tensor) -> Sampled:
-        """One draw per sampling row; a parallel request at its first token forks here, and
-        its samples draw their first tokens from the same row with their own generators."""
-        seqs = [item.seq for item in batch.sample_seqs]
-        tokens = self.sampler.sample(logits, seqs)
-        forked: list[Draw] = []
-        if self.scheduler.to_fork:  # empty unless a parallel request is before its first token
-            for row, seq in enumerate(seqs):
-                if seq.seq_id in self.scheduler.to_fork:
-                    forked += self._fork(seq, row, logits[row])
-        draws = [
-            self._draw(s, t, logits[r], r)
-            for r, (s, t) in enumerate(zip(seqs, tokens, strict=True))
-        ]
-        return Sampled(draws, forked, logits)
-
-    def _fork(self, parent: Sequence, row: int, logits_row: torch.Tensor) -> list[Draw]:
-        draws = []
-        for child in self.scheduler.fork(parent):
-            token = self.sampler.sample(logits_row[None], [child])[0]  # the seam counts draws
-            draws.append(self._draw(child, token, logits_row, row, parent))
-        return draws
-
-    def _draw(self, seq: Sequence, token: int, logits_row, row: int, parent=None) -> Draw:
-        draw = Draw(seq, token, row=row, parent=parent)
-        if seq.params.logprobs is not None:
-            draw.top_logprobs, draw.logprob = chosen_logprobs(
-                logits_row, seq.params.logprobs, token
-            )
-        return draw
 
     # --- kill switches ----------------------------------------------------------------------
     def set_prefix_caching(self, enabled: bool) -> None:
@@ -571,57 +455,4 @@ class LLMEngine:
         return self.scheduler.counters
 
     def stats(self) -> dict[str, int]:
-        usage, cs, sched = self.cache.usage(), self.cache.stats, self.scheduler
-        pre = sched.preemptions
-        return {
-            "num_blocks": usage.total,
-            "free_blocks": usage.free,
-            "private_blocks": usage.private,
-            "shared_blocks": usage.shared,
-            "cached_blocks": usage.cached,
-            "evicting_blocks": usage.evicting,
-            "restoring_blocks": usage.restoring,
-            "index_entries": len(self.cache.index),
-            "prefix_queries": sched.prefix_queries,
-            "prefix_hits": sched.prefix_hits,
-            "prefill_tokens": sched.prefill_tokens,  # prompt tokens fed to the model
-            "corruptions": cs.corruption_count,
-            "key_collisions": cs.key_collisions,
-            "cow_copies": cs.cow_copies,
-            "evictions": cs.evictions,
-            "block_allocations": cs.allocations,
-            "block_frees": cs.frees,
-            "generation_bumps": cs.generation_bumps,
-            "window_frees": cs.window_frees,  # blocks window layer groups gave back
-            "preemptions": pre["recompute"] + pre["swap"],
-            "preemptions_recompute": pre["recompute"],
-            "preemptions_swap": pre["swap"],
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
-            "swapped": len(sched.swapped),
-            "swap_space_used": self.swap_space.used_blocks,
-            **sched.swap_counts,
-            **sched.counters,
-        }
-
-
-def _positive_seconds(value) -> bool:
-    """A real number of seconds > 0 (not a bool, not NaN)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-
-
-def _check_quantization(model: CausalLM, quantization: str, lm_head: bool) -> None:
-    """A model handed in must already be what the config says (the engine never quantizes a
-    caller's model behind its back: the verifier's reference shares it)."""
-    found = weight_quantization(model)
-    if found != quantization:
-        raise InvalidConfig(
-            f"quantization is {quantization!r} but the model given has {found!r} weights "
-            f"(load it with load_model(..., quantization={quantization!r}))"
-        )
-    if head_quantized(model) != lm_head:
-        raise InvalidConfig(
-            f"quantize_lm_head is {lm_head} but the model given has "
-            f"{'an int8' if not lm_head else 'a float'} LM head "
-            f"(load it with load_model(..., quantize_lm_head={lm_head}))"
-        )
+        return engine_stats(self.cache, self.scheduler, self.swap_space)

@@ -16,6 +16,7 @@ Two kinds of hook:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -218,3 +219,21 @@ def prefix_hit(seq: Sequence, cache: KVCacheManager, first_admission: bool) -> P
         capped=full == cache.max_hit_blocks(seq.num_tokens) < seq.num_tokens // size,
         first_admission=first_admission,
     )
+
+
+def end_events(seq: Sequence, reason: str, held: dict) -> tuple[Freed, Finished]:
+    """A finished sample's events: the blocks it gave back (`held`, read before), then its end."""
+    count = len(seq.output_ids)
+    return (
+        Freed(**who(seq), reason=reason, **held),
+        Finished(**who(seq), reason=reason, num_output_tokens=count, error=seq.error),
+    )
+
+
+def abort_event(name: str, live: list[Sequence], reason: str) -> Aborted | TimedOut:
+    """One event for an abort (or timeout) of `live`; it names the request (or sample) as the
+    caller did."""
+    fields = {**who(live[0]), "sample_id": name, "samples": tuple(s.sample_id for s in live)}
+    if reason == "timeout":
+        return TimedOut(**fields, overdue_s=time.monotonic() - live[0].deadline)
+    return Aborted(**fields)

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from kvpage.cache.block_ops import BlockOp, CopyBlock, InvalidateBlock, SwapIn, SwapOut
-from kvpage.engine.plan import BlockOpsDone, StepBatch, StepPlan
+from kvpage.engine.plan import BlockOpsDone, StepBatch, StepLogits, StepPlan
 from kvpage.engine.runner import ModelRunner
 from kvpage.errors import SwapError
 from kvpage.kv.storage import KVStorage
@@ -55,8 +53,8 @@ class Executor:
     def build(self, plan: StepPlan) -> StepBatch:
         return self.runner.build(plan.scheduled)
 
-    def run(self, batch: StepBatch) -> torch.Tensor:
-        """Logits (len(sample_rows), V) in float32."""
+    def run(self, batch: StepBatch) -> StepLogits:
+        """The sampling rows' logits (len(sample_rows), V) in float32, and the prompt rows'."""
         return self.runner.run(batch)
 
     def release(self, batch: StepBatch) -> None:

@@ -4,23 +4,26 @@
     Executor.apply_block_ops(plan.block_ops)        copies, swap-outs, swap-ins, invalidations
     Scheduler.block_ops_applied(plan, done)         restored tables readable; failed swaps recomputed
     Executor.build(plan) -> StepBatch               token ids, positions, cu_seqlens, snapshots
-    Executor.run(batch) -> logits                   the model, once over the packed batch
-    sampler, then Scheduler.update(plan, sampled)   tokens appended, blocks published, outputs
+    Executor.run(batch) -> StepLogits               the model, once over the packed batch
+    Sampler.draw(...) -> Sampled                    one draw per sampling row, forks first
+    Scheduler.update(plan, sampled) -> outputs      tokens appended, stop rule applied
 
 Nothing here calls anything: a tracer, a test or a mutant can read, build or rewrite a plan."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
-from kvpage.cache.block_ops import BlockOp, CopyBlock, InvalidateBlock, SwapIn, SwapOut
+from kvpage.cache.block_ops import BlockOp
 
 if TYPE_CHECKING:
     import torch
 
     from kvpage.cache.block_table import TableSnapshot
     from kvpage.engine.sequence import Sequence
+
+Op = TypeVar("Op", bound=BlockOp)
 
 
 @dataclass(slots=True)
@@ -49,21 +52,9 @@ class StepPlan:
     resumed: list[Sequence] = field(default_factory=list)  # swapped in this step
     block_ops: list[BlockOp] = field(default_factory=list)  # in the order they must be applied
 
-    @property
-    def copies(self) -> list[CopyBlock]:
-        return [op for op in self.block_ops if isinstance(op, CopyBlock)]
-
-    @property
-    def swap_outs(self) -> list[SwapOut]:
-        return [op for op in self.block_ops if isinstance(op, SwapOut)]
-
-    @property
-    def swap_ins(self) -> list[SwapIn]:
-        return [op for op in self.block_ops if isinstance(op, SwapIn)]
-
-    @property
-    def invalidations(self) -> list[InvalidateBlock]:
-        return [op for op in self.block_ops if isinstance(op, InvalidateBlock)]
+    def ops_of(self, kind: type[Op]) -> list[Op]:
+        """The block ops of one kind (CopyBlock, SwapOut, SwapIn, InvalidateBlock), in order."""
+        return [op for op in self.block_ops if isinstance(op, kind)]
 
 
 @dataclass(slots=True)
@@ -100,7 +91,14 @@ class StepBatch:
     context_lens: list[int]  # per scheduled sequence: tokens its attention reads, chunk included
     # Only for requests that asked for prompt logprobs (empty otherwise: no extra logits).
     prompt_rows: list[PromptRows] = field(default_factory=list)
-    # (sum of counts, V) float32: set by the run, one row per prompt row, in prompt_rows' order
+
+
+@dataclass(slots=True)
+class StepLogits:
+    """What the executor returns for one StepBatch (the batch itself is left as it was given)."""
+
+    logits: torch.Tensor  # (len(sample_rows), V) float32, one row per sampling row
+    # (sum of counts, V) float32, one row per prompt row in prompt_rows' order (None: none asked)
     prompt_logits: torch.Tensor | None = None
 
 

@@ -6,10 +6,13 @@ fork (`new_sample`). A sample id is the request id for n == 1 and `rid#i` for sa
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from kvpage.cache.block_table import BlockTable
+from kvpage.cache.key_chain import BlockKeyChain
 from kvpage.cache.manager import KVCacheManager
 from kvpage.cache.namespace import CacheNamespace
 from kvpage.engine.sequence import SeqStatus, Sequence
@@ -51,31 +54,20 @@ class Requests:
     # --- making sequences ------------------------------------------------------------------
     def new_sequence(self, req: NewRequest, namespace: CacheNamespace) -> Sequence:
         """Sample 0 of a new request, registered; its key chain already covers the prompt."""
-        seq_id = next(self._seq_ids)
         chain = self.cache.new_key_chain(namespace)
         chain.extend(req.prompt_ids)
         eos = () if req.params.ignore_eos else self.eos_token_ids
-        seq = Sequence(
-            seq_id=seq_id,
-            request_id=req.request_id,
-            prompt_ids=req.prompt_ids,
-            params=req.params,
-            chain=chain,
-            table=self.cache.new_table(seq_id),
-            # Sample 0's seed is params.seed, which is what params.for_sample(0) would give.
-            generator=make_generator(req.params, self.seed + seq_id, self.device),
+        # Sample 0's seed is params.seed, which is what params.for_sample(0) would give.
+        seq = self._sequence(
+            req,
+            chain,
+            self.cache.new_table,
+            req.params,
             stop_ids=frozenset((*eos, *req.params.stop_token_ids)),
-            arrival_time=req.arrival_time,
-            deadline=req.deadline,
-            cache_salt=req.cache_salt,
-            logprobs=[] if req.params.logprobs is not None else None,
-            token_logprobs=[] if req.params.logprobs is not None else None,
             prompt_logprobs=None if req.params.prompt_logprobs is None else [None],
-            lora=req.lora,
         )
         self.heads[req.request_id] = seq
         self.samples[req.request_id] = [seq]
-        self.by_seq_id[seq_id] = seq
         if seq.deadline is not None:
             self.with_deadline.add(req.request_id)
         return seq
@@ -83,22 +75,21 @@ class Requests:
     def new_sample(self, parent: Sequence, index: int) -> Sequence:
         """Sample `index` of a parallel request: every block of sample 0 shared (the partial
         last one is copied on its first write), its own generator."""
-        seq_id = next(self._seq_ids)
-        params = parent.params  # n kept, so sample_id reads `rid#index`
-        child = Sequence(
-            seq_id=seq_id,
-            request_id=parent.request_id,
-            prompt_ids=parent.prompt_ids,
-            params=params,
-            chain=parent.chain.copy(),
-            table=self.cache.fork(parent.table, seq_id),
-            generator=make_generator(params.for_sample(index), self.seed + seq_id, self.device),
+        req = NewRequest(
+            parent.request_id,
+            parent.prompt_ids,
+            parent.params,  # n kept, so sample_id reads `rid#index`
+            parent.cache_salt,
+            parent.arrival_time,
+            parent.deadline,
+            parent.lora,
+        )
+        child = self._sequence(
+            req,
+            parent.chain.copy(),
+            lambda seq_id: self.cache.fork(parent.table, seq_id),
+            parent.params.for_sample(index),
             stop_ids=parent.stop_ids,
-            arrival_time=parent.arrival_time,
-            deadline=parent.deadline,
-            cache_salt=parent.cache_salt,
-            logprobs=[] if params.logprobs is not None else None,
-            token_logprobs=[] if params.logprobs is not None else None,
             # The prompt's rows are complete at the fork (it follows the prefill) and never
             # change again: shared, so each sample's first output can carry them.
             prompt_logprobs=parent.prompt_logprobs,
@@ -108,11 +99,39 @@ class Requests:
             # Its later re-prefills (after recompute) are not new prefix queries.
             admitted_once=True,
             sample_index=index,
-            lora=parent.lora,
         )
         self.samples[parent.request_id].append(child)
-        self.by_seq_id[seq_id] = child
         return child
+
+    def _sequence(
+        self,
+        req: NewRequest,
+        chain: BlockKeyChain,
+        table_for: Callable[[int], BlockTable],
+        seed_params: SamplingParams,
+        **state,
+    ) -> Sequence:
+        """A new sequence of `req`, registered under a new seq id (its table made for it)."""
+        seq_id = next(self._seq_ids)
+        wants_logprobs = req.params.logprobs is not None
+        seq = Sequence(
+            seq_id=seq_id,
+            request_id=req.request_id,
+            prompt_ids=req.prompt_ids,
+            params=req.params,
+            chain=chain,
+            table=table_for(seq_id),
+            generator=make_generator(seed_params, self.seed + seq_id, self.device),
+            arrival_time=req.arrival_time,
+            deadline=req.deadline,
+            cache_salt=req.cache_salt,
+            logprobs=[] if wants_logprobs else None,
+            token_logprobs=[] if wants_logprobs else None,
+            lora=req.lora,
+            **state,
+        )
+        self.by_seq_id[seq_id] = seq
+        return seq
 
     # --- lookups ---------------------------------------------------------------------------
     def named(self, name: str) -> list[Sequence]:

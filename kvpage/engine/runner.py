@@ -8,7 +8,7 @@ import torch
 
 from kvpage.cache.block_table import TableSnapshot
 from kvpage.cache.manager import KVCacheManager
-from kvpage.engine.plan import PromptRows, ScheduledSeq, StepBatch
+from kvpage.engine.plan import PromptRows, ScheduledSeq, StepBatch, StepLogits
 from kvpage.kv.storage import KVStorage
 from kvpage.lora.apply import AdapterRows, LoraBatch, LoraContext
 from kvpage.lora.slots import LoraSlots
@@ -33,6 +33,8 @@ class ModelRunner:
         storage: KVStorage,
         cache: KVCacheManager,
         around_forward: AroundForward | None = None,
+        lora: LoraContext | None = None,
+        lora_slots: LoraSlots | None = None,
     ) -> None:
         self.model = model
         self.storage = storage
@@ -48,8 +50,8 @@ class ModelRunner:
         self._null0 = layout is not None and layout.groups[0].window is not None
         self._arange = torch.arange(0, device=self.device)  # grown on demand; rows and positions
         # With adapters served (kvpage.engine.engine): the model's context, the engine's slots.
-        self.lora: LoraContext | None = None
-        self.lora_slots: LoraSlots | None = None
+        self.lora = lora
+        self.lora_slots = lora_slots
 
     def build(self, scheduled: list[ScheduledSeq]) -> StepBatch:
         ids: list[int] = []
@@ -92,8 +94,8 @@ class ModelRunner:
         validate_cu_seqlens(cu_seqlens, num_tokens)
 
     @torch.inference_mode()
-    def run(self, batch: StepBatch) -> torch.Tensor:
-        """Logits (len(sample_rows), V) in float32."""
+    def run(self, batch: StepBatch) -> StepLogits:
+        """The sampling rows' logits (len(sample_rows), V) in float32, and the prompt rows'."""
         meta = self.attention_metadata(batch)
         ids_pos = torch.tensor(
             (batch.input_ids, batch.positions), dtype=torch.long, device=self.device
@@ -105,12 +107,11 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.batch = None
-        if batch.prompt_rows:
-            batch.prompt_logits = self._prompt_logits(hidden, batch.prompt_rows)
+        prompt = self._prompt_logits(hidden, batch.prompt_rows) if batch.prompt_rows else None
         if batch.sample_rows != list(range(hidden.shape[0])):  # a decode step samples every row
             rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
             hidden = hidden[rows]
-        return self.model.compute_logits(hidden).float()  # (M, V)
+        return StepLogits(self.model.compute_logits(hidden).float(), prompt)  # (M, V)
 
     def adapter_rows(self, batch: StepBatch) -> LoraBatch | None:
         """The step's rows grouped by the adapter their sequence runs with (None: no row has

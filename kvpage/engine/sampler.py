@@ -1,17 +1,35 @@
 """One step's sampling: greedy rows in a single argmax; seeded rows each draw from their own
-request's generator (kvpage.sampling), so a token never depends on its batch neighbours."""
+request's generator (kvpage.sampling), so a token never depends on its batch neighbours.
+
+A parallel request (n > 1) is prefilled once, as sample 0; at its first token the sampler forks
+it (the scheduler makes samples 1..n-1, kvpage.engine.scheduler.Scheduler.fork) and each new
+sample draws its first token from the same logits row with its own generator."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
+from kvpage.engine.plan import Draw, Sampled, ScheduledSeq
 from kvpage.engine.sequence import Sequence
-from kvpage.sampling import sample_token
+from kvpage.sampling import chosen_logprobs, sample_token
+
+
+class Forks(Protocol):
+    """Who makes a parallel request's samples (the scheduler: they join its running queue)."""
+
+    to_fork: set[int]  # seq ids of n > 1 requests before their first token
+
+    def fork(self, parent: Sequence) -> list[Sequence]: ...
 
 
 class Sampler:
-    """The engine's sampling seam: one object per engine, so a mutant can replace it on one
+    """The engine's sampling seam: one object per engine, so a mutant can replace `sample` on one
     instance without touching the module the reference also uses."""
+
+    def __init__(self, forks: Forks) -> None:
+        self.forks = forks
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits: (M, V), one row per sequence -> M token ids."""
@@ -24,3 +42,34 @@ class Sampler:
                 tokens[row] = sample_token(logits[row], seq.params, seq.generator)
                 seq.num_draws += 1
         return tokens
+
+    def draw(self, sample_seqs: list[ScheduledSeq], logits: torch.Tensor) -> Sampled:
+        """One draw per sampling row (logits (M, V), row i for sample_seqs[i]); a parallel
+        request at its first token forks here, before its own draw is appended."""
+        seqs = [item.seq for item in sample_seqs]
+        tokens = self.sample(logits, seqs)
+        forked: list[Draw] = []
+        if self.forks.to_fork:  # empty unless a parallel request is before its first token
+            for row, seq in enumerate(seqs):
+                if seq.seq_id in self.forks.to_fork:
+                    forked += self._fork(seq, row, logits[row])
+        draws = [
+            _draw(s, t, logits[r], r) for r, (s, t) in enumerate(zip(seqs, tokens, strict=True))
+        ]
+        return Sampled(draws, forked, logits)
+
+    def _fork(self, parent: Sequence, row: int, logits_row: torch.Tensor) -> list[Draw]:
+        draws = []
+        for child in self.forks.fork(parent):
+            token = self.sample(logits_row[None], [child])[0]  # the seam counts draws
+            draws.append(_draw(child, token, logits_row, row, parent))
+        return draws
+
+
+def _draw(
+    seq: Sequence, token: int, logits_row: torch.Tensor, row: int, parent: Sequence | None = None
+) -> Draw:
+    draw = Draw(seq, token, row=row, parent=parent)
+    if seq.params.logprobs is not None:
+        draw.top_logprobs, draw.logprob = chosen_logprobs(logits_row, seq.params.logprobs, token)
+    return draw

@@ -3,55 +3,42 @@ preemption, and what becomes of each request after its tokens are drawn.
 
 `schedule(step)` returns the step as data (kvpage.engine.plan.StepPlan): running requests first,
 oldest first, each with its pending tokens (1 for decode, a chunk for prefill) within the token
-budget; when blocks run out the newest running request is preempted (recompute: free and re-prefill
-later, at the front of the queue; swap: KV copied to the CPU). Then swapped requests are restored,
-and only then are waiting requests admitted — prefix-cache hits taken (ref_count raised) before any
-new allocation, so the allocation cannot evict them. Every KV movement those decisions imply is a
-block operation in the plan, in order; the scheduler itself touches no tensor. After the executor
-applied them, `block_ops_applied` makes restored tables readable and turns a failed swap-out into
-a recompute; after the forward pass, `commit` counts the KV written and publishes the newly
+budget; when blocks run out the newest running request is preempted (kvpage.engine.swapping).
+Then swapped requests are restored, and only then are waiting requests admitted — prefix-cache
+hits taken (ref_count raised) before any new allocation, so the allocation cannot evict them. Every
+KV movement those decisions imply is a block operation in the plan, in order; the scheduler itself
+touches no tensor. After the forward pass, `commit` counts the KV written and publishes the newly
 full blocks; `update(plan, sampled)` appends the draws, applies the stop rule and returns outputs.
+With preemption switched off, admission reserves each request's worst case.
 
-With preemption switched off nothing can be taken back: admission reserves each request's worst
-case, and if running requests still hold every block and none can grow (preemption was switched off
-while they ran), the newest of them fails with finish reason "error" so the others can finish.
-
-Prefix sharing inside one step: a request admitted in the same step as another that is computing
-the prefix it could hit is held back one step (kvpage.engine.prefix_wait explains why, and why not
-join the writer's blocks), then takes an ordinary hit.
-
-Events (kvpage.engine.events) reach the observers at the moment the thing happens."""
+A request admitted in the same step as another that is computing the prefix it could hit is held
+back one step (kvpage.engine.prefix_wait explains why), then takes an ordinary hit. Events
+(kvpage.engine.events) reach the observers at the moment the thing happens."""
 
 from __future__ import annotations
 
 import time
-from collections import deque
 
-from kvpage.cache.block_ops import CopyBlock, SwapIn, SwapOut
 from kvpage.cache.manager import KVCacheManager
 from kvpage.config import EngineConfig
+from kvpage.engine.cache_reports import CacheReports
 from kvpage.engine.events import (
-    Aborted,
-    CacheCorruption,
-    CowCopy,
     EngineObserver,
-    Finished,
-    Freed,
-    Preempted,
-    SwappedIn,
-    SwappedOut,
-    TimedOut,
+    abort_event,
     emit,
+    end_events,
     held_blocks,
     prefix_hit,
-    who,
 )
-from kvpage.engine.outputs import Decode, RequestOutput, final_output, progress_output
-from kvpage.engine.plan import BlockOpsDone, Draw, Preemption, Sampled, ScheduledSeq, StepPlan
+from kvpage.engine.output_buffer import OutputBuffer
+from kvpage.engine.outputs import Decode, RequestOutput
+from kvpage.engine.plan import BlockOpsDone, Draw, Sampled, ScheduledSeq, StepPlan
 from kvpage.engine.prefix_wait import PrefixWait
 from kvpage.engine.prompt_row_store import PromptRowStore
+from kvpage.engine.queues import Queues
 from kvpage.engine.requests import Requests
 from kvpage.engine.sequence import SeqStatus, Sequence
+from kvpage.engine.swapping import SwapLifecycle
 from kvpage.kv.swap_space import SwapSpace
 from kvpage.lora.slots import LoraSlots
 
@@ -65,22 +52,25 @@ class Scheduler:
         requests: Requests,
         observers: list[EngineObserver],
         decode: Decode = None,
+        lora_slots: LoraSlots | None = None,
     ) -> None:
         self.config = config
         self.cache = cache
         self.swap_space = swap_space
         self.requests = requests
         self.observers = observers  # the engine's list, shared
-        self.decode = decode
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.swapped: deque[Sequence] = deque()
-        self.suspended: dict[int, Sequence] = {}  # seq id -> a WAITING/SWAPPED seq kept out
+        self.outputs = OutputBuffer(requests, decode)
+        self.queues = Queues()
+        q = self.queues  # its own objects, never rebound (kvpage.engine.queues says what each is)
+        self.waiting, self.running, self.swapped = q.waiting, q.running, q.swapped
+        self.suspended = q.suspended
+        self.reports = CacheReports(cache, requests, observers)
+        self.swaps = SwapLifecycle(
+            config.preemption_mode, cache, swap_space, requests, self.queues, self.reports
+        )
+        self.preemptions, self.swap_counts = self.swaps.preemptions, self.swaps.swap_counts
         self.to_fork: set[int] = set()  # seq ids of n > 1 requests before their first token
         self.preemption_enabled = True  # kill switch
-        self.emit_progress = True  # per-token outputs for streaming; offline callers turn it off
-        self.preemptions = {"recompute": 0, "swap": 0}
-        self.swap_counts = {"swap_outs": 0, "swap_ins": 0, "swap_failures": 0}
         self.counters = {"aborts": 0, "timeouts": 0}
         # Each prompt once, at its first admission: prefix_hits == sum(num_cached_tokens).
         self.prefix_queries = 0  # prompt tokens looked up
@@ -90,10 +80,9 @@ class Scheduler:
         self.prefill_tokens = 0
         self.prefix_wait = PrefixWait(cache)
         self.prompt_rows = PromptRowStore(cache)
-        self.lora_slots: LoraSlots | None = None  # the engine's, when it serves adapters
-        self._outputs: list[RequestOutput] = []  # finished or progressed since the last take
+        self.lora_slots = lora_slots  # the engine's, when it serves adapters
 
-    # --- queue management ------------------------------------------------------------------
+    # --- queues -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
         if seq.params.n > 1:
@@ -102,45 +91,27 @@ class Scheduler:
     def remove(self, seq: Sequence) -> None:
         """Take a request out of whatever queue holds it and give back its blocks and its
         swap space."""
-        for queue in (self.waiting, self.running, self.swapped):
-            if seq in queue:
-                queue.remove(seq)
-        self.suspended.pop(seq.seq_id, None)
+        self.queues.take_out(seq)
         self.prefix_wait.forget(seq)
         self.cache.free_table(seq.table)
         seq.num_computed = 0
         self.swap_space.discard(seq.seq_id)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self.suspended)
-
-    def suspend(self, seq: Sequence) -> None:
-        """Keep a WAITING or SWAPPED sequence out of every step until `resume` (between steps:
-        a test driver's hold after a forced preemption)."""
-        queue = {SeqStatus.WAITING: self.waiting, SeqStatus.SWAPPED: self.swapped}[seq.status]
-        queue.remove(seq)
-        self.suspended[seq.seq_id] = seq
-
-    def resume(self, seq: Sequence) -> None:
-        """Back where a preemption puts it: the front of the waiting queue, or swapped."""
-        del self.suspended[seq.seq_id]
-        if seq.status is SeqStatus.WAITING:
-            self.waiting.appendleft(seq)
-        else:
-            self.swapped.append(seq)
+        return self.queues.has_work()
 
     # --- one step --------------------------------------------------------------------------
     def schedule(self, step: int) -> StepPlan:
         plan = StepPlan(step)
-        self._drain(plan)  # ops recorded between steps (frees of finished requests)
+        self.reports.drain(plan)  # ops recorded between steps (frees of finished requests)
         budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
         if not plan.preempted:
             budget = self._restore_swapped(plan, budget)
             if self.may_admit(plan):
                 self._admit_waiting(plan, budget)
-        self._fail_if_stuck(plan)
+        self.swaps.fail_if_stuck(plan)
         self.prefill_tokens += sum(_prompt_tokens(item) for item in plan.scheduled)
-        self._drain(plan)
+        self.reports.drain(plan)
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
@@ -178,22 +149,22 @@ class Scheduler:
 
     def _append(self, seq: Sequence, n: int, plan: StepPlan) -> list[int]:
         slots = self.cache.append_slots(seq.table, n)
-        self._drain(plan)
+        self.reports.drain(plan)
         return slots
 
     def _restore_swapped(self, plan: StepPlan, budget: int) -> int:
         """Swapped requests come back before any new admission, oldest first."""
-        running = sum(_sequences(s) for s in self.running)  # an unforked n-request counts n
+        running = sum(s.fan_out for s in self.running)  # an unforked n-request counts n
         for seq in list(self.swapped):
-            if budget <= 0 or running + _sequences(seq) > self.config.max_num_seqs:
+            if budget <= 0 or running + seq.fan_out > self.config.max_num_seqs:
                 break
             n = self.restore_chunk(seq, budget)
             if n is None or self.cache.restore_need(seq.swapped_tokens, n) > (
                 self.cache.num_free_blocks()
             ):
                 break
-            self._swap_in(seq, plan)
-            running += _sequences(seq)
+            self.swaps.swap_in(seq, plan)
+            running += seq.fan_out
             plan.scheduled.append(ScheduledSeq(seq, n, self._append(seq, n, plan)))
             budget -= n
         return budget
@@ -205,19 +176,6 @@ class Scheduler:
         budget it cannot get."""
         return min(seq.num_uncomputed, budget)
 
-    def _swap_in(self, seq: Sequence, plan: StepPlan) -> None:
-        """Allocate its blocks RESTORING (unreadable) and plan the copy back; the table becomes
-        readable in `block_ops_applied`, once the executor has written the KV."""
-        self.swapped.remove(seq)
-        ids = self.cache.allocate_restoring(seq.table, seq.swapped_tokens)
-        self._drain(plan)
-        plan.block_ops.append(SwapIn(seq.seq_id, tuple(ids)))
-        seq.num_computed = seq.swapped_tokens
-        seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
-        plan.resumed.append(seq)
-        self.swap_counts["swap_ins"] += 1
-
     def may_admit(self, plan: StepPlan) -> bool:
         """Whether waiting requests may be admitted in this step (a declared seam): not while a
         swapped request is still out (it came first; new admissions would take its blocks)."""
@@ -225,9 +183,9 @@ class Scheduler:
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         pending = self.prefix_wait.pending_keys(plan.scheduled) if self.waiting else None
-        running = sum(_sequences(s) for s in self.running)  # an unforked n-request counts n
+        running = sum(s.fan_out for s in self.running)  # an unforked n-request counts n
         for seq in list(self.waiting):
-            if budget <= 0 or running + _sequences(seq) > self.config.max_num_seqs:
+            if budget <= 0 or running + seq.fan_out > self.config.max_num_seqs:
                 return
             if pending and self.prefix_wait.defer(seq, pending):
                 continue  # a chunk of this step computes its prefix: it hits it next step
@@ -240,14 +198,14 @@ class Scheduler:
                 # outside this step (running, preempted, suspended) can give back.
                 continue
             self.acquire_prefix(seq)
-            self._report_corruptions()
+            self.reports.corruptions()
             n = min(seq.num_uncomputed, budget)
             if not self.cache.can_append(seq.table, n):
                 self.cache.free_table(seq.table)  # give the hit blocks back; retry next step
                 seq.num_computed = 0
                 return
             self._admit(seq)
-            running += _sequences(seq)
+            running += seq.fan_out
             plan.scheduled.append(ScheduledSeq(seq, n, self._append(seq, n, plan)))
             budget -= n
             if pending is not None:
@@ -267,7 +225,7 @@ class Scheduler:
         self._hold_adapter(seq)
         self.waiting.remove(seq)
         self.prefix_wait.forget(seq)
-        self._note_resume(seq)
+        self.swaps.note_resume(seq)
         seq.status = SeqStatus.RUNNING
         self.count_lookup(seq)
         if self.observers and seq.num_computed:
@@ -325,153 +283,18 @@ class Scheduler:
         """Blocks the sequence may come to hold. A parallel request before its fork (one sequence
         until its first token) becomes n sequences: n times as many."""
         blocks = self.cache.max_blocks_for(len(seq.prompt_ids) + seq.params.max_tokens)
-        return blocks * _sequences(seq)
+        return blocks * seq.fan_out
 
-    def _note_resume(self, seq: Sequence) -> None:
-        if seq.resume_pending:
-            for observer in self.observers:
-                observer.on_resume(seq, seq.resume_pending, seq.kv_restored)
-        seq.resume_pending = ""
-
-    def _fail_if_stuck(self, plan: StepPlan) -> None:
-        """Preemption off, nothing scheduled, and running requests that cannot grow: no step will
-        ever free a block, so the newest of them is failed (the engine ends it) and its blocks
-        let the others finish. Without this the server loop would spin on empty steps."""
-        if not plan.stalled or plan.scheduled or plan.preempted:
-            return
-        victim = plan.stalled[-1]  # running is oldest first
-        held = len({b for s in self.running for b in s.table.held_ids()})
-        plan.failed.append(
-            (
-                victim,
-                f"request {victim.sample_id!r} cannot grow: preemption is off and the running "
-                f"requests hold every KV block ({held} of {self.cache.pool.num_blocks}); it was "
-                f"failed so that the others can finish",
-            )
-        )
-
-    # --- block operations: recorded in order, reported once done --------------------------
-    def _drain(self, plan: StepPlan) -> None:
-        """Move the cache's recorded block ops into the plan (keeping their order) and report
-        the copies: a copy-on-write is observed when it is decided, as the pool then stands."""
-        ops = self.cache.take_block_ops()
-        plan.block_ops += ops
-        for op in ops:
-            if isinstance(op, CopyBlock):
-                self._report_copy(op)
-
-    def _report_copy(self, op: CopyBlock) -> None:
-        for observer in self.observers:
-            observer.on_kv_copy(op.src, op.dst)
-        seq = self.requests.by_seq_id.get(op.seq_id)
-        if self.observers and seq is not None:
-            fields = dict(logical_block=op.logical_block, src_block=op.src, dst_block=op.dst)
-            emit(self.observers, CowCopy(**who(seq), **fields))
-
-    def _report_corruptions(self) -> None:
-        for seq_id, found in self.cache.take_corruptions():
-            seq = self.requests.by_seq_id.get(seq_id)
-            if self.observers and seq is not None:
-                event = CacheCorruption(
-                    **who(seq),
-                    fast_key=found.fast_key,
-                    wanted_digest=found.wanted_digest.hex(),
-                    found_digest=found.found_digest.hex(),
-                    block_id=found.block_id,
-                    depth=found.depth,
-                )
-                emit(self.observers, event)
+    # --- preemption and swapping (kvpage.engine.swapping) -----------------------------------
+    def preempt(self, seq: Sequence, plan: StepPlan, mode: str | None = None) -> str:
+        """Take a running request off the pool, now; returns the mode planned (swap falls back
+        to recompute when the swap space is full)."""
+        return self.swaps.preempt(seq, plan, mode)
 
     def block_ops_applied(self, plan: StepPlan, done: BlockOpsDone) -> None:
         """The executor applied the plan's block ops: restored tables become readable, and a
-        swap-out whose write failed falls back to recompute (its blocks are already free)."""
-        for op in plan.swap_ins:
-            self._finish_swap_in(op, done)
-        for pre in plan.preempted:
-            if pre.mode == "swap" and pre.seq.seq_id in done.failed_swap_outs:
-                self._swap_failed(pre)
-            elif pre.mode == "swap":
-                self._swap_done(pre)
-            if pre.held is not None:
-                fields = dict(mode=pre.mode, requested_mode=pre.requested_mode, **pre.held)
-                emit(self.observers, Preempted(**who(pre.seq), **fields))
-
-    def _finish_swap_in(self, op: SwapIn, done: BlockOpsDone) -> None:
-        seq = self.requests.by_seq_id[op.seq_id]
-        self.cache.finish_restore(seq.table)  # only now may a step read these blocks
-        latency = done.restored.get(seq.seq_id)
-        if latency is not None:
-            seq.kv_restored = True
-            for observer in self.observers:
-                observer.on_kv_restored(seq, list(op.block_ids))
-            if self.observers:
-                pool = self.cache.pool
-                fields = dict(
-                    num_tokens=seq.swapped_tokens,
-                    blocks=op.block_ids,
-                    generations=tuple(pool.blocks[b].generation for b in op.block_ids),
-                    latency_s=latency,
-                )
-                emit(self.observers, SwappedIn(**who(seq), **fields))
-        self._note_resume(seq)
-
-    def _swap_done(self, pre: Preemption) -> None:
-        self.swap_counts["swap_outs"] += 1
-        if pre.held is not None:
-            fields = dict(num_tokens=pre.seq.swapped_tokens, **pre.held)
-            emit(self.observers, SwappedOut(**who(pre.seq), **fields))
-
-    def _swap_failed(self, pre: Preemption) -> None:
-        """The swap-out copy failed: the request is recomputed instead, so it still finishes."""
-        seq = pre.seq
-        self.swap_counts["swap_failures"] += 1
-        self.preemptions["swap"] -= 1
-        self.preemptions["recompute"] += 1
-        pre.mode = seq.resume_pending = "recompute"
-        seq.kv_restored = True
-        seq.num_computed = 0
-        if seq.seq_id in self.suspended:
-            del self.suspended[seq.seq_id]
-        else:
-            self.swapped.remove(seq)
-        seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
-
-    # --- preemption ------------------------------------------------------------------------
-    def preempt(self, seq: Sequence, plan: StepPlan, mode: str | None = None) -> str:
-        """Take a running request off the pool, now. Swap falls back to recompute when the swap
-        space is full (and, once the executor tried, when the copy fails); returns the
-        mode planned."""
-        requested = mode = self.config.preemption_mode if mode is None else mode
-        held = held_blocks(seq, self.cache.pool) if self.observers else None
-        self.running.remove(seq)
-        seq.num_preemptions += 1
-        if mode == "swap" and self.swap_space.can_store(seq.table.num_held()):
-            self._swap_out(seq, plan)
-        else:
-            mode = "recompute"
-            self.cache.free_table(seq.table)
-            seq.num_computed = 0
-            seq.status = SeqStatus.WAITING
-            self.waiting.appendleft(seq)
-        self._drain(plan)
-        self.preemptions[mode] += 1
-        seq.resume_pending = mode
-        plan.preempted.append(Preemption(seq, mode, requested, held))
-        return mode
-
-    def _swap_out(self, seq: Sequence, plan: StepPlan) -> None:
-        """Plan the copy out and give the blocks back: the executor reads them before anything
-        later in the plan can write them."""
-        block_ids = self.cache.begin_evict(seq.table)
-        self.swap_space.reserve(seq.seq_id, len(block_ids))
-        self._drain(plan)
-        plan.block_ops.append(SwapOut(seq.seq_id, tuple(block_ids)))
-        seq.swapped_tokens = seq.num_computed
-        seq.kv_restored = False
-        self.cache.free_table(seq.table)
-        seq.status = SeqStatus.SWAPPED
-        self.swapped.append(seq)
+        swap-out whose write failed falls back to recompute."""
+        self.swaps.block_ops_applied(plan, done)
 
     # --- after the forward pass ------------------------------------------------------------
     def commit(self, plan: StepPlan) -> None:
@@ -518,8 +341,8 @@ class Scheduler:
         reason = self.stop_reason(seq, token)
         if reason is not None:
             self.finish(seq, reason)
-        elif self.emit_progress:
-            self._outputs.append(progress_output(seq, [token]))
+        else:
+            self.outputs.progress(seq, [token])
 
     def stop_reason(self, seq: Sequence, token: int) -> str | None:
         """The stop rule after `token` was appended (a declared seam): a stop id (EOS unless
@@ -532,8 +355,7 @@ class Scheduler:
         return None
 
     def take_outputs(self) -> list[RequestOutput]:
-        out, self._outputs = self._outputs, []
-        return out
+        return self.outputs.take()
 
     # --- the end of a request --------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -544,30 +366,10 @@ class Scheduler:
             seq.lora_held = False
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        if held is not None:
-            emit(self.observers, Freed(**who(seq), reason=reason, **held))
-            count = len(seq.output_ids)
-            emit(
-                self.observers,
-                Finished(**who(seq), reason=reason, num_output_tokens=count, error=seq.error),
-            )
-        new = seq.output_ids[-1:] if reason in ("stop", "length") else []
-        if seq.params.n == 1:
-            self._outputs.append(final_output([seq], new, self.decode))
-            self.requests.retire(seq.request_id)
-        else:
-            self._finish_sample(seq, new)
-
-    def _finish_sample(self, seq: Sequence, new: list[int]) -> None:
-        """One sample of a parallel request is done; the request is once every sample is (a
-        request that ends before its fork has only sample 0)."""
+        for event in end_events(seq, reason, held) if held is not None else ():
+            emit(self.observers, event)
         self.to_fork.discard(seq.seq_id)
-        if self.emit_progress:
-            self._outputs.append(progress_output(seq, new))
-        samples = self.requests.samples[seq.request_id]
-        if all(s.finished for s in samples):
-            self._outputs.append(final_output(samples, [], self.decode))
-            self.requests.retire(seq.request_id)
+        self.outputs.finished(seq, seq.output_ids[-1:] if reason in ("stop", "length") else [])
 
     def fail(self, seq: Sequence, message: str) -> None:
         """End a sample with finish reason "error"; `message` reaches RequestOutput.error."""
@@ -583,19 +385,10 @@ class Scheduler:
             return False
         self.counters["aborts" if reason == "abort" else "timeouts"] += 1
         if self.observers:
-            self._emit_abort(name, live, reason)
+            emit(self.observers, abort_event(name, live, reason))
         for seq in live:
             self.finish(seq, reason)
         return True
-
-    def _emit_abort(self, name: str, live: list[Sequence], reason: str) -> None:
-        """One event for the call; it names the request (or sample) as the caller did."""
-        fields = {**who(live[0]), "sample_id": name, "samples": tuple(s.sample_id for s in live)}
-        if reason == "timeout":
-            overdue = time.monotonic() - live[0].deadline
-            emit(self.observers, TimedOut(**fields, overdue_s=overdue))
-        else:
-            emit(self.observers, Aborted(**fields))
 
     def expire_timeouts(self) -> None:
         """Only requests that have a deadline are looked at: none, no per-step scan."""
@@ -603,13 +396,6 @@ class Scheduler:
         heads = self.requests.heads
         for request_id in [r for r in self.requests.with_deadline if now > heads[r].deadline]:
             self.abort(request_id, reason="timeout")
-
-
-def _sequences(seq: Sequence) -> int:
-    """Running sequences `seq` becomes once admitted: a parallel request forks into n at its
-    first token, and every one of them then runs in each step (max_num_seqs counts them all)."""
-    unforked = seq.params.n > 1 and seq.sample_index == 0 and not seq.output_ids
-    return seq.params.n if unforked else 1
 
 
 def _prompt_tokens(item: ScheduledSeq) -> int:

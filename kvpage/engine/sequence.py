@@ -97,5 +97,12 @@ class Sequence:
         return self.num_tokens - self.num_computed
 
     @property
+    def fan_out(self) -> int:
+        """Running sequences it becomes once admitted: a parallel request forks into n at its
+        first token, and every one of them then runs in each step (max_num_seqs counts them)."""
+        unforked = self.params.n > 1 and self.sample_index == 0 and not self.output_ids
+        return self.params.n if unforked else 1
+
+    @property
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpage.engine.plan import StepLogits
 from kvpage.model.paged_attention import PagedAttention
 from kvpage.verify.mutants.base import bind
 
@@ -56,7 +57,7 @@ class AttentionCapture:
                 logits = self.model.compute_logits(hidden[rows]).float()
             if sink and len(capture.weights) < MAX_STEPS:
                 capture.weights.append([sink[layer] for layer in sorted(sink)])
-            return logits
+            return StepLogits(logits)
 
         bind(runner, "run", run)
 

@@ -200,9 +200,9 @@ def batched_logits_in_bfloat16(engine: LLMEngine) -> None:
     original = engine.runner.run
 
     def run(self, batch):
-        logits = original(batch)
+        out = original(batch)
         if len(batch.scheduled) > 1:
-            logits = logits.to("cpu").bfloat16().float().to(logits.device)
-        return logits
+            out.logits = out.logits.to("cpu").bfloat16().float().to(out.logits.device)
+        return out
 
     bind(engine.runner, "run", run)

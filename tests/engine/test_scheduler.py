@@ -308,7 +308,7 @@ def test_swap_preemption_plans_the_swap_out_before_the_blocks_are_reused():
     # no new request is admitted, though d would fit: it came first.
     h.add("d", tokens(70, 3))
     plan, _ = h.step()
-    assert chunks(plan) == [("a", 1), ("b", 1)] and plan.swap_ins == []
+    assert chunks(plan) == [("a", 1), ("b", 1)] and plan.ops_of(SwapIn) == []
     assert ids(h.sched.swapped) == ["c"] and ids(h.sched.waiting) == ["d"]
 
 
@@ -356,7 +356,7 @@ def test_failed_swap_out_becomes_a_recompute():
     assert C not in h.swap_space and h.swap_space.used_blocks == 0
 
     plan, _ = h.step()  # re-prefilled like any recompute: its cached block 3, then 4 tokens
-    assert chunks(plan) == [("a", 1), ("c", 4), ("d", 3)] and plan.swap_ins == []
+    assert chunks(plan) == [("a", 1), ("c", 4), ("d", 3)] and plan.ops_of(SwapIn) == []
     assert c.table.block_ids == [3, 4]
 
 
@@ -365,7 +365,7 @@ def test_swap_without_swap_space_falls_back_to_recompute():
     plan = h.plan()
     pre = plan.preempted[0]
     assert (pre.seq, pre.mode, pre.requested_mode) == (c, "recompute", "swap")
-    assert plan.swap_outs == [] and h.swap_space.used_blocks == 0 and C not in h.swap_space
+    assert plan.ops_of(SwapOut) == [] and h.swap_space.used_blocks == 0 and C not in h.swap_space
     assert ids(h.sched.waiting) == ["c"] and ids(h.sched.swapped) == []
     assert h.sched.preemptions == {"recompute": 1, "swap": 0}
     assert h.sched.swap_counts == {"swap_outs": 0, "swap_ins": 0, "swap_failures": 0}
@@ -519,13 +519,13 @@ def test_suspended_request_is_never_scheduled_until_resumed():
     has_work() forgets it once nothing else is left (the server loop would stop)."""
     h = Harness()
     a, b = h.add("a", tokens(10, 3)), h.add("b", tokens(30, 3), max_tokens=1)
-    h.sched.suspend(a)
+    h.sched.queues.suspend(a)
     for _ in range(3):  # b runs and finishes; a is kept out, and there is still work
         plan, _ = h.step()
         assert "a" not in dict(chunks(plan))
         assert h.sched.has_work() and a.status is SeqStatus.WAITING
     assert b.finished and ids(h.sched.waiting) == [] and h.sched.suspended == {A: a}
-    h.sched.resume(a)
+    h.sched.queues.resume(a)
     plan, _ = h.step()
     assert chunks(plan) == [("a", 3)] and a.table.block_ids == [1]
 

@@ -8,7 +8,7 @@ import torch
 
 from kvpage.cache.block_pool import BlockState
 from kvpage.engine.engine import LLMEngine
-from kvpage.engine.plan import StepBatch
+from kvpage.engine.plan import StepBatch, StepLogits
 from kvpage.verify.mutants.base import Mutant, bind, plant
 from kvpage.verify.mutants.cache import fast_key_entry, naive_match
 
@@ -74,9 +74,9 @@ def same_step_join(engine: LLMEngine) -> None:
         for part in (reads, writes):
             sub = _sub_batch(batch, part)
             if sub.sample_seqs:
-                for item, row in zip(sub.sample_seqs, run(sub), strict=True):
+                for item, row in zip(sub.sample_seqs, run(sub).logits, strict=True):
                     rows[id(item)] = row
-        return torch.stack([rows[id(item)] for item in batch.sample_seqs])
+        return StepLogits(torch.stack([rows[id(item)] for item in batch.sample_seqs]))
 
     bind(cache, "append_slots", publish_on_allocation)
     bind(runner, "run", readers_first)

@@ -24,13 +24,13 @@ from kvpage.verify.mutants.base import mutant_table, plant
 
 def rows_offset_by_one(engine: LLMEngine) -> None:
     """Row i is computed from the logits of position i + 1 (the next row)."""
-    honest = engine.prompt_logprob_rows
+    honest = engine.prompt_scorer.prompt_logprob_rows
 
     def rows(self, logits, token_ids, k):
         shifted = torch.cat([logits[1:], logits[-1:]]) if len(logits) > 1 else logits
         return honest(shifted, token_ids, k)
 
-    plant(engine, "engine.prompt_logprob_rows", rows)
+    plant(engine, "scorer.prompt_logprob_rows", rows)
 
 
 def hit_for_prompt_rows(engine: LLMEngine) -> None:
