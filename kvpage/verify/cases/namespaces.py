@@ -9,6 +9,8 @@ how many cached tokens it must get.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvpage.verify.case import Action, Case, RequestSpec, Tokens, greedy
 
 B = 8
@@ -62,21 +64,8 @@ def _tenant_switch(t: Tokens) -> Case:
         ("a.back", "a", shared, 20, full),  # entries from before stayed
         ("a.fresh-again", "a", fresh, 26, full),  # a.fresh-on published
     ]
-    specs = [
-        RequestSpec(rid, prompt, greedy(3), arrive_step=at, cache_salt=salt)
-        for rid, salt, prompt, at, _ in plan
-    ]
-    actions = [
-        Action("tenant a off", _at(6), lambda e: e.set_namespace_caching("a", False)),
-        Action("tenant a on", _at(18), lambda e: e.set_namespace_caching("a", True)),
-    ]
-    return Case(
-        "namespaces",
-        "tenant_switch",
-        specs,
-        dict(block_size=B, num_blocks=64),
-        actions=actions,
-        expect_hit_tokens={rid: hits for rid, *_, hits in plan},
+    return _switched(
+        "tenant_switch", plan, "tenant a", lambda e, on: e.set_namespace_caching("a", on)
     )
 
 
@@ -91,17 +80,23 @@ def _global_switch(t: Tokens) -> Case:
         ("on-salted", "s", fresh, 20, 0),  # nothing was published while off
         ("again-salted", "s", fresh, 26, full),
     ]
+    return _switched("global_switch", plan, "caching", lambda e, on: e.set_prefix_caching(on))
+
+
+def _switched(name: str, plan: list[tuple], switch: str, turn: Callable) -> Case:
+    """The requests of `plan`, rows of (request, salt, prompt, arrive, cached tokens), with a
+    caching switch turned off at step 6 and back on at step 18 by `turn(driver, on)`."""
     specs = [
         RequestSpec(rid, prompt, greedy(3), arrive_step=at, cache_salt=salt)
         for rid, salt, prompt, at, _ in plan
     ]
     actions = [
-        Action("caching off", _at(6), lambda e: e.set_prefix_caching(False)),
-        Action("caching on", _at(18), lambda e: e.set_prefix_caching(True)),
+        Action(f"{switch} off", _at(6), lambda e: turn(e, False)),
+        Action(f"{switch} on", _at(18), lambda e: turn(e, True)),
     ]
     return Case(
         "namespaces",
-        "global_switch",
+        name,
         specs,
         dict(block_size=B, num_blocks=64),
         actions=actions,
