@@ -160,30 +160,27 @@ class StepProperties(EngineObserver):
             self._refused(plan, head)
 
     def _overcommitted(self, plan: StepPlan, seq: Sequence) -> None:
-        message = (
-            f"step {plan.step}: {seq.sample_id} was admitted with preemption off but cannot "
-            "grow: the reservation promised blocks the pool does not have"
-        )
-        self._report(
-            "reservation",
-            message,
-            self._pool_fields(plan, seq, "over-commit"),
-            seq.sample_id,
-            plan.step,
+        self._reservation_broken(
+            plan,
+            seq,
+            "over-commit",
+            "was admitted with preemption off but cannot grow: the reservation promised blocks "
+            "the pool does not have",
         )
 
     def _refused(self, plan: StepPlan, seq: Sequence) -> None:
-        message = (
-            f"step {plan.step}: {seq.sample_id} was kept waiting with preemption off although "
-            "its worst case and every running request's fit in the free pool"
+        self._reservation_broken(
+            plan,
+            seq,
+            "refused",
+            "was kept waiting with preemption off although its worst case and every running "
+            "request's fit in the free pool",
         )
-        self._report(
-            "reservation",
-            message,
-            self._pool_fields(plan, seq, "refused"),
-            seq.sample_id,
-            plan.step,
-        )
+
+    def _reservation_broken(self, plan: StepPlan, seq: Sequence, violation: str, what: str):
+        message = f"step {plan.step}: {seq.sample_id} {what}"
+        fields = self._pool_fields(plan, seq, violation)
+        self._report("reservation", message, fields, seq.sample_id, plan.step)
 
     def _pool_fields(self, plan: StepPlan, seq: Sequence, violation: str) -> dict:
         return {
