@@ -18,40 +18,38 @@ There is no global layer, so group 0 is a WINDOW group (the smallest window's; o
 every layer has the same window, the storage layout of a plain model). Of the two designs
 weighed, (a) a window group 0 and (b) keeping group 0 global with an extra window table for
 the layers, only (a) frees anything: under (b) the global table would keep every page of the
-prefix, the memory the window no longer needs. So group 0 trims like any window group:
-`block_ids` entries below its window are NULL_BLOCK, all of them below `BlockTable.trimmed0`
-(0, and no NULL, whenever group 0 is global: a global model's hot paths pay one flag test, no
-more, and run as before). A window group 0 publishes flat (no parent) and its hits
-follow the hybrid rule below, group 0 included (`KVCacheManager._acquire_windowed`). Readers of
-block_ids skip NULL: the runner reads it as block 0 (masked, as for extra groups), the debug
-written-slot check, held-block events and hit reports, swap (`held_ids`), snapshots (their
-entries are the held blocks only, in order; the tracer and provenance put them back at their
-logical positions), invariants (flat: no radix chain to check for group 0), and the tracer
-records group 0's view as a GroupView, so a trim bug in it is attributed to group 0.
+prefix, the memory the window no longer needs. Since the cache manager treats every group by
+its kind alone (kvpage.cache.group_managers), group 0 needs no rule of its own. Readers of a
+table skip NULL: the runner reads it as block 0 (masked), the debug written-slot check, held-block
+events and hit reports, swap (`held_ids`), snapshots (their entries are the held blocks only, in
+order; the tracer and provenance put them back at their logical positions), and the tracer
+records a window group 0's view as a GroupView, so a trim bug in it is attributed to group 0.
 
-Tables. Group 0 is a global group but in an all-windowed model, and it is the table everyone
-already reads (`BlockTable.block_ids`: events, traces, prefix-hit reports, swap accounting).
-Groups 1.. are `BlockTable.extra[g - 1]`, one list per group, the same length as block_ids
+Tables. `BlockTable.groups[g]` is group g's table, every group's the same length
 (ceil(num_tokens / B)); a window group's leading entries that fell out of the window are
-NULL_BLOCK. All groups of a table advance together: one num_tokens, one publish cursor.
+NULL_BLOCK, all of them below its cursor `trimmed[g]`. `block_ids` is group 0's, the table
+events, traces, prefix-hit reports and swap accounting name. All groups of a table advance
+together: one num_tokens, one publish cursor.
 
 Freeing. A query at position p sees keys p - W + 1 .. p, so once the next token to compute is at
 `start` no query will read a block whose last position is below start - W + 1:
 `first_needed_block(start)` = max(0, start - W + 1) // B. Before each append (and before a swap-out)
-the manager drops the window group's entries below it (`trim`): the block's owner goes, a
+the manager drops the window groups' entries below it (`trim`): the block's owner goes, a
 published block goes CACHED (still hit-able, evictable), an unpublished one FREE. Freeing happens
 before the step's allocation, so the pages come back in time to be reused by that very step.
 
 Prefix hits (vLLM's hybrid rule). Every group publishes its full blocks under its own key (the
 chained key salted by the group: one index, one LRU over all groups). A global group's entries form
-the radix tree as today; a window group's are flat (no parent: its table no longer holds the
+the radix tree; a window group's are flat (no parent: its table no longer holds the
 blocks before the window), so each is an evictable leaf on its own. A hit of h blocks needs the
 whole prefix [0, h) in every global group, and in every window group only the blocks
 [first_needed_block(h * B), h): the longest h that all groups satisfy is taken; the window
-groups hold only those blocks (NULL before them).
+groups hold only those blocks (NULL before them). The global groups bound h first (their hits
+are a walk from block 0); the window groups then look up each block below it
+(`KVCacheManager.hit_tables`).
 
 Preemption, swap and CoW work per group: a swap-out trims first and copies every group's held
-pages (group 0's, then each extra group's non-NULL ones, in order); the restore allocates the
+pages (group by group, each in logical order); the restore allocates the
 same pages again (the trim of the same position) and copies them back in the same order. CoW
 copies a page (all its rows). Quantized KV: scales live per page row, invalidated per page, so
 it is the same code. Tensor parallelism shards the KV heads of the same layout.

@@ -24,13 +24,14 @@ def check_invariants(
     tables: Iterable[BlockTable],
     index: PrefixIndex | None = None,
     snapshots: Iterable[TableSnapshot] = (),
-    window0: bool = False,
+    windows: tuple[int | None, ...] = (),
 ) -> None:
-    """`window0`: group 0 is a window group (an all-windowed model, kvpage.cache.groups)."""
+    """`windows`: each layer group's window (None: full attention; kvpage.cache.groups), every
+    group full attention by default."""
     tables = list(tables)
     problems: list[str] = []
     problems += _check_counts(pool)
-    problems += _check_tables(pool, tables, index, window0)
+    problems += _check_tables(pool, tables, index, windows)
     problems += _check_refs(pool, tables, list(snapshots))
     if index is not None:
         problems += _check_index(pool, index)
@@ -86,7 +87,7 @@ def _check_block_state(pool: BlockPool, b) -> list[str]:
 
 
 def _check_tables(
-    pool: BlockPool, tables: list[BlockTable], index: PrefixIndex | None, window0: bool = False
+    pool: BlockPool, tables: list[BlockTable], index: PrefixIndex | None, windows: tuple
 ) -> list[str]:
     out = []
     bs = pool.block_size
@@ -95,53 +96,37 @@ def _check_tables(
         if t.seq_id in seen_seq:
             out.append(f"two live tables for seq {t.seq_id}")
         seen_seq.add(t.seq_id)
-        if len(t.block_ids) != blocks_for(t.num_tokens, bs):
-            out.append(f"seq {t.seq_id}: {len(t.block_ids)} blocks for {t.num_tokens} tokens")
-        if window0:  # flat (no chain to check), NULL below its cursor
-            out += _check_window0(t)
-        elif len(set(t.block_ids)) != len(t.block_ids) or t.trimmed0:
-            out.append(f"seq {t.seq_id}: a block appears twice in {t.block_ids}, or a NULL")
-        for i, bid in enumerate(t.block_ids):
-            if bid != NULL_BLOCK or not window0:
-                out += _check_entry(pool, None if window0 else index, t, i, bid)
-        for g, ids in enumerate(t.extra, start=1):
-            out += _check_group(pool, t, g, ids)
+        held = t.held_ids()
+        if len(set(held)) != len(held):
+            out.append(f"seq {t.seq_id}: a block appears twice in {t.groups}")
+        for g, ids in enumerate(t.groups):
+            if len(ids) != blocks_for(t.num_tokens, bs):
+                out.append(f"seq {t.seq_id} group {g}: {len(ids)} blocks for {t.num_tokens} tokens")
+            window = windows[g] if g < len(windows) else None
+            out += _check_group(pool, None if window else index, t, g, window)
     return out
 
 
-def _check_window0(t: BlockTable) -> list[str]:
-    """Group 0 as a window group: no block twice, nothing held below its trim cursor, NULL
-    nowhere above it (its entries publish flat: no chain to check)."""
+def _check_group(
+    pool: BlockPool, index: PrefixIndex | None, t: BlockTable, g: int, window: int | None
+) -> list[str]:
+    """One layer group's table: NULL exactly below its trim cursor (a full-attention group has
+    none), each held entry sound; a full-attention group's published entries chain in the
+    index (`index`; a window group's are flat)."""
     out = []
-    held = [b for b in t.block_ids if b != NULL_BLOCK]
-    if len(set(held)) != len(held):
-        out.append(f"seq {t.seq_id}: a block appears twice in {t.block_ids}")
-    cut = t.trimmed0
-    if any(b != NULL_BLOCK for b in t.block_ids[:cut]) or NULL_BLOCK in t.block_ids[cut:]:
-        out.append(f"seq {t.seq_id} group 0: NULL and held entries split at {cut}: {t.block_ids}")
-    return out
-
-
-def _check_group(pool: BlockPool, t: BlockTable, g: int, ids: list[int]) -> list[str]:
-    """An extra layer group's table: as long as group 0's, no block twice or shared with
-    another group of the table, nothing held below its trim cursor, each held entry as sound
-    as group 0's."""
-    out = []
-    held = [b for b in ids if b != NULL_BLOCK]
-    if len(ids) != len(t.block_ids):
-        out.append(f"seq {t.seq_id} group {g}: {len(ids)} entries, group 0 has {len(t.block_ids)}")
-    if len(set(held)) != len(held) or set(held) & set(t.block_ids):
-        out.append(f"seq {t.seq_id} group {g}: a block appears twice in {ids}")
-    if any(b != NULL_BLOCK for b in ids[: t.trimmed[g - 1]]):
-        out.append(f"seq {t.seq_id} group {g}: holds a block below its window cursor")
+    ids, cut = t.groups[g], t.trimmed[g]
+    if window is None and cut:
+        out.append(f"seq {t.seq_id} group {g}: a full-attention group trimmed at {cut}")
+    if any(b != NULL_BLOCK for b in ids[:cut]) or NULL_BLOCK in ids[cut:]:
+        out.append(f"seq {t.seq_id} group {g}: NULL and held entries split at {cut}: {ids}")
     for i, bid in enumerate(ids):
         if bid != NULL_BLOCK:
-            out += [f"group {g}: {p}" for p in _check_entry(pool, None, t, i, bid)]
+            out += [f"group {g}: {p}" for p in _check_entry(pool, index, t, ids, i, bid)]
     return out
 
 
 def _check_entry(
-    pool: BlockPool, index: PrefixIndex | None, t: BlockTable, i: int, bid: int
+    pool: BlockPool, index: PrefixIndex | None, t: BlockTable, ids: list[int], i: int, bid: int
 ) -> list[str]:
     b = pool.blocks[bid]
     bs = pool.block_size
@@ -155,7 +140,7 @@ def _check_entry(
         out.append(f"seq {t.seq_id} block[{i}]={bid}: valid_len {b.valid_len}, table has {expect}")
     if index is not None and b.published:
         entry = index.by_block.get(bid)
-        want_parent = None if i == 0 else index.by_block.get(t.block_ids[i - 1])
+        want_parent = None if i == 0 else index.by_block.get(ids[i - 1])
         if entry is None or entry.depth != i or entry.parent is not want_parent:
             out.append(
                 f"seq {t.seq_id} block[{i}]={bid}: published but its index entry does not "

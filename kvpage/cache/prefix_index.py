@@ -16,9 +16,9 @@ Evictable leaves sit in a heap ordered by the tick at which their ref_count fell
 deletion: an entry is stale if the block was hit again since). Eviction removes the entry from the
 index before the pool bumps the generation and puts the block on the free list.
 
-Layer groups (kvpage.cache.groups): group g > 0 publishes under its own key (`group_key`, the chained
-key salted by g), so one index and one LRU serve every group. A window group's entries have no
-parent: each is a leaf on its own.
+Layer groups (kvpage.cache.groups): each group publishes under its own key (`group_key`: group 0's
+is the chained key itself, group g's the chained key salted by g), so one index and one LRU serve
+every group. A sliding-window group's entries have no parent: each is a leaf on its own.
 """
 
 from __future__ import annotations
@@ -95,8 +95,11 @@ class PrefixIndex:
 
     # --- lookup ----------------------------------------------------------------------------
     def group_key(self, key: BlockKey, group: int) -> BlockKey:
-        """Layer group `group`'s key for the block `key` names in group 0: the same prefix, a
-        different page (its own fast key and a digest group 0's never equals)."""
+        """Layer group `group`'s key for the block the chained `key` names: the same prefix, a
+        different page (its own fast key and a digest no other group's equals). Group 0's is
+        `key` itself, so a model with one group keys its blocks by the chain alone."""
+        if group == 0:
+            return key
         mask = (1 << self.fast_key_bits) - 1
         return BlockKey((key.fast ^ _group_salt(group)) & mask, key.digest + bytes((group,)))
 
@@ -106,7 +109,7 @@ class PrefixIndex:
         hits: list[IndexEntry] = []
         parent: IndexEntry | None = None
         for depth in range(min(max_blocks, len(chain.keys))):
-            key = chain.keys[depth] if group == 0 else self.group_key(chain.keys[depth], group)
+            key = self.group_key(chain.keys[depth], group)
             entry = self.confirmed(key, chain.namespace_digest, depth)
             if entry is None:
                 break

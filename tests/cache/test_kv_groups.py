@@ -43,11 +43,11 @@ def test_first_needed_block_is_the_window_edge():
 def test_trim_gives_back_the_blocks_out_of_the_window_before_allocating():
     cache = _manager()
     table, chain, _ = _prefill(cache, 0, list(range(1, 21)))  # 20 tokens, 5 blocks a group
-    local = list(table.extra[0])
+    local = list(table.groups[1])
     assert all(b != NULL_BLOCK for b in local) and len(local) == 5
     cache.append_slots(table, 1)  # the query at 20 sees 15..20: blocks 0..2 are gone
-    assert table.extra[0][:3] == [NULL_BLOCK] * 3 and table.extra[0][3:5] == local[3:]
-    assert table.trimmed == [3, 3]
+    assert table.groups[1][:3] == [NULL_BLOCK] * 3 and table.groups[1][3:5] == local[3:]
+    assert table.trimmed == [0, 3, 3]
     for bid in local[:3]:  # published: cached, still a hit; no owner
         assert cache.pool.blocks[bid].state is _S.CACHED
     assert len(table.block_ids) == 6 and all(b != NULL_BLOCK for b in table.block_ids)
@@ -63,9 +63,9 @@ def test_hit_takes_the_whole_prefix_globally_and_the_window_locally():
     table, _, hit = _prefill(cache, 1, tokens + [99])
     assert hit == 20  # 5 blocks, the cap of a 21-token prompt
     assert table.block_ids[:5] == first.block_ids[:5]
-    for g in range(2):  # the hit at 20 needs blocks 3, 4 of each window group only
-        assert table.extra[g][:3] == [NULL_BLOCK] * 3
-        assert table.extra[g][3:5] == first.extra[g][3:5]
+    for g in (1, 2):  # the hit at 20 needs blocks 3, 4 of each window group only
+        assert table.groups[g][:3] == [NULL_BLOCK] * 3
+        assert table.groups[g][3:5] == first.groups[g][3:5]
     cache.check_invariants()
 
 
@@ -73,14 +73,14 @@ def test_hit_stops_where_a_window_group_lacks_a_block_of_its_window():
     cache = _manager()
     tokens = list(range(1, 21))
     first, _, _ = _prefill(cache, 0, tokens)
-    local = list(first.extra[1])
+    local = list(first.groups[2])
     cache.free_table(first)
     gone = local[4]  # group 2's block 4 evicted: no hit at 5 blocks
     cache.index.remove(cache.index.by_block[gone])
     cache.pool.evict_cached(gone)
     table, _, hit = _prefill(cache, 1, tokens + [99])
     assert hit == 16  # 4 blocks: the window at 16 needs blocks 2, 3, both cached
-    assert table.extra[1][:4] == [NULL_BLOCK, NULL_BLOCK, local[2], local[3]]
+    assert table.groups[2][:4] == [NULL_BLOCK, NULL_BLOCK, local[2], local[3]]
     cache.check_invariants()
 
 
@@ -92,7 +92,7 @@ def test_swap_out_copies_each_groups_window_and_restore_takes_as_many():
     cache.free_table(table)
     restored = cache.allocate_restoring(table, 22)
     assert len(restored) == len(copied)
-    assert table.extra[0][:4] == [NULL_BLOCK] * 4
+    assert table.groups[1][:4] == [NULL_BLOCK] * 4
     cache.finish_restore(table)
     cache.check_invariants()
 
@@ -101,11 +101,11 @@ def test_fork_shares_every_group_and_copies_on_write_per_group():
     cache = _manager()
     table, _, _ = _prefill(cache, 0, list(range(1, 19)))  # 18 tokens: last blocks partial
     child = cache.fork(table, 1)
-    assert child.extra == table.extra
+    assert child.groups == table.groups
     cache.append_slots(child, 1)
     ops = cache.take_block_ops()
     assert len(ops) == 3  # one copy-on-write per group
-    assert {op.src for op in ops} == {table.block_ids[-1], *(ids[-1] for ids in table.extra)}
+    assert {op.src for op in ops} == {ids[-1] for ids in table.groups}
     cache.check_invariants()
 
 
@@ -120,8 +120,8 @@ def test_a_window_of_one_key_restores_no_block_and_appends_after_it():
     cache.free_table(table)
     cache.allocate_restoring(table, 8)
     cache.finish_restore(table)
-    assert table.extra[0] == [NULL_BLOCK, NULL_BLOCK]
+    assert table.groups[1] == [NULL_BLOCK, NULL_BLOCK]
     cache.append_slots(table, 1)  # the query at 8 sees position 8 only
-    assert table.extra[0][:2] == [NULL_BLOCK, NULL_BLOCK] and table.extra[0][2] != NULL_BLOCK
+    assert table.groups[1][:2] == [NULL_BLOCK, NULL_BLOCK] and table.groups[1][2] != NULL_BLOCK
     cache.free_table(table)
     cache.check_invariants()

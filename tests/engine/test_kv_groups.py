@@ -95,7 +95,7 @@ def test_tokens_equal_hf(name, scenario, hf_greedy):
 
 def _held_per_group(engine: LLMEngine, request_id: str) -> list[int]:
     table = engine.seqs[request_id].table
-    return [len(table.block_ids), *(sum(b != NULL_BLOCK for b in ids) for ids in table.extra)]
+    return [len(table.block_ids), *(sum(b != NULL_BLOCK for b in ids) for ids in table.groups[1:])]
 
 
 def test_window_groups_hold_only_the_window_during_a_long_decode(hf_greedy):

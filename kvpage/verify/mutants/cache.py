@@ -29,11 +29,12 @@ _S = BlockState
 
 
 # --- shared broken pieces ----------------------------------------------------------------------
-def naive_match(self, chain, max_blocks):
+def naive_match(self, chain, max_blocks, group=0):
     """A flat hash-table lookup: no radix parent check (what the broken keys then exploit)."""
     hits = []
     for depth in range(min(max_blocks, len(chain.keys))):
-        entry = self.confirmed(chain.keys[depth], chain.namespace_digest, depth)
+        key = self.group_key(chain.keys[depth], group)
+        entry = self.confirmed(key, chain.namespace_digest, depth)
         if entry is None or entry in hits:
             break
         hits.append(entry)

@@ -2,7 +2,7 @@
 layers (builtin:tiny-hybrid): the window trim off by one, a block freed while its window still
 reaches it, a global layer reading a window group's table, a prefix hit that takes a window
 group's blocks from outside the window. The two trim mutants apply to an all-windowed model too
-(Mistral: one window group 0, whose block_ids they trim). Each shows in the step's group views before (or
+(Mistral: one window group 0). Each shows in the step's group views before (or
 without) any token differing, so each must be attributed to layer_group."""
 
 from __future__ import annotations
@@ -34,21 +34,16 @@ def _trim_from(first_block):
 
     def trim(self, table):
         bs, start = self.block_size, table.num_tokens
-        # Every group, group 0 first (a window group only in an all-windowed model).
-        tables = [table.block_ids, *table.extra]
-        for g, window in enumerate((self.window0, *self.extra_windows)):
+        for g, window in enumerate(self.windows):
             if window is None:
                 continue
             lo = min(first_block(start, window, bs), start // bs)  # never the block written next
-            ids, cursor = tables[g], table.trimmed0 if g == 0 else table.trimmed[g - 1]
+            ids, cursor = table.groups[g], table.trimmed[g]
             for j in range(cursor, lo):
                 if ids[j] != NULL_BLOCK:
                     self.pool.remove_owner(ids[j], table.seq_id)
                     ids[j] = NULL_BLOCK
-            if g == 0:
-                table.trimmed0 = max(lo, cursor)
-            else:
-                table.trimmed[g - 1] = max(lo, cursor)
+            table.trimmed[g] = max(lo, cursor)
 
     return trim
 
@@ -76,12 +71,12 @@ def hit_reuses_blocks_outside_window(engine: LLMEngine) -> None:
     """A hit whose window blocks are looked up one window further back: the window group's
     table takes blocks published for positions outside the window, as if they were its own."""
     cache = engine.cache
-    original = cache.extra_hits
-    shift = blocks_for(max(w or 0 for w in cache.extra_windows), cache.block_size)
+    original = cache.hit_tables
+    shift = blocks_for(max(w or 0 for w in cache.windows), cache.block_size)
 
-    def extra_hits(self, chain, hits):
-        out = original(chain, hits)
-        for g, (ids, window) in enumerate(zip(out, self.extra_windows, strict=True), start=1):
+    def hit_tables(self, chain, max_blocks):
+        out = original(chain, max_blocks)
+        for g, (ids, window) in enumerate(zip(out, self.windows, strict=True)):
             if window is None:
                 continue
             for d, bid in enumerate(ids):
@@ -92,7 +87,7 @@ def hit_reuses_blocks_outside_window(engine: LLMEngine) -> None:
                         ids[d] = found
         return out
 
-    plant(engine, "cache.extra_hits", extra_hits)
+    plant(engine, "cache.hit_tables", hit_tables)
 
 
 def _mutant(name: str, bug: str, apply, needs=_not_hybrid) -> Mutant:
