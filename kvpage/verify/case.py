@@ -107,6 +107,23 @@ def preempt_once_added(
     )
 
 
+def preempt_at_step(
+    name: str,
+    step: int,
+    sample: str,
+    after_tokens: int,
+    resume_after_steps: int,
+    mode: str | None = None,
+) -> Action:
+    """Before step `step`, force-preempt `sample` after its `after_tokens`-th token, to resume
+    `resume_after_steps` steps later."""
+    return Action(
+        name,
+        lambda e, s: s == step,
+        lambda e: e.force_preempt(sample, after_tokens, resume_after_steps, mode),
+    )
+
+
 def status_of(driver: StepDriver, rid: str):
     seq = driver.seqs.get(rid)
     return None if seq is None else seq.status

@@ -4,7 +4,7 @@ cancelled recompute."""
 from __future__ import annotations
 
 from kvpage.engine.sequence import SeqStatus
-from kvpage.verify.case import Action, Case, RequestSpec, Tokens, greedy, status_of
+from kvpage.verify.case import Action, Case, RequestSpec, Tokens, greedy, preempt_at_step, status_of
 
 
 def failure_cases(vocab: int) -> list[Case]:
@@ -12,11 +12,7 @@ def failure_cases(vocab: int) -> list[Case]:
     cases = []
     specs = [RequestSpec(f"w{i}", t.take(12 + i), greedy(20)) for i in range(5)]
     actions = [
-        Action(
-            "park w1 in swap",
-            lambda e, s: s == 0,
-            lambda e: e.force_preempt("w1", 3, 10_000, "swap"),
-        ),
+        preempt_at_step("park w1 in swap", 0, "w1", 3, 10_000, "swap"),
         Action(
             "abort waiting w4, running w0, swapped w1",
             lambda e, s: status_of(e, "w1") is SeqStatus.SWAPPED,
@@ -66,11 +62,7 @@ def failure_cases(vocab: int) -> list[Case]:
     )
     specs = [RequestSpec(f"c{i}", t.take(30 + i), greedy(20)) for i in range(3)]
     actions = [
-        Action(
-            "preempt c0 by recompute",
-            lambda e, s: s == 0,
-            lambda e: e.force_preempt("c0", 4, 10_000, "recompute"),
-        ),
+        preempt_at_step("preempt c0 by recompute", 0, "c0", 4, 10_000, "recompute"),
         Action(
             "cancel c0's recompute",
             lambda e, s: status_of(e, "c0") is SeqStatus.WAITING and e.seqs["c0"].num_preemptions,

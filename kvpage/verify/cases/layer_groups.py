@@ -6,7 +6,14 @@ group views are diffed against the reference's windows (kvpage.verify.group_view
 
 from __future__ import annotations
 
-from kvpage.verify.case import Action, Case, RequestSpec, Tokens, greedy, with_canaries
+from kvpage.verify.case import (
+    Case,
+    RequestSpec,
+    Tokens,
+    greedy,
+    preempt_at_step,
+    with_canaries,
+)
 
 B = 8
 
@@ -45,11 +52,7 @@ def _preempted(t: Tokens, mode: str) -> Case:
         RequestSpec(f"r{i}", shared[: B * (i % 3)] + t.take(4 + 3 * i), greedy(24), i // 3)
         for i in range(6)
     ]
-    force = Action(
-        f"preempt r1 ({mode}) after 14",
-        lambda e, s: s == 0,
-        lambda e: e.force_preempt("r1", 14, 2, mode),
-    )
+    force = preempt_at_step(f"preempt r1 ({mode}) after 14", 0, "r1", 14, 2, mode)
     return Case(
         "layer_groups",
         f"window_preemption_{mode}",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from kvpage.lora.adapter import LoraAdapter
 from kvpage.reference.records import StepRecord
 from kvpage.sampling_params import SamplingParams
-from kvpage.verify.case import Action, Case, RequestSpec, Tokens, greedy
+from kvpage.verify.case import Case, RequestSpec, Tokens, greedy, preempt_at_step
 from kvpage.verify.checks import Failure, finding
 from kvpage.verify.lora_adapters import LoraSpec, WrittenAdapter
 
@@ -179,10 +179,8 @@ def _preempted(t: Tokens) -> Case:
         specs,
         _pool(max_num_batched_tokens=16),
         actions=[
-            Action("preempt r", lambda e, s: s == 3, lambda e: e.force_preempt("r", 0, 2)),
-            Action(
-                "swap s", lambda e, s: s == 4, lambda e: e.force_preempt("s", 0, 2, mode="swap")
-            ),
+            preempt_at_step("preempt r", 3, "r", 0, 2),
+            preempt_at_step("swap s", 4, "s", 0, 2, "swap"),
         ],
         expect_preemption=True,
     )

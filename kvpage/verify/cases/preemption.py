@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from kvpage.verify.case import (
-    Action,
     Case,
     RequestSpec,
     Tokens,
     greedy,
+    preempt_at_step,
     preempt_once_added,
     with_canaries,
 )
@@ -64,14 +64,7 @@ def preemption_cases(vocab: int) -> list[Case]:
         ("f4", 15, 3, "swap"),
         ("f5", 23, 1, "recompute"),
     ]
-    actions = [
-        Action(
-            f"preempt {r} after {k}",
-            lambda e, s: s == 0,
-            lambda e, r=r, k=k, n=n, m=m: e.force_preempt(r, k, n, m),
-        )
-        for r, k, n, m in plan
-    ]
+    actions = [preempt_at_step(f"preempt {r} after {k}", 0, r, k, n, m) for r, k, n, m in plan]
     cases.append(
         Case(
             "preemption",

@@ -20,7 +20,7 @@ from kvpage.engine.engine import LLMEngine
 from kvpage.engine.outputs import RequestOutput
 from kvpage.reference.generator import prompt_logits, prompt_logprobs
 from kvpage.sampling_params import SamplingParams
-from kvpage.verify.case import Action, Case, RequestSpec, Tokens
+from kvpage.verify.case import Case, RequestSpec, Tokens, preempt_at_step
 from kvpage.verify.checks import Failure, finding
 from kvpage.verify.diff import logit_atol
 from kvpage.verify.driver import StepDriver
@@ -82,10 +82,8 @@ def prompt_logprob_cases(vocab: int) -> list[Case]:
         ],
         engine={"block_size": 8, "num_blocks": 48, "max_num_batched_tokens": 16},
         actions=[
-            Action("preempt R", lambda e, s: s == 0, lambda e: e.force_preempt("R", 0, 2)),
-            Action(
-                "swap S", lambda e, s: s == 0, lambda e: e.force_preempt("S", 0, 3, mode="swap")
-            ),
+            preempt_at_step("preempt R", 0, "R", 0, 2),
+            preempt_at_step("swap S", 0, "S", 0, 3, "swap"),
         ],
         expect_preemption=True,
     )

@@ -6,7 +6,15 @@ case must stay live."""
 
 from __future__ import annotations
 
-from kvpage.verify.case import Action, Case, RequestSpec, Tokens, greedy, preempt_once_added
+from kvpage.verify.case import (
+    Action,
+    Case,
+    RequestSpec,
+    Tokens,
+    greedy,
+    preempt_at_step,
+    preempt_once_added,
+)
 
 B = 8
 MODES = ("swap", "recompute")
@@ -111,11 +119,7 @@ def _timeout_while_swapped(t: Tokens) -> Case:
         RequestSpec("other", t.take(10), greedy(12)),
     ]
     # Parked after its first token: a second on any machine is far more than one step.
-    park = Action(
-        "park 'parked' in swap",
-        lambda e, s: s == 0,
-        lambda e: e.force_preempt("parked", after_tokens=1, resume_after_steps=10**6, mode="swap"),
-    )
+    park = preempt_at_step("park 'parked' in swap", 0, "parked", 1, 10**6, "swap")
     return Case(
         "resources",
         "timeout_while_swapped",
@@ -135,11 +139,7 @@ def _parked_swap_does_not_block(t: Tokens) -> Case:
         RequestSpec("held", t.take(10), greedy(12)),
         *(RequestSpec(f"new{i}", t.take(8 + i), greedy(6), arrive_step=4) for i in range(3)),
     ]
-    park = Action(
-        "hold 'held' in swap for 30 steps",
-        lambda e, s: s == 0,
-        lambda e: e.force_preempt("held", after_tokens=2, resume_after_steps=30, mode="swap"),
-    )
+    park = preempt_at_step("hold 'held' in swap for 30 steps", 0, "held", 2, 30, "swap")
     return Case(
         "resources",
         "parked_swap_does_not_block",
