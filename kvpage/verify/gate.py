@@ -25,6 +25,7 @@ from kvpage.model.quantize import head_quantized, weight_quantization
 from kvpage.verify import path_coverage
 from kvpage.verify.cases import BLOCK_SIZES, quantized_suite_names
 from kvpage.verify.cases.prefix import prefix_cases
+from kvpage.verify.diff import MutantAttribution
 from kvpage.verify.generated.alone import alone_summary, generated_alone
 from kvpage.verify.generated.stage import GeneratedResult, GeneratedStage, run_stage
 from kvpage.verify.model_oracle.stage import ModelStageResult, run_model_stage
@@ -42,7 +43,7 @@ DEFAULT_GATE_KV_DTYPES = ("int8",)
 
 
 @dataclass(slots=True)
-class MutantResult:
+class MutantResult(MutantAttribution):
     mutant: Mutant
     caught: bool
     caught_by: list[str]
@@ -50,17 +51,6 @@ class MutantResult:
     divergence: dict | None  # Divergence.to_dict() of the first divergence found
     seconds: float
     not_applicable: str | None = None  # why the bug cannot be expressed on this model (not run)
-
-    @property
-    def attributed_class(self) -> str | None:
-        return None if self.divergence is None else self.divergence["attribution"]["class"]
-
-    @property
-    def attribution_ok(self) -> bool:
-        return (
-            self.attributed_class == self.mutant.expected_class
-            and not (self.divergence["attribution"]["missing"])
-        )
 
 
 @dataclass(slots=True)
