@@ -50,7 +50,8 @@ class Allocation:
         """New blocks in every group plus one CoW copy per group whose next write lands in a
         shared block (trimmed entries are not counted)."""
         new = self.blocks_for(table.num_tokens + num_new_tokens) - len(table.block_ids)
-        return max(new, 0) * len(self.groups) + len(self._cow_groups(table))
+        cows = len(self._shared_last(table)) if self.cow_needed(table) else 0
+        return max(new, 0) * len(self.groups) + cows
 
     def can_append(self, table: BlockTable, num_new_tokens: int) -> bool:
         return self.blocks_needed(table, num_new_tokens) <= self.num_free_blocks()
@@ -67,23 +68,25 @@ class Allocation:
         start, end = table.num_tokens, table.num_tokens + num_new_tokens
         if self.windowed:
             self.trim(table)  # before reserving: the window's old blocks are this step's room
-        cows = self._cow_groups(table)
-        new = self.blocks_for(end) - len(table.block_ids)
+        cows = self._shared_last(table) if self.cow_needed(table) else ()
+        groups = table.groups
+        new = self.blocks_for(end) - len(groups[0])
         self._reserve(new * len(self.groups) + len(cows))  # past this line nothing runs out
         if cows:
             self.stats.cow_copies += 1  # one copy-on-write per logical block, however many groups
-        for g, ids in enumerate(table.groups):
-            if g in cows:
+        for g, ids in enumerate(groups):
+            if cows and g in cows:
                 self._copy_on_write(table, g, start // bs)
             if new:
                 ids.extend(self.pool.allocate(new, table.seq_id))
             for j in range(start // bs, len(ids)):
                 self.pool.set_valid(ids[j], min(end, (j + 1) * bs) - j * bs)
-        slots: list[int] = []
-        for j in range(start // bs, len(table.block_ids)):
-            base = (table.block_ids[j] - j) * bs  # slot of position p in this block = base + p
-            slots.extend(range(base + max(start, j * bs), base + min(end, (j + 1) * bs)))
         table.num_tokens = end
+        slots: list[int] = []
+        ids = groups[0]  # the slots the runner writes group 0's pages at
+        for j in range(start // bs, len(ids)):
+            base = (ids[j] - j) * bs  # slot of position p in this block = base + p
+            slots.extend(range(base + max(start, j * bs), base + min(end, (j + 1) * bs)))
         table.bump()
         self.live_tables[table.seq_id] = table
         self._debug()
@@ -133,19 +136,18 @@ class Allocation:
         if table.num_tokens % self.block_size == 0:
             return False
         blocks = self.pool.blocks
-        return any(
-            ids[-1] >= 0 and blocks[ids[-1]].state is _S.SHARED_READONLY for ids in table.groups
-        )
+        for ids in table.groups:
+            if ids and ids[-1] >= 0 and blocks[ids[-1]].state is _S.SHARED_READONLY:
+                return True
+        return False
 
-    def _cow_groups(self, table: BlockTable) -> list[int]:
-        """The groups whose next write copies their last block first."""
-        if not self.cow_needed(table):
-            return []
+    def _shared_last(self, table: BlockTable) -> list[int]:
+        """The groups whose last block others can read: the next write copies it first."""
         blocks = self.pool.blocks
         return [
             g
             for g, ids in enumerate(table.groups)
-            if ids[-1] >= 0 and blocks[ids[-1]].state is _S.SHARED_READONLY
+            if ids and ids[-1] >= 0 and blocks[ids[-1]].state is _S.SHARED_READONLY
         ]
 
     def check_appendable(self, table: BlockTable) -> None:

@@ -191,7 +191,7 @@ def _check_refs(
 
 
 def _snapshot_entries(s: TableSnapshot) -> list:
-    return [*s.entries, *(e for group in s.extra_entries for e in group)]
+    return [e for group in s.group_entries() for e in group]
 
 
 def _check_index(pool: BlockPool, index: PrefixIndex) -> list[str]:

@@ -16,15 +16,15 @@ class Snapshots:
 
     def take(self, table: BlockTable) -> TableSnapshot:
         """The table as it is, its held blocks each checked readable and pinned."""
-        held = [self._readable(table, g) for g in range(len(table.groups))]
-        for blocks in held:
+        held = [self._readable(table, g, ids) for g, ids in enumerate(table.groups)]
+        pin = self.pool.pin
+        for blocks in held:  # every block checked before any is pinned
             for b in blocks:
-                self.pool.pin(b.block_id)
+                pin(b.block_id)
         entries = [
-            tuple(SnapshotEntry(b.block_id, b.generation, b.valid_len) for b in blocks)
+            tuple([SnapshotEntry(b.block_id, b.generation, b.valid_len) for b in blocks])
             for blocks in held
         ]
-        ids = [tuple(t) for t in table.groups]
         self._next_id += 1
         snap = TableSnapshot(
             snap_id=self._next_id,
@@ -32,27 +32,25 @@ class Snapshots:
             epoch=table.epoch,
             num_tokens=table.num_tokens,
             entries=entries[0],
-            block_ids=ids[0],
-            extra_block_ids=tuple(ids[1:]),
+            block_ids=tuple(table.groups[0]),
+            extra_block_ids=tuple([tuple(ids) for ids in table.groups[1:]]),
             extra_entries=tuple(entries[1:]),
         )
         self.inflight[snap.snap_id] = snap
         return snap
 
-    def _readable(self, table: BlockTable, group: int) -> list:
-        ids = table.groups[group]
-        blocks = (
-            [self.pool.blocks[bid] for bid in ids if bid >= 0]
-            if table.trimmed[group]
-            else [self.pool.blocks[bid] for bid in ids]
+    def _readable(self, table: BlockTable, group: int, ids: list[int]) -> list:
+        blocks = self.pool.blocks
+        held = (
+            [blocks[b] for b in ids if b >= 0] if table.trimmed[group] else [blocks[b] for b in ids]
         )
-        for i, b in enumerate(blocks):
+        for i, b in enumerate(held):
             if b.state not in READABLE:
                 raise InvariantViolation(
                     f"seq {table.seq_id}: snapshot reads group {group} block[{i}]={b.block_id} "
                     f"in {b.state.name}"
                 )
-        return blocks
+        return held
 
     def release(self, snap: TableSnapshot) -> None:
         """Unpin every group's blocks, each group tail first (like free_table: LRU ticks)."""
