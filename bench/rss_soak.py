@@ -15,7 +15,7 @@ server aborts it. `--engine-only` drives kvpage.LLMEngine itself with the same t
 HTTP, server or shadow (_EngineDriver: `--clients` requests in flight, prompts of random token
 ids, each aborted with `abort_request` 0 to `--linger` steps after its first token, as the engine
 loop aborts a stream whose client hung up), so the steps' batch shapes vary as under concurrent
-streams; `--fast-paths-off` runs it inside kvpage.model.kernels.fast_paths_off. Every `--every`
+streams; `--fast-paths-off` binds the engine's model without them (kvpage.model.kernels.finalize). Every `--every`
 requests, once the engine is idle, it prints RSS (VmRSS and RssAnon from /proc/self/status),
 malloc's bytes in use and held free (glibc's mallinfo2), the live Python objects after a full
 collection (and, with --tracemalloc, the bytes Python allocated and still holds), the engine's
@@ -53,7 +53,6 @@ import time
 import tracemalloc
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 MIB = 1024 * 1024
@@ -374,7 +373,7 @@ def main() -> int:
 
 
 def _engine_main(args, header: str) -> int:
-    from kvpage.model.kernels import FAST_PATHS, fast_paths_off
+    from kvpage.model.kernels import FAST_PATHS, finalize
 
     engine = _engine(args)
     _count_shapes(engine)
@@ -385,14 +384,14 @@ def _engine_main(args, header: str) -> int:
     )
     print(f"KV pool: {engine.cache.pool.num_blocks} blocks; fast paths off: {off or 'none'}")
     drive = _EngineDriver(engine, args)
-    with fast_paths_off(*off) if off else nullcontext():
-        drive(range(-args.warmup, 0))
-        print(header)
-        done, rounds = 0, []
-        for r in range(1, args.rounds + 1):
-            rounds.append(_round(r, args, drive, engine, None, done))
-            done += args.requests
-        _report(rounds, args)
+    finalize(engine.model, off)
+    drive(range(-args.warmup, 0))
+    print(header)
+    done, rounds = 0, []
+    for r in range(1, args.rounds + 1):
+        rounds.append(_round(r, args, drive, engine, None, done))
+        done += args.requests
+    _report(rounds, args)
     return 0
 
 

@@ -169,9 +169,16 @@ class EngineConfig:
     # (kvpage.cache.groups), and a window group gives back the blocks its window left behind;
     # False: one table for every layer (the window is still masked).
     kv_layer_groups: bool = True
+    # Fast paths (kvpage.model.kernels.FAST_PATHS, checked there) the engine binds its model
+    # without: the verifier's re-runs; KVPAGE_NATIVE=0 and the like add to them.
+    fast_paths_off: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_text("model", self.model)
+        paths = self.fast_paths_off
+        if not isinstance(paths, (tuple, list)) or not all(isinstance(p, str) for p in paths):
+            raise InvalidConfig(f"fast_paths_off must be a tuple of names, got {paths!r}")
+        object.__setattr__(self, "fast_paths_off", tuple(paths))  # a list read back from JSON
         _check_bool("enable_lora", self.enable_lora)
         _check_bool("kv_layer_groups", self.kv_layer_groups)
         _check_int("max_loras", self.max_loras, 1)

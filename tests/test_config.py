@@ -45,6 +45,7 @@ BAD = {
     "enable_lora": [1, "yes", None],
     "quantize_lm_head": [1, "yes", None, True],  # True: only with quantization "int8"
     "kv_layer_groups": [1, "no", None],
+    "fast_paths_off": ["gemv", None, (1,), ("gemv", None)],  # names: kvpage.model.kernels
     "max_loras": [0, -1, None, True, 1.5],
     "max_lora_rank": [0, -2, None, False, "16"],
 }
@@ -74,6 +75,7 @@ GOOD = {
     "enable_lora": [True, False],
     "quantize_lm_head": [False],  # True needs quantization "int8" (tests/model/test_int8_head.py)
     "kv_layer_groups": [True, False],
+    "fast_paths_off": [(), ("gemv",), ("gemv", "onednn")],
     "max_loras": [1, 8],
     "max_lora_rank": [1, 64],
 }

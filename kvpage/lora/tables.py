@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvpage.errors import LoRAError
-from kvpage.model.projection import onednn_available, packable_dtype
+from kvpage.model.linear_kernels import onednn_available, packable_dtype
 
 # (layer, module) -> (A^T (in, r), scale * B^T (r, out)): x @ A^T @ B^T is the delta
 Factors = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]

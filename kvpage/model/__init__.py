@@ -16,6 +16,7 @@ from kvpage.model.builtin import (
     builtin_names,
     init_seeded_,
 )
+from kvpage.model.kernels import finalize
 from kvpage.model.loader import build_model, load_hf_directory, load_hf_tokenizer
 from kvpage.model.quantize import quantize_model_
 from kvpage.model.tokenizer import ByteTokenizer, Tokenizer
@@ -44,13 +45,14 @@ def load_model(
     """`builtin:NAME` or a local Hugging Face directory. The tokenizer is None when the directory
     has no tokenizer.json (token-id prompts still work). `quantization` (EngineConfig's):
     "int8" quantizes the linear layers after loading (kvpage.model.quantize);
-    `quantize_lm_head` the LM head too."""
+    `quantize_lm_head` the LM head too. The model comes bound to its kernels
+    (kvpage.model.kernels.finalize, every fast path the environment leaves on)."""
     torch_dtype = resolve_dtype(dtype)
     if name_or_path.startswith(BUILTIN_PREFIX):
         model, tok = _load_builtin(name_or_path[len(BUILTIN_PREFIX) :], torch_dtype, device)
     else:
         model, tok = load_hf_directory(name_or_path, torch_dtype, device)
-    return quantize_model_(model, quantization, quantize_lm_head), tok
+    return finalize(quantize_model_(model, quantization, quantize_lm_head)), tok
 
 
 def _load_builtin(name: str, dtype: torch.dtype, device: str) -> tuple[CausalLM, Tokenizer]:

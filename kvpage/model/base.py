@@ -27,6 +27,17 @@ class CausalLM(nn.Module, ABC):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (M, C) -> logits (M, V)."""
 
+    def bound_attention(self, attn: AttentionBackend) -> AttentionBackend:
+        """`attn`, told which fast paths this model was bound without where some were
+        (kvpage.model.kernels.finalize: the gate's re-runs); the attention backend is made per
+        step, so the model hands its choice over."""
+        choice = self.__dict__.get("kernels")
+        if choice is not None and not choice.all_on:
+            off = getattr(attn, "kernels_off", None)
+            if off is not None:
+                off(choice)
+        return attn
+
     def tie_weights(self) -> None:
         """Re-establish shared parameters (moving to a device can split them)."""
 

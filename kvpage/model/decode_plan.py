@@ -14,8 +14,10 @@ contiguous reference, which never takes it.
 
 `LlamaDecodePlan.build(model)` is None for a model whose layers this does not cover (sliding
 windows, q/k norms, NoPE layers, partial rotary, other families, tensor-parallel layers, a head
-size the attention kernel lacks); `takes(x, attn)` says per step whether it runs: a decode-only
-paged step, one KV group in the model's dtype, no adapter rows, no module hooks, no autograd.
+size the attention kernel lacks); finalize (kvpage.model.kernels) builds it over the layers'
+bound kernels, with every fast path on, and builds it again when the weights change. `takes(x,
+attn)` says per step whether it runs: a decode-only paged step, one KV group in the model's
+dtype, no adapter rows, no module hooks, no autograd.
 Otherwise the modules run. A projection the weight GEMV does not take at the step's rows runs
 its Projection's own path into the plan's buffer. Where every projection is a native kernel
 (the weight GEMV, or the AMX kernel), the per-layer calls are made from one native call
@@ -35,7 +37,7 @@ from kvpage.model.layers import RMSNorm, SwiGLU
 from kvpage.model.native_decode_step import FusedStep
 from kvpage.model.native_gemv import WeightGemv
 from kvpage.model.paged_attention import PagedAttention
-from kvpage.model.projection import Projection, tensor_version
+from kvpage.model.projection import Projection
 
 
 @dataclass(slots=True)
@@ -96,13 +98,11 @@ class LlamaDecodePlan:
         self.layers = [_layer(block) for block in self.blocks]
         modules = [m for block in self.blocks for m in block.modules()] + [self.final_norm]
         self._hook_dicts = [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
-        # Every norm's parameter dict, in call order: input norms, post norms, the final norm.
-        self._norm_params = [n._parameters for n in self._norms()]
+        # Every norm's weight, in call order: input norms, post norms, the final norm.
+        self._norm_weights = [n.weight.detach() for n in self._norms()]
+        self.norm_addresses = [w.data_ptr() for w in self._norm_weights]
         self.norm_eps = [n.eps for n in self._norms()]
-        slots = [layer.projections() for layer in self.layers]
-        found = [p.tensor_slots() for four in slots for p in four]
-        self._weight_slots = None if None in found else [s for f in found for s in f]
-        self._kernel_cache: dict[tuple[int, torch.dtype], tuple[tuple, list]] = {}
+        self._kernel_cache: dict[tuple[int, torch.dtype], list] = {}
         self._buffers: dict[tuple[int, torch.dtype], _Buffers] = {}
         self._pools: tuple[tuple, native_attention.PoolLayout] | None = None
         self._fused: dict[tuple[int, torch.dtype], tuple[tuple, FusedStep | None]] = {}
@@ -144,7 +144,7 @@ class LlamaDecodePlan:
             return False
         if x.dim() != 2 or not native_attention.supports(x.dtype, x.device, self.head_dim):
             return False
-        if not self._intact() or self._hooked() or self._adapters():
+        if self._hooked() or self._adapters():
             return False
         return self._norms_fit(x.dtype)
 
@@ -169,7 +169,7 @@ class LlamaDecodePlan:
         if cos.shape != (m, 1, self.head_dim) or cos.dtype != x.dtype:
             return None
         threads = torch.get_num_threads()
-        w = [params["weight"].data_ptr() for params in self._norm_params]  # inputs, posts, final
+        w = self.norm_addresses  # inputs, posts, final
         hidden = torch.empty_like(x)
         fused = self._fused_step(buf, kernels, pools, w) if self.one_call else None
         if fused is not None and decode.tables.shape[0] == m:
@@ -222,25 +222,21 @@ class LlamaDecodePlan:
     def _fused_step(
         self, buf: _Buffers, kernels: list, pools: native_attention.PoolLayout, norms: list[int]
     ) -> FusedStep | None:
-        """The one-call step over these buffers, kernels, pool and norm weights, built when one
-        of them changes (the kernels compared by identity: _kernels keeps its list while the
-        weights stay)."""
+        """The one-call step over these buffers, kernels, pool and norm weights, built per row
+        count and rebuilt when the pool changes."""
         key = (buf.h.shape[0], buf.h.dtype)
         cached = self._fused.get(key)
-        current = (kernels, pools, norms)
-        if cached is None or cached[0][0] is not kernels or cached[0][1:] != current[1:]:
-            cached = self._fused[key] = (current, FusedStep.of(self, buf, kernels, pools, norms))
+        if cached is None or cached[0] is not pools:
+            cached = self._fused[key] = (pools, FusedStep.of(self, buf, kernels, pools, norms))
         return cached[1]
 
     def _kernels(self, buf: _Buffers) -> list[tuple[WeightGemv | _ProjectionInto, ...]]:
-        """Per layer the kernels of q/k/v, o, gate/up and down over the current weights: the
-        weight GEMV where it takes these rows, else the Projection's own path into the buffer.
-        Kept per row count while no weight tensor is replaced or updated in place (one key over
-        all of them: asking each Projection took ~0.5 ms a step at batch 1)."""
-        key = self._weights_key()
+        """Per layer the kernels of q/k/v, o, gate/up and down the Projections were bound to:
+        the native one where it takes these rows, else the Projection's own path into the
+        buffer. Made once per row count."""
         cached = self._kernel_cache.get((buf.h.shape[0], buf.h.dtype))
-        if key is not None and cached is not None and cached[0] == key:
-            return cached[1]
+        if cached is not None:
+            return cached
         pairs = (
             (buf.h, buf.qkv),
             (buf.attn_rows, buf.o),
@@ -256,15 +252,8 @@ class LlamaDecodePlan:
                     for proj, (x, y) in zip(projections, pairs, strict=True)
                 )
             )
-        if key is not None:
-            self._kernel_cache[(buf.h.shape[0], buf.h.dtype)] = (key, kernels)
+        self._kernel_cache[(buf.h.shape[0], buf.h.dtype)] = kernels
         return kernels
-
-    def _weights_key(self) -> tuple | None:
-        if self._weight_slots is None:
-            return None
-        tensors = [owner.get(name) for owner, name in self._weight_slots]
-        return tuple((t.data_ptr(), tensor_version(t)) for t in tensors if t is not None)
 
     def _buffers_for(self, m: int, dtype: torch.dtype) -> _Buffers:
         buf = self._buffers.get((m, dtype))
@@ -290,23 +279,6 @@ class LlamaDecodePlan:
             down=torch.empty(m, c, dtype=dtype),
         )
 
-    def _intact(self) -> bool:
-        """The layers still hold the modules the plan was built on (tensor parallelism, for
-        one, replaces o_proj's and down_proj's Projections after the model is built)."""
-        for layer, block in zip(self.layers, self.blocks, strict=True):
-            mods, attn, mlp = block._modules, layer.attention.__dict__, layer.mlp.__dict__
-            if mods["self_attn"] is not layer.attention or mods["mlp"] is not layer.mlp:
-                return False
-            if mods["input_layernorm"] is not layer.input_norm:
-                return False
-            if mods["post_attention_layernorm"] is not layer.post_norm:
-                return False
-            if attn.get("qkv") is not layer.qkv or attn.get("out") is not layer.out:
-                return False
-            if mlp.get("gate_up") is not layer.gate_up or mlp.get("down") is not layer.down:
-                return False
-        return True
-
     def _hooked(self) -> bool:
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
             return True
@@ -325,7 +297,7 @@ class LlamaDecodePlan:
         return [*inputs, *(layer.post_norm for layer in self.layers), self.final_norm]
 
     def _norms_fit(self, dtype: torch.dtype) -> bool:
-        return all(p["weight"].dtype == dtype for p in self._norm_params)
+        return all(w.dtype == dtype for w in self._norm_weights)
 
 
 class _ProjectionInto:
@@ -342,7 +314,7 @@ class _ProjectionInto:
         self._kept: torch.Tensor | None = None
 
     def run_unchecked(self, x: int, ldx: int, m: int, y: int, threads: int) -> int:
-        packed = self.proj.packed_unchecked(self.x)  # current: the plan's weights key held
+        packed = self.proj.packed_unchecked(self.x)
         outs = (packed,) if packed is not None else self.proj(self.x)
         if len(outs) == 1 and _rows_like(outs[0], self.out):
             self._kept = outs[0]

@@ -87,6 +87,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.embed_scale = cfg.hidden_size**0.5
 
     def forward(self, input_ids, positions, attn) -> torch.Tensor:
+        attn = self.bound_attention(attn)
         x = self.model.embed_tokens(input_ids)  # (N, C)
         # The scale is rounded to the weights' dtype first, as transformers does.
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)

@@ -73,6 +73,7 @@ class GPT2LMHeadModel(CausalLM):
         self.logits = Projection(self.transformer.wte)
 
     def forward(self, input_ids, positions, attn) -> torch.Tensor:
+        attn = self.bound_attention(attn)
         x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)  # (N, C)
         for block in self.transformer.h:
             x = block(x, attn)

@@ -10,17 +10,30 @@ from torch import nn
 
 import kvpage.model.native_small_ops as native_small_ops  # not `from kvpage.model`: a cycle
 from kvpage.config import RopeConfig
+from kvpage.model.kernels import KernelChoice
 from kvpage.model.projection import Projection
 
 
+def small_ops_on(choice: KernelChoice, module: nn.Module) -> bool:
+    """Whether `module` binds kvpage's native small ops (RMSNorm, rotary, silu * up) under
+    `choice`: on, built, and the module's tensors on the CPU."""
+    tensor = next(iter((*module.parameters(), *module.buffers())))
+    return choice.on("small_ops") and native_small_ops.available() and tensor.is_cpu
+
+
 class RMSNorm(nn.Module):
+    native = False  # kvpage's native kernel (bound by kvpage.model.kernels.finalize)
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def bind_kernels(self, choice: KernelChoice) -> None:
+        self.native = small_ops_on(choice, self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and native_small_ops.supports(x) and self._native_weight(x):
+        if self.native and x.dim() == 2 and self._native_fits(x):
             return native_small_ops.rms_norm(x, self.weight, self.eps)[1]
         return self._torch_forward(x)
 
@@ -28,14 +41,18 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, delta: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, RMSNorm(x + delta)): the residual add and the next norm in one pass."""
-        if x.dim() == 2 and native_small_ops.supports(x) and self._native_weight(x):
+        if self.native and x.dim() == 2 and self._native_fits(x):
             return native_small_ops.rms_norm(x, self.weight, self.eps, delta)
         x = x + delta
         return x, self._torch_forward(x)
 
-    def _native_weight(self, x: torch.Tensor) -> bool:
+    def _native_fits(self, x: torch.Tensor) -> bool:
         w = self.weight
-        return w.dtype == x.dtype and not (w.requires_grad and torch.is_grad_enabled())
+        return (
+            w.dtype == x.dtype
+            and native_small_ops.supports(x)
+            and not (w.requires_grad and torch.is_grad_enabled())
+        )
 
     def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 whatever the activation dtype, as the HF reference does.
@@ -96,13 +113,14 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: (N, H, D), k: (N, KVH, D); cos, sin: (N, 1, R) for the first R <= D dims (R < D with
-    a partial rotary factor: the other dims pass through). The native kernel rotates q and k in
-    place (callers pass their own fresh projections and use only what is returned)."""
+    a partial rotary factor: the other dims pass through). `native` (the caller's bound
+    choice): the native kernel, which rotates q and k in place (callers pass their own fresh
+    projections and use only what is returned)."""
     r = cos.shape[-1]
-    if r == q.shape[-1] and native_small_ops.supports(q) and _rows_of_heads(q, k):
+    if native and r == q.shape[-1] and native_small_ops.supports(q) and _rows_of_heads(q, k):
         native_small_ops.rotary_(q, k, cos, sin)  # in place: q and k are this layer's own
         return q, k
     if r < q.shape[-1]:
@@ -124,6 +142,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class SwiGLU(nn.Module):
     lora = None  # a kvpage.lora.apply.LoraContext when the engine serves adapters
     layer = -1  # the decoder layer, for the adapters' weights
+    native = False  # silu * up by kvpage's native kernel (bound by finalize)
 
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
@@ -143,6 +162,10 @@ class SwiGLU(nn.Module):
         hidden = self.activation(gate) * up
         return lora.apply(self.layer, "down_proj", hidden, self.down(hidden)[0])
 
+    def bind_kernels(self, choice: KernelChoice) -> None:
+        plain_silu = type(self).activation is SwiGLU.activation
+        self.native = plain_silu and small_ops_on(choice, self)
+
     @staticmethod
     def activation(gate: torch.Tensor) -> torch.Tensor:
         return nn.functional.silu(gate)
@@ -151,8 +174,7 @@ class SwiGLU(nn.Module):
         """activation(gate) * up; for bfloat16 in one native pass where it runs (torch's
         bfloat16 silu and mul took 5.8 ms of a 2048-token prefill chunk's 125M layer, the
         native pass ~1). float32 keeps torch's: as fast there, and its exp's last bit is HF's."""
-        native = type(self).activation is SwiGLU.activation and gate.dtype is torch.bfloat16
-        native = native and gate.dim() == 2
+        native = self.native and gate.dtype is torch.bfloat16 and gate.dim() == 2
         native = native and gate.stride(1) == 1 and gate.stride() == up.stride()
         if native and native_small_ops.supports(gate) and up.dtype == gate.dtype:
             return native_small_ops.silu_mul(gate, up)

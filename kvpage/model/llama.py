@@ -3,8 +3,6 @@ MHA/GQA/MQA, Qwen3's per-head q/k norm, a sliding window per layer, SmolLM3's No
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -12,18 +10,17 @@ from kvpage.config import ModelConfig
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.base import CausalLM
 from kvpage.model.decode_plan import LlamaDecodePlan
-from kvpage.model.kernels import all_allowed
-from kvpage.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from kvpage.model.kernels import KernelChoice
+from kvpage.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, small_ops_on
 from kvpage.model.projection import Projection
 
 
 class _PlanSlot:
-    """The model's decode plan, built at first use. A copy of the model (the reference's
-    dequantised twin, a pickled worker's) starts unbuilt: the plan holds the original's modules
-    and native kernel handles, which are neither its own nor picklable."""
+    """The model's decode plan, bound by finalize. A copy of the model (the reference's twin, a
+    pickled worker's) starts without one: the plan holds the original's modules and native
+    kernel handles, which are neither its own nor picklable."""
 
     def __init__(self) -> None:
-        self.built = False
         self.plan: LlamaDecodePlan | None = None
 
     def __deepcopy__(self, memo) -> _PlanSlot:
@@ -35,6 +32,7 @@ class _PlanSlot:
 
 class LlamaAttention(nn.Module):
     lora = None  # a kvpage.lora.apply.LoraContext when the engine serves adapters
+    native_rotary = False  # kvpage's rotary kernel (bound by finalize)
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -59,6 +57,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.qk_norm = cfg.qk_norm
 
+    def bind_kernels(self, choice: KernelChoice) -> None:
+        self.native_rotary = small_ops_on(choice, self)
+
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
     ) -> torch.Tensor:
@@ -75,7 +76,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_on:
-            q, k = apply_rotary(q, k, *rope)
+            q, k = apply_rotary(q, k, *rope, self.native_rotary)
         out = attn.attend(self.layer, q, k, v, self.scale, self.window)  # (N, H, D)
         out = out.reshape(n, -1)
         y = self.out(out)[0]  # (N, C)
@@ -129,7 +130,8 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, input_ids, positions, attn) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (N, C)
         rope = self.model.rotary.cos_sin(positions, x.dtype)  # ((N, 1, D), (N, 1, D))
-        plan = self.decode_plan() if all_allowed() else None
+        attn = self.bound_attention(attn)
+        plan = self._plan.plan
         if plan is not None and plan.takes(x, attn):
             hidden = plan.run(x, rope, attn)
             if hidden is not None:
@@ -138,17 +140,18 @@ class LlamaForCausalLM(CausalLM):
             x = layer(x, rope, attn)
         return self.model.norm(x)  # (N, C)
 
+    def bind_kernels(self, choice: KernelChoice) -> None:
+        """The decode plan over the layers' bound kernels, where every fast path is on and the
+        plan covers the model (kvpage.model.decode_plan); none otherwise."""
+        build = choice.all_on
+        self._plan.plan = (
+            LlamaDecodePlan.build(self, LlamaDecoderLayer, LlamaAttention) if build else None
+        )
+
     def decode_plan(self) -> LlamaDecodePlan | None:
-        """Decode steps as direct native calls (kvpage.model.decode_plan), built at first use;
-        None for a model it does not cover, or with KVPAGE_DECODE_PLAN=0."""
-        slot = self._plan
-        if not slot.built:
-            enabled = os.environ.get("KVPAGE_DECODE_PLAN", "1") != "0"
-            slot.plan = (
-                LlamaDecodePlan.build(self, LlamaDecoderLayer, LlamaAttention) if enabled else None
-            )
-            slot.built = True
-        return slot.plan
+        """Decode steps as direct native calls (kvpage.model.decode_plan), bound by finalize;
+        None for a model it does not cover, or with the decode_plan path off."""
+        return self._plan.plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits(hidden)[0]  # (M, V)

@@ -6,8 +6,8 @@ order with its arguments.
 Why: at batch 1 the loop's ~120 ctypes calls a step, each converting a dozen arguments, and the
 Python between them cost about 1 ms of a 125M model's bfloat16 step, more than the small kernels
 they call. `FusedStep.of(...)` is None where any layer's projection is not one of the native
-linear kernels (LINEAR) at the step's rows (the loop then runs: those go through torch) or a
-kernel is not built."""
+linear kernels at the step's rows (kvpage.model.linear_kernels: one with `entry_address`; the
+loop then runs: those go through torch) or a kernel is not built."""
 
 from __future__ import annotations
 
@@ -17,15 +17,11 @@ from pathlib import Path
 
 import torch
 
-import kvpage.model.native_amx as native_amx
 import kvpage.model.native_attention as native_attention
 import kvpage.model.native_build as native_build
-import kvpage.model.native_gemv as native_gemv
 import kvpage.model.native_small_ops as native_small_ops
 
 SOURCE = Path(__file__).parent / "native" / "decode_step.cpp"
-# The linear kernels a step can call: each has plan_address() and entry_address().
-LINEAR = (native_gemv.WeightGemv, native_amx.AmxLinear)
 _ptr, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 
@@ -124,8 +120,9 @@ class FusedStep:
         """For plan (a LlamaDecodePlan), buf (its _Buffers), the per-layer (q/k/v, o, gate/up,
         down) kernels, pools (a native_attention.PoolLayout) and every norm's weight address in
         the plan's order (input norms, post norms, the final norm); None where a kernel is not
-        one of LINEAR or the native code is not there."""
-        if not available() or not all(type(k) in LINEAR for ks in layer_kernels for k in ks):
+        a native linear kernel (plan_address, entry_address) or the native code is not there."""
+        native = all(hasattr(k, "entry_address") for ks in layer_kernels for k in ks)
+        if not available() or not native:
             return None
         n, eps = len(layer_kernels), plan.norm_eps
         layers = (_Layer * n)()

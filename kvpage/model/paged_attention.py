@@ -19,7 +19,7 @@ import kvpage.model.native_attention as native_attention  # not `from kvpage.mod
 from kvpage.kv.storage import KVStorage
 from kvpage.model.attention import causal_mask, masked_attention, windowed_causal_attention
 from kvpage.model.decode_attention import decode_attention
-from kvpage.model.kernels import allowed
+from kvpage.model.kernels import KernelChoice
 from kvpage.model.prefill_groups import PrefillGroup, group_prefills
 
 
@@ -78,6 +78,12 @@ class PagedAttention:
         self._window_starts: dict[int, torch.Tensor] = {}  # window -> the kernel's first rows
         self._prefill_masks: dict[tuple, torch.Tensor] = {}  # (T, S, window) -> causal mask
         self._prefill_groups: list[PrefillGroup] | None = None  # built at the first layer
+        self.native_allowed = True  # the model's bound choice (kernels_off)
+
+    def kernels_off(self, choice: KernelChoice) -> None:
+        """The model was bound without the paged decode kernel (kvpage.model.kernels): keep to
+        torch's attention this step. Called by the model's forward only then."""
+        self.native_allowed = choice.on("paged_decode")
 
     def attend(self, layer: int, q, k, v, scale: float, window: int | None = None) -> torch.Tensor:
         # q: (N, H, D); k, v: (N, KVH, D). From here on k and v are what the pool holds for
@@ -136,7 +142,7 @@ class PagedAttention:
 
     def native_decode(self, q_d: torch.Tensor) -> native_attention.PagedDecode | None:
         """The step's native decode kernel for queries like q_d (None: the torch path)."""
-        if not allowed("paged_decode"):
+        if not self.native_allowed:
             return None
         if self._native is None:
             if not self.storage.use_native or self.meta.decode_lens is None:
@@ -185,6 +191,10 @@ class GroupedAttention:
     def __init__(self, storage: KVStorage, meta: PagedAttentionMetadata) -> None:
         self.layer_map = meta.layer_map
         self.backends = [PagedAttention(storage, m) for m in (meta, *meta.groups)]
+
+    def kernels_off(self, choice: KernelChoice) -> None:
+        for backend in self.backends:
+            backend.kernels_off(choice)
 
     def attend(self, layer: int, q, k, v, scale: float, window: int | None = None) -> torch.Tensor:
         group, row = self.layer_map[layer]

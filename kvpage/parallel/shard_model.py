@@ -1,5 +1,7 @@
 """A rank's model: a fresh copy of the full model, loaded with the full weights, then sharded.
 Rank 0 keeps its unsharded model too (the engine's own, which the verifier's reference uses).
+Sharding comes before finalize (kvpage.model.kernels): each rank binds its kernels to its own
+shard's tensors.
 
 An int8 model (its state holds `weight_int8` codes) is quantized *before* it is sharded, on rank
 0, once: every rank receives the same codes and per-output-channel scales and slices them, so
@@ -13,6 +15,7 @@ import torch
 
 from kvpage.config import ModelConfig
 from kvpage.model.base import CausalLM
+from kvpage.model.kernels import finalize
 from kvpage.model.loader import build_model
 from kvpage.model.quantize import quantize_model_, state_quantization
 from kvpage.parallel.group import TPGroup
@@ -29,4 +32,5 @@ def build_shard(
     quantize_model_(model, *state_quantization(state))
     model.load_state_dict(state)
     model.tie_weights()
-    return shard_model(model.eval(), plan, group.all_reduce), plan
+    # Bound after sharding, to the shards' own tensors (kvpage.model.kernels).
+    return finalize(shard_model(model.eval(), plan, group.all_reduce)), plan

@@ -36,6 +36,7 @@ from kvpage.lora.apply import LoraContext, attach
 from kvpage.lora.tables import Factors, SlotTables
 from kvpage.model.base import CausalLM
 from kvpage.model.int8 import Int8Linear
+from kvpage.model.kernels import KernelChoice
 from kvpage.model.projection import Projection
 
 
@@ -96,6 +97,10 @@ class RowParallel:
     def __init__(self, proj: Projection, all_reduce) -> None:
         self.proj, self.all_reduce = proj, all_reduce
         self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def bind_kernels(self, choice: KernelChoice) -> None:
+        """Its shard's kernels (kvpage.model.kernels.finalize, after sharding)."""
+        self.proj.bind_kernels(choice)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor]:
         y = self.proj(x)[0]

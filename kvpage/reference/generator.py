@@ -10,7 +10,6 @@ import torch
 
 from kvpage.errors import InvalidRequest
 from kvpage.model.base import CausalLM
-from kvpage.model.kernels import torch_kernels
 from kvpage.reference.kv_oracle import RoundTrip, RoundTripKVCache
 from kvpage.reference.records import (
     CacheView,
@@ -51,14 +50,13 @@ def generate(
     `kv_cache_dtype`: every K/V vector goes through that format's round trip before it is
     stored and read (kvpage.reference.kv_oracle); `scale_span` > 0 (a block size) makes a traced
     view carry one digest of the scales per span of that many tokens, as a paged view has one
-    per block. An int8-weight model runs through its dequantising twin
-    (kvpage.reference.weight_oracle), never the engine's int8 kernel. Every forward pass runs
-    on torch's operators alone (kvpage.model.kernels): no native kernel the engine takes."""
-    with torch_kernels():
-        return _generate(
-            reference_model(model), prompt_ids, params, fallback_seed, trace_as, namespace,
-            kv_cache_dtype, scale_span,
-        )  # fmt: skip
+    per block. Every forward pass runs on a twin of the model bound to torch's operators alone
+    (kvpage.reference.weight_oracle.reference_model; an int8-weight model's dequantises): no
+    kernel the engine takes."""
+    return _generate(
+        reference_model(model), prompt_ids, params, fallback_seed, trace_as, namespace,
+        kv_cache_dtype, scale_span,
+    )  # fmt: skip
 
 
 def _generate(
@@ -158,14 +156,13 @@ def prompt_logits(
     """(L, V) logits of one forward pass over the whole prompt. With a rounded KV format every
     K/V vector goes through its round trip before attention reads it, as the paged engine's
     prefill reads the stored form of the prompt's own new tokens too."""
-    with torch_kernels():
-        ref = reference_model(model)
-        if kv_cache_dtype == "auto":
-            return ref.forward_full(prompt_ids)
-        cache = RoundTripKVCache(ref.config.num_layers, RoundTrip(kv_cache_dtype))
-        ids = torch.tensor(prompt_ids, dtype=torch.long, device=ref.device)
-        positions = torch.arange(len(prompt_ids), device=ref.device)
-        return ref.compute_logits(ref(ids, positions, cache))
+    ref = reference_model(model)
+    if kv_cache_dtype == "auto":
+        return ref.forward_full(prompt_ids)
+    cache = RoundTripKVCache(ref.config.num_layers, RoundTrip(kv_cache_dtype))
+    ids = torch.tensor(prompt_ids, dtype=torch.long, device=ref.device)
+    positions = torch.arange(len(prompt_ids), device=ref.device)
+    return ref.compute_logits(ref(ids, positions, cache))
 
 
 @torch.inference_mode()

@@ -11,8 +11,9 @@ The twin is a copy of the model: the same codes and scales (the quantized weight
 of the model (embeddings, norms, a float head, which keep the engine's layers: the reference
 may share model layers, not the int8 path). An int8 LM head (EngineConfig.quantize_lm_head: the
 untied `lm_head`, or a tied model's `lm_head_int8` copy beside its float embedding) is an
-Int8Linear like the others, so it is dequantised here too. Float models are returned as they
-are."""
+Int8Linear like the others, so it is dequantised here too. A float model's reference is its
+torch twin (kvpage.model.kernels.torch_twin: the same weight tensors); either twin is bound to
+torch's operators only, never a fast path of the engine's."""
 
 from __future__ import annotations
 
@@ -25,16 +26,18 @@ from torch import nn
 
 from kvpage.model.base import CausalLM
 from kvpage.model.int8 import Int8Linear
+from kvpage.model.kernels import TORCH, finalize, torch_twin
 
 _twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def reference_model(model: CausalLM) -> CausalLM:
-    """`model` itself when no layer is int8; else its dequantising twin (made once per model)."""
+    """`model`'s torch twin when no layer is int8; else its dequantising twin (made once per
+    model); both bound to torch's operators only."""
     if not any(isinstance(m, Int8Linear) for m in model.modules()):
-        return model
+        return torch_twin(model)
     if model not in _twins:
-        _twins[model] = _dequantized_twin(model)
+        _twins[model] = finalize(_dequantized_twin(model), TORCH)
     return _twins[model]
 
 

@@ -19,7 +19,6 @@ from kvpage.config import KV_CACHE_DTYPES, EngineConfig
 from kvpage.engine.engine import LLMEngine
 from kvpage.model import load_model
 from kvpage.model.int8 import Int8Linear
-from kvpage.model.kernels import fast_paths_off
 from kvpage.model.loader import build_model
 from kvpage.model.quantize import head_quantized, weight_quantization
 from kvpage.verify import path_coverage
@@ -221,7 +220,9 @@ def run_gate(
     )
     plan.model_check, plan.paths_off = model_check, tuple(paths_off)
     plan.report_dir = report_dir
-    with _tensor_parallel_workers(tp), fast_paths_off(*paths_off):
+    if paths_off:  # every engine binds its model without them (kvpage.model.kernels)
+        plan.engine["fast_paths_off"] = tuple(paths_off)
+    with _tensor_parallel_workers(tp):
         return _run_gate(plan, progress)
 
 

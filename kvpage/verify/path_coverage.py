@@ -12,20 +12,15 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 import kvpage.model.decode_plan as decode_plan
-import kvpage.model.native_amx as native_amx
 import kvpage.model.native_attention as native_attention
 import kvpage.model.native_decode_step as native_decode_step
-import kvpage.model.native_gemv as native_gemv
 import kvpage.model.native_small_ops as native_small_ops
-import kvpage.model.projection as projection
 from kvpage.model.kernels import FAST_PATHS
+from kvpage.model.linear_kernels import LINEAR_KERNELS
 
-# (owner, attribute, the name counted)
+# (owner, attribute, the name counted); the linear kernels' from their table
 ENTRY_POINTS = (
-    (native_gemv.WeightGemv, "run_unchecked", "gemv"),
-    (native_amx.AmxLinear, "run_unchecked", "amx"),
-    (projection.Projection, "packed_unchecked", "onednn"),
-    (projection, "widened_linear", "widened"),
+    *((*k.counted, k.path) for k in LINEAR_KERNELS),
     (native_small_ops, "rms_norm", "small_ops"),
     (native_small_ops, "silu_mul", "small_ops"),
     (native_small_ops, "rotary_", "small_ops"),
@@ -41,10 +36,7 @@ def available() -> dict[str, bool]:
     small_ops = native_small_ops.available()
     return {
         "decode_plan": small_ops and native_attention.available(),
-        "gemv": native_gemv.available(),
-        "amx": native_amx.available(),
-        "onednn": projection.onednn_available(),
-        "widened": True,
+        **{k.path: k.available() for k in LINEAR_KERNELS},
         "small_ops": small_ops,
         "paged_decode": native_attention.available(),
     }

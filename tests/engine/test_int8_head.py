@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kvpage import LLM
-from kvpage.model import load_model, native_build, native_gemv, projection
+from kvpage.model import linear_kernels, load_model, native_build, native_gemv
+from kvpage.model.kernels import finalize
 from kvpage.reference import weight_oracle
 from kvpage.reference.generator import generate
 from kvpage.verify.kv_drift import gate_prompts
@@ -90,9 +91,9 @@ def test_a_planted_head_bug_in_the_engine_is_caught(monkeypatch):
     vocab = model.config.vocab_size
     prompts = prefix_prompts(BLOCK, vocab, n=2)
     refs = [generate(model, p, GREEDY) for p in prompts]  # before the bug: the twin is cached
-    honest = projection.widened_linear  # the engine's int8 path for many rows (prefill)
+    honest = linear_kernels.widened_linear  # the engine's int8 path for many rows (prefill)
     monkeypatch.setattr(
-        projection,
+        linear_kernels,
         "widened_linear",
         lambda x, c, s, b: honest(x, c, *_shift_head([s], vocab), b),
     )
@@ -102,6 +103,7 @@ def test_a_planted_head_bug_in_the_engine_is_caught(monkeypatch):
         honest_kernel(self, weights, _shift_head(scales, vocab), biases, x_dtype)
 
     monkeypatch.setattr(native_gemv.WeightGemv, "__init__", shifted)
+    finalize(model)  # bound again: the kernels are built when bound (kvpage.model.kernels)
     _, rows = _engine_run(model, tokenizer, name, "float32", prompts)
     assert _max_error(rows, refs) > 100 * TOLERANCE["float32"]
 

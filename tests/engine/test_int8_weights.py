@@ -13,7 +13,8 @@ from kvpage import LLMEngine, SamplingParams
 from kvpage.config import EngineConfig
 from kvpage.engine.events import EngineObserver
 from kvpage.model import int8 as int8_format
-from kvpage.model import load_model, native_gemv, projection
+from kvpage.model import linear_kernels, load_model, native_gemv
+from kvpage.model.kernels import finalize
 from kvpage.reference.generator import generate
 from kvpage.reference.weight_oracle import reference_model
 
@@ -115,7 +116,7 @@ def test_reference_never_calls_the_engine_int8_kernel(monkeypatch):
         raise AssertionError("the reference reached the engine's int8 matmul")
 
     monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", refuse, raising=False)
-    monkeypatch.setattr(projection, "widened_linear", refuse)
+    monkeypatch.setattr(linear_kernels, "widened_linear", refuse)
     monkeypatch.setattr(int8_format, "int8_matmul", refuse)
     kernel = native_gemv.WeightGemv.__call__  # kvpage's kernel: refused on int8 weights only
 
@@ -129,7 +130,10 @@ def test_reference_never_calls_the_engine_int8_kernel(monkeypatch):
         model.forward_full(prompt)
     assert reference_model(model) is not model
     plain, _ = load_model("builtin:tiny-qwen2")
-    assert reference_model(plain) is plain  # float models: the reference as it always was
+    twin = reference_model(plain)  # float models: a twin on the very weight tensors
+    assert twin is not plain and all(
+        a is b for a, b in zip(twin.parameters(), plain.parameters(), strict=True)
+    )
 
 
 def test_a_planted_scale_bug_in_the_engine_path_is_caught(monkeypatch):
@@ -139,8 +143,10 @@ def test_a_planted_scale_bug_in_the_engine_path_is_caught(monkeypatch):
     model, tokenizer = load_model(name, quantization="int8")
     prompts = prefix_prompts(BLOCK, model.config.vocab_size, n=2)
     refs = [generate(model, p, GREEDY) for p in prompts]  # before the bug: the twin is cached
-    honest = projection.widened_linear  # the engine's int8 path for many rows (prefill)
-    monkeypatch.setattr(projection, "widened_linear", lambda x, c, s, b: honest(x, c, s.roll(1), b))
+    honest = linear_kernels.widened_linear  # the engine's int8 path for many rows (prefill)
+    monkeypatch.setattr(
+        linear_kernels, "widened_linear", lambda x, c, s, b: honest(x, c, s.roll(1), b)
+    )
     honest_kernel = native_gemv.WeightGemv.__init__  # the same bug in kvpage's kernel
 
     def shifted(self, weights, scales, biases, x_dtype):
@@ -148,6 +154,7 @@ def test_a_planted_scale_bug_in_the_engine_path_is_caught(monkeypatch):
         honest_kernel(self, weights, scales, biases, x_dtype)
 
     monkeypatch.setattr(native_gemv.WeightGemv, "__init__", shifted)
+    finalize(model)  # bound again: the kernels are built when bound (kvpage.model.kernels)
     tokens, rows = _engine_run(model, tokenizer, name, "float32", prompts)
     errors = [_max_error(rows, i, ref) for i, ref in enumerate(refs)]
     assert min(errors) > 100 * TOLERANCE["float32"], errors

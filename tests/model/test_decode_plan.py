@@ -23,6 +23,7 @@ from kvpage.model import (
     native_small_ops,
 )
 from kvpage.model.decode_plan import LlamaDecodePlan
+from kvpage.model.kernels import finalize
 from kvpage.model.projection import Projection
 
 from .hf_models import VOCAB, save_hf
@@ -269,13 +270,14 @@ def test_paged_decode_reads_q_rows_of_a_fused_output(dtype):
 
 
 def test_a_copy_of_the_model_builds_its_own_plan(tmp_path, plan_runs):
-    """The reference's dequantised twin is a deepcopy of the engine's model: the copy must not
-    carry the original's plan (its modules, its kernel handles)."""
+    """The reference's twins are deepcopies of the engine's model: a copy must not carry the
+    original's plan (its modules, its kernel handles); finalized, it builds its own."""
     save_hf("llama-gqa-8q-2kv", tmp_path)
     _engine(tmp_path, dtype="float32", quantization="int8")  # the twin is made after decoding
     model, _ = load_model(str(tmp_path))
     plan = model.decode_plan()
     twin = copy.deepcopy(model)
-    assert plan is not None and twin.decode_plan() is not None
+    assert plan is not None and twin.decode_plan() is None
+    finalize(twin)
     assert twin.decode_plan() is not plan and twin.decode_plan().blocks[0] is twin.model.layers[0]
-    assert pickle.loads(pickle.dumps(model._plan)).built is False
+    assert pickle.loads(pickle.dumps(model._plan)).plan is None

@@ -1,15 +1,16 @@
-"""kvpage.model.kernels: each fast path turned off alone is not taken (its trap stays silent)
-and the engine's tokens do not change; with every path on the engine takes them."""
+"""kvpage.model.kernels: a model finalized with one fast path off does not take it (its trap
+stays silent) and the engine's tokens do not change; bound with every path on the engine takes
+them; binding again turns a path back on."""
 
 from __future__ import annotations
 
 import pytest
 
 import kvpage.model.native_small_ops as native_small_ops
-import kvpage.model.projection as projection
 from kvpage import LLM, SamplingParams
 from kvpage.model.decode_plan import LlamaDecodePlan
-from kvpage.model.kernels import FAST_PATHS, fast_paths_off
+from kvpage.model.kernels import FAST_PATHS, KernelChoice, bound_with, finalize
+from kvpage.model.linear_kernels import LINEAR_KERNELS
 from kvpage.model.native_amx import AmxLinear
 from kvpage.model.native_attention import PagedDecode
 from kvpage.model.native_gemv import WeightGemv
@@ -30,11 +31,10 @@ def _count(monkeypatch, taken: list[str]) -> None:
         monkeypatch.setattr(
             native_small_ops, name, counting("small_ops", getattr(native_small_ops, name))
         )
-    monkeypatch.setattr(
-        projection, "widened_linear", counting("widened", projection.widened_linear)
-    )
-    proj = projection.Projection
-    monkeypatch.setattr(proj, "packed_unchecked", counting("onednn", proj.packed_unchecked))
+    for kernel in LINEAR_KERNELS:  # onednn and widened: the linear kernels torch runs
+        owner, name = kernel.counted
+        if kernel.path in ("onednn", "widened"):
+            monkeypatch.setattr(owner, name, counting(kernel.path, getattr(owner, name)))
     for cls, path in ((WeightGemv, "gemv"), (AmxLinear, "amx"), (PagedDecode, "paged_decode")):
         monkeypatch.setattr(cls, "__call__", counting(path, cls.__call__))
     monkeypatch.setattr(LlamaDecodePlan, "run", counting("decode_plan", LlamaDecodePlan.run))
@@ -48,10 +48,12 @@ def test_each_path_off_alone_is_not_taken(monkeypatch, dtype):
     expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
     on = set(taken)
     assert {"small_ops", "decode_plan"} <= on, on  # what runs on any CPU here
+    model = llm.engine.model
     for path in FAST_PATHS:
         taken.clear()
-        with fast_paths_off(path):
-            got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        finalize(model, (path,))
+        assert bound_with(model) == KernelChoice(frozenset({path}))
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
         assert path not in taken, f"{path} taken while off"
         if path != "decode_plan":
             assert "decode_plan" not in taken  # the plan runs with every path on only
@@ -59,8 +61,21 @@ def test_each_path_off_alone_is_not_taken(monkeypatch, dtype):
             assert "paged_decode" in taken  # the plan's attention kernel, called by the modules
         if dtype == "float32":
             assert got == expected, path
+    taken.clear()
+    finalize(model)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+    assert {"small_ops", "decode_plan"} <= set(taken) <= on  # prefixes cached: less prefill
+
+
+def test_the_engine_binds_its_config_paths_off(monkeypatch):
+    """EngineConfig.fast_paths_off: the engine binds the model it is given without them."""
+    llm = LLM("builtin:tiny-llama", fast_paths_off=("small_ops", "decode_plan"))
+    taken: list[str] = []
+    _count(monkeypatch, taken)
+    llm.generate(PROMPTS, PARAMS)
+    assert taken and not {"small_ops", "decode_plan"} & set(taken), set(taken)
 
 
 def test_an_unknown_path_is_refused():
-    with pytest.raises(ValueError, match="unknown fast paths"), fast_paths_off("gemm"):
-        pass
+    with pytest.raises(ValueError, match="unknown fast paths"):
+        finalize(LLM("builtin:tiny-llama").engine.model, ("gemm",))

@@ -18,6 +18,7 @@ import torch
 
 from kvpage.model import native_build, native_gemv
 from kvpage.model.int8 import Int8Linear, quantize_per_channel
+from kvpage.model.kernels import kernel_choice
 from kvpage.model.native_gemv import WeightGemv
 from kvpage.model.projection import Projection
 
@@ -134,10 +135,12 @@ def test_projection_takes_the_kernel_for_few_rows_and_agrees_with_torch(dtype, i
         layers = [Int8Linear.from_linear(lin) for lin in layers]
     calls = count_rows(monkeypatch, WeightGemv)
     native = Projection(*layers)
+    native.bind_kernels(kernel_choice())
     monkeypatch.setenv("KVPAGE_NATIVE", "0")
     native_gemv._library.cache_clear()
     try:
-        reference = Projection(*layers)  # built without the kernel: torch's path
+        reference = Projection(*layers)  # bound without the kernel: torch's path
+        reference.bind_kernels(kernel_choice())
         x = torch.randn(3, 48, generator=gen).to(dtype)
         expected = reference(x)
     finally:

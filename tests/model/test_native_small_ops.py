@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvpage.model import native_small_ops
+from kvpage.model.kernels import finalize
 from kvpage.model.layers import RMSNorm, SwiGLU, _rotate_half, apply_rotary
 
 pytestmark = pytest.mark.skipif(not native_small_ops.available(), reason="no C++ compiler")
@@ -63,7 +64,7 @@ def test_rotary_in_place_equals_torch_bit_for_bit(dtype):
     want_q = q * cos + _rotate_half(q) * sin
     want_k = k * cos + _rotate_half(k) * sin
     v_before = qkv[:, (h + kvh) * d :].clone()
-    got_q, got_k = apply_rotary(q, k, cos, sin)
+    got_q, got_k = apply_rotary(q, k, cos, sin, native=True)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     assert torch.equal(qkv[:, (h + kvh) * d :], v_before)  # v, beside them, untouched
 
@@ -75,10 +76,14 @@ def test_the_kernels_run_and_the_switch_turns_them_off(monkeypatch):
     real = native_small_ops.rms_norm
     monkeypatch.setattr(native_small_ops, "rms_norm", lambda *a: calls.append(1) or real(*a))
     norm(x)
+    assert calls == []  # unbound: torch's
+    finalize(norm)
+    norm(x)
     assert calls == [1]
     monkeypatch.setenv("KVPAGE_NATIVE", "0")
     native_small_ops._library.cache_clear()
     try:
+        finalize(norm)
         assert torch.equal(norm(x), norm._torch_forward(x)) and calls == [1]
     finally:
         monkeypatch.delenv("KVPAGE_NATIVE")
@@ -115,7 +120,7 @@ def test_swiglu_takes_the_native_silu_mul_in_bfloat16_only(kind, monkeypatch):
     mlp = kind(48, 80, bias=False).requires_grad_(False)
     x = torch.randn(37, 48)
     for dtype in DTYPES:
-        mlp, x = mlp.to(dtype), x.to(dtype)
+        mlp, x = finalize(mlp.to(dtype)), x.to(dtype)
         calls.clear()
         got = mlp(x)
         gate, up = x @ mlp.gate_proj.weight.t(), x @ mlp.up_proj.weight.t()

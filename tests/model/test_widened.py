@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from kvpage.model import projection, widened
+from kvpage.model import linear_kernels, native_gemv, widened
 from kvpage.model.int8 import Int8Linear, quantize_per_channel
+from kvpage.model.kernels import kernel_choice
 from kvpage.model.projection import Projection
 from kvpage.model.widened import widened_linear
 
@@ -72,6 +73,12 @@ def test_a_float32_weight_is_not_scaled_in_place():
     assert torch.equal(w, before)
 
 
+def _bound(*layers) -> Projection:
+    proj = Projection(*layers)
+    proj.bind_kernels(kernel_choice())  # chosen with the environment as the test set it
+    return proj
+
+
 def _int8_layers(bias: bool) -> list[Int8Linear]:
     torch.manual_seed(3)
     return [Int8Linear.from_linear(nn.Linear(K, n, bias=bias)) for n in (24, 8, 8)]
@@ -82,11 +89,11 @@ def test_int8_projection_above_the_kernel_rows_takes_the_widened_path(monkeypatc
     monkeypatch.setenv("KVPAGE_GEMV_MAX_ROWS", "0")  # no row count for the weight kernel
     layers = _int8_layers(bias)
     calls = []
-    honest = projection.widened_linear
-    monkeypatch.setattr(projection, "widened_linear", lambda *a: calls.append(1) or honest(*a))
+    honest = linear_kernels.widened_linear
+    monkeypatch.setattr(linear_kernels, "widened_linear", lambda *a: calls.append(1) or honest(*a))
     x = torch.randn(9, K)
     with torch.inference_mode():
-        outs = Projection(*layers)(x)
+        outs = _bound(*layers)(x)
     assert len(calls) == len(layers)
     for got, lin in zip(outs, layers, strict=True):
         codes, scales, b = lin.quantized_tensors()
@@ -94,16 +101,16 @@ def test_int8_projection_above_the_kernel_rows_takes_the_widened_path(monkeypatc
 
 
 def test_bfloat16_projection_that_onednn_cannot_pack_is_widened(monkeypatch):
-    monkeypatch.setattr(projection, "onednn_bf16", lambda: False)  # as on an AVX2 CPU
+    monkeypatch.setattr(native_gemv, "onednn_bf16", lambda: False)  # as on an AVX2 CPU
     monkeypatch.setenv("KVPAGE_GEMV_MAX_ROWS", "0")
     torch.manual_seed(4)
     layers = [nn.Linear(K, n).bfloat16() for n in (24, 8)]
     calls = []
-    honest = projection.widened_linear
-    monkeypatch.setattr(projection, "widened_linear", lambda *a: calls.append(1) or honest(*a))
+    honest = linear_kernels.widened_linear
+    monkeypatch.setattr(linear_kernels, "widened_linear", lambda *a: calls.append(1) or honest(*a))
     x = torch.randn(9, K).bfloat16()
     with torch.inference_mode():
-        outs = Projection(*layers)(x)
+        outs = _bound(*layers)(x)
     assert len(calls) == 2
     for got, lin in zip(outs, layers, strict=True):
         torch.testing.assert_close(got, honest(x, lin.weight, None, lin.bias), rtol=0, atol=0)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import kvpage.model.linear_kernels as linear_kernels
 import kvpage.model.native_small_ops as native_small_ops
-import kvpage.model.projection as projection
 from kvpage import LLM, SamplingParams
 from kvpage.model import load_model
 from kvpage.model.decode_plan import LlamaDecodePlan
@@ -73,8 +73,8 @@ def fast_paths_raise(monkeypatch):
 
     for name in ("rms_norm", "rotary_", "silu_mul"):
         monkeypatch.setattr(native_small_ops, name, trap(name))
-    monkeypatch.setattr(projection, "widened_linear", trap("widened_linear"))
-    monkeypatch.setattr(projection.Projection, "packed_unchecked", trap("onednn"))
+    monkeypatch.setattr(linear_kernels, "widened_linear", trap("widened_linear"))
+    monkeypatch.setattr(linear_kernels, "onednn_linear", trap("onednn"))
     for cls in (WeightGemv, AmxLinear, PagedDecode, LlamaDecodePlan):
         attr = "run" if cls is LlamaDecodePlan else "__call__"
         monkeypatch.setattr(cls, attr, trap(cls.__name__))

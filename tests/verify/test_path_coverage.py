@@ -5,7 +5,7 @@ whose GEMV takes every row count, which is what the matrix's off-gemv cell is fo
 from __future__ import annotations
 
 from kvpage import LLM, SamplingParams
-from kvpage.model.kernels import fast_paths_off
+from kvpage.model.kernels import finalize
 from kvpage.model.native_gemv import WeightGemv
 from kvpage.verify import path_coverage
 from kvpage.verify.gate import run_gate
@@ -22,7 +22,8 @@ def test_counting_sees_the_paths_taken_and_restores_them():
         llm.generate(PROMPTS, PARAMS)
     assert WeightGemv.run_unchecked is before
     assert counts["gemv"] > 0
-    with path_coverage.counting() as off, fast_paths_off("gemv"):
+    finalize(llm.engine.model, ("gemv",))
+    with path_coverage.counting() as off:
         llm.generate(PROMPTS, PARAMS)
     assert off["gemv"] == 0 and off["widened"] > 0 and off["decode_plan"] == 0
 

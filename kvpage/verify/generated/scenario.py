@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from kvpage.engine.sequence import SeqStatus
-from kvpage.model.kernels import torch_kernels
 from kvpage.reference.weight_oracle import reference_model
 from kvpage.sampling_params import SamplingParams
 from kvpage.verify.case import Action, Case, RequestSpec, status_of
@@ -173,8 +172,7 @@ def _resolved(request: RequestScenario, model) -> RequestScenario:
     position, rank = request.top_next
     if not 0 < position < len(request.prompt):
         return request
-    with torch_kernels():
-        logits = reference_model(model).forward_full(request.prompt[:position])[-1].float()
+    logits = reference_model(model).forward_full(request.prompt[:position])[-1].float()
     token = int(torch.topk(logits, rank + 1).indices[rank])
     prompt = list(request.prompt)
     prompt[position] = token

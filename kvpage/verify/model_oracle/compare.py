@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kvpage.model.base import CausalLM
-from kvpage.model.kernels import torch_kernels
+from kvpage.model.kernels import torch_twin
 from kvpage.verify.diff import logit_atol
 
 
@@ -78,7 +78,8 @@ def first_gap(
     """None when every layer and the logits agree within the dtype's tolerance (relative to the
     magnitude of transformers' values, kvpage.verify.diff.logit_atol), else the first that
     does not."""
-    with layer_outputs(decoder_layers(ours)) as our_layers, torch_kernels():
+    ours = torch_twin(ours)  # torch's operators: the model's math, not the engine's kernels
+    with layer_outputs(decoder_layers(ours)) as our_layers:
         our_logits = ours.forward_full(ids).float()
     with layer_outputs(decoder_layers(theirs)) as their_layers:
         device = next(theirs.parameters()).device

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpage.engine.events import EngineObserver
-from kvpage.model.kernels import torch_kernels
 from kvpage.reference.generator import ReferenceOutput, stop_token_ids
 from kvpage.reference.kv_oracle import RoundTrip, RoundTripKVCache
 from kvpage.reference.records import sampler_state
@@ -87,7 +86,7 @@ def follow_ties(
 ) -> ReferenceOutput | None:
     """The reference along `engine`'s tokens where they differ from its own by a numeric tie
     (the module's docstring); None when no step was a tie (the reference's own run stands)."""
-    with torch_kernels(), torch.inference_mode():
+    with torch.inference_mode():
         return _follow(reference_model(model), prompt, params, engine, atol)
 
 
