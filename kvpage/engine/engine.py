@@ -19,10 +19,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvpage.cache.block_table import blocks_for
 from kvpage.cache.groups import kv_layout
 from kvpage.cache.manager import KVCacheManager
 from kvpage.config import EngineConfig
+from kvpage.engine.adapters import named_adapter, serve_adapters
 from kvpage.engine.checks import (
     RequestChecks,
     check_quantization,
@@ -33,6 +33,7 @@ from kvpage.engine.checks import (
 )
 from kvpage.engine.events import EngineObserver
 from kvpage.engine.executor import Executor
+from kvpage.engine.kv_pool import local_storage, num_kv_blocks
 from kvpage.engine.namespace import base_namespace
 from kvpage.engine.outputs import RequestOutput
 from kvpage.engine.plan import StepBatch, StepPlan
@@ -43,23 +44,19 @@ from kvpage.engine.sampler import Sampler
 from kvpage.engine.scheduler import Scheduler
 from kvpage.engine.sequence import Sequence
 from kvpage.engine.stats import engine_stats
-from kvpage.errors import InvalidRequest, LoRAError, WorkerFailure
+from kvpage.engine.tenant_switches import TenantSwitches
+from kvpage.errors import InvalidRequest, WorkerFailure
 from kvpage.host_memory import keep_freed_memory
 from kvpage.kv.format import kv_format
-from kvpage.kv.storage import KVShard, KVStorage
+from kvpage.kv.storage import KVShard
 from kvpage.kv.swap_space import SwapSpace
 from kvpage.lora.adapter import LoraAdapter
-from kvpage.lora.apply import LoraContext, attach
 from kvpage.lora.request import LoRARequest
-from kvpage.lora.slots import LoraSlots
 from kvpage.model import load_model
 from kvpage.model.base import CausalLM
-from kvpage.model.kernels import finalize_once
 from kvpage.model.tokenizer import Tokenizer, encode_text
 from kvpage.parallel.executor import TensorParallelExecutor
 from kvpage.sampling_params import SamplingParams
-
-DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
 
 
 class LLMEngine:
@@ -81,7 +78,6 @@ class LLMEngine:
                 config.quantize_lm_head,
             )
         check_quantization(model, config.quantization, config.quantize_lm_head)
-        finalize_once(model, config.fast_paths_off)  # bound already, unless asked otherwise
         self.model, self.tokenizer = model, tokenizer
         mcfg = model.config
         limit = mcfg.max_position_embeddings
@@ -93,13 +89,18 @@ class LLMEngine:
         # A page holds `rows` layers of one group: as many pages as the memory of the blocks
         # asked for (num_blocks counts whole-model blocks).
         pages_per_block = self.kv_layout.pages_per_block(mcfg.num_layers)
-        num_blocks = self._num_blocks() * pages_per_block
+        num_blocks = num_kv_blocks(config, mcfg, self.max_model_len, self.kv_format)
+        num_blocks *= pages_per_block
         self.tp = (
             TensorParallelExecutor(config, model, num_blocks, self.kv_format)
             if config.tensor_parallel_size > 1
             else None
         )
-        self.storage = self.tp.storage if self.tp else self._local_storage(num_blocks)
+        self.storage = (
+            self.tp.storage
+            if self.tp
+            else local_storage(model, self.kv_layout, num_blocks, config.block_size, self.kv_format)
+        )
         # Per-operation checks inside the manager are for its own tests; the engine checks every
         # invariant once per step instead, which catches the same corruption.
         self.cache = KVCacheManager(
@@ -116,7 +117,7 @@ class LLMEngine:
         self.checks = RequestChecks(
             mcfg.vocab_size, self.max_model_len, config.max_num_seqs, self.cache
         )
-        self.lora_slots, lora = self._serve_adapters()
+        self.lora_slots, lora = serve_adapters(config, model, self.tp)
         decode = tokenizer.decode if tokenizer is not None else None
         self.scheduler = Scheduler(
             config,
@@ -145,63 +146,9 @@ class LLMEngine:
         self.namespace = base_namespace(
             model, tokenizer, config.block_size, config.model, self.kv_format
         )
-        # The kill switch per tenant (set_namespace_caching): salts switched off, and the
-        # adapter namespaces seen under each salt (a tenant's adapter requests are its too).
-        self.salts_off: set[str | None] = set()
-        self.salt_adapter_namespaces: dict[str | None, set[bytes]] = {}
+        self.tenant_switches = TenantSwitches(self.cache)
         self.failure: WorkerFailure | None = None  # set when a tensor-parallel worker is lost
         self.step_count = 0
-
-    # --- construction helpers --------------------------------------------------------------
-    def _serve_adapters(self) -> tuple[LoraSlots | None, LoraContext | None]:
-        """With enable_lora: the adapter slots, and every layer's projections routed through
-        one LoraContext that the runner fills per step (under tensor parallelism: on every
-        rank, each computing from its shard of the slot tables)."""
-        if not self.config.enable_lora:
-            return None, None
-        if self.model.config.model_type not in ("llama", "gemma3"):
-            raise LoRAError(f"LoRA adapters on {self.model.config.model_type!r} are not supported")
-        cfg, model = self.config, self.model
-        if self.tp is None:
-            slots = LoraSlots(cfg.max_loras, cfg.max_lora_rank, model.dtype, model.device)
-            context = LoraContext(slots.tables)
-            attach(model, context)
-        else:
-            slots = LoraSlots(
-                cfg.max_loras,
-                cfg.max_lora_rank,
-                model.dtype,
-                model.device,
-                shard=self.tp.shard_lora_factors,
-                on_write=self.tp.write_lora_slot,
-            )
-            context = self.tp.serve_lora(slots.tables)
-        return slots, context
-
-    def _local_storage(self, num_blocks: int) -> KVStorage:
-        mcfg = self.model.config
-        return KVStorage(
-            self.kv_layout.rows,
-            num_blocks,
-            self.config.block_size,
-            mcfg.num_kv_heads,
-            mcfg.head_dim,
-            self.kv_format,
-            self.model.device,
-        )
-
-    def _num_blocks(self) -> int:
-        cfg, mcfg = self.config, self.model.config
-        if cfg.num_blocks is not None:
-            return cfg.num_blocks
-        per_block = KVStorage.bytes_per_block(
-            mcfg.num_layers, cfg.block_size, mcfg.num_kv_heads, mcfg.head_dim, self.kv_format
-        )
-        if cfg.kv_cache_memory is not None:
-            return max(1, cfg.kv_cache_memory // per_block)
-        by_memory = DEFAULT_KV_CACHE_MEMORY // per_block
-        by_workload = cfg.max_num_seqs * blocks_for(self.max_model_len, cfg.block_size)
-        return max(1, min(by_memory, by_workload))
 
     # --- requests --------------------------------------------------------------------------
     @property
@@ -247,7 +194,7 @@ class LLMEngine:
         req = NewRequest(request_id, prompt_ids, params, cache_salt, now, deadline, adapter)
         namespace = self.request_namespace(cache_salt, adapter)
         if adapter is not None:
-            self._follow_salt_switch(cache_salt, namespace.digest())
+            self.tenant_switches.follow(cache_salt, namespace.digest())
         self.scheduler.add(self.requests.new_sequence(req, namespace))
 
     def request_namespace(self, cache_salt: str | None, adapter: LoraAdapter | None):
@@ -259,22 +206,9 @@ class LLMEngine:
     # --- adapters --------------------------------------------------------------------------
     def load_lora_adapter(self, lora_request: LoRARequest, reload: bool = False) -> LoraAdapter:
         """The adapter `lora_request` names: the registered one under that name and path, else
-        loaded from its PEFT directory and registered (`reload`: loaded again in any case, so
-        changed weights become a new adapter)."""
-        if self.lora_slots is None:
-            raise InvalidRequest("a LoRA request needs an engine made with enable_lora=True")
-        if not isinstance(lora_request, LoRARequest):
-            raise InvalidRequest(f"lora_request must be a LoRARequest, got {type(lora_request)}")
-        known = self.lora_slots.registered.get(lora_request.lora_name)
-        if known is not None and known.path == lora_request.lora_path and not reload:
-            return known
-        adapter = self.lora_slots.reader.read(
-            lora_request.lora_name,
-            lora_request.lora_path,
-            self.model.config,
-            self.config.max_lora_rank,
-        )
-        return self.lora_slots.register(adapter)
+        loaded from its PEFT directory and registered (`reload`: loaded again in any case)."""
+        mcfg, rank = self.model.config, self.config.max_lora_rank
+        return named_adapter(self.lora_slots, lora_request, mcfg, rank, reload)
 
     def unload_lora_adapter(self, name: str) -> None:
         """Forget adapter `name`; requests already queued with it still finish with it."""
@@ -433,18 +367,8 @@ class LLMEngine:
     def set_namespace_caching(self, cache_salt: str | None, enabled: bool) -> None:
         """Per namespace (tenant): while off, no hit and no publish for requests of that salt,
         with an adapter or without (each adapter keys its own namespace under the salt)."""
-        (self.salts_off.discard if enabled else self.salts_off.add)(cache_salt)
-        digests = {self.namespace.with_salt(cache_salt).digest()}
-        digests |= self.salt_adapter_namespaces.get(cache_salt, set())
-        for digest in digests:
-            self.cache.set_namespace_enabled(digest, enabled)
-
-    def _follow_salt_switch(self, cache_salt: str | None, digest: bytes) -> None:
-        """An adapter namespace under `cache_salt`: remembered for the salt's switch, and off
-        now if the salt is."""
-        self.salt_adapter_namespaces.setdefault(cache_salt, set()).add(digest)
-        if cache_salt in self.salts_off:
-            self.cache.set_namespace_enabled(digest, False)
+        digest = self.namespace.with_salt(cache_salt).digest()
+        self.tenant_switches.set(cache_salt, enabled, digest)
 
     def set_preemption(self, enabled: bool) -> None:
         """While off, admission reserves each request's worst case; a request that still cannot

@@ -93,13 +93,12 @@ class Requests:
             # The prompt's rows are complete at the fork (it follows the prefill) and never
             # change again: shared, so each sample's first output can carry them.
             prompt_logprobs=parent.prompt_logprobs,
-            status=SeqStatus.RUNNING,
-            num_computed=parent.num_computed,
-            num_cached_tokens=parent.num_cached_tokens,
-            # Its later re-prefills (after recompute) are not new prefix queries.
-            admitted_once=True,
             sample_index=index,
         )
+        # It runs on from the parent's admission: the prompt computed (its blocks shared), and
+        # its later re-prefills (after recompute) are not new prefix queries.
+        child.status, child.admitted_once = SeqStatus.RUNNING, True
+        child.num_computed, child.num_cached_tokens = parent.num_computed, parent.num_cached_tokens
         self.samples[parent.request_id].append(child)
         return child
 

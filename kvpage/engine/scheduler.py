@@ -21,6 +21,7 @@ import time
 
 from kvpage.cache.manager import KVCacheManager
 from kvpage.config import EngineConfig
+from kvpage.engine.adapters import AdapterHolds
 from kvpage.engine.cache_reports import CacheReports
 from kvpage.engine.events import (
     EngineObserver,
@@ -81,6 +82,7 @@ class Scheduler:
         self.prefix_wait = PrefixWait(cache)
         self.prompt_rows = PromptRowStore(cache)
         self.lora_slots = lora_slots  # the engine's, when it serves adapters
+        self.adapters = AdapterHolds(lora_slots)
 
     # --- queues -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -191,7 +193,7 @@ class Scheduler:
                 continue  # a chunk of this step computes its prefix: it hits it next step
             if not self.preemption_enabled and not self.fits_worst_case(seq):
                 return
-            if not self._adapter_fits(seq):
+            if not self.adapters.fits(seq):
                 # Every adapter slot is held: it waits for one, and the requests behind it
                 # that need no new slot (the base model, an adapter already resident) go ahead.
                 # Stopping here would stall the whole queue behind a slot that only a holder
@@ -211,18 +213,9 @@ class Scheduler:
             if pending is not None:
                 self.prefix_wait.add(pending, seq)
 
-    def _adapter_fits(self, seq: Sequence) -> bool:
-        return seq.lora is None or seq.lora_held or self.lora_slots.can_hold(seq.lora)
-
-    def _hold_adapter(self, seq: Sequence) -> None:
-        """From its first admission to its finish a sequence holds its adapter resident."""
-        if seq.lora is not None and not seq.lora_held:
-            self.lora_slots.hold(seq.lora)
-            seq.lora_held = True
-
     def _admit(self, seq: Sequence) -> None:
         """The admission is final: count the lookup (first time only) and report the hit."""
-        self._hold_adapter(seq)
+        self.adapters.hold(seq)
         self.waiting.remove(seq)
         self.prefix_wait.forget(seq)
         self.swaps.note_resume(seq)
@@ -314,7 +307,7 @@ class Scheduler:
         self.to_fork.discard(parent.seq_id)
         children = [self.requests.new_sample(parent, i) for i in range(1, parent.params.n)]
         for child in children:
-            self._hold_adapter(child)
+            self.adapters.hold(child)
         at = self.running.index(parent) + 1
         self.running[at:at] = children
         return children
@@ -361,9 +354,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         held = held_blocks(seq, self.cache.pool) if self.observers else None
         self.remove(seq)
-        if seq.lora_held:
-            self.lora_slots.release(seq.lora)
-            seq.lora_held = False
+        self.adapters.release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         for event in end_events(seq, reason, held) if held is not None else ():
