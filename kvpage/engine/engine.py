@@ -54,6 +54,7 @@ from kvpage.lora.adapter import LoraAdapter
 from kvpage.lora.request import LoRARequest
 from kvpage.model import load_model
 from kvpage.model.base import CausalLM
+from kvpage.model.kernels import finalize_once
 from kvpage.model.tokenizer import Tokenizer, encode_text
 from kvpage.parallel.executor import TensorParallelExecutor
 from kvpage.sampling_params import SamplingParams
@@ -78,6 +79,7 @@ class LLMEngine:
                 config.quantize_lm_head,
             )
         check_quantization(model, config.quantization, config.quantize_lm_head)
+        finalize_once(model, config.fast_paths_off)  # bound already, unless asked otherwise
         self.model, self.tokenizer = model, tokenizer
         mcfg = model.config
         limit = mcfg.max_position_embeddings
