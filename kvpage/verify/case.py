@@ -89,6 +89,26 @@ def with_canaries(specs: list[RequestSpec], vocab: int, seed: int) -> list[Reque
     return specs
 
 
+def preempting_engine(
+    mode: str, block_size: int, num_blocks: int, swap_space_blocks: int = 64, **more
+) -> dict:
+    """The engine of a case that preempts in `mode`: a pool of `num_blocks` blocks (tiny, so
+    freed blocks are reused at once) and swap space for the swapped ones."""
+    return dict(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        preemption_mode=mode,
+        swap_space_blocks=swap_space_blocks,
+        **more,
+    )
+
+
+def after_one_preemption(mode: str) -> dict[str, int]:
+    """The swap counters once one forced preemption has resumed: swapped back in once, or
+    (recompute) nothing ever swapped out."""
+    return {"swap_ins": 1} if mode == "swap" else {"swap_outs": 0}
+
+
 def preempt_once_added(
     name: str,
     rid: str,

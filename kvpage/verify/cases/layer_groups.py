@@ -12,6 +12,7 @@ from kvpage.verify.case import (
     Tokens,
     greedy,
     preempt_at_step,
+    preempting_engine,
     with_canaries,
 )
 
@@ -57,7 +58,7 @@ def _preempted(t: Tokens, mode: str) -> Case:
         "layer_groups",
         f"window_preemption_{mode}",
         with_canaries(specs, 256, seed=37),
-        dict(block_size=B, num_blocks=10, preemption_mode=mode, swap_space_blocks=128),
+        preempting_engine(mode, B, num_blocks=10, swap_space_blocks=128),
         actions=[force],
         expect_preemption=True,
         hold_steps=2,

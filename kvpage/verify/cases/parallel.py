@@ -6,7 +6,7 @@ the reference run alone with its derived seed; without preemption the copy count
 from __future__ import annotations
 
 from kvpage.sampling_params import SamplingParams
-from kvpage.verify.case import Case, RequestSpec, Tokens, preempt_once_added
+from kvpage.verify.case import Case, RequestSpec, Tokens, preempt_once_added, preempting_engine
 
 B = 8
 
@@ -61,7 +61,7 @@ def _forks_under_pressure(t: Tokens, mode: str) -> Case:
         "parallel",
         f"forks_tiny_pool_{mode}",
         specs,
-        dict(block_size=B, num_blocks=26, preemption_mode=mode, swap_space_blocks=64),
+        preempting_engine(mode, B, num_blocks=26),
         actions=[preempt_child],
         expect_preemption=True,
         hold_steps=2,

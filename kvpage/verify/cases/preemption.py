@@ -6,9 +6,11 @@ from kvpage.verify.case import (
     Case,
     RequestSpec,
     Tokens,
+    after_one_preemption,
     greedy,
     preempt_at_step,
     preempt_once_added,
+    preempting_engine,
     with_canaries,
 )
 
@@ -29,10 +31,10 @@ def _abc_script(t: Tokens, mode: str) -> Case:
         "preemption",
         f"abc_{mode}",
         specs,
-        dict(block_size=B, num_blocks=16, preemption_mode=mode, swap_space_blocks=64),
+        preempting_engine(mode, B, num_blocks=16),
         actions=[preempt],
         expect_preemption=True,
-        expect_counters={"swap_ins": 1} if mode == "swap" else {"swap_outs": 0},
+        expect_counters=after_one_preemption(mode),
         hold_steps=6,
     )
 
@@ -53,7 +55,7 @@ def preemption_cases(vocab: int) -> list[Case]:
                 "preemption",
                 f"tiny_pool_{mode}",
                 with_canaries(specs, vocab, 9),
-                dict(block_size=8, num_blocks=28, preemption_mode=mode, swap_space_blocks=128),
+                preempting_engine(mode, 8, num_blocks=28, swap_space_blocks=128),
                 expect_preemption=True,
             )
         )

@@ -11,9 +11,11 @@ from kvpage.verify.case import (
     Case,
     RequestSpec,
     Tokens,
+    after_one_preemption,
     greedy,
     preempt_at_step,
     preempt_once_added,
+    preempting_engine,
 )
 
 B = 8
@@ -35,8 +37,8 @@ def resource_cases(vocab: int) -> list[Case]:
     return cases
 
 
-def _engine(mode: str, **extra) -> dict:
-    return dict(block_size=B, preemption_mode=mode, swap_space_blocks=64, **extra)
+def _engine(mode: str, num_blocks: int, **extra) -> dict:
+    return preempting_engine(mode, B, num_blocks, **extra)
 
 
 def _mid_prefill(engine, rid: str) -> bool:
@@ -85,7 +87,7 @@ def _preempt_mid_prefill(t: Tokens, mode: str) -> Case:
         _engine(mode, num_blocks=40, max_num_batched_tokens=16),
         actions=[preempt],
         expect_preemption=True,
-        expect_counters={"swap_ins": 1} if mode == "swap" else {"swap_outs": 0},
+        expect_counters=after_one_preemption(mode),
         hold_steps=2,
     )
 

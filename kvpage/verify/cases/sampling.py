@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvpage.sampling_params import SamplingParams
-from kvpage.verify.case import Case, RequestSpec, Tokens, preempt_once_added
+from kvpage.verify.case import Case, RequestSpec, Tokens, preempt_once_added, preempting_engine
 
 B = 8
 SETTINGS = (  # (temperature, top_k, top_p)
@@ -69,7 +69,7 @@ def _seeded_preempted(t: Tokens, mode: str) -> Case:
         "sampling",
         f"seeded_preempted_{mode}",
         specs,
-        dict(block_size=B, num_blocks=30, preemption_mode=mode, swap_space_blocks=64),
+        preempting_engine(mode, B, num_blocks=30),
         actions=forced,
         expect_preemption=True,
         check_sampling=True,
