@@ -83,11 +83,6 @@ class KVLayout:
         return len(self.groups)
 
     @property
-    def extra_windows(self) -> tuple[int | None, ...]:
-        """The windows of groups 1.. (the extra tables of a BlockTable)."""
-        return tuple(g.window for g in self.groups[1:])
-
-    @property
     def plain(self) -> bool:
         """One global group: today's single table, no per-group work at all."""
         return len(self.groups) == 1 and self.groups[0].window is None

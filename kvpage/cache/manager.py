@@ -82,13 +82,9 @@ class KVCacheManager(Allocation, SwapSupport):
         self.inflight = self.snapshots.inflight
 
     @property
-    def window0(self) -> int | None:
-        """Group 0's window (None: full attention), for readers of `block_ids` alone."""
-        return self.windows[0]
-
-    @property
     def extra_windows(self) -> tuple[int | None, ...]:
-        """The windows of groups 1.. (a snapshot's `extra_block_ids`)."""
+        """The windows of groups 1.. (a snapshot's `extra_block_ids`, the runner's extra
+        attention metadata)."""
         return self.windows[1:]
 
     # --- construction ----------------------------------------------------------------------

@@ -210,7 +210,7 @@ class EngineTracer:
         skip = len(snap.block_ids) - len(snap.entries)  # a window group 0's leading NULLs
         entries = self._entries(enumerate(snap.entries, start=skip))
         groups = ()
-        if self.engine.cache.window0 is not None:  # group 0 is a window group: a view too
+        if self.engine.cache.windows[0] is not None:  # group 0 is a window group: a view too
             groups = (self._group_view(snap.block_ids, snap.entries, 0, query_start),)
         if snap.extra_entries:
             groups += self._group_views(snap, query_start)
@@ -258,7 +258,7 @@ class EngineTracer:
 
     def _group_view(self, ids, held, g: int, query_start: int) -> GroupView:
         cache = self.engine.cache
-        window = (cache.window0, *cache.extra_windows)[g]
+        window = cache.windows[g]
         layers = tuple(i for i, (group, _) in enumerate(self.engine.runner.layer_map) if group == g)
         logical = [i for i, bid in enumerate(ids) if bid >= 0]
         start = 0 if window is None else max(0, query_start - window + 1)

@@ -118,6 +118,21 @@ def test_eviction_order_without_reuse(h):
     assert h.m.usage().free == 11 and len(h.m.index) == 0
 
 
+def test_evict_with_nothing_cached_takes_nothing(h):
+    """Held blocks of every kind (published and held, forked, pinned, mid swap-out) are never
+    eviction candidates: with no CACHED block, evict takes nothing and changes nothing."""
+    a = h.prefill(1, toks(1000, 40))  # blocks 0, 1 published and held, 2 partial
+    h.m.fork(a.table, 2)
+    snap = h.m.snapshot(a.table)
+    c = h.prefill(3, toks(3000, 20))
+    h.m.begin_evict(c.table)
+    before, free, evictions = h.refs(), list(h.m.pool.free_ids), h.m.stats.evictions
+    assert h.m.usage().cached == 0
+    assert h.m.evict(4) == []
+    assert (h.refs(), list(h.m.pool.free_ids), h.m.stats.evictions) == (before, free, evictions)
+    h.m.release_snapshot(snap)
+
+
 def test_parent_outlives_every_child_branch(h):
     a = h.prefill(1, toks(1000, 48))
     b = h.prefill(2, toks(1000, 16) + toks(2000, 32))

@@ -76,7 +76,7 @@ def test_all_window_tokens_equal_hf(scenario, hf_greedy):  # noqa: F811
     outs = run_engine(engine, prompts, GREEDY, FORCED[:2] if spec.get("forced") else ())
     for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
         assert out.outputs[0].token_ids == oracle.tokens(prompt), f"request {i} ({scenario})"
-    assert engine.kv_layout.groups[0].window == WINDOW and engine.cache.window0 == WINDOW
+    assert engine.kv_layout.groups[0].window == WINDOW and engine.cache.windows == (WINDOW,)
     stats = engine.stats()
     assert stats["window_frees"] > 0, "the window gave nothing back"
     if spec.get("pool"):
