@@ -93,11 +93,20 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, x, rope, attn) -> torch.Tensor:
-        x, h = self.post_attention_layernorm.add_forward(
-            x, self.self_attn(self.input_layernorm(x), rope, attn)
-        )
-        return x + self.mlp(h)
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope, attn
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's shape: (hidden, residual) -> (this layer's MLP output, the residual stream
+        before it). The residual stream is residual + hidden (hidden alone at the first layer,
+        residual None); each add is fused into the RMSNorm after it, so the layer is the bound
+        kernels and views only, and the last add is the final norm's."""
+        if residual is None:
+            residual, h = hidden, self.input_layernorm(hidden)
+        else:
+            residual, h = self.input_layernorm.add_forward(residual, hidden)
+        attn_out = self.self_attn(h, rope, attn)
+        residual, h = self.post_attention_layernorm.add_forward(residual, attn_out)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -136,9 +145,10 @@ class LlamaForCausalLM(CausalLM):
             hidden = plan.run(x, rope, attn)
             if hidden is not None:
                 return hidden
+        hidden, residual = x, None
         for layer in self.model.layers:
-            x = layer(x, rope, attn)
-        return self.model.norm(x)  # (N, C)
+            hidden, residual = layer(hidden, residual, rope, attn)
+        return self.model.norm.add_forward(residual, hidden)[1]  # (N, C)
 
     def bind_kernels(self, choice: KernelChoice) -> None:
         """The decode plan over the layers' bound kernels, where every fast path is on and the

@@ -52,6 +52,8 @@ def layer_outputs(layers: nn.ModuleList) -> Iterator[list[torch.Tensor]]:
 
     def keep(_module, _args, output) -> None:
         hidden = output[0] if isinstance(output, tuple) else output
+        if _hidden_and_residual(output):  # kvpage's Llama layers: the stream is their sum
+            hidden = output[1] + output[0]
         outs.append(hidden.detach().reshape(-1, hidden.shape[-1]).float().cpu())
 
     handles = [layer.register_forward_hook(keep) for layer in layers]
@@ -60,6 +62,15 @@ def layer_outputs(layers: nn.ModuleList) -> Iterator[list[torch.Tensor]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _hidden_and_residual(output) -> bool:
+    """(hidden, residual) of one shape: vLLM's layer output (kvpage.model.llama); transformers'
+    layers return the stream itself (or with attention weights of another shape)."""
+    if not isinstance(output, tuple) or len(output) != 2:
+        return False
+    a, b = output
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
 
 
 def layer_kind(model: CausalLM, layer: int) -> str:
