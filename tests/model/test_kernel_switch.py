@@ -8,8 +8,9 @@ import pytest
 
 import kvpage.model.native_small_ops as native_small_ops
 from kvpage import LLM, SamplingParams
+from kvpage.model import load_model
 from kvpage.model.decode_plan import LlamaDecodePlan
-from kvpage.model.kernels import FAST_PATHS, KernelChoice, bound_with, finalize
+from kvpage.model.kernels import FAST_PATHS, TORCH, KernelChoice, bound_with, finalize, torch_twin
 from kvpage.model.linear_kernels import LINEAR_KERNELS
 from kvpage.model.native_amx import AmxLinear
 from kvpage.model.native_attention import PagedDecode
@@ -79,3 +80,23 @@ def test_the_engine_binds_its_config_paths_off(monkeypatch):
 def test_an_unknown_path_is_refused():
     with pytest.raises(ValueError, match="unknown fast paths"):
         finalize(LLM("builtin:tiny-llama").engine.model, ("gemm",))
+
+
+def test_the_torch_twin_shares_the_weights_and_binds_torch_only():
+    """The reference's model (kvpage.model.kernels.torch_twin): the very weight tensors, torch's
+    operators only, kept while the model stays the same and made again when it changes."""
+    model, _ = load_model("builtin:tiny-llama", "bfloat16")
+    twin = torch_twin(model)
+    assert bound_with(model).all_on and bound_with(twin) == TORCH
+    assert model.decode_plan() is not None and twin.decode_plan() is None
+    assert all(a is b for a, b in zip(twin.parameters(), model.parameters(), strict=True))
+    assert not any(p.bands for p in _projections(twin)) and all(
+        p.bands for p in _projections(model)
+    )
+    assert torch_twin(model) is twin
+    model.model.layers[0].self_attn.window = 4  # a changed model: a new twin
+    assert torch_twin(model) is not twin and torch_twin(model).model.layers[0].self_attn.window == 4
+
+
+def _projections(model) -> list:
+    return [v for m in model.modules() for v in vars(m).values() if hasattr(v, "bands")]
