@@ -357,9 +357,10 @@ class Scheduler:
         self.adapters.release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        for event in end_events(seq, reason, held) if held is not None else ():
-            emit(self.observers, event)
-        self.to_fork.discard(seq.seq_id)
+        if held is not None:
+            for event in end_events(seq, reason, held):
+                emit(self.observers, event)
+        self.to_fork.discard(seq.seq_id)  # a parallel request may end before its fork
         self.outputs.finished(seq, seq.output_ids[-1:] if reason in ("stop", "length") else [])
 
     def fail(self, seq: Sequence, message: str) -> None:
