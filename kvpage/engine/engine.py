@@ -11,8 +11,9 @@
 
 The engine builds the parts (model, KV pool, cache manager, scheduler, executor, sampler), checks
 requests before they enter (kvpage.engine.checks), and offers the calls a user or a test driver
-makes between steps (abort, kill switches, preemption, suspension). Whoever watches it (the verifier's tracer, the
-server's audit log and metrics, tests) attaches an `EngineObserver` (kvpage.engine.events)."""
+makes between steps (abort, kill switches, preemption, suspension). Whoever watches it (the
+verifier's tracer, the server's audit log and metrics, tests) attaches an `EngineObserver`
+(kvpage.engine.events)."""
 
 from __future__ import annotations
 
