@@ -16,8 +16,8 @@ class OutputBuffer:
         self._outputs: list[RequestOutput] = []  # finished or progressed since the last take
 
     def progress(self, seq: Sequence, new_tokens: list[int]) -> None:
-        if self.emit_progress:
-            self._outputs.append(progress_output(seq, new_tokens))
+        """One sample's tokens of this step (callers ask `emit_progress` first)."""
+        self._outputs.append(progress_output(seq, new_tokens))
 
     def finished(self, seq: Sequence, new_tokens: list[int]) -> None:
         """`seq` ended with `new_tokens` not reported yet. One sample of a parallel request is
@@ -27,7 +27,8 @@ class OutputBuffer:
             self._outputs.append(final_output([seq], new_tokens, self.decode))
             self.requests.retire(seq.request_id)
             return
-        self.progress(seq, new_tokens)
+        if self.emit_progress:
+            self.progress(seq, new_tokens)
         samples = self.requests.samples[seq.request_id]
         if all(s.finished for s in samples):
             self._outputs.append(final_output(samples, [], self.decode))

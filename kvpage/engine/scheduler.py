@@ -334,7 +334,7 @@ class Scheduler:
         reason = self.stop_reason(seq, token)
         if reason is not None:
             self.finish(seq, reason)
-        else:
+        elif self.outputs.emit_progress:
             self.outputs.progress(seq, [token])
 
     def stop_reason(self, seq: Sequence, token: int) -> str | None:
