@@ -18,8 +18,9 @@ from kvpage.cache.manager import KVCacheManager
 from kvpage.cache.namespace import CacheNamespace
 from kvpage.config import EngineConfig
 from kvpage.engine.outputs import RequestOutput
-from kvpage.engine.plan import BlockOpsDone, Draw, Sampled, StepPlan
+from kvpage.engine.plan import BlockOpsDone, StepPlan
 from kvpage.engine.requests import NewRequest, Requests
+from kvpage.engine.sampler import Sampler
 from kvpage.engine.scheduler import Scheduler
 from kvpage.engine.sequence import SeqStatus, Sequence
 from kvpage.errors import InvariantViolation
@@ -59,6 +60,17 @@ class FakeExecutor:
                 assert self.swap_space.take(op.seq_id).num_blocks == len(op.block_ids)
                 done.restored[op.seq_id] = 0.001
         return done
+
+
+class ChosenTokens(Sampler):
+    """The engine's sampler with its draw replaced by the tokens a test chooses."""
+
+    def __init__(self, forks: Scheduler, chosen: dict[str, int]) -> None:
+        super().__init__(forks)
+        self.chosen = chosen
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        return [self.chosen.get(seq.sample_id, FILLER) for seq in seqs]
 
 
 class Harness:
@@ -107,20 +119,15 @@ class Harness:
         return plan
 
     def run(self, plan: StepPlan, tokens: dict[str, int] | None = None) -> list[RequestOutput]:
-        """The forward pass that did not happen: commit, then one fake draw per sampling row
-        (`tokens` by sample id, FILLER otherwise), forks first, then update."""
+        """The forward pass that did not happen: commit, then the engine's sampler draws one
+        chosen token per sampling row (`tokens` by sample id, FILLER otherwise), forking a
+        parallel request at its first token, then update."""
         if not plan.scheduled:
             return self.sched.take_outputs()
-        rows = [item.seq for item in plan.scheduled if sampling(item)]
+        rows = [item for item in plan.scheduled if sampling(item)]
         self.sched.commit(plan)
-        pick = (tokens or {}).get
-        forked = []
-        for row, seq in enumerate(rows):
-            if seq.seq_id in self.sched.to_fork:
-                for child in self.sched.fork(seq):
-                    forked.append(Draw(child, pick(child.sample_id, FILLER), row, parent=seq))
-        draws = [Draw(seq, pick(seq.sample_id, FILLER), row) for row, seq in enumerate(rows)]
-        return self.sched.update(plan, Sampled(draws, forked))
+        sampler = ChosenTokens(self.sched, tokens or {})
+        return self.sched.update(plan, sampler.draw(rows, torch.zeros(len(rows), 1)))
 
     def step(self, tokens: dict[str, int] | None = None) -> tuple[StepPlan, list[RequestOutput]]:
         plan = self.plan()
