@@ -222,11 +222,15 @@ class CacheMachine(RuleBasedStateMachine):
         snap, _ = self.snaps.pop(i % len(self.snaps))
         self.m.release_snapshot(snap)
 
+    # Only while something is CACHED: an evict of nothing is an exact unit test
+    # (test_prefix_cache.test_evict_with_nothing_cached_takes_nothing); drawn here it was a third
+    # of all steps.
+    @precondition(lambda self: self.m.pool.counts[S.CACHED])
     @rule(n=st.integers(1, 4))
     def evict(self, n):
         cached = self.m.usage().cached
         assert len(self.m.evict(n)) == min(n, cached)
-        event("evict: something" if cached else "evict: nothing cached")
+        event("evict: something")
 
     @precondition(lambda self: self._live())
     @rule(i=st.integers(0, 50))
@@ -297,9 +301,12 @@ class CacheMachine(RuleBasedStateMachine):
                 assert self.m.pool.blocks[e.block_id].generation == e.generation
 
 
+# 1000 runs of up to 30 steps (2000 of 20 before): as many CoW appends, swap restores, evictions
+# and prefix hits per run of the test, a third less time (fewer, longer runs: less of it spent
+# in Hypothesis between runs and in the shallow states every run starts from).
 CacheMachine.TestCase.settings = settings(
-    max_examples=2000,
-    stateful_step_count=20,
+    max_examples=1000,
+    stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
