@@ -28,7 +28,7 @@ class Allocation:
     stats: CacheStats
     pool: BlockPool
     index: PrefixIndex
-    groups: tuple[LayerGroupManager, ...]
+    managers: tuple[LayerGroupManager, ...]  # one per layer group
     windowed: bool
     live_tables: dict[int, BlockTable]
     _ops: list[BlockOp]
@@ -41,7 +41,7 @@ class Allocation:
     def max_blocks_for(self, num_tokens: int) -> int:
         """The most blocks a table of `num_tokens` tokens can hold over every group (a window
         group holds a whole prompt while it is prefilled)."""
-        return self.blocks_for(num_tokens) * len(self.groups)
+        return self.blocks_for(num_tokens) * len(self.managers)
 
     def num_free_blocks(self) -> int:
         return self.pool.num_free + self.index.num_evictable()
@@ -51,7 +51,7 @@ class Allocation:
         shared block (trimmed entries are not counted)."""
         new = self.blocks_for(table.num_tokens + num_new_tokens) - len(table.block_ids)
         cows = len(self._shared_last(table)) if self.cow_needed(table) else 0
-        return max(new, 0) * len(self.groups) + cows
+        return max(new, 0) * len(self.managers) + cows
 
     def can_append(self, table: BlockTable, num_new_tokens: int) -> bool:
         return self.blocks_needed(table, num_new_tokens) <= self.num_free_blocks()
@@ -71,7 +71,7 @@ class Allocation:
         cows = self._shared_last(table) if self.cow_needed(table) else ()
         groups = table.groups
         new = self.blocks_for(end) - len(groups[0])
-        self._reserve(new * len(self.groups) + len(cows))  # past this line nothing runs out
+        self._reserve(new * len(self.managers) + len(cows))  # past this line nothing runs out
         if cows:
             self.stats.cow_copies += 1  # one copy-on-write per logical block, however many groups
         for g, ids in enumerate(groups):
@@ -97,7 +97,7 @@ class Allocation:
         (kvpage.cache.groups): published ones go CACHED, the others FREE (a declared seam).
         Position by position over the groups, head first: LRU then evicts the oldest positions
         of every window group alike, and keeps the tails a hit needs in all of them."""
-        los = [m.first_kept(table.num_tokens) for m in self.groups]
+        los = [m.first_kept(table.num_tokens) for m in self.managers]
         cursors = table.trimmed
         first = min((c for c, lo in zip(cursors, los, strict=True) if lo > c), default=0)
         for j in range(first, max(los)):

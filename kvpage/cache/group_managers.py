@@ -93,7 +93,7 @@ class SlidingWindowManager(LayerGroupManager):
         return result in PUBLISHED
 
 
-def group_managers(
+def managers_for(
     layout: KVLayout | None, block_size: int, index: PrefixIndex
 ) -> tuple[LayerGroupManager, ...]:
     """One manager per layer group of `layout` (None: one full-attention group)."""

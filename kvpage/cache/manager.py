@@ -30,7 +30,7 @@ from kvpage.cache.allocation import Allocation
 from kvpage.cache.block_ops import BlockOp, InvalidateBlock
 from kvpage.cache.block_pool import BlockPool, CacheUsage
 from kvpage.cache.block_table import BlockTable, TableSnapshot
-from kvpage.cache.group_managers import group_managers
+from kvpage.cache.group_managers import managers_for
 from kvpage.cache.groups import NULL_BLOCK, KVLayout
 from kvpage.cache.invariants import check_invariants
 from kvpage.cache.key_chain import BlockKey, BlockKeyChain
@@ -70,11 +70,11 @@ class KVCacheManager(Allocation, SwapSupport):
             self.pool.on_free = lambda block_id: self._ops.append(InvalidateBlock(block_id))
         self.index = PrefixIndex(self.pool, self.stats, fast_key_bits)
         self.pool.on_cached = self.index.note_cached
-        self.groups = group_managers(layout, block_size, self.index)
-        self.windows: tuple[int | None, ...] = tuple(m.window for m in self.groups)
+        self.managers = managers_for(layout, block_size, self.index)
+        self.windows: tuple[int | None, ...] = tuple(m.window for m in self.managers)
         self.windowed = any(w is not None for w in self.windows)  # some group trims
-        self._full = [m.group for m in self.groups if m.window is None]
-        self._sliding = [m.group for m in self.groups if m.window is not None]
+        self._full = [m.group for m in self.managers if m.window is None]
+        self._sliding = [m.group for m in self.managers if m.window is not None]
         self._ops: list[BlockOp] = []  # block operations since the last take_block_ops()
         self._corruptions: list[tuple[int, DigestMismatch]] = []  # (seq id, what it found)
         self.live_tables: dict[int, BlockTable] = {}  # seq_id -> table holding blocks
@@ -92,7 +92,7 @@ class KVCacheManager(Allocation, SwapSupport):
         old = self.live_tables.get(seq_id)
         if old is not None and old.block_ids:
             raise InvariantViolation(f"seq {seq_id} already has a live table {old.block_ids}")
-        table = BlockTable.of_groups(seq_id, len(self.groups))
+        table = BlockTable.of_groups(seq_id, len(self.managers))
         self.live_tables[seq_id] = table
         return table
 
@@ -149,19 +149,19 @@ class KVCacheManager(Allocation, SwapSupport):
         a sliding-window group the blocks its window reads at h), and each group's table for it
         (NULL_BLOCK where a window needs none). Full-attention groups bound h first."""
         h = min(max_blocks, len(chain.keys))
-        found: list[list[int | None]] = [[] for _ in self.groups]
+        found: list[list[int | None]] = [[] for _ in self.managers]
         for g in self._full:
-            found[g] = self.groups[g].find_hits(chain, h)
+            found[g] = self.managers[g].find_hits(chain, h)
             h = len(found[g])
         for g in self._sliding:
-            found[g] = self.groups[g].find_hits(chain, h)
-        while h and not all(m.serves(found[m.group], h) for m in self.groups):
+            found[g] = self.managers[g].find_hits(chain, h)
+        while h and not all(m.serves(found[m.group], h) for m in self.managers):
             h -= 1
-        return [m.taken(found[m.group], h) for m in self.groups]
+        return [m.taken(found[m.group], h) for m in self.managers]
 
     def lookup_group(self, chain: BlockKeyChain, depth: int, group: int) -> int | None:
         """The joinable block layer group `group` published for the chain's block `depth`."""
-        return self.groups[group].lookup(chain, depth)
+        return self.managers[group].lookup(chain, depth)
 
     def published_block(self, key: BlockKey) -> tuple[int, int] | None:
         """The block published under `key` (its digest confirmed) and its generation, without
@@ -190,7 +190,7 @@ class KVCacheManager(Allocation, SwapSupport):
             return
         full = min(table.num_tokens // self.block_size, len(chain.keys))
         for i in range(table.num_published, full):
-            if not all(m.publish(table.groups[m.group], chain, i) for m in self.groups):
+            if not all(m.publish(table.groups[m.group], chain, i) for m in self.managers):
                 table.publish_blocked = True
                 break
             table.num_published = i + 1

@@ -21,7 +21,7 @@ class SwapSupport:
 
     block_size: int
     pool: BlockPool
-    groups: tuple[LayerGroupManager, ...]
+    managers: tuple[LayerGroupManager, ...]  # one per layer group
     windowed: bool
     live_tables: dict[int, BlockTable]
     blocks_for: Callable[[int], int]
@@ -34,7 +34,7 @@ class SwapSupport:
         take, over every group."""
         n = self.blocks_for(num_tokens)
         grow = self.blocks_for(num_tokens + num_new_tokens) - n
-        return sum(n - m.first_kept(num_tokens) + grow for m in self.groups)
+        return sum(n - m.first_kept(num_tokens) + grow for m in self.managers)
 
     def begin_evict(self, table: BlockTable) -> list[int]:
         """Mark the table's private blocks EVICTING while their KV is copied out. Returns every
@@ -60,7 +60,7 @@ class SwapSupport:
             raise InvariantViolation(f"seq {table.seq_id}: restore of {num_tokens} tokens")
         first, end = len(table.block_ids), table.num_tokens + num_tokens
         last = first + self.blocks_for(num_tokens)
-        los = [max(first, m.first_kept(end)) for m in self.groups]
+        los = [max(first, m.first_kept(end)) for m in self.managers]
         self._reserve(sum(last - lo for lo in los))
         ids: list[int] = []
         for g, lo in enumerate(los):
