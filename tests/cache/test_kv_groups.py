@@ -125,3 +125,45 @@ def test_a_window_of_one_key_restores_no_block_and_appends_after_it():
     assert table.groups[1][:2] == [NULL_BLOCK, NULL_BLOCK] and table.groups[1][2] != NULL_BLOCK
     cache.free_table(table)
     cache.check_invariants()
+
+
+def test_free_releases_full_groups_tail_first_then_window_groups_head_first():
+    """LRU then evicts the global group's chain leaf first, then the window groups' oldest
+    positions first, every window group alike: their tails, which a whole-prefix hit needs,
+    go last."""
+    cache = _manager()
+    table, _, _ = _prefill(cache, 0, list(range(1, 17)))  # 16 tokens: 4 full blocks a group
+    full, windows = list(table.groups[0]), [list(ids) for ids in table.groups[1:]]
+    cache.free_table(table)
+    by_position = [ids[j] for j in range(4) for ids in windows]
+    assert cache.evict(12) == full[::-1] + by_position
+    cache.check_invariants()
+
+
+def test_an_all_window_models_group_0_is_released_head_first_like_any_window_group():
+    cache = KVCacheManager(16, BS, debug_checks=True, layout=kv_layout(2, (W, W), True))
+    table, _, _ = _prefill(cache, 0, list(range(1, 17)))  # one window group, 4 full blocks
+    held = list(table.block_ids)
+    cache.free_table(table)
+    assert cache.evict(4) == held  # its head first: the tail a whole-prefix hit needs stays
+    cache.check_invariants()
+
+
+def test_every_full_attention_group_bounds_the_hit():
+    """Two global groups (layers 0-3 global, 4-5 windowed: pages of 2 layers): blocks 3, 4 of
+    the second global group evicted cut the hit at 3 blocks, as the first's would."""
+    layout = kv_layout(6, (None, None, None, None, W, W), True)
+    assert [g.window for g in layout.groups] == [None, None, W]
+    cache = KVCacheManager(64, BS, debug_checks=True, layout=layout)
+    tokens = list(range(1, 21))
+    first, _, _ = _prefill(cache, 0, tokens)  # 5 full blocks a group
+    held = [list(ids) for ids in first.groups]
+    cache.free_table(first)
+    for gone in (held[1][4], held[1][3]):  # leaf first, as eviction goes
+        cache.index.remove(cache.index.by_block[gone])
+        cache.pool.evict_cached(gone)
+    table, _, hit = _prefill(cache, 1, tokens + [99])
+    assert hit == 12  # the window at 12 needs blocks 1, 2 of the window group: both cached
+    assert table.groups[0][:3] == held[0][:3] and table.groups[1][:3] == held[1][:3]
+    assert table.groups[2][:3] == [NULL_BLOCK, *held[2][1:3]]
+    cache.check_invariants()
