@@ -68,6 +68,12 @@ def answers(url: str, status: int = 200) -> Callable[[], bool]:
     return check
 
 
+def as_background_job() -> None:
+    """A `preexec_fn`: SIGINT ignored, as a non-interactive shell starts a background job
+    (`make test &`, a CI runner's) and as its children inherit it (Python keeps it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class LoggedProcess:
     """A server subprocess in its own session, its stdout and stderr in `log_path`."""
 

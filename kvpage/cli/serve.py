@@ -4,7 +4,6 @@ the address are checked before the model loads."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
 import socket
@@ -215,19 +214,32 @@ def _cmd_serve_replicas(args: argparse.Namespace) -> int:
     )
     print(f"kvpage serve: {args.replicas} replicas on Ray Serve, router {router.policy}")
     print(f"  listening on http://{args.host}:{args.port}", flush=True)
-    _wait_for_stop_signal()
+    wait_for_stop_signal()
     ray_serve.stop()
     return 0
 
 
-def _wait_for_stop_signal() -> None:
-    """Until Ctrl-C or SIGTERM (how a service manager stops a server). Ray's driver answers
-    SIGTERM with a stack dump and an exit that skips Serve's shutdown: ours replaces it here."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_POLL_S = 0.5  # a signal the kernel hands to one of Ray's threads is seen by the next look
+
+
+def wait_for_stop_signal() -> None:
+    """Until Ctrl-C or SIGTERM (how a service manager stops a server); a second one stops at
+    once (KeyboardInterrupt). Both handlers are ours: Ray's driver answers SIGTERM with a
+    stack dump and an exit that skips Serve's shutdown, and a process started in the
+    background of a non-interactive shell (`make test &`, a CI runner's job) inherits SIGINT
+    ignored, which Python keeps: Ctrl-C then did nothing at all."""
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with contextlib.suppress(KeyboardInterrupt):
-        while not stop.wait(1.0):
-            pass
+
+    def stopping(signum, frame) -> None:
+        stop.set()
+        for sig in STOP_SIGNALS:  # the next one is a KeyboardInterrupt wherever the stop is
+            signal.signal(sig, signal.default_int_handler)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stopping)
+    while not stop.wait(STOP_POLL_S):
+        pass
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:

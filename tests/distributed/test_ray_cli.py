@@ -1,5 +1,6 @@
 """`kvpage serve --replicas 2` as a user runs it: a process that starts its own local Ray, says
-where it listens once the replicas are up, serves the OpenAI API, and stops cleanly on Ctrl-C or SIGTERM."""
+where it listens once the replicas are up, serves the OpenAI API, and stops cleanly on Ctrl-C or
+SIGTERM (how it waits for them, without Ray: test_stop_signal)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from kvpage.serve_replicas.ray_serve import RAY_ENV, REPLICA_HEADER
-from tests.waiting import READY_S, LoggedProcess
+from tests.waiting import READY_S, LoggedProcess, as_background_job
 
 from .ray_service import MODEL, free_port
 
@@ -26,7 +27,9 @@ def test_serve_replicas_end_to_end(tmp_path, stop):
             "round-robin", "--replica-cpus", "0.5", "--port", str(port), "--audit-log", str(audit),
             "--num-blocks", "128"]  # fmt: skip
     env = {**os.environ, **RAY_ENV, "PYTHONUNBUFFERED": "1"}  # the banner, as printed
-    proc = LoggedProcess(argv, tmp_path / "serve.log", env=env, cwd=tmp_path)
+    # Ctrl-C reaches a process started as a background job too (SIGINT inherited ignored)
+    start = as_background_job if stop == signal.SIGINT else None
+    proc = LoggedProcess(argv, tmp_path / "serve.log", env=env, cwd=tmp_path, preexec_fn=start)
     try:
         # printed once the replicas are up (Ray's start-up on a loaded machine: READY_S)
         assert "2 replicas on Ray Serve, router round-robin" in proc.wait_for_line("replicas on")
