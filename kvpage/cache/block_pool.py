@@ -34,6 +34,10 @@ class BlockState(enum.Enum):
     EVICTING = "evicting"
     RESTORING = "restoring"
 
+    # Members are singletons compared by identity, so identity's hash is theirs; Enum's own
+    # hashes the name in Python, and every state change and readability test hashes a state.
+    __hash__ = object.__hash__
+
 
 _S = BlockState
 LEGAL_TRANSITIONS: dict[BlockState, frozenset[BlockState]] = {
