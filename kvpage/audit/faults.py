@@ -4,7 +4,12 @@ audit can be shown to catch, through the API alone, bugs planted where they real
 
 A server with a planted bug must never be mistaken for a real one: it is refused unless
 `--allow-unsafe-faults` is also given, warns loudly at start, and every reply carries the
-`X-Kvpage-Injected-Fault` header."""
+`X-Kvpage-Injected-Fault` header.
+
+A bug on a path only pressure reaches (a swap-in) would show only when the audit's own load made
+the server swap, which depends on how its requests happen to arrive (a loaded machine spreads
+them out): such a fault brings its trigger, so the path runs on every request whatever the
+timing (`plant`)."""
 
 from __future__ import annotations
 
@@ -67,11 +72,44 @@ def config_overrides(fault: Mutant | None) -> dict[str, Any]:
     return dict(fault.config) if fault is not None else {}
 
 
+def plant(engine: LLMEngine, fault: Mutant) -> None:
+    """The fault's bug in `engine`, and its trigger when it has one."""
+    fault.apply(engine)
+    if fault.name in SWAP_TRIGGERED:
+        swap_each_request_once(engine)
+
+
+# Bugs in what a swap-in restores: the answer is wrong only after a swap-out and swap-in.
+SWAP_TRIGGERED = frozenset({"restore_visible_before_copy", "swap_in_without_scales"})
+
+
+def swap_each_request_once(engine: LLMEngine) -> None:
+    """Between steps, every running sample with an output token is swapped out once and kept
+    out for a step (others run meanwhile and reuse its blocks), then swapped back in: the
+    verifier's own forced preemption (StepDriver), on the server's engine thread."""
+    from kvpage.verify.driver import StepDriver
+    from kvpage.verify.mutants.base import bind
+
+    driver, step, planned = StepDriver(engine), engine.step, set()
+
+    def step_after_forced_swaps(self):
+        live = {seq.sample_id for seq in self.requests.unfinished()}
+        for sample_id in live - planned:
+            driver.force_preempt(sample_id, after_tokens=1, mode="swap")
+        planned.clear()
+        planned.update(live)  # a finished sample's id is never seen again
+        driver.forced = [p for p in driver.forced if not p.done and p.sample_id in live]
+        driver.prepare()
+        return step()
+
+    bind(engine, "step", step_after_forced_swaps)
+
+
 def inject(app: FastAPI, engine: LLMEngine, fault: Mutant | None) -> None:
     """Plant the fault, mark every reply, and say so on stderr."""
     if fault is None:
         return
-    fault.apply(engine)
+    plant(engine, fault)
     app.add_middleware(FaultHeader, name=fault.name)
     line = "!" * 78
     print(

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from kvpage import EngineConfig, LLMEngine
+from kvpage.audit import faults
 from kvpage.server import ServerOptions, create_app
 from kvpage.server.background import BackgroundServer, free_port
 from kvpage.verify.lora_adapters import LoraSpec, make_adapter
@@ -55,7 +56,7 @@ def kvpage_server(
     for spec in adapters:
         engine.lora_slots.register(make_adapter(spec, engine.model.config))
     if found is not None:
-        found.apply(engine)
+        faults.plant(engine, found)  # as `kvpage serve --inject-fault` does, trigger included
     if seam is not None:
         seam(engine)
     options = ServerOptions(model_name=MODEL, api_keys=api_keys or {}, shadow_rate=0.0)

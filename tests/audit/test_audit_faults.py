@@ -1,5 +1,6 @@
 """`kvpage serve --inject-fault`: refused without --allow-unsafe-faults, and when allowed, a real
-`kvpage serve` process that marks every reply and that `kvpage audit` fails through the API."""
+`kvpage serve` process that marks every reply and that `kvpage audit` fails through the API; a
+fault on the swap path brings its trigger, which swaps every request and alone changes nothing."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import sys
 
 import httpx
 
-from kvpage.audit.faults import FAULT_HEADER
+from kvpage import LLM, SamplingParams
+from kvpage.audit.faults import FAULT_HEADER, SWAP_TRIGGERED, find, swap_each_request_once
 from kvpage.cli import main
 from kvpage.server.background import free_port
 from tests.audit.servers import MODEL
@@ -44,3 +46,19 @@ def test_a_served_fault_is_marked_and_caught_by_the_audit(tmp_path):
     finally:
         proc.kill()
     assert "WARNING: fault 'off_by_one_block_boundary' injected" in proc.log(lines=10**6)
+
+
+def test_the_swap_trigger_swaps_every_request_and_alone_changes_no_token():
+    """What makes a swap-path fault show whatever the timing: every request is swapped out and
+    back in. On an honest engine it is invisible, so an audit that fails a triggered fault
+    fails the bug, not the trigger."""
+    prompts = [list(range(10 + i, 40 + 3 * i)) for i in range(6)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    plain, swapping = (LLM(MODEL, num_blocks=24, preemption_mode="swap") for _ in range(2))
+    swap_each_request_once(swapping.engine)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in swapping.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    stats = swapping.engine.stats()
+    assert stats["swap_outs"] == stats["swap_ins"] == len(prompts)
+    assert all(find(name) for name in SWAP_TRIGGERED)  # each names a fault that exists
