@@ -6,10 +6,10 @@ process, round by round:
 
 Each family is the 125M shape of throughput.py (d 768, 12 layers, 12 heads / 4 KV heads,
 intermediate 2048, vocab 32000) in that family's transformers config, saved and loaded by kvpage.
-One engine per family decodes `--seqs` requests of 128 random tokens; each round times `--steps`
-engine steps with the model bound with every fast path on (`fast path`: the decode plan where
-it covers the family), then bound without the decode plan (`module`: the module forward on the
-same kernels) — which goes first alternates. Prints per family the ms per step of each (min and
+Two engines per family decode the same `--seqs` requests of 128 random tokens: one with every
+fast path on (`fast path`: the decode plan where it covers the family), one bound without the
+decode plan (`module`: EngineConfig.fast_paths_off, the module forward on the same kernels);
+each round times `--steps` steps of one, then of the other (which goes first alternates). Prints per family the ms per step of each (min and
 median over rounds of each round's median step) and module / fast path; a family the plan does
 not cover reads ~1.0x (both rows run the module forward) and says so."""
 
@@ -26,9 +26,9 @@ import transformers
 from throughput import BLOCK_SIZE, FIRST_TOKEN_ID, INIT_STD, MODELS
 
 from kvpage import LLM, SamplingParams
-from kvpage.model.kernels import finalize
 
 PROMPT = 128
+OFF = ("decode_plan",)  # the module forward: everything else bound as the fast path's
 SHAPE = MODELS["125m"]
 # model_type -> the family's own fields beside the shared shape
 FAMILIES = {
@@ -61,8 +61,8 @@ def save(family: str, directory: str) -> None:
     transformers.AutoModelForCausalLM.from_config(cfg).float().eval().save_pretrained(directory)
 
 
-def engine(directory: str, args) -> LLM:
-    gen = 8 + 2 * args.rounds * args.steps
+def engine(directory: str, args, off: tuple[str, ...]) -> LLM:
+    gen = 8 + args.rounds * (args.steps + 2)
     llm = LLM(
         directory,
         block_size=BLOCK_SIZE,
@@ -70,6 +70,7 @@ def engine(directory: str, args) -> LLM:
         max_num_seqs=args.seqs,
         dtype=args.dtype,
         seed=0,
+        fast_paths_off=off,
     )
     rng = random.Random(0)
     vocab = llm.engine.model.config.vocab_size
@@ -97,16 +98,14 @@ def timed_steps(llm: LLM, steps: int) -> float:
 def measure(family: str, args) -> None:
     with tempfile.TemporaryDirectory() as directory:
         save(family, directory)
-        llm = engine(directory, args)
-        model = llm.engine.model
-        binds = {"fast path": (), "module": ("decode_plan",)}
-        ms: dict[str, list[float]] = {name: [] for name in binds}
+        engines = {"fast path": engine(directory, args, ()), "module": engine(directory, args, OFF)}
+        ms: dict[str, list[float]] = {name: [] for name in engines}
         for r in range(args.rounds):
-            for name in list(binds)[:: 1 if r % 2 == 0 else -1]:
-                finalize(model, binds[name])
-                ms[name].append(timed_steps(llm, args.steps))
-        finalize(model)
-        covered = model.decode_plan() is not None if hasattr(model, "decode_plan") else False
+            for name in list(engines)[:: 1 if r % 2 == 0 else -1]:
+                ms[name].append(timed_steps(engines[name], args.steps))
+        model = engines["fast path"].engine.model
+        covered = getattr(model, "decode_plan", lambda: None)() is not None
+        same = tokens(engines["fast path"]) == tokens(engines["module"])
     for name, rows in ms.items():
         print(
             f"{family:>15} {name:>9}: {min(rows):7.2f} ms/step (median {statistics.median(rows):7.2f})"
@@ -114,7 +113,13 @@ def measure(family: str, args) -> None:
     ratio = min(ms["module"]) / min(ms["fast path"])
     med = statistics.median(ms["module"]) / statistics.median(ms["fast path"])
     note = "" if covered else "  (no fast path for this family: both rows are the module forward)"
-    print(f"{family:>15} module / fast path: {ratio:.3f}x (median {med:.3f}x){note}")
+    print(
+        f"{family:>15} module / fast path: {ratio:.3f}x (median {med:.3f}x), tokens equal: {same}{note}"
+    )
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    return [list(seq.output_ids) for _, seq in sorted(llm.engine.seqs.items())]
 
 
 def main() -> None:
