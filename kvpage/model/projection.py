@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kvpage.model.linear_kernels as linear_kernels
 from kvpage.errors import InvariantViolation
 from kvpage.model.int8 import Int8Linear
 from kvpage.model.kernels import TORCH, KernelChoice
 from kvpage.model.linear_kernels import (
-    LINEAR_KERNELS,
     Bound,
     Layers,
     onednn_available,
@@ -49,7 +49,8 @@ class Projection:
         LINEAR_KERNELS' order."""
         layers = self.layers()
         with torch.no_grad():
-            bound = [k.bind(layers) for k in LINEAR_KERNELS if choice.on(k.path)]
+            kernels = linear_kernels.LINEAR_KERNELS  # the table, as it is when bound
+            bound = [k.bind(layers) for k in kernels if choice.on(k.path)]
         self.bands: tuple[Bound, ...] = tuple(b for b in bound if b is not None)
         self.x_dtype = layers.x_dtype if self.bands else None  # what x the kernels take
         self.packed = next((b.kernel for b in self.bands if b.path == "onednn"), None)

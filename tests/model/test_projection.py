@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpage.model import projection
+from kvpage.model import linear_kernels, projection
 from kvpage.model.kernels import kernel_choice
 from kvpage.model.projection import Projection
 
@@ -103,3 +103,29 @@ def test_a_tied_embedding_is_a_head():
     with torch.inference_mode():
         (logits,) = _bound(emb)(x)
     torch.testing.assert_close(logits, x @ emb.weight.T, atol=1e-5, rtol=1e-5)
+
+
+def test_a_linear_kernel_is_one_entry_of_the_table(monkeypatch):
+    """A kernel added to linear_kernels.LINEAR_KERNELS alone is bound and runs at its rows, in
+    the table's order (docs/architecture.md: adding a linear kernel)."""
+    rows_seen = []
+
+    def bind(layers):
+        weight, bias = layers.concatenated()
+
+        def run(x):
+            rows_seen.append(x.shape[0])
+            return layers.split(F.linear(x, weight, bias))
+
+        return linear_kernels.Bound("planted", 2, 5, run)
+
+    planted = linear_kernels.LinearKernel("planted", bind, lambda: True, (None, ""))
+    monkeypatch.setattr(linear_kernels, "LINEAR_KERNELS", (planted, *linear_kernels.LINEAR_KERNELS))
+    layers = _layers(True)
+    proj = _bound(*layers)
+    with torch.inference_mode():
+        for rows in (1, 3, 5, 6):
+            x = torch.randn(rows, 32)
+            for got, want in zip(proj(x), _expected(layers, x), strict=True):
+                torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert rows_seen == [3, 5]
