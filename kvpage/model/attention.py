@@ -42,27 +42,24 @@ def masked_attention(
 ) -> torch.Tensor:
     """q: (T, H, D); k, v: (S, KVH, D); mask: (T, S) bool, True = may attend -> (T, H, D).
     With a leading batch dim n on q, k and v, n sequences of the same shape share the mask."""
-    out = F.scaled_dot_product_attention(
-        _heads_first(q),
-        _heads_first(k),
-        _heads_first(v),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=q.shape[-2] != k.shape[-2],
-    )
-    return _tokens_first(out, q)
+    return _sdpa(q, k, v, scale, attn_mask=mask)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """q: (T, H, D); k, v: (T, KVH, D), the same T tokens -> (T, H, D), causal; a leading
     batch dim as in masked_attention."""
+    return _sdpa(q, k, v, scale, is_causal=True)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **mask) -> torch.Tensor:
+    """SDPA over tokens-first q, k, v (GQA where k has fewer heads), back to q's layout."""
     out = F.scaled_dot_product_attention(
         _heads_first(q),
         _heads_first(k),
         _heads_first(v),
-        is_causal=True,
         scale=scale,
         enable_gqa=q.shape[-2] != k.shape[-2],
+        **mask,
     )
     return _tokens_first(out, q)
 

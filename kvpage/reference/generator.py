@@ -33,6 +33,18 @@ class ReferenceOutput:
     positions: list[list[int]] = field(default_factory=list)  # positions fed at each step
     records: list[StepRecord] = field(default_factory=list)  # filled when traced
 
+    def append(self, token: int, logits: torch.Tensor, params: SamplingParams, stop_ids) -> bool:
+        """Take the drawn token and its step's logits (and top logprobs where asked); True when
+        the request is finished (a stop token, or max_tokens reached)."""
+        self.token_ids.append(token)
+        self.step_logits.append(logits.float().cpu())
+        if self.logprobs is not None:
+            self.logprobs.append(top_logprobs(logits, params.logprobs))
+        if token in stop_ids:
+            self.finish_reason = "stop"
+            return True
+        return len(self.token_ids) >= params.max_tokens
+
 
 @torch.inference_mode()
 def generate(
@@ -77,14 +89,7 @@ def _generate(
             )
             record.sampler = sampler_state(generator, len(out.token_ids) + 1)
             out.records.append(record)
-        out.token_ids.append(token)
-        out.step_logits.append(logits.float().cpu())
-        if out.logprobs is not None:
-            out.logprobs.append(top_logprobs(logits, params.logprobs))
-        if token in stop_ids:
-            out.finish_reason = "stop"
-            return out
-        if len(out.token_ids) >= params.max_tokens:
+        if out.append(token, logits, params, stop_ids):
             return out
         step_input = [token]
     return out

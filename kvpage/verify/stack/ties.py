@@ -29,7 +29,7 @@ from kvpage.reference.generator import ReferenceOutput, stop_token_ids
 from kvpage.reference.kv_oracle import RoundTrip, RoundTripKVCache
 from kvpage.reference.records import sampler_state
 from kvpage.reference.weight_oracle import reference_model
-from kvpage.sampling import DEFAULT_SEED, make_generator, sample_token, top_logprobs
+from kvpage.sampling import DEFAULT_SEED, make_generator, sample_token
 from kvpage.sampling_params import SamplingParams
 from kvpage.verify.sampling_oracle import check_draw
 
@@ -106,14 +106,7 @@ def _follow(model, prompt, params, engine, atol) -> ReferenceOutput | None:
                 token, ties = engine[step].token, ties + 1
             else:
                 forcing = False  # a real difference: the reference's own path from here
-        out.token_ids.append(token)
-        out.step_logits.append(logits.float().cpu())
-        if out.logprobs is not None:
-            out.logprobs.append(top_logprobs(logits, params.logprobs))
-        if token in stop_ids:
-            out.finish_reason = "stop"
-            break
-        if len(out.token_ids) >= params.max_tokens:
+        if out.append(token, logits, params, stop_ids):
             break
         step_input = [token]
     return out if ties else None
