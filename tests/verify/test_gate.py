@@ -9,7 +9,7 @@ import pytest
 
 from kvpage.cli import main as cli_main
 from kvpage.model import load_model
-from kvpage.verify.gate import run_gate, run_mutant
+from kvpage.verify.gate import run_mutant
 from kvpage.verify.mutants import Mutant
 from kvpage.verify.mutants.base import MissingSeam, bind, plant
 from kvpage.verify.report import write_reports
@@ -101,10 +101,9 @@ SUITES = {
 
 
 @pytest.fixture(scope="module")
-def gate(tmp_path_factory):
-    result = run_gate("builtin:tiny-llama", progress=False)
+def gate(release_gate, tmp_path_factory):
     directory = tmp_path_factory.mktemp("gate")
-    return result, write_reports(result, directory), directory
+    return release_gate, write_reports(release_gate, directory), directory
 
 
 def test_gate_passes_on_the_engine(gate):

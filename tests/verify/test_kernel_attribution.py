@@ -13,16 +13,9 @@ from kvpage.verify.suites import crash_failure
 
 
 @pytest.fixture(scope="module")
-def gate():
-    names = ["gemv_first_lane_unwritten", "decode_plan_rope_swapped", "share_partial_no_cow"]
-    result = run_gate(
-        "builtin:tiny-llama",
-        suites=("prefix", "batching"),
-        mutants=names,
-        progress=False,
-        kv_cache_dtypes=(),
-    )
-    return {m.mutant.name: m for m in result.mutants}
+def gate(release_gate):
+    """The default gate's mutants (tests/verify/conftest.py), the kernel ones among them."""
+    return {m.mutant.name: m for m in release_gate.mutants}
 
 
 @pytest.mark.parametrize(
