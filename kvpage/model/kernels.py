@@ -32,7 +32,7 @@ from kvpage.model.linear_kernels import LINEAR_PATHS
 
 # Each fast path by the name the gate's reports give it.
 FAST_PATHS = (
-    "decode_plan",  # kvpage.model.decode_plan and its one native call (native_decode_step)
+    "decode_plan",  # kvpage.model.decode_tape: the module forward's kernel calls, replayed
     # The linear kernels (kvpage.model.linear_kernels): the weight GEMV at a few rows (int8
     # ones too), bfloat16 at 3-32 rows on AMX tiles, oneDNN's prepacked weights, int8 and
     # bfloat16 weights widened a tile at a time.

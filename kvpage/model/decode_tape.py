@@ -1,0 +1,204 @@
+"""The decode fast path, derived from the module forward: a decode step's native kernel calls,
+recorded once per row count and replayed.
+
+Why: at batch 1 a small model's decode step spends a quarter of its time in Python between the
+kernels (module calls, views, argument checks). The layers' forward is already the bound
+kernels and views only (kvpage.model.llama: (hidden, residual) with the residual adds fused
+into the norms), so one step of it is a fixed list of kernel calls on addresses: the decoder
+layer exists once, and the fast path is that list.
+
+Recording (`Tape.record`): the model's layers and final norm run once on the tape's own input
+tensors (the embedded rows, the rotary tables, the slots, block tables at a fixed capacity,
+lengths and window starts), each kernel call appended as (entry point, arguments) by
+kvpage.model.native_build.call. A TorchDispatchMode watches the step: any torch operator that
+computes data (not a view or an allocation) would be left out of the replay, so the tape is
+refused and that row count keeps the module forward (`foreign` says which operators). Every
+tensor the step allocated is kept by the tape: the recorded addresses stay valid.
+
+Replay (`Tape.replay`): the step's inputs are copied into the tape's (the block tables,
+slots and lengths checked as the module forward checks them), then the calls run in order.
+The recording step's own result is the module forward's, computed on the same inputs.
+
+`DecodeTape.takes(x, attn)` says per step whether it runs: a decode-only paged step, one KV
+group, the pool in the model's dtype, no adapter rows, no module hooks, no autograd.
+finalize (kvpage.model.kernels) builds it with every fast path on ("decode_plan"), and again
+when the weights change."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kvpage.model.native_attention as native_attention
+import kvpage.model.native_build as native_build
+import kvpage.model.native_small_ops as native_small_ops
+from kvpage.model.paged_attention import PagedAttention, PagedAttentionMetadata
+
+ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "detach", "lift_fresh", "alias"})
+QUERIES = frozenset({"size", "stride", "dim", "numel", "is_contiguous"})
+
+
+def computes(func) -> bool:
+    """Whether an aten operator writes data: not a view (each output aliases an input without
+    writing it), an allocation or a metadata query."""
+    name = func.overloadpacket.__name__
+    if name in ALLOCATIONS or name in QUERIES or name.startswith("sym_"):
+        return False
+    returns = func._schema.returns
+    return not (returns and all(r.alias_info is not None and not r.alias_info.is_write
+                                for r in returns))  # fmt: skip
+
+
+class _Guard(TorchDispatchMode):
+    """Keeps every tensor the recorded step makes, and names the data-computing operators."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: list[torch.Tensor] = []
+        self.foreign: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if computes(func):
+            self.foreign.append(str(func))
+        out = func(*args, **(kwargs or {}))
+        self.kept += [t for t in (out if isinstance(out, tuple | list) else (out,))
+                      if isinstance(t, torch.Tensor)]  # fmt: skip
+        return out
+
+
+class Tape:
+    """One row count's recorded step: its inputs, the calls, what they write into."""
+
+    def __init__(self, model: nn.Module, x: torch.Tensor, rope, attn: PagedAttention, cap: int):
+        m, dtype = x.shape[0], x.dtype
+        self.capacity = cap  # block table width
+        self.x = torch.empty_like(x, memory_format=torch.contiguous_format)
+        self.cos, self.sin = (torch.empty(t.shape, dtype=t.dtype) for t in rope)
+        self.slots = torch.zeros(m, dtype=torch.int64)
+        tables = torch.zeros(m, cap, dtype=torch.int64)
+        lens = torch.ones(m, dtype=torch.int64)
+        meta = PagedAttentionMetadata(
+            slot_mapping=self.slots,
+            cu_seqlens_q=list(range(m + 1)),
+            decode_rows=torch.arange(m),
+            decode_tables=tables,
+            decode_mask=None,
+            prefills=[],
+            decode_only=True,
+            decode_lens=lens,
+        )
+        self.attn = PagedAttention(attn.storage, meta)
+        self.attn.native_allowed = attn.native_allowed
+        cfg = model.config
+        self.q = torch.empty(m, cfg.num_heads, cfg.head_dim, dtype=dtype)  # (M, H, D) a q's shape
+        self.native = self.attn.native_decode(self.q)
+        self.windows = sorted({w for i in range(cfg.num_layers) if (w := cfg.window_of(i))})
+        self.calls: list[tuple] = []
+        self.foreign: list[str] = [] if self.native else ["no native paged decode"]
+        self.out: torch.Tensor | None = None
+        self._kept: list[torch.Tensor] = []
+
+    def load(self, x: torch.Tensor, rope, attn: PagedAttention) -> None:
+        """The step's inputs into the tape's, checked as the module forward checks them."""
+        if self.native is None:
+            return
+        meta = attn.meta
+        attn.native_decode(self.q)  # checks the block tables and lengths (raises on a bad id)
+        storage = attn.storage
+        native_attention.check_slots(meta.slot_mapping, storage.num_blocks, storage.block_size)
+        self.x.copy_(x)
+        self.cos.copy_(rope[0])
+        self.sin.copy_(rope[1])
+        self.slots.copy_(meta.slot_mapping)
+        tables = meta.decode_tables
+        self.native.tables[:, : tables.shape[1]].copy_(tables)
+        self.native.lens.copy_(meta.decode_lens)
+        lens = self.native.lens
+        for w in self.windows:
+            torch.sub(lens, w, out=self.attn.window_starts(self.native, w)).clamp_(min=0)
+
+    def record(self, model: nn.Module) -> torch.Tensor:
+        """Run the layers once on the tape's inputs, recording; returns the step's hidden rows
+        (refused or not: they are the module forward's)."""
+        attn = self.attn
+        if self.native is None:
+            return None
+        attn.prepare_write(self.x.dtype)
+        for w in self.windows:
+            attn.window_starts(self.native, w)
+        guard = _Guard()
+        with native_build.recording(self.calls), guard:
+            hidden, residual = self.x, None
+            for layer in model.model.layers:
+                hidden, residual = layer(hidden, residual, (self.cos, self.sin), attn)
+            self.out = model.model.norm.add_forward(residual, hidden)[1]
+        self.foreign, self._kept = guard.foreign, guard.kept
+        return self.out
+
+    def replay(self) -> torch.Tensor:
+        for fn, args in self.calls:
+            fn(*args)
+        return self.out.clone()
+
+
+class DecodeTape:
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        modules = [m for m in model.model.modules()]
+        self._hook_dicts = [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self._lora = [m for m in modules if hasattr(m, "lora")]  # attention and MLP modules
+        self._tapes: dict[tuple, Tape | None] = {}
+        self.refused: dict[tuple, list[str]] = {}  # key -> the operators outside the kernels
+        self.on = True  # off: the module forward (a mutant's switch)
+
+    @classmethod
+    def build(cls, model: nn.Module) -> DecodeTape | None:
+        """The tape of a model whose layers take (hidden, residual, rope, attn)."""
+        return cls(model)
+
+    def takes(self, x: torch.Tensor, attn: object) -> bool:
+        """Whether this step can run on the tape (see the module docstring)."""
+        if not self.on or type(attn) is not PagedAttention or torch.is_grad_enabled():
+            return False
+        meta, storage = attn.meta, attn.storage
+        if not meta.decode_only or meta.decode_lens is None or meta.groups:
+            return False
+        if not storage.use_native or storage.data.dtype != x.dtype or x.dim() != 2:
+            return False
+        if not native_small_ops.supports(x) or not attn.native_allowed:
+            return False
+        if self._hooked() or self._adapters():
+            return False
+        return self._tapes.get(self._key(x, attn), True) is not None
+
+    def run(self, x: torch.Tensor, rope, attn: PagedAttention) -> torch.Tensor | None:
+        """x: (M, C) the embedded tokens -> the final norm's hidden rows (M, C), or None where
+        this row count's tape was refused (the module forward then runs)."""
+        key = self._key(x, attn)
+        tape = self._tapes.get(key)
+        width = attn.meta.decode_tables.shape[1]
+        if tape is None or width > tape.capacity:
+            tape = Tape(self.model, x, rope, attn, max(16, 1 << (width - 1).bit_length()))
+            tape.load(x, rope, attn)
+            out = tape.record(self.model)
+            self._tapes[key] = None if tape.foreign else tape
+            if tape.foreign:
+                self.refused[key] = tape.foreign
+            return None if out is None else out.clone()
+        tape.load(x, rope, attn)
+        return tape.replay()
+
+    @staticmethod
+    def _key(x: torch.Tensor, attn: PagedAttention) -> tuple:
+        data = attn.storage.data
+        mode = torch.is_inference_mode_enabled()
+        return (x.shape[0], x.dtype, data.data_ptr(), data.shape, torch.get_num_threads(), mode)
+
+    def _hooked(self) -> bool:
+        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+            return True
+        return any(self._hook_dicts)
+
+    def _adapters(self) -> bool:
+        return any(m.lora is not None and m.lora.batch is not None for m in self._lora)
