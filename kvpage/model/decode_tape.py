@@ -16,7 +16,9 @@ refused and that row count keeps the module forward (`foreign` says which operat
 tensor the step allocated is kept by the tape: the recorded addresses stay valid.
 
 Replay (`Tape.replay`): the step's inputs are copied into the tape's (the block tables,
-slots and lengths checked as the module forward checks them), then the calls run in order.
+slots and lengths checked as the module forward checks them), then the calls run in order:
+from one native call (native/tape_replay.cpp: a switch over the kernels' six signatures)
+where every call's signature is one it knows, else from a Python loop.
 The recording step's own result is the module forward's, computed on the same inputs.
 
 `DecodeTape.takes(x, attn)` says per step whether it runs: a decode-only paged step, one KV
@@ -26,6 +28,10 @@ when the weights change."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from pathlib import Path
+
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -34,6 +40,79 @@ import kvpage.model.native_attention as native_attention
 import kvpage.model.native_build as native_build
 import kvpage.model.native_small_ops as native_small_ops
 from kvpage.model.paged_attention import PagedAttention, PagedAttentionMetadata
+
+SOURCE = Path(__file__).parent / "native" / "tape_replay.cpp"
+# A kernel's argument types, one letter each (int, int64, address, float) -> the replay's kind.
+SIGNATURES = {
+    "iplplpfllppi": 0,  # rms_norm
+    "ipllpllllppli": 1,  # rotary
+    "ippllpli": 2,  # silu_mul
+    "ppllpi": 3,  # a linear kernel: weight GEMV, AMX
+    "iplpplllpppplllllllfpli": 4,  # paged_decode
+    "ipplpplllpllll": 5,  # paged_write
+}
+_LETTERS = {ctypes.c_int: "i", ctypes.c_int64: "l", ctypes.c_void_p: "p", ctypes.c_float: "f"}
+
+
+class _Call(ctypes.Structure):  # Call in tape_replay.cpp
+    _fields_ = [
+        ("fn", ctypes.c_void_p),
+        ("kind", ctypes.c_int64),
+        ("i", ctypes.c_int64 * 24),
+        ("f", ctypes.c_float * 2),
+    ]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    return native_build.load(SOURCE, "the decode tape's replay", _bind)
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.kvpage_tape_call_bytes.restype = ctypes.c_int64
+    if lib.kvpage_tape_call_bytes() != ctypes.sizeof(_Call):
+        raise native_build.NativeBuildError("tape_replay.cpp's Call is not decode_tape._Call")
+    lib.kvpage_tape_replay.restype = None
+    lib.kvpage_tape_replay.argtypes = [ctypes.POINTER(_Call), ctypes.c_int64]
+    return lib
+
+
+def _letter(argtype) -> str | None:
+    if argtype in _LETTERS:
+        return _LETTERS[argtype]
+    return "p" if issubclass(argtype, ctypes._Pointer) else None
+
+
+def _native_call(fn, args: tuple) -> _Call | None:
+    """One recorded call as the replay's struct, or None for a signature it does not know."""
+    sig = "".join(_letter(t) or "?" for t in fn.argtypes or ())
+    kind = SIGNATURES.get(sig)
+    if kind is None or len(args) != len(sig):
+        return None
+    call = _Call(fn=ctypes.cast(fn, ctypes.c_void_p).value, kind=kind)
+    ints, floats = [], []
+    for letter, a in zip(sig, args, strict=True):
+        if letter == "f":
+            floats.append(a)
+        elif isinstance(a, ctypes._Pointer):
+            ints.append(ctypes.addressof(a.contents))
+        else:
+            ints.append(0 if a is None else int(a))
+    call.i[: len(ints)] = ints
+    call.f[: len(floats)] = floats
+    return call
+
+
+def compile_calls(calls: list[tuple]) -> ctypes.Array | None:
+    """The calls as one array for kvpage_tape_replay, or None where the replay is not built or
+    a call's signature is not one of SIGNATURES (the Python loop then runs them)."""
+    if _library() is None:
+        return None
+    native = [_native_call(fn, args) for fn, args in calls]
+    if any(c is None for c in native):
+        return None
+    return (_Call * len(native))(*native)
+
 
 ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "detach", "lift_fresh", "alias"})
 QUERIES = frozenset({"size", "stride", "dim", "numel", "is_contiguous"})
@@ -95,6 +174,7 @@ class Tape:
         self.native = self.attn.native_decode(self.q)
         self.windows = sorted({w for i in range(cfg.num_layers) if (w := cfg.window_of(i))})
         self.calls: list[tuple] = []
+        self.program: ctypes.Array | None = None  # the calls for the one native call
         self.foreign: list[str] = [] if self.native else ["no native paged decode"]
         self.out: torch.Tensor | None = None
         self._kept: list[torch.Tensor] = []
@@ -136,9 +216,16 @@ class Tape:
         self.foreign, self._kept = guard.foreign, guard.kept
         return self.out
 
+    def compile(self) -> None:
+        """The recorded calls for the one native call (where it takes them all)."""
+        self.program = compile_calls(self.calls)
+
     def replay(self) -> torch.Tensor:
-        for fn, args in self.calls:
-            fn(*args)
+        if self.program is not None:
+            _library().kvpage_tape_replay(self.program, len(self.program))
+        else:
+            for fn, args in self.calls:
+                fn(*args)
         return self.out.clone()
 
 
@@ -185,9 +272,15 @@ class DecodeTape:
             self._tapes[key] = None if tape.foreign else tape
             if tape.foreign:
                 self.refused[key] = tape.foreign
+            else:
+                tape.compile()
             return None if out is None else out.clone()
         tape.load(x, rope, attn)
         return tape.replay()
+
+    def recorded(self) -> list[Tape]:
+        """The tapes recorded so far (refused row counts have none)."""
+        return [t for t in self._tapes.values() if t is not None]
 
     @staticmethod
     def _key(x: torch.Tensor, attn: PagedAttention) -> tuple:

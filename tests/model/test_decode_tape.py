@@ -106,6 +106,7 @@ def test_every_decode_step_replays_the_tape_and_matches_hf(name, tmp_path, repla
     # Three prompts prefilled together, then decode-only steps of 3 rows to the end: the first
     # records, every other replays.
     assert replays == [3] * (TOKENS - 2) and not tape.refused
+    assert all(t.program is not None for t in tape.recorded())  # one native call each
     err = _hf_error(hf_model, tokens, logprobs)
     assert err <= ATOL, f"{name}: logprob error {err:.3g} against HF on the decode tape"
 
@@ -129,19 +130,33 @@ def test_a_torch_op_in_a_layer_refuses_the_tape(tmp_path, replays, monkeypatch):
     assert _hf_error(hf_model, tokens, logprobs) <= ATOL
 
 
-def test_k_and_v_swapped_in_the_replayed_calls_is_caught(tmp_path, replays, monkeypatch):
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-call", "python-loop"])
+def test_k_and_v_swapped_in_the_replayed_calls_is_caught(one_call, tmp_path, monkeypatch):
+    """The planted bug swaps K and V in the recorded KV writes (the recording step itself is
+    the module forward's): replayed from the one native call, or from the Python loop."""
     write = native_attention.library().kvpage_paged_write
-    replay = Tape.replay
+    compile_ = Tape.compile
 
     def swapped(self):
         self.calls = [(fn, (a[0], a[2], a[1], *a[3:]) if fn is write else a)
                       for fn, a in self.calls]  # fmt: skip
-        return replay(self)
+        if one_call:
+            compile_(self)
+        assert (self.program is not None) == one_call
 
-    monkeypatch.setattr(Tape, "replay", swapped)
+    monkeypatch.setattr(Tape, "compile", swapped)
     hf_model = save_hf("llama-gqa-8q-2kv", tmp_path)
     tokens, logprobs, _ = _engine(tmp_path, dtype="float32")
     assert _hf_error(hf_model, tokens, logprobs) > 100 * ATOL
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-8q-2kv", "phi3-partial-tied"])
+def test_the_python_loop_replays_as_the_one_call(name, tmp_path, replays, monkeypatch):
+    save_hf(name, tmp_path)
+    one_call = _engine(tmp_path, dtype="bfloat16")
+    monkeypatch.setattr(Tape, "compile", lambda self: None)
+    loop = _engine(tmp_path, dtype="bfloat16")
+    assert one_call[:2] == loop[:2] and len(replays) == 2 * (TOKENS - 2)
 
 
 @pytest.mark.parametrize("name", ["gemma3", "gpt2"])
