@@ -241,7 +241,12 @@ class DecodeTape:
 
     @classmethod
     def build(cls, model: nn.Module) -> DecodeTape | None:
-        """The tape of a model whose layers take (hidden, residual, rope, attn)."""
+        """The tape of a model whose layers take (hidden, residual, rope, attn); None for a
+        tensor-parallel one (kvpage.parallel.sharding): its all-reduce is neither a kernel
+        call nor a torch operator the guard sees, so a replay would leave it out."""
+        for module in model.modules():
+            if any(hasattr(v, "all_reduce") for v in vars(module).values()):
+                return None
         return cls(model)
 
     def takes(self, x: torch.Tensor, attn: object) -> bool:
