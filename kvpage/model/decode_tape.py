@@ -198,7 +198,7 @@ class Tape:
         for w in self.windows:
             torch.sub(lens, w, out=self.attn.window_starts(self.native, w)).clamp_(min=0)
 
-    def record(self, model: nn.Module) -> torch.Tensor:
+    def record(self, model: nn.Module) -> torch.Tensor | None:
         """Run the layers once on the tape's inputs, recording; returns the step's hidden rows
         (refused or not: they are the module forward's)."""
         attn = self.attn
@@ -229,7 +229,13 @@ class Tape:
         return self.out.clone()
 
 
+MAX_TAPES = 8  # row counts kept (each keeps its step's activations), the least recent dropped
+
+
 class DecodeTape:
+    """A model's tapes, one per row count (and pool, threads, inference mode), recorded at the
+    first decode step of that shape; a refused row count is remembered as None."""
+
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         modules = [m for m in model.model.modules()]
@@ -274,12 +280,16 @@ class DecodeTape:
             tape = Tape(self.model, x, rope, attn, max(16, 1 << (width - 1).bit_length()))
             tape.load(x, rope, attn)
             out = tape.record(self.model)
+            self._tapes.pop(key, None)
+            if len(self._tapes) >= MAX_TAPES:
+                del self._tapes[next(iter(self._tapes))]
             self._tapes[key] = None if tape.foreign else tape
             if tape.foreign:
                 self.refused[key] = tape.foreign
             else:
                 tape.compile()
             return None if out is None else out.clone()
+        self._tapes[key] = self._tapes.pop(key)  # the most recent last
         tape.load(x, rope, attn)
         return tape.replay()
 

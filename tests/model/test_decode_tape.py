@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from kvpage import LLM, SamplingParams
-from kvpage.model import load_model, native_attention, native_build, native_small_ops
+from kvpage.model import decode_tape, load_model, native_attention, native_build, native_small_ops
 from kvpage.model.decode_tape import DecodeTape, Tape
 from kvpage.model.kernels import finalize
 from kvpage.model.layers import SwiGLU
@@ -254,3 +254,26 @@ def test_a_copy_of_the_model_builds_its_own_tape(tmp_path):
     finalize(twin)
     assert twin.decode_plan() is not tape and twin.decode_plan().model is twin
     assert pickle.loads(pickle.dumps(model._plan)).plan is None
+
+
+def test_row_counts_beyond_the_kept_tapes_are_recorded_again(tmp_path, replays, monkeypatch):
+    """Sequences finishing one by one: 3, 2, then 1 rows, with one tape kept at a time; the
+    tokens are the module forward's."""
+    monkeypatch.setattr(decode_tape, "MAX_TAPES", 1)
+    save_hf("llama-gqa-8q-2kv", tmp_path)
+
+    def generate(**kw) -> list[list[int]]:
+        llm = LLM(str(tmp_path), num_blocks=128, seed=0, dtype="float32", **kw)
+        params = [
+            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (6, 9, 12)
+        ]
+        try:
+            outs = llm.generate(_prompts(3), params, use_tqdm=False)
+            tape = llm.engine.model.decode_plan()
+            assert tape is None or len(tape.recorded()) == 1
+        finally:
+            llm.close()
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    assert generate() == generate(fast_paths_off=("decode_plan",))
+    assert sorted(set(replays)) == [1, 2, 3]
