@@ -21,8 +21,8 @@ from one native call (native/tape_replay.cpp: a switch over the kernels' six sig
 where every call's signature is one it knows, else from a Python loop.
 The recording step's own result is the module forward's, computed on the same inputs.
 
-`DecodeTape.takes(x, attn)` says per step whether it runs: a decode-only paged step, one KV
-group, the pool in the model's dtype, no adapter rows, no module hooks, no autograd.
+`DecodeTape.takes(x, attn)` says per step whether it runs: a decode-only paged step (KV in one
+group or in layer groups), the pool in the model's dtype, no adapter rows, no module hooks, no autograd.
 finalize (kvpage.model.kernels) builds it with every fast path on ("decode_plan"), and again
 when the weights change."""
 
@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import kvpage.model.native_attention as native_attention
 import kvpage.model.native_build as native_build
 import kvpage.model.native_small_ops as native_small_ops
-from kvpage.model.paged_attention import PagedAttention, PagedAttentionMetadata
+from kvpage.model.paged_attention import GroupedAttention, PagedAttention, PagedAttentionMetadata
 
 SOURCE = Path(__file__).parent / "native" / "tape_replay.cpp"
 # A kernel's argument types, one letter each (int, int64, address, float) -> the replay's kind.
@@ -149,69 +149,61 @@ class _Guard(TorchDispatchMode):
 class Tape:
     """One row count's recorded step: its inputs, the calls, what they write into."""
 
-    def __init__(self, model: nn.Module, x: torch.Tensor, rope, attn: PagedAttention, cap: int):
+    def __init__(self, model: nn.Module, x: torch.Tensor, rope, attn, cap: int):
         m, dtype = x.shape[0], x.dtype
         self.capacity = cap  # block table width
         self.x = torch.empty_like(x, memory_format=torch.contiguous_format)
         self.cos, self.sin = (torch.empty(t.shape, dtype=t.dtype) for t in rope)
-        self.slots = torch.zeros(m, dtype=torch.int64)
-        tables = torch.zeros(m, cap, dtype=torch.int64)
-        lens = torch.ones(m, dtype=torch.int64)
-        meta = PagedAttentionMetadata(
-            slot_mapping=self.slots,
-            cu_seqlens_q=list(range(m + 1)),
-            decode_rows=torch.arange(m),
-            decode_tables=tables,
-            decode_mask=None,
-            prefills=[],
-            decode_only=True,
-            decode_lens=lens,
-        )
-        self.attn = PagedAttention(attn.storage, meta)
-        self.attn.native_allowed = attn.native_allowed
         cfg = model.config
         self.q = torch.empty(m, cfg.num_heads, cfg.head_dim, dtype=dtype)  # (M, H, D) a q's shape
-        self.native = self.attn.native_decode(self.q)
+        real = _backends(attn)
+        metas = [_meta(m, cap) for _ in real]
+        if type(attn) is GroupedAttention:  # KV in layer groups: one view per group
+            metas[0].groups, metas[0].layer_map = metas[1:], attn.layer_map
+            self.attn = GroupedAttention(real[0].storage, metas[0])
+        else:
+            self.attn = PagedAttention(real[0].storage, metas[0])
+        self.backends = _backends(self.attn)
+        for mine, theirs in zip(self.backends, real, strict=True):
+            mine.native_allowed = theirs.native_allowed
+        self.natives = [b.native_decode(self.q) for b in self.backends]
         self.windows = sorted({w for i in range(cfg.num_layers) if (w := cfg.window_of(i))})
         self.calls: list[tuple] = []
         self.program: ctypes.Array | None = None  # the calls for the one native call
-        self.foreign: list[str] = [] if self.native else ["no native paged decode"]
+        native = all(n is not None for n in self.natives)
+        self.foreign: list[str] = [] if native else ["no native paged decode"]
         self.out: torch.Tensor | None = None
         self._kept: list[torch.Tensor] = []
 
-    def load(self, x: torch.Tensor, rope, attn: PagedAttention) -> None:
+    def load(self, x: torch.Tensor, rope, attn) -> None:
         """The step's inputs into the tape's, checked as the module forward checks them."""
-        if self.native is None:
+        if self.foreign:
             return
-        meta = attn.meta
-        attn.native_decode(self.q)  # checks the block tables and lengths (raises on a bad id)
-        storage = attn.storage
-        native_attention.check_slots(meta.slot_mapping, storage.num_blocks, storage.block_size)
         self.x.copy_(x)
         self.cos.copy_(rope[0])
         self.sin.copy_(rope[1])
-        self.slots.copy_(meta.slot_mapping)
-        tables = meta.decode_tables
-        self.native.tables[:, : tables.shape[1]].copy_(tables)
-        self.native.lens.copy_(meta.decode_lens)
-        lens = self.native.lens
-        for w in self.windows:
-            torch.sub(lens, w, out=self.attn.window_starts(self.native, w)).clamp_(min=0)
+        for mine, theirs, native in zip(self.backends, _backends(attn), self.natives, strict=True):
+            meta, storage = theirs.meta, theirs.storage
+            theirs.native_decode(self.q)  # checks the block tables and lengths
+            native_attention.check_slots(meta.slot_mapping, storage.num_blocks, storage.block_size)
+            mine.meta.slot_mapping.copy_(meta.slot_mapping)
+            native.tables[:, : meta.decode_tables.shape[1]].copy_(meta.decode_tables)
+            native.lens.copy_(meta.decode_lens)
+            for w in self.windows:
+                torch.sub(native.lens, w, out=mine.window_starts(native, w)).clamp_(min=0)
 
     def record(self, model: nn.Module) -> torch.Tensor | None:
         """Run the layers once on the tape's inputs, recording; returns the step's hidden rows
         (refused or not: they are the module forward's)."""
-        attn = self.attn
-        if self.native is None:
+        if self.foreign:
             return None
-        attn.prepare_write(self.x.dtype)
-        for w in self.windows:
-            attn.window_starts(self.native, w)
+        for backend in self.backends:
+            backend.prepare_write(self.x.dtype)
         guard = _Guard()
         with native_build.recording(self.calls), guard:
             hidden, residual = self.x, None
             for layer in model.model.layers:
-                hidden, residual = layer(hidden, residual, (self.cos, self.sin), attn)
+                hidden, residual = layer(hidden, residual, (self.cos, self.sin), self.attn)
             self.out = model.model.norm.add_forward(residual, hidden)[1]
         self.foreign, self._kept = guard.foreign, guard.kept
         return self.out
@@ -227,6 +219,24 @@ class Tape:
             for fn, args in self.calls:
                 fn(*args)
         return self.out.clone()
+
+
+def _backends(attn) -> list[PagedAttention]:
+    return attn.backends if type(attn) is GroupedAttention else [attn]
+
+
+def _meta(m: int, cap: int) -> PagedAttentionMetadata:
+    """A decode-only step's metadata on tensors a tape owns: slots, block tables, lengths."""
+    return PagedAttentionMetadata(
+        slot_mapping=torch.zeros(m, dtype=torch.int64),
+        cu_seqlens_q=list(range(m + 1)),
+        decode_rows=torch.arange(m),
+        decode_tables=torch.zeros(m, cap, dtype=torch.int64),
+        decode_mask=None,
+        prefills=[],
+        decode_only=True,
+        decode_lens=torch.ones(m, dtype=torch.int64),
+    )
 
 
 MAX_TAPES = 8  # row counts kept (each keeps its step's activations), the least recent dropped
@@ -257,15 +267,16 @@ class DecodeTape:
 
     def takes(self, x: torch.Tensor, attn: object) -> bool:
         """Whether this step can run on the tape (see the module docstring)."""
-        if not self.on or type(attn) is not PagedAttention or torch.is_grad_enabled():
+        if not self.on or type(attn) not in (PagedAttention, GroupedAttention):
             return False
-        meta, storage = attn.meta, attn.storage
-        if not meta.decode_only or meta.decode_lens is None or meta.groups:
+        if torch.is_grad_enabled() or x.dim() != 2 or not native_small_ops.supports(x):
             return False
-        if not storage.use_native or storage.data.dtype != x.dtype or x.dim() != 2:
-            return False
-        if not native_small_ops.supports(x) or not attn.native_allowed:
-            return False
+        for backend in _backends(attn):
+            meta, storage = backend.meta, backend.storage
+            if not meta.decode_only or meta.decode_lens is None or not backend.native_allowed:
+                return False
+            if not storage.use_native or storage.data.dtype != x.dtype:
+                return False
         if self._hooked() or self._adapters():
             return False
         return self._tapes.get(self._key(x, attn), True) is not None
@@ -275,7 +286,7 @@ class DecodeTape:
         this row count's tape was refused (the module forward then runs)."""
         key = self._key(x, attn)
         tape = self._tapes.get(key)
-        width = attn.meta.decode_tables.shape[1]
+        width = max(b.meta.decode_tables.shape[1] for b in _backends(attn))
         if tape is None or width > tape.capacity:
             tape = Tape(self.model, x, rope, attn, max(16, 1 << (width - 1).bit_length()))
             tape.load(x, rope, attn)
@@ -298,8 +309,8 @@ class DecodeTape:
         return [t for t in self._tapes.values() if t is not None]
 
     @staticmethod
-    def _key(x: torch.Tensor, attn: PagedAttention) -> tuple:
-        data = attn.storage.data
+    def _key(x: torch.Tensor, attn) -> tuple:
+        data = _backends(attn)[0].storage.data
         mode = torch.is_inference_mode_enabled()
         return (x.shape[0], x.dtype, data.data_ptr(), data.shape, torch.get_num_threads(), mode)
 

@@ -31,7 +31,7 @@ TOKENS = 20
 # (measured <= 2e-5 on these models; tests/model/test_hf_parity.py's STEP_ATOL).
 ATOL = 1e-4
 FAMILIES = ["llama-gqa-8q-2kv", "llama-tied", "qwen2-bias", "llama-mqa", "mistral-window",
-            "qwen3", "phi3-partial-tied", "smollm3"]  # fmt: skip
+            "qwen2-window", "qwen3", "phi3-partial-tied", "smollm3"]  # fmt: skip
 
 
 def _prompts(n: int = 3) -> list[list[int]]:

@@ -64,9 +64,8 @@ def _plan_rope_swapped(engine: LLMEngine) -> None:
 
 
 def _no_plan(cfg) -> str | None:
-    windows = set(cfg.layer_windows or ())
-    if cfg.model_type != "llama" or len(windows) > 1:  # Gemma, GPT-2; more than one KV group
-        return "the model has no decode tape (not a Llama-family model, or KV in layer groups)"
+    if cfg.model_type != "llama":  # Gemma 3, GPT-2: their own forwards
+        return "the model has no decode tape (not a Llama-family model)"
     return None
 
 
