@@ -7,7 +7,10 @@ decode-only paged step, per family, with the decode plan off:
 A tape records the bound native kernels' calls of one decode step and replays them; it can only
 be derived from a layer whose decode step makes no other data-computing operator (each listed
 here would have to become a bound native kernel, or move before the layers as a step input).
-Counts are per step over all layers (the 125M shape of decode_fast_path.py, 12 layers)."""
+Counts are per step over all layers (the 125M shape of decode_fast_path.py, 12 layers). The
+first layer's per-step checks of the block tables and slots (item, min, max: the paged decode
+kernel's and the KV write's, once per step and KV group) are no blockers: a tape makes them
+before it replays."""
 
 from __future__ import annotations
 
