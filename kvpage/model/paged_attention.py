@@ -117,6 +117,8 @@ class PagedAttention:
         if self._pool is False:
             storage, slots = self.storage, self.meta.slot_mapping
             native = self.native_allowed and storage.use_native and native_attention.available()
+            # A write replaced on this storage (a planted fault: tests/distributed) stays the seam.
+            native = native and "write" not in vars(storage)
             if not native or storage.data.dtype != dtype or slots.device.type != "cpu":
                 self._pool = None
             else:
