@@ -1,5 +1,5 @@
-"""The decode fast path (the decode plan) against the module forward, per model family, in one
-process, round by round:
+"""The decode fast path (the decode tape: the module forward's kernel calls, recorded and
+replayed) against the module forward, per model family, in one process, round by round:
 
     python bench/decode_fast_path.py [--families llama,qwen2-window,...] [--seqs 1]
                                      [--rounds 3] [--steps 20] [--threads 2] [--dtype bfloat16]
@@ -7,11 +7,11 @@ process, round by round:
 Each family is the 125M shape of throughput.py (d 768, 12 layers, 12 heads / 4 KV heads,
 intermediate 2048, vocab 32000) in that family's transformers config, saved and loaded by kvpage.
 Two engines per family decode the same `--seqs` requests of 128 random tokens: one with every
-fast path on (`fast path`: the decode plan where it covers the family), one bound without the
-decode plan (`module`: EngineConfig.fast_paths_off, the module forward on the same kernels);
+fast path on (`fast path`: the decode tape where it takes the family's steps), one bound without
+the tape (`module`: EngineConfig.fast_paths_off, the module forward on the same kernels);
 each round times `--steps` steps of one, then of the other (which goes first alternates). Prints per family the ms per step of each (min and
-median over rounds of each round's median step) and module / fast path; a family the plan does
-not cover reads ~1.0x (both rows run the module forward) and says so."""
+median over rounds of each round's median step) and module / fast path; a family whose steps
+no tape took reads ~1.0x (both rows run the module forward) and says so."""
 
 from __future__ import annotations
 
@@ -104,7 +104,8 @@ def measure(family: str, args) -> None:
             for name in list(engines)[:: 1 if r % 2 == 0 else -1]:
                 ms[name].append(timed_steps(engines[name], args.steps))
         model = engines["fast path"].engine.model
-        covered = getattr(model, "decode_plan", lambda: None)() is not None
+        tape = getattr(model, "decode_plan", lambda: None)()
+        covered = tape is not None and bool(tape.recorded())
         same = tokens(engines["fast path"]) == tokens(engines["module"])
     for name, rows in ms.items():
         print(

@@ -68,7 +68,7 @@ class ModelClock:
 
     def _time_projections(self) -> None:
         # Projection calls, and the weight GEMV and oneDNN's packed matmul called directly
-        # (kvpage.model.decode_plan): only the outermost is timed.
+        # (as a decode tape replays them): only the outermost is timed.
         clocks = list(CLOCKS.items())
         depth = [0]
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from kvpage.config import ModelConfig
 from kvpage.model.attention import AttentionBackend
+from kvpage.model.kernels import KernelChoice
 from kvpage.model.layers import RotaryEmbedding, SwiGLU
 from kvpage.model.llama import LlamaAttention, LlamaForCausalLM
 
@@ -30,6 +31,10 @@ class GemmaRMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).type_as(x)
+
+    def heads_(self, x: torch.Tensor) -> torch.Tensor:
+        """Per head of x (N, H, D), as RMSNorm.heads_ is called: a new tensor."""
+        return self(x)
 
 
 class GeGLU(SwiGLU):
@@ -85,6 +90,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             raise ValueError("a Gemma 3 model needs query_pre_attn_scalar")
         super().__init__(cfg)
         self.embed_scale = cfg.hidden_size**0.5
+
+    def bind_kernels(self, choice: KernelChoice) -> None:
+        """No decode tape: the layers are Gemma's (torch norms and GeGLU, no native kernels)."""
+        self._plan.plan = None
 
     def forward(self, input_ids, positions, attn) -> torch.Tensor:
         attn = self.bound_attention(attn)

@@ -12,7 +12,7 @@ replaced parameters) calls `finalize` again.
 The fast paths by the names the gate's reports give them (`FAST_PATHS`); `finalize(model,
 kernels=("gemv",))` binds the model with those off (EngineConfig.fast_paths_off: the gate's
 `paths_off` cells and its kernel re-runs). The environment adds its own: KVPAGE_NATIVE=0 turns
-every native kernel off, KVPAGE_DECODE_PLAN=0 the decode plan, KVPAGE_AMX=0 the AMX kernel.
+every native kernel off, KVPAGE_DECODE_PLAN=0 the decode tape, KVPAGE_AMX=0 the AMX kernel.
 
 The verifier's reference runs `torch_twin(model)`: a copy of the model sharing its weight
 tensors, bound to torch's operators only, so a bug in a fast path is never on both sides of the
@@ -32,7 +32,7 @@ from kvpage.model.linear_kernels import LINEAR_PATHS
 
 # Each fast path by the name the gate's reports give it.
 FAST_PATHS = (
-    "decode_plan",  # kvpage.model.decode_plan and its one native call (native_decode_step)
+    "decode_plan",  # kvpage.model.decode_tape: the module forward's kernel calls, replayed
     # The linear kernels (kvpage.model.linear_kernels): the weight GEMV at a few rows (int8
     # ones too), bfloat16 at 3-32 rows on AMX tiles, oneDNN's prepacked weights, int8 and
     # bfloat16 weights widened a tile at a time.
@@ -82,7 +82,7 @@ def kernel_choice(off: Iterable[str] = ()) -> KernelChoice:
 def finalize(model: nn.Module, kernels: KernelChoice | Iterable[str] = ()) -> nn.Module:
     """Bind every op of `model` to its kernel: `kernels` a KernelChoice, or the fast paths to
     keep off (with the environment's, kernel_choice). Children are bound before their parents
-    (a model's decode plan takes its layers' bound kernels). Returns `model`."""
+    (a model's decode tape records its layers' bound kernels). Returns `model`."""
     choice = kernels if isinstance(kernels, KernelChoice) else kernel_choice(kernels)
     for module in reversed(list(model.modules())):
         for value in list(vars(module).values()):  # plain attributes: Projections

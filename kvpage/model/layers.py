@@ -46,6 +46,17 @@ class RMSNorm(nn.Module):
         x = x + delta
         return x, self._torch_forward(x)
 
+    def heads_(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over each head of x (N, H, D): in place where the native kernel takes x
+        (each row's heads contiguous: a view of the caller's own fresh projection, as Qwen3's
+        q/k norm), else a new tensor."""
+        n, h, d = x.shape
+        if not (self.native and self._native_fits(x) and x.stride()[1:] == (d, 1)):
+            return self(x)
+        for rows in (x.view(n * h, d),) if n == 1 or x.stride(0) == h * d else x.unbind(0):
+            native_small_ops.rms_norm(rows, self.weight, self.eps, out=rows)
+        return x
+
     def _native_fits(self, x: torch.Tensor) -> bool:
         w = self.weight
         return (
@@ -120,7 +131,7 @@ def apply_rotary(
     choice): the native kernel, which rotates q and k in place (callers pass their own fresh
     projections and use only what is returned)."""
     r = cos.shape[-1]
-    if native and r == q.shape[-1] and native_small_ops.supports(q) and _rows_of_heads(q, k):
+    if native and native_small_ops.supports(q) and _rows_of_heads(q, k) and cos.is_contiguous():
         native_small_ops.rotary_(q, k, cos, sin)  # in place: q and k are this layer's own
         return q, k
     if r < q.shape[-1]:
@@ -137,6 +148,9 @@ def _rows_of_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+NATIVE_F32_ROWS = 32  # float32 silu * up natively up to this many rows (SwiGLU._silu_mul)
 
 
 class SwiGLU(nn.Module):
@@ -173,8 +187,11 @@ class SwiGLU(nn.Module):
     def _silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """activation(gate) * up; for bfloat16 in one native pass where it runs (torch's
         bfloat16 silu and mul took 5.8 ms of a 2048-token prefill chunk's 125M layer, the
-        native pass ~1). float32 keeps torch's: as fast there, and its exp's last bit is HF's."""
-        native = self.native and gate.dtype is torch.bfloat16 and gate.dim() == 2
+        native pass ~1). float32 keeps torch's above NATIVE_F32_ROWS (as fast there, and its
+        exp's last bit is HF's); at decode's few rows the native pass (within one rounding of
+        torch's), so that a decode step is native kernels only (kvpage.model.decode_tape)."""
+        f32 = gate.dtype is torch.float32 and gate.shape[0] <= NATIVE_F32_ROWS
+        native = self.native and (gate.dtype is torch.bfloat16 or f32) and gate.dim() == 2
         native = native and gate.stride(1) == 1 and gate.stride() == up.stride()
         if native and native_small_ops.supports(gate) and up.dtype == gate.dtype:
             return native_small_ops.silu_mul(gate, up)

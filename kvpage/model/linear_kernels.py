@@ -8,7 +8,7 @@ its native source (native/NAME.cpp), its module (native_NAME.py: a class with `i
 `out_features`, `x_dtype`, `__call__(x)`, and for the one-call decode step `run_unchecked(x,
 ldx, m, y, threads)`, `plan_address()`, `entry_address()`, like native_gemv.WeightGemv), and
 its entry in LINEAR_KERNELS here. FAST_PATHS, EngineConfig.fast_paths_off, the report's
-coverage (kvpage.verify.path_coverage) and the decode plan take it from this table."""
+coverage (kvpage.verify.path_coverage) takes it from this table."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ class Bound:
 
     @property
     def native(self) -> object | None:
-        """The native kernel (run_unchecked and the rest), for the decode plan; else None."""
+        """The native kernel (run_unchecked and the rest); else None."""
         return self.kernel if hasattr(self.kernel, "run_unchecked") else None
 
 

@@ -9,19 +9,19 @@ from torch import nn
 from kvpage.config import ModelConfig
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.base import CausalLM
-from kvpage.model.decode_plan import LlamaDecodePlan
+from kvpage.model.decode_tape import DecodeTape
 from kvpage.model.kernels import KernelChoice
 from kvpage.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, small_ops_on
 from kvpage.model.projection import Projection
 
 
 class _PlanSlot:
-    """The model's decode plan, bound by finalize. A copy of the model (the reference's twin, a
-    pickled worker's) starts without one: the plan holds the original's modules and native
+    """The model's decode tape, bound by finalize. A copy of the model (the reference's twin, a
+    pickled worker's) starts without one: the tape holds the original's modules and native
     kernel handles, which are neither its own nor picklable."""
 
     def __init__(self) -> None:
-        self.plan: LlamaDecodePlan | None = None
+        self.plan: DecodeTape | None = None
 
     def __deepcopy__(self, memo) -> _PlanSlot:
         return _PlanSlot()
@@ -74,7 +74,7 @@ class LlamaAttention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)  # (N, KVH, D)
         v = v.view(n, self.num_kv_heads, self.head_dim)  # (N, KVH, D)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm.heads_(q), self.k_norm.heads_(k)
         if self.rope_on:
             q, k = apply_rotary(q, k, *rope, self.native_rotary)
         out = attn.attend(self.layer, q, k, v, self.scale, self.window)  # (N, H, D)
@@ -151,16 +151,13 @@ class LlamaForCausalLM(CausalLM):
         return self.model.norm.add_forward(residual, hidden)[1]  # (N, C)
 
     def bind_kernels(self, choice: KernelChoice) -> None:
-        """The decode plan over the layers' bound kernels, where every fast path is on and the
-        plan covers the model (kvpage.model.decode_plan); none otherwise."""
-        build = choice.all_on
-        self._plan.plan = (
-            LlamaDecodePlan.build(self, LlamaDecoderLayer, LlamaAttention) if build else None
-        )
+        """The decode tape over the layers' bound kernels, where every fast path is on
+        (kvpage.model.decode_tape); none otherwise."""
+        self._plan.plan = DecodeTape.build(self) if choice.all_on else None
 
-    def decode_plan(self) -> LlamaDecodePlan | None:
-        """Decode steps as direct native calls (kvpage.model.decode_plan), bound by finalize;
-        None for a model it does not cover, or with the decode_plan path off."""
+    def decode_plan(self) -> DecodeTape | None:
+        """Decode steps replayed from the recorded kernel calls of the module forward
+        (kvpage.model.decode_tape), bound by finalize; None with the decode_plan path off."""
         return self._plan.plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

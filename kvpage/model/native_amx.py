@@ -50,6 +50,11 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+def library() -> ctypes.CDLL | None:
+    """The built kernel (None where it is not), e.g. to know its entry points."""
+    return _library()
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.kvpage_amx_ready.restype = ctypes.c_int
@@ -103,7 +108,7 @@ class AmxLinear:
     def run_unchecked(self, x: int, ldx: int, m: int, y: int, threads: int) -> int:
         """The kernel on raw addresses (x: m rows ldx apart; y: (m, N) contiguous), no checks:
         for a caller that checked its buffers once (kvpage.model.decode_plan). Returns y."""
-        self._call(self._plan, x, ldx, m, y, threads)
+        native_build.call(self._call, self._plan, x, ldx, m, y, threads)
         return y
 
     def plan_address(self) -> int:

@@ -116,8 +116,8 @@ class PagedDecode:
         threads = torch.get_num_threads()
         scratch, per_thread = self.scratch(h, kvh, d, b, threads)
         st = k_pool.stride()
-        _library().kvpage_paged_decode(
-            DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k_pool.data_ptr(),
+        native_build.call(
+            _library().kvpage_paged_decode, DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k_pool.data_ptr(),
             v_pool.data_ptr(), st[0], st[1], st[2], self.tables.data_ptr(), self.lens.data_ptr(),
             None if starts is None else starts.data_ptr(), out.data_ptr(), out.stride(0),
             s, h, kvh, d, b, self.tables.shape[1], scale, scratch, per_thread, threads,
@@ -133,8 +133,8 @@ class PagedDecode:
         d, kvh = pools.head_dim, pools.kv_heads
         scratch, per_thread = self.scratch(heads, kvh, d, pools.block_size, threads)
         k, v = pools.addresses(layer)
-        _library().kvpage_paged_decode(
-            pools.dtype_code, q, q_stride, k, v, *pools.strides, self.tables.data_ptr(),
+        native_build.call(
+            _library().kvpage_paged_decode, pools.dtype_code, q, q_stride, k, v, *pools.strides, self.tables.data_ptr(),
             self.lens.data_ptr(), None, out, out_stride, s, heads, kvh, d, pools.block_size,
             self.tables.shape[1], scale, scratch, per_thread, threads,
         )  # fmt: skip
@@ -204,8 +204,8 @@ class PoolLayout:
         of the layer's pools. The caller checks the slots once per step (`check_slots`): the
         kernel writes where they say."""
         kp, vp = self.addresses(layer)
-        _library().kvpage_paged_write(
-            self.dtype_code, k, v, row_stride, kp, vp, *self.strides, slots, n, self.kv_heads,
+        native_build.call(
+            _library().kvpage_paged_write, self.dtype_code, k, v, row_stride, kp, vp, *self.strides, slots, n, self.kv_heads,
             self.head_dim, self.block_size,
         )  # fmt: skip
 

@@ -16,7 +16,8 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from kvpage.errors import KVPageError
@@ -26,6 +27,31 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPI
 
 class NativeBuildError(KVPageError, RuntimeError):
     """A kernel did not compile or load; the message has the compiler's output."""
+
+
+_tape: list | None = None  # the calls being recorded (`recording`), else None
+
+
+def call(fn, *args) -> None:
+    """Run one kernel entry point (a ctypes function) on its arguments. Every kernel call goes
+    through here, so that a decode tape (kvpage.model.decode_tape) can record a step's calls
+    (fn, args) and replay them."""
+    if _tape is not None:
+        _tape.append((fn, args))
+    fn(*args)
+
+
+@contextmanager
+def recording(calls: list) -> Iterator[list]:
+    """Append every kernel call made inside to `calls` (not reentrant)."""
+    global _tape
+    if _tape is not None:
+        raise RuntimeError("already recording kernel calls")
+    _tape = calls
+    try:
+        yield calls
+    finally:
+        _tape = None
 
 
 def enabled() -> bool:

@@ -189,7 +189,7 @@ class WeightGemv:
     def run_unchecked(self, x: int, ldx: int, m: int, y: int, threads: int) -> int:
         """The kernel on raw addresses, no checks: for a caller that checked its buffers against
         in_features, out_features and x_dtype once (kvpage.model.decode_plan). Returns y."""
-        self._call(self._plan, x, ldx, m, y, threads)
+        native_build.call(self._call, self._plan, x, ldx, m, y, threads)
         return y
 
 

@@ -35,7 +35,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvpage_rms_norm.restype = None
     lib.kvpage_rms_norm.argtypes = [i32, ptr, i64, ptr, i64, ptr, f32, i64, i64, ptr, ptr, i32]
     lib.kvpage_rotary.restype = None
-    lib.kvpage_rotary.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i32]
+    lib.kvpage_rotary.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr, i64, i32]
     lib.kvpage_silu_mul.restype = None
     lib.kvpage_silu_mul.argtypes = [i32, ptr, ptr, i64, i64, ptr, i64, i32]
     return lib
@@ -78,7 +78,8 @@ def rms_norm(
         total = _output(total, x)
     else:
         total = None
-    _library().kvpage_rms_norm(
+    native_build.call(
+        _library().kvpage_rms_norm,
         DTYPES[x.dtype],
         x.data_ptr(),
         x.stride(0),
@@ -96,16 +97,19 @@ def rms_norm(
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate q (N, H, D) and k (N, KVH, D) in place by cos, sin (N, 1, D): full rotary only.
-    Each row's heads must be contiguous (a view of a fused qkv output is)."""
+    """Rotate q (N, H, D) and k (N, KVH, D) in place by cos, sin (N, 1, R): the first R <= D
+    values of each head (R < D: a partial rotary factor). Each row's heads must be contiguous
+    (a view of a fused qkv output is)."""
     n, _, d = q.shape
+    r = cos.shape[-1]
     for t in (q, k):
         if t.dtype != q.dtype or t.shape[0] != n or t.shape[2] != d or t.stride()[1:] != (d, 1):
             raise ValueError(f"rotary input {tuple(t.shape)} strides {t.stride()}")
     for t in (cos, sin):
-        if t.shape != (n, 1, d) or t.dtype != q.dtype or not t.is_contiguous():
+        if t.shape != (n, 1, r) or r > d or r % 2 or t.dtype != q.dtype or not t.is_contiguous():
             raise ValueError(f"rotary table {tuple(t.shape)} {t.dtype} for q {tuple(q.shape)}")
-    _library().kvpage_rotary(
+    native_build.call(
+        _library().kvpage_rotary,
         DTYPES[q.dtype],
         q.data_ptr(),
         q.stride(0),
@@ -113,6 +117,7 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         k.data_ptr(),
         k.stride(0),
         k.shape[1],
+        r,
         d,
         cos.data_ptr(),
         sin.data_ptr(),
@@ -130,7 +135,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = No
     if up.shape != gate.shape or up.dtype != gate.dtype or up.stride() != gate.stride():
         raise ValueError(f"up {tuple(up.shape)} {up.stride()} for gate {tuple(gate.shape)}")
     out = _output(out, gate)
-    _library().kvpage_silu_mul(
+    native_build.call(
+        _library().kvpage_silu_mul,
         DTYPES[gate.dtype],
         gate.data_ptr(),
         up.data_ptr(),

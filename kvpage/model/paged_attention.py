@@ -78,6 +78,7 @@ class PagedAttention:
         self._window_starts: dict[int, torch.Tensor] = {}  # window -> the kernel's first rows
         self._prefill_masks: dict[tuple, torch.Tensor] = {}  # (T, S, window) -> causal mask
         self._prefill_groups: list[PrefillGroup] | None = None  # built at the first layer
+        self._pool: native_attention.PoolLayout | None | bool = False  # False: not yet looked at
         self.native_allowed = True  # the model's bound choice (kernels_off)
 
     def kernels_off(self, choice: KernelChoice) -> None:
@@ -88,7 +89,7 @@ class PagedAttention:
     def attend(self, layer: int, q, k, v, scale: float, window: int | None = None) -> torch.Tensor:
         # q: (N, H, D); k, v: (N, KVH, D). From here on k and v are what the pool holds for
         # the new tokens (unchanged in the model's own dtype, round-tripped otherwise).
-        k, v = self.storage.write(layer, self.meta.slot_mapping, k, v)
+        k, v = self._write(layer, k, v)
         if self.meta.decode_only:
             return self._decode(q, layer, scale, window)
         out = torch.empty_like(q)
@@ -100,19 +101,47 @@ class PagedAttention:
             out[rows] = self._prefill(q[rows], k[rows], v[rows], group, layer, scale, window)
         return out
 
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """KVStorage.write, or the native write where the pool holds the model's dtype and k
+        and v are rows of heads one stride apart (slots checked once per step)."""
+        pool = self.prepare_write(k.dtype)
+        if pool is None or not _rows_alike(k, v):
+            return self.storage.write(layer, self.meta.slot_mapping, k, v)
+        pool.write_unchecked(layer, k.data_ptr(), v.data_ptr(), k.stride(0),
+                             self._slots.data_ptr(), k.shape[0])  # fmt: skip
+        return k, v
+
+    def prepare_write(self, dtype: torch.dtype) -> native_attention.PoolLayout | None:
+        """The pool's layout for the native KV write this step, or None (KVStorage.write):
+        looked at once per step, the slots checked then."""
+        if self._pool is False:
+            storage, slots = self.storage, self.meta.slot_mapping
+            native = self.native_allowed and storage.use_native and native_attention.available()
+            # A write replaced on this storage (a planted fault: tests/distributed) stays the seam.
+            native = native and "write" not in vars(storage)
+            if not native or storage.data.dtype != dtype or slots.device.type != "cpu":
+                self._pool = None
+            else:
+                self._slots = slots.to(torch.int64).contiguous()
+                native_attention.check_slots(self._slots, storage.num_blocks, storage.block_size)
+                self._pool = native_attention.PoolLayout.of(storage.data)
+        return self._pool
+
     def _decode(self, q_d, layer: int, scale: float, window: int | None) -> torch.Tensor:
         """q_d: (Sd, H, D), one query per decode sequence -> (Sd, H, D)."""
-        windowed = window is not None and self._window_cuts(window)
         native = self.native_decode(q_d)
-        if native is not None:  # reads the blocks in the pool, no gather
+        if native is not None:  # reads the blocks in the pool, no gather; rows may lie apart
             k_pool, v_pool = self.storage.layer_pools(layer)
-            starts = self._native_starts(native, window) if windowed else None
-            return native(q_d.contiguous(), k_pool, v_pool, scale, starts)
+            starts = None if window is None else self.window_starts(native, window)
+            return native(q_d, k_pool, v_pool, scale, starts)
+        windowed = window is not None and self._window_cuts(window)
         k_d, v_d = self.storage.gather_blocks(layer, self.meta.decode_tables)  # (Sd, KVH, C, D)
         mask = self._window_mask(window) if windowed else self.meta.decode_mask
         return decode_attention(q_d, k_d, v_d, mask, scale)
 
-    def _native_starts(self, native: native_attention.PagedDecode, window: int) -> torch.Tensor:
+    def window_starts(self, native: native_attention.PagedDecode, window: int) -> torch.Tensor:
+        """Per sequence the first row a window of `window` lets it see, once per step (a
+        decode tape recomputes them into this tensor)."""
         starts = self._window_starts.get(window)
         if starts is None:
             starts = self._window_starts[window] = native.window_starts(window)
@@ -182,6 +211,14 @@ class PagedAttention:
         if mask is None:
             mask = self._prefill_masks[key] = causal_mask(*key[:2], q.device, window)
         return mask
+
+
+def _rows_alike(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """(N, KVH, D) k and v, each row's heads contiguous, one row stride."""
+    if k.dim() != 3 or k.stride() != v.stride() or k.shape != v.shape or k.dtype != v.dtype:
+        return False
+    _, h, d = k.shape
+    return k.stride(2) == 1 and k.stride(1) == d and k.stride(0) >= h * d
 
 
 class GroupedAttention:

@@ -89,7 +89,7 @@ class Projection:
         return None
 
     def gemv_for(self, x: torch.Tensor):
-        """The native kernel a call on x runs (kvpage.model.decode_plan calls it with its own
+        """The native kernel a call on x runs (the decode tape records its calls with its own
         output buffers), or None where another path would."""
         return self.native_for(_rows(x)) if x.dtype is self.x_dtype else None
 

@@ -317,7 +317,7 @@ WHERE_TO_LOOK.update(
         "model": "the family's model math or config reading (kvpage/model/<family>.py, "
         "hf_config.py, layers.py): the first layer whose output leaves transformers'",
         "kernel": "the fast path named: the case passes with it alone turned off "
-        "(kvpage/model/native_*.py, decode_plan.py, projection.py, widened.py)",
+        "(kvpage/model/native_*.py, decode_tape.py, projection.py, widened.py)",
         "crash": "the exception and the step it was raised in (the traceback in the message)",
     }
 )

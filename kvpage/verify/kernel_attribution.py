@@ -1,7 +1,7 @@
 """The kernel class: a divergence that only the engine's fast paths show. The reference runs
 on torch's kernels alone (kvpage.model.kernels); when a case diverges, it runs again with the
 engine's model bound with every fast path off too (EngineConfig.fast_paths_off). A case that then passes has its divergences attributed
-to `kernel`, naming the one path with which alone turned off it passes too (the decode plan
+to `kernel`, naming the one path with which alone turned off it passes too (the decode tape
 first: it runs only with every path on, so a bug in a kernel it calls is named by the kernel's
 own run). Cache, scheduling and sampling bugs do not depend on the kernels: their re-run fails
 the same, and their class stands.

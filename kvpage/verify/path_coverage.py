@@ -2,7 +2,7 @@
 so per cell, so a path never taken (and so never checked against the torch-only reference) is
 visible. Counted by wrapping each path's entry point for the duration of the gate run in this
 process (a cell runs in a process of its own); nothing is counted, and nothing costs, in
-serving. The one native decode call runs its kernels from C: its calls count as
+serving. A replayed decode tape runs its recorded kernel calls directly: its steps count as
 decode_plan.one_call, not as the kernels'."""
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
-import kvpage.model.decode_plan as decode_plan
+import kvpage.model.decode_tape as decode_tape
 import kvpage.model.native_attention as native_attention
-import kvpage.model.native_decode_step as native_decode_step
 import kvpage.model.native_small_ops as native_small_ops
 from kvpage.model.kernels import FAST_PATHS
 from kvpage.model.linear_kernels import LINEAR_KERNELS
@@ -26,8 +25,8 @@ ENTRY_POINTS = (
     (native_small_ops, "rotary_", "small_ops"),
     (native_attention.PagedDecode, "__call__", "paged_decode"),
     (native_attention.PagedDecode, "run_unchecked", "paged_decode"),
-    (decode_plan.LlamaDecodePlan, "run", "decode_plan"),
-    (native_decode_step.FusedStep, "run", "decode_plan.one_call"),
+    (decode_tape.DecodeTape, "run", "decode_plan"),
+    (decode_tape.Tape, "replay", "decode_plan.one_call"),
 )
 
 

@@ -9,7 +9,7 @@ import pytest
 import kvpage.model.native_small_ops as native_small_ops
 from kvpage import LLM, SamplingParams
 from kvpage.model import load_model
-from kvpage.model.decode_plan import LlamaDecodePlan
+from kvpage.model.decode_tape import DecodeTape
 from kvpage.model.kernels import FAST_PATHS, TORCH, KernelChoice, bound_with, finalize, torch_twin
 from kvpage.model.linear_kernels import LINEAR_KERNELS
 from kvpage.model.native_amx import AmxLinear
@@ -38,7 +38,7 @@ def _count(monkeypatch, taken: list[str]) -> None:
             monkeypatch.setattr(owner, name, counting(kernel.path, getattr(owner, name)))
     for cls, path in ((WeightGemv, "gemv"), (AmxLinear, "amx"), (PagedDecode, "paged_decode")):
         monkeypatch.setattr(cls, "__call__", counting(path, cls.__call__))
-    monkeypatch.setattr(LlamaDecodePlan, "run", counting("decode_plan", LlamaDecodePlan.run))
+    monkeypatch.setattr(DecodeTape, "run", counting("decode_plan", DecodeTape.run))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from kvpage import LLM, SamplingParams
-from kvpage.model import native_amx, native_decode_step
+from kvpage.model import native_amx
+from kvpage.model.decode_tape import Tape
 from kvpage.model.native_amx import AmxLinear
 from kvpage.model.projection import Projection
 
@@ -118,19 +119,20 @@ def test_an_in_place_weight_update_repacks(monkeypatch):
 
 def _engine_logprobs(directory, prompts: list[list[int]]) -> tuple[list, list, list[int]]:
     """bfloat16 greedy decode of all prompts together: tokens, their logprobs, and per step of
-    the one-call decode plan the number of its linear kernels that were AMX kernels."""
+    the replayed decode tape the number of its linear kernel calls that were AMX kernels."""
     llm = LLM(str(directory), dtype="bfloat16", num_blocks=128, seed=0, debug_checks=True)
     amx_per_step: list[int] = []
-    run = native_decode_step.FusedStep.run
+    run = Tape.replay
 
-    def counted(self, x, *args):
-        amx_per_step.append(sum(type(k) is AmxLinear for k in self.linears))
-        return run(self, x, *args)
+    def counted(self):
+        amx = native_amx.library().kvpage_amx_run
+        amx_per_step.append(sum(fn is amx for fn, _ in self.calls))
+        return run(self)
 
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(native_decode_step.FusedStep, "run", counted)
+            mp.setattr(Tape, "replay", counted)
             outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         llm.close()
@@ -151,7 +153,7 @@ def _error_against(hf_model, prompts, tokens, logprobs) -> float:
 
 def test_a_bfloat16_engine_decodes_on_it_no_further_from_float32_than_onednn(tmp_path, monkeypatch):
     """Five sequences decoding together: every step's projections on the AMX kernel, from the
-    decode plan's one native call; the logprobs against HF's float32 forward of the same
+    replayed decode tape; the logprobs against HF's float32 forward of the same
     (bfloat16-representable) weights no worse than with the kernel off (oneDNN's AMX GEMM at 5
     rows)."""
     hf_model = save_hf("llama-gqa-8q-2kv", tmp_path)

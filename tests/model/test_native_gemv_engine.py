@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from kvpage import LLM, SamplingParams
-from kvpage.model import native_attention, native_build, native_decode_step, native_gemv
+from kvpage.model import native_attention, native_build, native_gemv
+from kvpage.model.decode_tape import Tape
 from kvpage.model.native_gemv import WeightGemv
 
 # Skipped only without a compiler (or with native kernels switched off): a kernel that fails to
@@ -41,7 +42,7 @@ def _generate(model: str, quantization: str, dtype: str, seqs: int) -> list[list
 
 def _kernel_rows(monkeypatch) -> list[tuple[int, int]]:
     """(rows of x, outputs) of each kernel call: through a Projection, or made by the decode
-    plan (kvpage.model.decode_plan) on its buffers."""
+    decode tape's replay (kvpage.model.decode_tape) from its recorded calls."""
     calls: list[tuple[int, int]] = []
     original, unchecked = WeightGemv.__call__, WeightGemv.run_unchecked
 
@@ -53,14 +54,15 @@ def _kernel_rows(monkeypatch) -> list[tuple[int, int]]:
         calls.append((m, self.out_features))
         return unchecked(self, x, ldx, m, y, threads)
 
-    def counting_one_call(self, x, *args):  # the plan's layers from one native call
-        calls.extend((x.shape[0], k.out_features) for k in self.linears if type(k) is WeightGemv)
-        return one_call(self, x, *args)
+    def counting_replay(self):  # the tape's recorded calls: (plan, x, ldx, m, y, threads)
+        gemv = native_gemv.library().kvpage_weight_gemv
+        calls.extend((a[3], a[0].contents.out_features) for fn, a in self.calls if fn is gemv)
+        return replay(self)
 
-    one_call = native_decode_step.FusedStep.run
+    replay = Tape.replay
     monkeypatch.setattr(WeightGemv, "__call__", counting)
     monkeypatch.setattr(WeightGemv, "run_unchecked", counting_unchecked)
-    monkeypatch.setattr(native_decode_step.FusedStep, "run", counting_one_call)
+    monkeypatch.setattr(Tape, "replay", counting_replay)
     return calls
 
 

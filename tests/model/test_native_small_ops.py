@@ -69,6 +69,22 @@ def test_rotary_in_place_equals_torch_bit_for_bit(dtype):
     assert torch.equal(qkv[:, (h + kvh) * d :], v_before)  # v, beside them, untouched
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_partial_rotary_in_place_equals_torch_bit_for_bit(dtype):
+    """Phi-3's partial rotary factor: the first R of D values of each head rotate."""
+    gen = torch.Generator().manual_seed(4)
+    n, h, kvh, d, r = 3, 4, 2, 32, 16
+    qkv = torch.randn(n, (h + 2 * kvh) * d, generator=gen).to(dtype)
+    q = qkv[:, : h * d].view(n, h, d)
+    k = qkv[:, h * d : (h + kvh) * d].view(n, kvh, d)
+    angles = torch.randn(n, 1, r, generator=gen)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    want_q, want_k = apply_rotary(q.clone(), k.clone(), cos, sin)  # torch's
+    got_q, got_k = apply_rotary(q, k, cos, sin, native=True)
+    assert got_q.data_ptr() == q.data_ptr()  # in place
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
 def test_the_kernels_run_and_the_switch_turns_them_off(monkeypatch):
     norm = _norm(torch.float32)
     x = torch.randn(2, 96)
@@ -102,7 +118,9 @@ def test_bad_shapes_are_refused():
         native_small_ops.rms_norm(torch.randn(2, 8), torch.ones(9), 1e-6)
     q = torch.randn(2, 4, 8)
     with pytest.raises(ValueError, match="table"):
-        native_small_ops.rotary_(q, q.clone(), torch.ones(2, 1, 6), torch.ones(2, 1, 6))
+        native_small_ops.rotary_(q, q.clone(), torch.ones(2, 1, 10), torch.ones(2, 1, 10))
+    with pytest.raises(ValueError, match="table"):  # an odd rotary width
+        native_small_ops.rotary_(q, q.clone(), torch.ones(2, 1, 5), torch.ones(2, 1, 5))
 
 
 class _GeluMLP(SwiGLU):

@@ -13,7 +13,7 @@ import kvpage.model.linear_kernels as linear_kernels
 import kvpage.model.native_small_ops as native_small_ops
 from kvpage import LLM, SamplingParams
 from kvpage.model import load_model
-from kvpage.model.decode_plan import LlamaDecodePlan
+from kvpage.model.decode_tape import DecodeTape
 from kvpage.model.native_amx import AmxLinear
 from kvpage.model.native_attention import PagedDecode
 from kvpage.model.native_gemv import WeightGemv
@@ -75,8 +75,8 @@ def fast_paths_raise(monkeypatch):
         monkeypatch.setattr(native_small_ops, name, trap(name))
     monkeypatch.setattr(linear_kernels, "widened_linear", trap("widened_linear"))
     monkeypatch.setattr(linear_kernels, "onednn_linear", trap("onednn"))
-    for cls in (WeightGemv, AmxLinear, PagedDecode, LlamaDecodePlan):
-        attr = "run" if cls is LlamaDecodePlan else "__call__"
+    for cls in (WeightGemv, AmxLinear, PagedDecode, DecodeTape):
+        attr = "run" if cls is DecodeTape else "__call__"
         monkeypatch.setattr(cls, attr, trap(cls.__name__))
     return taken
 

@@ -151,11 +151,11 @@ void rms_norm(const void* x, int64_t x_stride, const void* delta, int64_t delta_
 // x = round(round(x * cos) + round(rotate_half(x) * sin)) for every head of one row, in place:
 // apply_rotary's q * cos + _rotate_half(q) * sin, each op rounded as torch rounds it.
 template <class D>
-void rotate_heads(typename D::T* x, int64_t heads, int64_t d, const typename D::T* cos,
-                  const typename D::T* sin) {
+void rotate_heads(typename D::T* x, int64_t heads, int64_t d, int64_t head_stride,
+                  const typename D::T* cos, const typename D::T* sin) {
     const int64_t half = d / 2;
     for (int64_t h = 0; h < heads; ++h) {
-        typename D::T* v = x + h * d;
+        typename D::T* v = x + h * head_stride;
         int64_t i = 0;
         for (; i + kLanes <= half; i += kLanes) {  // 16 pairs at a time, rounded as below
             const f32x16 a = load16(v + i), b = load16(v + i + half);
@@ -182,7 +182,8 @@ void rotate_heads(typename D::T* x, int64_t heads, int64_t d, const typename D::
 
 template <class D>
 void rotary(void* q, int64_t q_stride, int64_t q_heads, void* k, int64_t k_stride,
-            int64_t k_heads, int64_t d, const void* cos, const void* sin, int64_t n, int threads) {
+            int64_t k_heads, int64_t d, int64_t head_stride, const void* cos, const void* sin,
+            int64_t n, int threads) {
     using T = typename D::T;
     T* qs = static_cast<T*>(q);
     T* ks = static_cast<T*>(k);
@@ -190,8 +191,8 @@ void rotary(void* q, int64_t q_stride, int64_t q_heads, void* k, int64_t k_strid
     const T* ss = static_cast<const T*>(sin);
 #pragma omp parallel for num_threads(threads) if (n * (q_heads + k_heads) * d >= kParallelElements && threads > 1)
     for (int64_t row = 0; row < n; ++row) {
-        rotate_heads<D>(qs + row * q_stride, q_heads, d, cs + row * d, ss + row * d);
-        rotate_heads<D>(ks + row * k_stride, k_heads, d, cs + row * d, ss + row * d);
+        rotate_heads<D>(qs + row * q_stride, q_heads, d, head_stride, cs + row * d, ss + row * d);
+        rotate_heads<D>(ks + row * k_stride, k_heads, d, head_stride, cs + row * d, ss + row * d);
     }
 }
 
@@ -250,15 +251,18 @@ void kvpage_rms_norm(int dtype, const void* x, int64_t x_stride, const void* del
         rms_norm<BF16>(x, x_stride, delta, delta_stride, w, eps, n, c, sum, out, threads);
 }
 
-// q: n rows of q_heads heads of d values (heads contiguous, rows q_stride apart), k likewise;
+// q: n rows of q_heads heads (heads head_stride apart, rows q_stride apart), k likewise; the
+// first d values of each head rotate (d < head_stride: a partial rotary factor), the rest stay;
 // cos, sin: (n, d) contiguous. Rotates both in place.
 void kvpage_rotary(int dtype, void* q, int64_t q_stride, int64_t q_heads, void* k,
-                   int64_t k_stride, int64_t k_heads, int64_t d, const void* cos,
-                   const void* sin, int64_t n, int threads) {
+                   int64_t k_stride, int64_t k_heads, int64_t d, int64_t head_stride,
+                   const void* cos, const void* sin, int64_t n, int threads) {
     if (dtype == 0)
-        rotary<F32>(q, q_stride, q_heads, k, k_stride, k_heads, d, cos, sin, n, threads);
+        rotary<F32>(q, q_stride, q_heads, k, k_stride, k_heads, d, head_stride, cos, sin, n,
+                    threads);
     else
-        rotary<BF16>(q, q_stride, q_heads, k, k_stride, k_heads, d, cos, sin, n, threads);
+        rotary<BF16>(q, q_stride, q_heads, k, k_stride, k_heads, d, head_stride, cos, sin, n,
+                     threads);
 }
 
 // gate, up: n rows of c values, rows `stride` apart (the halves of a fused gate/up output);

@@ -25,12 +25,12 @@ def _projections(model) -> list:
 
 def _gemv_first_lane_unwritten(engine: LLMEngine) -> None:
     """The weight GEMV leaves the first output of each call unwritten (zero), as every Python
-    caller runs it (Projection and the decode plan's loop; the one native call is turned off
-    on this engine so the plan's decode steps take the loop too)."""
+    caller runs it (Projection; the decode tape, which replays the kernel's calls without
+    Python, is turned off on this engine so its decode steps run the modules)."""
     model = engine.model
     plan = model.decode_plan()
     if plan is not None:
-        replace(plan, "one_call", False)
+        replace(plan, "on", False)
     for proj in _projections(model):
         with torch.inference_mode():
             kernel = proj.gemv_for(
@@ -50,7 +50,7 @@ def _first_lane_zeroed(original):
 
 
 def _plan_rope_swapped(engine: LLMEngine) -> None:
-    """The decode plan passes the rotary tables as (sin, cos)."""
+    """The decode tape takes the rotary tables as (sin, cos)."""
     plan = engine.model.decode_plan()
     if plan is None:
         return
@@ -64,9 +64,8 @@ def _plan_rope_swapped(engine: LLMEngine) -> None:
 
 
 def _no_plan(cfg) -> str | None:
-    windows = cfg.layer_windows or ()
-    if any(w is not None for w in windows) or cfg.qk_norm or cfg.model_type != "llama":
-        return "the model has no decode plan (its layers are not all plain Llama layers)"
+    if cfg.model_type != "llama":  # Gemma 3, GPT-2: their own forwards
+        return "the model has no decode tape (not a Llama-family model)"
     return None
 
 
