@@ -20,9 +20,8 @@ requests, once the engine is idle, it prints RSS (VmRSS and RssAnon from /proc/s
 malloc's bytes in use and held free (glibc's mallinfo2), the live Python objects after a full
 collection (and, with --tracemalloc, the bytes Python allocated and still holds), the engine's
 free and cached KV blocks and its live requests, the server's per-request state (the engine
-loop's sinks, the audit log's tenants), the row counts the decode plan keeps buffers for
-(`plan`: kvpage's only per-shape dicts, at most one per decode batch size, so at most
-max_num_seqs) and the distinct step sizes run so far (`shapes`: tokens per forward pass). After
+loop's sinks, the audit log's tenants), the decode shapes the decode tape keeps
+(`plan`: kvpage's only per-shape store, at most kvpage.model.decode_tape.MAX_TAPES) and the distinct step sizes run so far (`shapes`: tokens per forward pass). After
 each round it prints the round's growth per 1,000 requests and the object types that grew most.
 
 Telling a leak from allocator retention from a cache: a leak holds Python objects (or tensors)
@@ -95,7 +94,7 @@ class Sample:
     live_requests: int
     sinks: int
     tenants: int
-    plan_rows: int  # row counts the decode plan keeps buffers (and kernels, one-call steps) for
+    plan_rows: int  # decode shapes the decode tape keeps a tape (its activations) for
     shapes: int  # distinct step sizes (tokens a forward pass ran) seen so far
 
 
@@ -150,11 +149,9 @@ def _idle(engine, timeout: float = 60.0) -> None:
 
 
 def _plan_rows(engine) -> int:
-    """The most entries of the decode plan's per-row-count dicts (0: no plan built)."""
-    plan = getattr(getattr(engine.model, "_plan", None), "plan", None)
-    if plan is None:
-        return 0
-    return max(len(plan._buffers), len(plan._kernel_cache), len(plan._fused))
+    """The shapes the model's decode tape keeps (0: no tape built)."""
+    tape = getattr(engine.model, "decode_plan", lambda: None)()
+    return 0 if tape is None else tape.kept
 
 
 SHAPES: set[int] = set()  # the token counts of the forward passes run so far

@@ -255,6 +255,11 @@ class DecodeTape:
         self.refused: dict[tuple, list[str]] = {}  # key -> the operators outside the kernels
         self.on = True  # off: the module forward (a mutant's switch)
 
+    @property
+    def kept(self) -> int:
+        """Shapes this model keeps a tape (or a refusal) for: at most MAX_TAPES."""
+        return len(self._tapes)
+
     @classmethod
     def build(cls, model: nn.Module) -> DecodeTape | None:
         """The tape of a model whose layers take (hidden, residual, rope, attn); None for a

@@ -5,10 +5,11 @@ rows take x's row count runs; torch's F.linear takes what none does.
 Each entry's `bind(layers)` decides once, from the layers' dtypes and shapes and the CPU,
 whether the kernel runs for them and at which rows. Adding a linear kernel touches three files:
 its native source (native/NAME.cpp), its module (native_NAME.py: a class with `in_features`,
-`out_features`, `x_dtype`, `__call__(x)`, and for the one-call decode step `run_unchecked(x,
-ldx, m, y, threads)`, `plan_address()`, `entry_address()`, like native_gemv.WeightGemv), and
-its entry in LINEAR_KERNELS here. FAST_PATHS, EngineConfig.fast_paths_off, the report's
-coverage (kvpage.verify.path_coverage) takes it from this table."""
+`out_features`, `x_dtype`, `__call__(x)` and `run_unchecked(x, ldx, m, y, threads)`, its
+native call made through native_build.call so that the decode tape records it, like
+native_gemv.WeightGemv), and its entry in LINEAR_KERNELS here. FAST_PATHS,
+EngineConfig.fast_paths_off and the report's coverage (kvpage.verify.path_coverage) take it
+from this table."""
 
 from __future__ import annotations
 

@@ -107,15 +107,6 @@ class AmxLinear:
 
     def run_unchecked(self, x: int, ldx: int, m: int, y: int, threads: int) -> int:
         """The kernel on raw addresses (x: m rows ldx apart; y: (m, N) contiguous), no checks:
-        for a caller that checked its buffers once (kvpage.model.decode_plan). Returns y."""
+        for a caller that checked its buffers (native_gemv.call_on_rows). Returns y."""
         native_build.call(self._call, self._plan, x, ldx, m, y, threads)
         return y
-
-    def plan_address(self) -> int:
-        """Where the kernel's plan of this layer lies, for a native caller
-        (kvpage.model.native_decode_step) that keeps this object alive while it calls."""
-        return ctypes.addressof(self._plan.contents)
-
-    def entry_address(self) -> int:
-        """The address of the entry point that takes plan_address() as its first argument."""
-        return ctypes.cast(self._call, ctypes.c_void_p).value

@@ -40,7 +40,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def library() -> ctypes.CDLL | None:
-    """The built kernels (None where they are not), for kvpage.model.native_decode_step."""
+    """The built kernels (None where they are not): their entry points, for tests that call them."""
     return _library()
 
 
@@ -123,21 +123,6 @@ class PagedDecode:
             s, h, kvh, d, b, self.tables.shape[1], scale, scratch, per_thread, threads,
         )  # fmt: skip
         return out
-
-    def run_unchecked(self, q: int, q_stride: int, pools: PoolLayout, layer: int, out: int,
-                      out_stride: int, heads: int, scale: float, threads: int) -> None:  # fmt: skip
-        """The kernel on raw addresses, no checks: for a caller that checked q's and out's
-        buffers (rows of `heads` x head_dim in the pool's dtype) and the pool once
-        (kvpage.model.decode_plan). Attends from row 0 (no sliding window)."""
-        s = self.tables.shape[0]
-        d, kvh = pools.head_dim, pools.kv_heads
-        scratch, per_thread = self.scratch(heads, kvh, d, pools.block_size, threads)
-        k, v = pools.addresses(layer)
-        native_build.call(
-            _library().kvpage_paged_decode, pools.dtype_code, q, q_stride, k, v, *pools.strides, self.tables.data_ptr(),
-            self.lens.data_ptr(), None, out, out_stride, s, heads, kvh, d, pools.block_size,
-            self.tables.shape[1], scale, scratch, per_thread, threads,
-        )  # fmt: skip
 
     def scratch(
         self, heads: int, kv_heads: int, head_dim: int, block_size: int, threads: int

@@ -99,7 +99,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def library() -> ctypes.CDLL | None:
-    """The built kernel (None where it is not), for kvpage.model.native_decode_step."""
+    """The built kernel (None where it is not): its entry points, for tests that call them."""
     return _library()
 
 
@@ -177,18 +177,9 @@ class WeightGemv:
         (x then 2-D). Lean: it runs ~50 times per decode step."""
         return call_on_rows(self, x, out)
 
-    def plan_address(self) -> int:
-        """Where the kernel's plan of these weights lies, for a native caller
-        (kvpage.model.native_decode_step) that keeps this object alive while it calls."""
-        return ctypes.addressof(self._plan.contents)
-
-    def entry_address(self) -> int:
-        """The address of the entry point that takes plan_address() as its first argument."""
-        return ctypes.cast(self._call, ctypes.c_void_p).value
-
     def run_unchecked(self, x: int, ldx: int, m: int, y: int, threads: int) -> int:
         """The kernel on raw addresses, no checks: for a caller that checked its buffers against
-        in_features, out_features and x_dtype once (kvpage.model.decode_plan). Returns y."""
+        in_features, out_features and x_dtype once (call_on_rows). Returns y."""
         native_build.call(self._call, self._plan, x, ldx, m, y, threads)
         return y
 

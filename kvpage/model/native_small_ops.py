@@ -43,7 +43,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def library() -> ctypes.CDLL:
     """The built kernels, for callers that pass raw addresses they checked once
-    (kvpage.model.decode_plan); only where `available()`."""
+    (tests that call an entry point); only where `available()`."""
     return _library()
 
 

@@ -24,7 +24,6 @@ ENTRY_POINTS = (
     (native_small_ops, "silu_mul", "small_ops"),
     (native_small_ops, "rotary_", "small_ops"),
     (native_attention.PagedDecode, "__call__", "paged_decode"),
-    (native_attention.PagedDecode, "run_unchecked", "paged_decode"),
     (decode_tape.DecodeTape, "run", "decode_plan"),
     (decode_tape.Tape, "replay", "decode_plan.one_call"),
 )
