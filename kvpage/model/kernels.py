@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from kvpage.errors import InvalidConfig
 from kvpage.model.linear_kernels import LINEAR_PATHS
 
 # Each fast path by the name the gate's reports give it.
@@ -60,7 +61,7 @@ class KernelChoice:
     def __post_init__(self) -> None:
         unknown = set(self.off) - set(FAST_PATHS)
         if unknown:
-            raise ValueError(f"unknown fast paths {sorted(unknown)}; known: {FAST_PATHS}")
+            raise InvalidConfig(f"unknown fast paths {sorted(unknown)}; known: {FAST_PATHS}")
 
     def on(self, path: str) -> bool:
         return path not in self.off

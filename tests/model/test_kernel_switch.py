@@ -8,6 +8,7 @@ import pytest
 
 import kvpage.model.native_small_ops as native_small_ops
 from kvpage import LLM, SamplingParams
+from kvpage.errors import InvalidConfig
 from kvpage.model import load_model
 from kvpage.model.decode_tape import DecodeTape
 from kvpage.model.kernels import FAST_PATHS, TORCH, KernelChoice, bound_with, finalize, torch_twin
@@ -78,8 +79,10 @@ def test_the_engine_binds_its_config_paths_off(monkeypatch):
 
 
 def test_an_unknown_path_is_refused():
-    with pytest.raises(ValueError, match="unknown fast paths"):
+    with pytest.raises(InvalidConfig, match="unknown fast paths"):
         finalize(LLM("builtin:tiny-llama").engine.model, ("gemm",))
+    with pytest.raises(InvalidConfig, match="unknown fast paths"):  # a typed error for a user
+        LLM("builtin:tiny-llama", fast_paths_off=("gemm",))
 
 
 def test_the_torch_twin_shares_the_weights_and_binds_torch_only():
