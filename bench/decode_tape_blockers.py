@@ -23,18 +23,7 @@ import transformers
 from decode_fast_path import FAMILIES, OFF, engine, save
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ALLOCATIONS = {"empty", "empty_like", "empty_strided", "detach", "lift_fresh"}
-
-
-def computes(func) -> bool:
-    """Whether an aten operator writes data: not a view (every output aliases an input), not
-    an allocation or metadata query."""
-    name = func.overloadpacket.__name__
-    if name in ALLOCATIONS or name.startswith("sym_") or name in {"size", "stride", "dim"}:
-        return False
-    returns = func._schema.returns
-    return not (returns and all(r.alias_info is not None and not r.alias_info.is_write
-                                for r in returns))  # fmt: skip
+from kvpage.model.decode_tape import computes  # the tape's own rule: a blocker is what it refuses
 
 
 class Blockers(TorchDispatchMode):

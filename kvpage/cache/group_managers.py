@@ -9,6 +9,8 @@ every table's groups, each group's entries in `BlockTable.groups[group]`."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from kvpage.cache.block_pool import READABLE
 from kvpage.cache.groups import NULL_BLOCK, KVLayout, first_needed_block
 from kvpage.cache.key_chain import BlockKey, BlockKeyChain
@@ -18,7 +20,7 @@ from kvpage.errors import InvariantViolation
 PUBLISHED = (PublishResult.PUBLISHED, PublishResult.ALREADY)
 
 
-class LayerGroupManager:
+class LayerGroupManager(ABC):
     window: int | None = None  # None: full attention (the whole prefix)
 
     def __init__(self, group: int, block_size: int, index: PrefixIndex):
@@ -38,9 +40,9 @@ class LayerGroupManager:
         entry = self.index.confirmed(self.key(chain, depth), chain.namespace_digest, depth)
         return None if entry is None else entry.block_id
 
+    @abstractmethod
     def find_hits(self, chain: BlockKeyChain, max_blocks: int) -> list[int | None]:
         """The group's published blocks for the chain's blocks [0, max_blocks) (None: a miss)."""
-        raise NotImplementedError
 
     def serves(self, found: list[int | None], h: int) -> bool:
         """A hit of h blocks has every block this group's queries from h on read."""
@@ -51,9 +53,9 @@ class LayerGroupManager:
         lo = self.first_kept(h * self.block_size)
         return [NULL_BLOCK] * lo + found[lo:h]
 
+    @abstractmethod
     def publish(self, ids: list[int], chain: BlockKeyChain, i: int) -> bool:
         """Publish block i of the group's table `ids`; False when later blocks must not be."""
-        raise NotImplementedError
 
 
 class FullAttentionManager(LayerGroupManager):
