@@ -10,15 +10,18 @@ layer exists once, and the fast path is that list.
 Recording (`Tape.record`): the model's layers and final norm run once on the tape's own input
 tensors (the embedded rows, the rotary tables, the slots, block tables at a fixed capacity,
 lengths and window starts), each kernel call appended as (entry point, arguments) by
-kvpage.model.native_build.call. A TorchDispatchMode watches the step: any torch operator that
-computes data (not a view or an allocation) would be left out of the replay, so the tape is
-refused and that row count keeps the module forward (`foreign` says which operators). Every
-tensor the step allocated is kept by the tape: the recorded addresses stay valid.
+kvpage.model.native_build.call. A kernel with no native entry point (oneDNN's GEMM at the rows
+above the weight GEMV's, the widened tiles) writes into a buffer through the same call while
+recording (kvpage.model.linear_kernels), so it is a recorded call too. A TorchDispatchMode
+watches the step: any other torch operator that computes data (not a view or an allocation)
+would be left out of the replay, so the tape is refused and that row count keeps the module
+forward (`foreign` says which operators). Every tensor the step allocated is kept by the tape:
+the recorded addresses stay valid.
 
 Replay (`Tape.replay`): the step's inputs are copied into the tape's (the block tables,
 slots and lengths checked as the module forward checks them), then the calls run in order:
-from one native call (native/tape_replay.cpp: a switch over the kernels' six signatures)
-where every call's signature is one it knows, else from a Python loop.
+each run of native calls whose signatures it knows from one native call (native/tape_replay.cpp:
+a switch over the kernels' six signatures), the others from Python between them.
 The recording step's own result is the module forward's, computed on the same inputs.
 
 `DecodeTape.takes(x, attn)` says per step whether it runs: a decode-only paged step (KV in one
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -103,15 +107,34 @@ def _native_call(fn, args: tuple) -> _Call | None:
     return call
 
 
-def compile_calls(calls: list[tuple]) -> ctypes.Array | None:
-    """The calls as one array for kvpage_tape_replay, or None where the replay is not built or
-    a call's signature is not one of SIGNATURES (the Python loop then runs them)."""
-    if _library() is None:
+Program = list[Callable[[], object]]
+
+
+def compile_calls(calls: list[tuple]) -> Program | None:
+    """The calls as a program: each run of consecutive native calls whose signatures are in
+    SIGNATURES as one kvpage_tape_replay over an array, every other call (a Python kernel, such
+    as oneDNN's GEMM into a buffer) on its own between them; None where the replay is not
+    built (the Python loop then runs them all)."""
+    lib = _library()
+    if lib is None:
         return None
-    native = [_native_call(fn, args) for fn, args in calls]
-    if any(c is None for c in native):
-        return None
-    return (_Call * len(native))(*native)
+    program: Program = []
+    run: list[_Call] = []
+    for fn, args in calls:
+        native = _native_call(fn, args) if isinstance(fn, ctypes._CFuncPtr) else None
+        if native is not None:
+            run.append(native)
+            continue
+        program += _replay_of(lib, run)
+        program.append(functools.partial(fn, *args))
+        run = []
+    return program + _replay_of(lib, run)
+
+
+def _replay_of(lib: ctypes.CDLL, run: list[_Call]) -> Program:
+    if not run:
+        return []
+    return [functools.partial(lib.kvpage_tape_replay, (_Call * len(run))(*run), len(run))]
 
 
 ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "detach", "lift_fresh", "alias"})
@@ -138,11 +161,12 @@ class _Guard(TorchDispatchMode):
         self.foreign: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if computes(func):
+        if computes(func) and not native_build.inside_call():  # a recorded call's own
             self.foreign.append(str(func))
         out = func(*args, **(kwargs or {}))
-        self.kept += [t for t in (out if isinstance(out, tuple | list) else (out,))
-                      if isinstance(t, torch.Tensor)]  # fmt: skip
+        if not native_build.inside_call():  # a recorded call's temporaries are made again
+            self.kept += [t for t in (out if isinstance(out, tuple | list) else (out,))
+                          if isinstance(t, torch.Tensor)]  # fmt: skip
         return out
 
 
@@ -169,7 +193,7 @@ class Tape:
         self.natives = [b.native_decode(self.q) for b in self.backends]
         self.windows = sorted({w for i in range(cfg.num_layers) if (w := cfg.window_of(i))})
         self.calls: list[tuple] = []
-        self.program: ctypes.Array | None = None  # the calls for the one native call
+        self.program: Program | None = None  # the calls, native runs each one native call
         native = all(n is not None for n in self.natives)
         self.foreign: list[str] = [] if native else ["no native paged decode"]
         self.out: torch.Tensor | None = None
@@ -209,12 +233,13 @@ class Tape:
         return self.out
 
     def compile(self) -> None:
-        """The recorded calls for the one native call (where it takes them all)."""
+        """The recorded calls as a program (native runs each one native call)."""
         self.program = compile_calls(self.calls)
 
     def replay(self) -> torch.Tensor:
         if self.program is not None:
-            _library().kvpage_tape_replay(self.program, len(self.program))
+            for step in self.program:
+                step()
         else:
             for fn, args in self.calls:
                 fn(*args)

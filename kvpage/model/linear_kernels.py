@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 import kvpage.model.native_amx as native_amx
+import kvpage.model.native_build as native_build
 import kvpage.model.native_gemv as native_gemv
 from kvpage.model.widened import widened_linear
 
@@ -135,7 +136,8 @@ def _onednn(layers: Layers) -> Bound | None:
         return None
     weight, bias = layers.concatenated()
     packed = (torch.ops.mkldnn._reorder_linear_weight(weight), bias)
-    return Bound("onednn", 1, ALL_ROWS, lambda x: layers.split(onednn_linear(x, *packed)), packed)
+    run = _recordable(lambda x: layers.split(onednn_linear(x, *packed)), layers)
+    return Bound("onednn", 1, ALL_ROWS, run, packed)
 
 
 def _widened(layers: Layers) -> Bound | None:
@@ -145,7 +147,29 @@ def _widened(layers: Layers) -> Bound | None:
     if not (layers.int8 or layers.x_dtype is torch.bfloat16) or not layers.weights[0].is_cpu:
         return None
     parts = list(zip(layers.weights, layers.scales, layers.biases, strict=True))
-    return Bound("widened", 1, ALL_ROWS, lambda x: tuple(widened_linear(x, *p) for p in parts))
+    run = _recordable(lambda x: tuple(widened_linear(x, *p) for p in parts), layers)
+    return Bound("widened", 1, ALL_ROWS, run)
+
+
+def _recordable(run: Callable[[torch.Tensor], Outputs], layers: Layers):
+    """`run` for a torch kernel, which returns new tensors: while a decode tape records
+    (kvpage.model.decode_tape), its outputs are written into a buffer through
+    native_build.call instead, so that the tape replays it and the recorded kernels after it
+    read that buffer."""
+
+    def recordable(x: torch.Tensor) -> Outputs:
+        if not native_build.is_recording():
+            return run(x)
+        outs = layers.split(torch.empty((*x.shape[:-1], sum(layers.sizes)), dtype=x.dtype))
+        native_build.call(_into, run, x, outs)
+        return outs
+
+    return recordable
+
+
+def _into(run: Callable[[torch.Tensor], Outputs], x: torch.Tensor, outs: Outputs) -> None:
+    for out, y in zip(outs, run(x), strict=True):
+        out.copy_(y)
 
 
 _HERE = sys.modules[__name__]

@@ -30,15 +30,35 @@ class NativeBuildError(KVPageError, RuntimeError):
 
 
 _tape: list | None = None  # the calls being recorded (`recording`), else None
+_inside = False  # a recorded call is running: what it does is the call, not the caller's
 
 
 def call(fn, *args) -> None:
-    """Run one kernel entry point (a ctypes function) on its arguments. Every kernel call goes
-    through here, so that a decode tape (kvpage.model.decode_tape) can record a step's calls
-    (fn, args) and replay them."""
-    if _tape is not None:
-        _tape.append((fn, args))
-    fn(*args)
+    """Run one kernel entry point on its arguments: a ctypes function, or a Python function
+    that writes its result into an argument (a torch kernel with no native twin, such as
+    oneDNN's GEMM into a buffer). Every kernel call goes through here, so that a decode tape
+    (kvpage.model.decode_tape) can record a step's calls (fn, args) and replay them."""
+    global _inside
+    if _tape is None:
+        fn(*args)
+        return
+    _tape.append((fn, args))
+    _inside = True
+    try:
+        fn(*args)
+    finally:
+        _inside = False
+
+
+def is_recording() -> bool:
+    """Whether kernel calls are being recorded: a kernel without a native entry point then
+    writes into a buffer through `call` (replayable) rather than returning a new tensor."""
+    return _tape is not None
+
+
+def inside_call() -> bool:
+    """Whether a recorded call is running (its torch operators are the call's own)."""
+    return _inside
 
 
 @contextmanager

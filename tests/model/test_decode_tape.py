@@ -111,14 +111,35 @@ def test_every_decode_step_replays_the_tape_and_matches_hf(name, tmp_path, repla
     assert err <= ATOL, f"{name}: logprob error {err:.3g} against HF on the decode tape"
 
 
-def test_rows_beyond_the_gemv_keep_the_modules_where_a_torch_op_runs(tmp_path, replays):
+def _torch_calls(tape: DecodeTape) -> list:
+    return [fn for t in tape.recorded() for fn, _ in t.calls if not hasattr(fn, "argtypes")]
+
+
+def test_rows_beyond_the_gemv_replay_the_torch_gemm_between_native_runs(tmp_path, replays):
     """24 sequences decoding together: float32 above the GEMV's row limit, so oneDNN's GEMM
-    (a torch operator) runs: that row count's tape is refused and the modules run."""
+    (a torch operator) runs: recorded as a call into a buffer and replayed from Python
+    between the native runs."""
     hf_model = save_hf("qwen2-bias", tmp_path)
     tokens, logprobs, tape = _engine(tmp_path, n=24, dtype="float32")
-    assert tape.refused
+    assert not tape.refused and replays.count(24) == TOKENS - 2
+    assert _torch_calls(tape), "no torch GEMM was recorded: the rows ran a native kernel"
     err = _hf_error(hf_model, tokens, logprobs)
     assert err <= ATOL, f"logprob error {err:.3g} against HF at 24 rows"
+
+
+def test_int8_rows_beyond_the_gemv_replay_the_widened_tiles_as_the_modules_run_them(
+    tmp_path, replays, monkeypatch
+):
+    """int8 weights at 24 rows, the GEMV held to 8 (it takes int8 at every row count on
+    AVX-512): the widened float32 tiles (torch's GEMM) between the native runs give the
+    module forward's tokens and logprobs, bit for bit (the same kernels)."""
+    monkeypatch.setenv("KVPAGE_GEMV_MAX_ROWS", "8")
+    save_hf("qwen2-bias", tmp_path)
+    taped = _engine(tmp_path, n=24, dtype="float32", quantization="int8")
+    assert replays.count(24) == TOKENS - 2 and _torch_calls(taped[2])
+    modules = _engine(tmp_path, n=24, dtype="float32", quantization="int8",
+                      fast_paths_off=("decode_plan",))  # fmt: skip
+    assert taped[:2] == modules[:2]
 
 
 def test_a_torch_op_in_a_layer_refuses_the_tape(tmp_path, replays, monkeypatch):
