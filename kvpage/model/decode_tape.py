@@ -177,7 +177,7 @@ class Tape:
         m, dtype = x.shape[0], x.dtype
         self.capacity = cap  # block table width
         self.x = torch.empty_like(x, memory_format=torch.contiguous_format)
-        self.cos, self.sin = (torch.empty(t.shape, dtype=t.dtype) for t in rope)
+        self.rope = _fresh(rope)  # as the layers take it: (cos, sin), or one per kind of layer
         cfg = model.config
         self.q = torch.empty(m, cfg.num_heads, cfg.head_dim, dtype=dtype)  # (M, H, D) a q's shape
         real = _backends(attn)
@@ -204,8 +204,8 @@ class Tape:
         if self.foreign:
             return
         self.x.copy_(x)
-        self.cos.copy_(rope[0])
-        self.sin.copy_(rope[1])
+        for mine, theirs in zip(_tensors(self.rope), _tensors(rope), strict=True):
+            mine.copy_(theirs)
         for mine, theirs, native in zip(self.backends, _backends(attn), self.natives, strict=True):
             meta, storage = theirs.meta, theirs.storage
             theirs.native_decode(self.q)  # checks the block tables and lengths
@@ -227,7 +227,7 @@ class Tape:
         with native_build.recording(self.calls), guard:
             hidden, residual = self.x, None
             for layer in model.model.layers:
-                hidden, residual = layer(hidden, residual, (self.cos, self.sin), self.attn)
+                hidden, residual = layer(hidden, residual, self.rope, self.attn)
             self.out = model.model.norm.add_forward(residual, hidden)[1]
         self.foreign, self._kept = guard.foreign, guard.kept
         return self.out
@@ -244,6 +244,18 @@ class Tape:
             for fn, args in self.calls:
                 fn(*args)
         return self.out.clone()
+
+
+def _fresh(rope):
+    """Empty tensors nested as `rope`: a (cos, sin) pair, or a tuple of pairs (Gemma 3's
+    global and local tables)."""
+    if isinstance(rope, torch.Tensor):
+        return torch.empty(rope.shape, dtype=rope.dtype)
+    return tuple(_fresh(r) for r in rope)
+
+
+def _tensors(rope) -> list[torch.Tensor]:
+    return [rope] if isinstance(rope, torch.Tensor) else [t for r in rope for t in _tensors(r)]
 
 
 def _backends(attn) -> list[PagedAttention]:
@@ -312,8 +324,9 @@ class DecodeTape:
         return self._tapes.get(self._key(x, attn), True) is not None
 
     def run(self, x: torch.Tensor, rope, attn: PagedAttention) -> torch.Tensor | None:
-        """x: (M, C) the embedded tokens -> the final norm's hidden rows (M, C), or None where
-        this row count's tape was refused (the module forward then runs)."""
+        """x: (M, C) the embedded tokens, rope the rotary tables as the layers take them (a
+        (cos, sin) pair, or a tuple of pairs) -> the final norm's hidden rows (M, C), or None
+        where this row count's tape was refused (the module forward then runs)."""
         key = self._key(x, attn)
         tape = self._tapes.get(key)
         width = max(b.meta.decode_tables.shape[1] for b in _backends(attn))

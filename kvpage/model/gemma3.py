@@ -2,47 +2,51 @@
 float32, norms before and after both attention and MLP, per-head q/k norms, a GELU-tanh gated
 MLP, scores scaled by query_pre_attn_scalar ** -0.5, and local (sliding-window) layers with
 their own RoPE base between the global ones. The projections have Llama's names and shapes, so
-tensor parallelism shards them the same way (kvpage.parallel.sharding)."""
+tensor parallelism shards them the same way (kvpage.parallel.sharding). The layers are written
+in Llama's (hidden, residual) shape with the residual adds fused into the norms, so a decode
+step is the bound kernels only and takes the decode tape (kvpage.model.decode_tape)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+import kvpage.model.native_small_ops as native_small_ops
 from kvpage.config import ModelConfig
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.kernels import KernelChoice
-from kvpage.model.layers import RotaryEmbedding, SwiGLU
+from kvpage.model.layers import GeGLU, RMSNorm, RotaryEmbedding
 from kvpage.model.llama import LlamaAttention, LlamaForCausalLM
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
-class GemmaRMSNorm(nn.Module):
-    """x / rms(x) * (1 + w), multiplied in float32 and then cast (Llama's casts first)."""
+class GemmaRMSNorm(RMSNorm):
+    """x / rms(x) * (1 + w), multiplied in float32 and then cast (Llama's casts first). The
+    native kernel multiplies by 1 + w in float32 and rounds once, as this does: finalize binds
+    that float32 weight (`offset_weight`) once, from the loaded w."""
+
+    offset_weight: torch.Tensor | None = None
 
     def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
+        super().__init__(dim, eps)
         self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def bind_kernels(self, choice: KernelChoice) -> None:
+        super().bind_kernels(choice)
+        self.offset_weight = (1.0 + self.weight.detach().float()) if self.native else None
+
+    def _kernel_weight(self) -> torch.Tensor:
+        return self.offset_weight
+
+    def _native_fits(self, x: torch.Tensor) -> bool:
+        w = self.weight
+        return native_small_ops.supports(x) and not (w.requires_grad and torch.is_grad_enabled())
+
+    def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).type_as(x)
-
-    def heads_(self, x: torch.Tensor) -> torch.Tensor:
-        """Per head of x (N, H, D), as RMSNorm.heads_ is called: a new tensor."""
-        return self(x)
-
-
-class GeGLU(SwiGLU):
-    """down(gelu_tanh(gate(x)) * up(x))."""
-
-    @staticmethod
-    def activation(gate: torch.Tensor) -> torch.Tensor:
-        return F.gelu(gate, approximate="tanh")
 
 
 class Gemma3Attention(LlamaAttention):
@@ -66,10 +70,25 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = GeGLU(size, cfg.intermediate_size, cfg.mlp_bias)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
 
-    def forward(self, x, ropes: tuple[Rope, Rope], attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        ropes: tuple[Rope, Rope],
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Llama's (hidden, residual) shape (kvpage.model.llama.LlamaDecoderLayer): the
+        residual stream is residual + hidden, each add fused into the norm after it: the
+        input norm's, the pre-feedforward norm's, and the last the final norm's. ropes: the
+        global layers' tables and the local ones'."""
         rope = ropes[1] if self.is_local else ropes[0]
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, attn))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        if residual is None:
+            residual, h = hidden, self.input_layernorm(hidden)
+        else:
+            residual, h = self.input_layernorm.add_forward(residual, hidden)
+        attn_out = self.post_attention_layernorm(self.self_attn(h, rope, attn))
+        residual, h = self.pre_feedforward_layernorm.add_forward(residual, attn_out)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class Gemma3Model(nn.Module):
@@ -91,10 +110,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         super().__init__(cfg)
         self.embed_scale = cfg.hidden_size**0.5
 
-    def bind_kernels(self, choice: KernelChoice) -> None:
-        """No decode tape: the layers are Gemma's (torch norms and GeGLU, no native kernels)."""
-        self._plan.plan = None
-
     def forward(self, input_ids, positions, attn) -> torch.Tensor:
         attn = self.bound_attention(attn)
         x = self.model.embed_tokens(input_ids)  # (N, C)
@@ -104,6 +119,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             self.model.rotary.cos_sin(positions, x.dtype),
             self.model.local_rotary.cos_sin(positions, x.dtype),
         )
+        plan = self._plan.plan
+        if plan is not None and plan.takes(x, attn):
+            hidden = plan.run(x, ropes, attn)
+            if hidden is not None:
+                return hidden
+        hidden, residual = x, None
         for layer in self.model.layers:
-            x = layer(x, ropes, attn)
-        return self.model.norm(x)  # (N, C)
+            hidden, residual = layer(hidden, residual, ropes, attn)
+        return self.model.norm.add_forward(residual, hidden)[1]  # (N, C)

@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and x.dim() == 2 and self._native_fits(x):
-            return native_small_ops.rms_norm(x, self.weight, self.eps)[1]
+            return native_small_ops.rms_norm(x, self._kernel_weight(), self.eps)[1]
         return self._torch_forward(x)
 
     def add_forward(
@@ -42,7 +42,7 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, RMSNorm(x + delta)): the residual add and the next norm in one pass."""
         if self.native and x.dim() == 2 and self._native_fits(x):
-            return native_small_ops.rms_norm(x, self.weight, self.eps, delta)
+            return native_small_ops.rms_norm(x, self._kernel_weight(), self.eps, delta)
         x = x + delta
         return x, self._torch_forward(x)
 
@@ -53,9 +53,14 @@ class RMSNorm(nn.Module):
         n, h, d = x.shape
         if not (self.native and self._native_fits(x) and x.stride()[1:] == (d, 1)):
             return self(x)
+        weight = self._kernel_weight()
         for rows in (x.view(n * h, d),) if n == 1 or x.stride(0) == h * d else x.unbind(0):
-            native_small_ops.rms_norm(rows, self.weight, self.eps, out=rows)
+            native_small_ops.rms_norm(rows, weight, self.eps, out=rows)
         return x
+
+    def _kernel_weight(self) -> torch.Tensor:
+        """The weight the native kernel multiplies by."""
+        return self.weight
 
     def _native_fits(self, x: torch.Tensor) -> bool:
         w = self.weight
@@ -150,13 +155,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-NATIVE_F32_ROWS = 32  # float32 silu * up natively up to this many rows (SwiGLU._silu_mul)
+NATIVE_F32_ROWS = 32  # float32 silu * up natively up to this many rows (SwiGLU._gated_mul)
 
 
 class SwiGLU(nn.Module):
     lora = None  # a kvpage.lora.apply.LoraContext when the engine serves adapters
     layer = -1  # the decoder layer, for the adapters' weights
-    native = False  # silu * up by kvpage's native kernel (bound by finalize)
+    native = False  # activation(gate) * up by kvpage's native kernel (bound by finalize)
+    native_mul = None  # that kernel: native_small_ops.silu_mul or gelu_tanh_mul
 
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
@@ -170,23 +176,25 @@ class SwiGLU(nn.Module):
         gate, up = self.gate_up(x)
         lora = self.lora
         if lora is None or lora.batch is None:
-            return self.down(self._silu_mul(gate, up))[0]
+            return self.down(self._gated_mul(gate, up))[0]
         gate = lora.apply(self.layer, "gate_proj", x, gate)
         up = lora.apply(self.layer, "up_proj", x, up)
         hidden = self.activation(gate) * up
         return lora.apply(self.layer, "down_proj", hidden, self.down(hidden)[0])
 
     def bind_kernels(self, choice: KernelChoice) -> None:
-        plain_silu = type(self).activation is SwiGLU.activation
-        self.native = plain_silu and small_ops_on(choice, self)
+        # By the activation itself: a subclass with another one keeps torch's.
+        kernel = _GATED_KERNELS.get(type(self).activation)
+        self.native = kernel is not None and small_ops_on(choice, self)
+        self.native_mul = getattr(native_small_ops, kernel) if self.native else None
 
     @staticmethod
     def activation(gate: torch.Tensor) -> torch.Tensor:
         return nn.functional.silu(gate)
 
-    def _silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """activation(gate) * up; for bfloat16 in one native pass where it runs (torch's
-        bfloat16 silu and mul took 5.8 ms of a 2048-token prefill chunk's 125M layer, the
+    def _gated_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """activation(gate) * up (native_mul: SiLU's or GELU-tanh's); for bfloat16 in one
+        native pass where it runs (torch's bfloat16 silu and mul took 5.8 ms of a 2048-token prefill chunk's 125M layer, the
         native pass ~1). float32 keeps torch's above NATIVE_F32_ROWS (as fast there, and its
         exp's last bit is HF's); at decode's few rows the native pass (within one rounding of
         torch's), so that a decode step is native kernels only (kvpage.model.decode_tape)."""
@@ -194,8 +202,20 @@ class SwiGLU(nn.Module):
         native = self.native and (gate.dtype is torch.bfloat16 or f32) and gate.dim() == 2
         native = native and gate.stride(1) == 1 and gate.stride() == up.stride()
         if native and native_small_ops.supports(gate) and up.dtype == gate.dtype:
-            return native_small_ops.silu_mul(gate, up)
+            return self.native_mul(gate, up)
         return self.activation(gate) * up
+
+
+class GeGLU(SwiGLU):
+    """down(gelu_tanh(gate(x)) * up(x)): Gemma's MLP."""
+
+    @staticmethod
+    def activation(gate: torch.Tensor) -> torch.Tensor:
+        return nn.functional.gelu(gate, approximate="tanh")
+
+
+# Each gated MLP's activation -> its native activation(gate) * up in native_small_ops.
+_GATED_KERNELS = {SwiGLU.activation: "silu_mul", GeGLU.activation: "gelu_tanh_mul"}
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""RMSNorm (with the residual add before it), rotary embedding and SwiGLU's silu(gate) * up as
-single native calls
+"""RMSNorm (with the residual add before it; Gemma's with a float32 weight), rotary embedding and
+a gated MLP's silu(gate) * up or gelu_tanh(gate) * up as single native calls
 (native/small_ops.cpp), built at first use like the other kernels (kvpage.model.native_build).
 
 Why: at batch 1 a decode step is ~40 torch ops per layer besides the matmuls, and on a 768-wide
@@ -23,6 +23,7 @@ import kvpage.model.native_build as native_build  # not `from kvpage.model`: an 
 SOURCE = Path(__file__).parent / "native" / "small_ops.cpp"
 FLAGS = (*native_build.FLAGS, "-ffp-contract=off")  # torch rounds a * b and + c apart
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+WIDE_WEIGHT = 2  # kvpage_rms_norm's bfloat16 rows with a float32 weight, rounded once (Gemma's)
 
 
 @functools.cache
@@ -36,8 +37,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvpage_rms_norm.argtypes = [i32, ptr, i64, ptr, i64, ptr, f32, i64, i64, ptr, ptr, i32]
     lib.kvpage_rotary.restype = None
     lib.kvpage_rotary.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr, i64, i32]
-    lib.kvpage_silu_mul.restype = None
-    lib.kvpage_silu_mul.argtypes = [i32, ptr, ptr, i64, i64, ptr, i64, i32]
+    for gated in (lib.kvpage_silu_mul, lib.kvpage_gelu_tanh_mul):  # one signature
+        gated.restype = None
+        gated.argtypes = [i32, ptr, ptr, i64, i64, ptr, i64, i32]
     return lib
 
 
@@ -65,10 +67,14 @@ def rms_norm(
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(x + delta or None, RMSNorm(x + delta)) over the last dim of 2-D x; x and delta may be
     row-strided views. The outputs are new contiguous tensors, or `out` and `total` where given
-    (contiguous; `total` may be x itself: the sum is taken element by element)."""
+    (contiguous; `total` may be x itself: the sum is taken element by element). A float32
+    `weight` with bfloat16 x: the normed row times the weight in float32, rounded once
+    (GemmaRMSNorm's, its weight 1 + w); else the weight is x's dtype and the normed row is
+    rounded before the product (RMSNorm's)."""
     n, c = x.shape
     _check_rows(x, c)
-    if weight.shape != (c,) or weight.dtype != x.dtype or not weight.is_contiguous():
+    wide = weight.dtype is torch.float32
+    if weight.shape != (c,) or not (wide or weight.dtype == x.dtype) or not weight.is_contiguous():
         raise ValueError(f"RMSNorm weight {tuple(weight.shape)} {weight.dtype} for rows {x.shape}")
     out = _output(out, x)
     if delta is not None:
@@ -80,7 +86,7 @@ def rms_norm(
         total = None
     native_build.call(
         _library().kvpage_rms_norm,
-        DTYPES[x.dtype],
+        WIDE_WEIGHT if wide and x.dtype is torch.bfloat16 else DTYPES[x.dtype],
         x.data_ptr(),
         x.stride(0),
         None if delta is None else delta.data_ptr(),
@@ -130,13 +136,24 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = No
     """silu(gate) * up, each rounded to the dtype as torch rounds it, for 2-D gate and up of one
     shape and row stride (the two halves of a fused gate/up output); a new contiguous tensor,
     or `out`."""
+    return _gated_mul(_library().kvpage_silu_mul, gate, up, out)
+
+
+def gelu_tanh_mul(
+    gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.gelu(gate, approximate="tanh") * up (GeGLU's), as silu_mul."""
+    return _gated_mul(_library().kvpage_gelu_tanh_mul, gate, up, out)
+
+
+def _gated_mul(kernel, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None):
     n, c = gate.shape
     _check_rows(gate, c)
     if up.shape != gate.shape or up.dtype != gate.dtype or up.stride() != gate.stride():
         raise ValueError(f"up {tuple(up.shape)} {up.stride()} for gate {tuple(gate.shape)}")
     out = _output(out, gate)
     native_build.call(
-        _library().kvpage_silu_mul,
+        kernel,
         DTYPES[gate.dtype],
         gate.data_ptr(),
         up.data_ptr(),
