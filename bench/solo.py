@@ -162,19 +162,32 @@ def agree_text(mine: Cell, peer: Cell) -> str:
     return str(agreement(mine.tokens, peer.tokens))
 
 
+def roofline_text(cell: Cell, floor) -> str:
+    """The row's floor (bench/roofline.py's Floor: `seconds`, `bound`) as a share of its fastest
+    (median) wall, and which bound the floor is: `mem` (bytes / bandwidth) or `mm` (FLOPs / the
+    matmul peak)."""
+    if floor is None or cell.na or cell.error or not cell.walls:
+        return "-"
+    best, med = floor.seconds / min(cell.walls), floor.seconds / statistics.median(cell.walls)
+    return f"{best:.0%} ({med:.0%}) {floor.bound}"
+
+
 def table(
     workloads: list[SoloWorkload],
     dtypes: list[str],
     engines: list[str],
     cells: dict[tuple[str, str, str], Cell],
     me: str = "kvpage",
+    floors: dict | None = None,
 ) -> list[str]:
     """One row per workload x dtype x engine: output tok/s at the fastest (median) round, the
-    ratio kvpage / engine (fastest vs fastest, median vs median), and how many requests gave
-    exactly that engine's tokens (kvpage's vs the engine's)."""
+    ratio kvpage / engine (fastest vs fastest, median vs median), the roofline fraction (the
+    row's floor in `floors`, keyed like `cells`, over its fastest (median) wall), and how many
+    requests gave exactly that engine's tokens (kvpage's vs the engine's)."""
+    floors = floors or {}
     head = (
         f"{'workload':<44} {'dtype':<5} {'engine':<10} {'out tok/s best (med)':>22} "
-        f"{'kvpage/engine':>17}  kvpage tokens = engine's"
+        f"{'kvpage/engine':>17} {'roofline':>15}  kvpage tokens = engine's"
     )
     lines = [head, "-" * len(head)]
     for wl in workloads:
@@ -189,9 +202,10 @@ def table(
                     agree = f"FAILED: {cell.error[:120]}"
                 elif cell.na:
                     agree = f"n/a: {cell.na}"
+                roof = roofline_text(cell, floors.get((wl.name, dtype, engine)))
                 lines.append(
                     f"{label:<44.44} {DTYPE_SHORT.get(dtype, dtype):<5} {engine:<10} "
-                    f"{rate_text(cell, wl.output_tokens):>22} {ratio:>17}  {agree}"
+                    f"{rate_text(cell, wl.output_tokens):>22} {ratio:>17} {roof:>15}  {agree}"
                 )
                 label = ""
     return lines

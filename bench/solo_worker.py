@@ -42,7 +42,7 @@ def run_kvpage(spec: dict, workloads: list[Workload]) -> dict:
 
 def run_hf(spec: dict, workloads: list[Workload]) -> dict:
     dtype = getattr(torch, spec["dtype"])
-    model = transformers.LlamaForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype).eval()
     model.generation_config.eos_token_id = None  # EOS never ends a run (kvpage: ignore_eos)
     rng = random.Random(spec["seed"] + 3)
     vocab = model.config.vocab_size

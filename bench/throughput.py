@@ -84,6 +84,42 @@ MODELS = {
 }
 # The model of the llama.cpp comparison: the 120m with GQA, 12 heads / 4 KV heads.
 MODELS["125m"] = {**MODELS["120m"], "num_key_value_heads": 4}
+# Published shapes with random weights (`model_type` picks the transformers config class; the
+# rest are that config's fields, as in the model's own config.json). Qwen2 has q/k/v biases.
+MODELS["qwen2.5-0.5b"] = dict(  # Qwen/Qwen2.5-0.5B: 494M parameters
+    model_type="qwen2",
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=32768,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)
+MODELS["llama3.2-1b"] = dict(  # meta-llama/Llama-3.2-1B: 1.24B parameters
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=131072,
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
 
 
 BB_PROMPT, BB_OUTPUT, BB_REQUESTS = 128, 64, 32  # llama-batched-bench -npp 128 -ntg 64 -npl 32
@@ -484,17 +520,26 @@ def llama_cpp_ready(args) -> str | None:
 
 
 # --- the model ----------------------------------------------------------------------------------
-def build_model(name: str, max_len: int, tmpdir: str):
-    torch.manual_seed(1234)
-    cfg = transformers.LlamaConfig(
-        **MODELS[name],
-        max_position_embeddings=max_len,
+def model_config(name: str, max_len: int) -> transformers.PretrainedConfig:
+    """MODELS[name] as a transformers config (a Llama unless it names its `model_type`); the toy
+    shapes take `max_len` positions, the published ones keep their own."""
+    shape = dict(MODELS[name])
+    model_type = shape.pop("model_type", "llama")
+    shape.setdefault("max_position_embeddings", max_len)
+    return transformers.AutoConfig.for_model(
+        model_type,
+        **shape,
         initializer_range=INIT_STD,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=PAD_ID,
     )
-    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+
+
+def build_model(name: str, max_len: int, tmpdir: str):
+    torch.manual_seed(1234)
+    cfg = model_config(name, max_len)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     model = model.float().eval()
     model.save_pretrained(tmpdir)
     model.generation_config.eos_token_id = None  # EOS never ends an HF run; kvpage uses ignore_eos
