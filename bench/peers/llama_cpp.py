@@ -223,6 +223,21 @@ def model_key(hf_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
+# The sdist's converter, run with one change: Qwen2 takes the Llama-HF vocab path the minimal
+# tokenizer above is written for. Its own path (a GPT-2 BPE) names the pre-tokenizer by hashing a
+# real tokenizer's output and refuses one it does not know; the vocab only has to load.
+CONVERT_BOOTSTRAP = """
+import os, runpy, sys
+script = sys.argv[1]
+here = os.path.dirname(script)
+sys.path[:0] = [here, os.path.join(here, "gguf-py")]
+from conversion.qwen import Qwen2Model
+Qwen2Model.set_vocab = lambda self: self._set_vocab_llama_hf()
+sys.argv = sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
 def converter_outtypes() -> list[str]:
     """The `--outtype` choices of the sdist's converter (f32 and, in 0.3.36, bf16 among them)."""
     text = (source_dir() / "convert_hf_to_gguf.py").read_text()
@@ -256,7 +271,7 @@ def convert(hf_dir: str | Path, outtype: str = "f32", log: Log = print) -> Path:
     write_tokenizer(stage, int(json.loads((hf_dir / "config.json").read_text())["vocab_size"]))
     log(f"llama.cpp: converting the model to {out} ({outtype})")
     tmp = out.with_suffix(".partial")
-    cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(stage)]
+    cmd = [sys.executable, "-c", CONVERT_BOOTSTRAP, str(src / "convert_hf_to_gguf.py"), str(stage)]
     cmd += ["--outfile", str(tmp), "--outtype", outtype]
     try:
         _check(cmd, "convert_hf_to_gguf.py", cwd=src)
