@@ -106,11 +106,12 @@ def progress_line(s: sm.RunSummary, records: list[sm.RequestRecord]) -> str:
 
 
 # --- the table ----------------------------------------------------------------------------------
+MS_FORMAT = {"ttft": "{:.0f}", "tpot": "{:.1f}", "itl": "{:.1f}", "e2e": "{:.0f}"}
 COLUMNS = (
     ("req/s", "{:.2f}"),
     ("out tok/s", "{:.1f}"),
     ("goodput/s", "{:.2f}"),
-    *((f"{n} p{q}", "{:.0f}") for n in sm.LATENCIES for q in sm.QUANTILES),
+    *((f"{n} p{q}", MS_FORMAT[n]) for n in sm.LATENCIES for q in sm.QUANTILES),
 )
 
 
@@ -120,11 +121,14 @@ def cell(pair: tuple[float, float], fmt: str) -> str:
 
 
 def table(args, streams: dict, results: dict[Key, list[sm.RunSummary]], failures: dict) -> None:
+    slo = sm.Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     print(
         f"\nbest round (median round) of {args.rounds}; latencies in ms (best = lowest), rates "
-        f"per second (best = highest); goodput: requests with {sm.Slo(args.slo_ttft_ms, args.slo_tpot_ms)}"
+        f"per second (best = highest); goodput: requests with {slo}; sustains: rounds with "
+        f"every request completed and p99 TTFT <= {slo.ttft_ms:g} ms"
     )
-    head = f"{'server':<10} {'ok/sent':>8} " + " ".join(f"{c:>15}" for c, _ in COLUMNS)
+    head = f"{'server':<10} {'ok/sent':>8} {'sustains':>8} "
+    head += " ".join(f"{c:>15}" for c, _ in COLUMNS)
     for rate, stream in streams.items():
         offered = len(stream) / stream[-1].arrival_s
         print(f"\n=== rate {rate:g} req/s ({len(stream)} requests; offered {offered:.2f} req/s)")
@@ -133,9 +137,10 @@ def table(args, streams: dict, results: dict[Key, list[sm.RunSummary]], failures
         for server in args.servers:
             runs = results.get((server, rate), [])
             ok = f"{sum(r.completed for r in runs)}/{len(runs) * len(stream)}"
+            kept = f"{sum(sm.sustains(r, slo) for r in runs)}/{len(runs)}"
             stats = sm.over_rounds(runs) if runs else {}
             cells = [cell(stats.get(c, (math.nan,) * 2), f) for c, f in COLUMNS]
-            print(f"{server:<10} {ok:>8} " + " ".join(f"{c:>15}" for c in cells))
+            print(f"{server:<10} {ok:>8} {kept:>8} " + " ".join(f"{c:>15}" for c in cells))
         print_ratios(args, rate, results)
     for (server, tag), err in failures.items():
         print(f"FAILED: {server} in round {tag}: {err}")

@@ -9,6 +9,7 @@ defines them:
     request throughput  completed requests / duration
     output throughput   output tokens of completed requests / duration
     goodput             completed requests within the SLO (TTFT and TPOT) / duration
+    sustains            every request completed and p99 TTFT within the SLO's TTFT
 
 where duration runs from the stream's start to the end of its last request. Percentiles are
 numpy's default (linear interpolation between the closest ranks). Pure Python, no third-party
@@ -128,6 +129,13 @@ def summarize(
         latency_ms=latency,
         prompt_mismatches=mismatched,
     )
+
+
+def sustains(run: RunSummary, slo: Slo) -> bool:
+    """The server kept up with the rate: every request completed and the queue did not grow
+    past the SLO (p99 TTFT within it); a rate it cannot keep up with piles requests up, and
+    TTFT grows with the stream's length."""
+    return run.completed > 0 and run.failed == 0 and run.latency_ms["ttft"][99] <= slo.ttft_ms
 
 
 # --- over rounds --------------------------------------------------------------------------------

@@ -90,6 +90,19 @@ def test_a_run_where_nothing_completed_has_no_rates():
     assert math.isnan(got.request_per_s) and math.isnan(got.latency_ms["ttft"][99])
 
 
+def test_a_rate_is_sustained_when_all_complete_within_the_ttft_slo():
+    rng = random.Random(5)
+    records, prompts = _records(rng, 30, 0.0)
+    records[7].error = None  # all complete
+    run = sm.summarize(records, 0.0, sm.Slo(), prompts)
+    p99 = 1e3 * np.percentile([r.token_times[0] - r.sent for r in records], 99)
+    assert sm.sustains(run, sm.Slo(ttft_ms=p99 + 1))
+    assert not sm.sustains(run, sm.Slo(ttft_ms=p99 - 1))
+    records[0].error = "ReadTimeout"
+    failed = sm.summarize(records, 0.0, sm.Slo(), prompts)
+    assert not sm.sustains(failed, sm.Slo(ttft_ms=1e9))
+
+
 def test_over_rounds_takes_the_best_and_median_round_per_quantity():
     rng = random.Random(3)
     runs = []
