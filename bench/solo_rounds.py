@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import roofline
 import solo
 import torch
 import transformers
@@ -160,6 +161,7 @@ def run_rounds(args, model_dir: Path, vocab: int, workdir: Path) -> None:
                 cell.error = cell.error or (runner if key[2] == engine and not cell.na else None)
     for line in describe(workloads, engines):
         print(line)
+    floors = measure_floors(args, workloads, engines, model_dir)
     for r in range(args.rounds):
         order = engines[r % len(engines) :] + engines[: r % len(engines)]
         for dtype in args.dtypes:
@@ -167,12 +169,66 @@ def run_rounds(args, model_dir: Path, vocab: int, workdir: Path) -> None:
                 run_one(engine, dtype, workloads, runners[engine], cells, r)
     print(f"\nout tok/s = useful output tokens / wall of the generate call; best = fastest of "
           f"{args.rounds} round(s), (med) = median; kvpage/engine: best vs best (med vs med)")  # fmt: skip
-    for line in solo.table(workloads, args.dtypes, engines, cells):
+    for line in solo.table(workloads, args.dtypes, engines, cells, floors=floors):
+        print(line)
+    for line in floor_notes(workloads, args.dtypes, floors):
         print(line)
     for line in mismatch_gaps(workloads, cells, model_dir):
         print(line)
     for engine, text in VERSIONS.items():
         print(f"  {engine}: {text}")
+
+
+# --- the roofline (bench/roofline.py) -----------------------------------------------------------
+LLAMA_CPP_KV_BYTES = 2  # llama-batched-bench keeps its KV cache in f16 (-ctk/-ctv default)
+
+
+def measure_floors(args, workloads, engines, model_dir: Path) -> dict:
+    """The machine's bandwidth and matmul peak (measured here, alone, before the rounds), and
+    each row's floor: the workload's least time on them (roofline.floor)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    machine = roofline.measure(args.threads, roofline.model_shape(cfg), tuple(args.dtypes))
+    for line in machine.lines():
+        print(line)
+    cost = roofline.ModelCost.from_config(cfg)
+    floors = {}
+    for wl in workloads:
+        for dtype in args.dtypes:
+            for engine in engines:
+                if runs_on(engine, wl):
+                    work, kv = row_work(engine, wl, dtype)
+                    bw, peak = machine.bytes_per_s, machine.flops_per_s(dtype)
+                    wb = cost.weight_bytes(dtype)
+                    floors[(wl.name, dtype, engine)] = roofline.floor(cost, work, bw, peak, wb, kv)
+    return floors
+
+
+def row_work(engine: str, wl: solo.SoloWorkload, dtype: str) -> tuple[roofline.Work, int]:
+    """(what the engine computes on this workload, its KV cache's bytes per element):
+    llama.cpp runs batched-bench's shape (npl x npp prompts, one shared with -pps, ntg fed
+    tokens each), the others the workload's requests in the model dtype."""
+    bb = wl.llama_cpp
+    if engine == "llama.cpp" and bb is not None:
+        work = roofline.Work((bb.npp,) * bb.npl, (bb.ntg,) * bb.npl, bb.npp if bb.shared else 0)
+        return work, LLAMA_CPP_KV_BYTES
+    return roofline.Work.of_generate(wl.prompts, wl.max_tokens), roofline.DTYPE_BYTES[dtype]
+
+
+def floor_notes(workloads, dtypes, floors, me: str = "kvpage") -> list[str]:
+    lines = [
+        "roofline = the workload's floor / wall at the fastest (median) round; floor = the larger "
+        "of mem (passes x weight bytes + KV bytes read, / the bandwidth) and mm (FLOPs / the "
+        "matmul peak of the row's dtype); bench/roofline.py. kvpage's floors:"
+    ]
+    for wl in workloads:
+        for dtype in dtypes:
+            f = floors.get((wl.name, dtype, me))
+            if f is not None:
+                lines.append(
+                    f"  {wl.name} {solo.DTYPE_SHORT.get(dtype, dtype)}: {f.seconds:.3f}s "
+                    f"(mem {f.memory_s:.3f}s, mm {f.compute_s:.3f}s)"
+                )
+    return lines
 
 
 def mismatch_gaps(workloads, cells, model_dir: Path, me: str = "kvpage") -> list[str]:

@@ -160,3 +160,18 @@ def test_solo_table_prints_each_rows_roofline_fraction():
     assert "roofline" in lines[0]
     assert "50% (25%) mem" in lines[2]  # 1 s floor: fastest 2 s, median 4 s
     assert "50%" not in lines[3]
+
+
+def test_llama_cpp_rows_take_batched_benchs_own_work():
+    import solo_rounds  # bench/: after throughput's path entry
+
+    prefix = solo.make_workloads(["prefix"], vocab=1000, seed=0, quick=False)[0]
+    work, kv = solo_rounds.row_work("llama.cpp", prefix, "float32")
+    bb = prefix.llama_cpp  # -pps -npp 512 -ntg 32 -npl 32: the one prompt shared, no tails
+    # (solo_rounds imports bench/roofline.py as `roofline`: another module object, so fields)
+    assert (work.prompts, work.decodes, work.shared) == ((512,) * 32, (32,) * 32, 512)
+    assert (bb.npp, bb.ntg, bb.npl, bb.shared) == (512, 32, 32, True)
+    assert kv == 2  # its KV cache is f16 whatever the weights
+    work, kv = solo_rounds.row_work("kvpage", prefix, "bfloat16")
+    assert work.prompts == tuple(map(len, prefix.prompts)) and kv == 2
+    assert work.shared == 512 and work.decodes == tuple(m - 1 for m in prefix.max_tokens)
