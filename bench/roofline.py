@@ -98,6 +98,14 @@ class ModelCost:
         head = self.head + self.vocab * b if int8_head else self.head * b
         return layers + head + (self.layer_other + self.final_norm) * b
 
+    def q8_0_bytes(self) -> int:
+        """llama.cpp's Q8_0 GGUF: every matmul weight and the head in Q8_0, the rest float32."""
+        quantized = (self.layer_matmul + self.head) * Q8_0_BYTES
+        return int(quantized) + (self.layer_other + self.final_norm) * 4
+
+
+Q8_0_BYTES = 34 / 32  # llama.cpp's Q8_0: blocks of 32 int8 codes and one float16 scale
+
 
 def _biases(cfg: dict, family: str, d: int, q: int, kv: int, inter: int) -> int:
     """Per layer: Qwen2 always has q/k/v biases; Llama-style configs say so."""

@@ -18,7 +18,15 @@ from dataclasses import dataclass, field
 
 FIRST_TOKEN_ID = 3  # prompts avoid pad (0), bos (1) and eos (2)
 WORKLOADS = ("batched", "single", "prefix", "varied")
-DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+# The precisions a row runs in: name -> (kvpage's model dtype, int8 weights with an int8 LM head).
+# The int8 rows are kvpage's int8 against llama.cpp's Q8_0 (the peers without one are n/a).
+PRECISIONS = {
+    "float32": ("float32", False),
+    "bfloat16": ("bfloat16", False),
+    "int8": ("float32", True),
+    "int8-bf16": ("bfloat16", True),
+}
+DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8", "int8-bf16": "i8bf16"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +194,7 @@ def table(
     requests gave exactly that engine's tokens (kvpage's vs the engine's)."""
     floors = floors or {}
     head = (
-        f"{'workload':<44} {'dtype':<5} {'engine':<10} {'out tok/s best (med)':>22} "
+        f"{'workload':<44} {'dtype':<6} {'engine':<10} {'out tok/s best (med)':>22} "
         f"{'kvpage/engine':>17} {'roofline':>15}  kvpage tokens = engine's"
     )
     lines = [head, "-" * len(head)]
@@ -204,7 +212,7 @@ def table(
                     agree = f"n/a: {cell.na}"
                 roof = roofline_text(cell, floors.get((wl.name, dtype, engine)))
                 lines.append(
-                    f"{label:<44.44} {DTYPE_SHORT.get(dtype, dtype):<5} {engine:<10} "
+                    f"{label:<44.44} {DTYPE_SHORT.get(dtype, dtype):<6} {engine:<10} "
                     f"{rate_text(cell, wl.output_tokens):>22} {ratio:>17} {roof:>15}  {agree}"
                 )
                 label = ""

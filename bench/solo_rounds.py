@@ -30,7 +30,8 @@ from peers import llama_cpp, vllm_cpu
 MAX_NUM_SEQS = 64  # as throughput.py's kvpage settings
 MAX_BATCHED_TOKENS = 2048
 MAX_MODEL_LEN = 1024
-GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16"}
+GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "int8-bf16": "q8_0"}
+INT8_PEERS = ("kvpage", "kvpage-base", "llama.cpp")  # the others have no int8-weight path here
 ENGINE_ORDER = ("kvpage", "kvpage-base", "hf", "vllm", "llama.cpp")
 Runner = Callable[[str, list[solo.SoloWorkload]], dict[str, dict]]  # (dtype, wls) -> per workload
 
@@ -153,6 +154,10 @@ def run_rounds(args, model_dir: Path, vocab: int, workdir: Path) -> None:
         if "llama.cpp" in engines and wl.llama_cpp is None:
             for d in args.dtypes:
                 cells[(wl.name, d, "llama.cpp")].na = "batched-bench runs equal-length prompts only"
+        for d in args.dtypes:
+            if solo.PRECISIONS[d][1]:
+                for e in set(engines) - set(INT8_PEERS):
+                    cells[(wl.name, d, e)].na = "no int8-weight run (kvpage int8 vs llama.cpp Q8_0)"
     runners = make_runners(engines, model_dir, workdir, args)
     for engine, runner in runners.items():
         if isinstance(runner, str):
@@ -187,20 +192,38 @@ def measure_floors(args, workloads, engines, model_dir: Path) -> dict:
     """The machine's bandwidth and matmul peak (measured here, alone, before the rounds), and
     each row's floor: the workload's least time on them (roofline.floor)."""
     cfg = json.loads((model_dir / "config.json").read_text())
-    machine = roofline.measure(args.threads, roofline.model_shape(cfg), tuple(args.dtypes))
+    matmuls = tuple(dict.fromkeys(matmul_dtype(d) for d in args.dtypes))
+    machine = roofline.measure(args.threads, roofline.model_shape(cfg), matmuls)
     for line in machine.lines():
         print(line)
     cost = roofline.ModelCost.from_config(cfg)
     floors = {}
     for wl in workloads:
         for dtype in args.dtypes:
+            peak = machine.flops_per_s(matmul_dtype(dtype))
             for engine in engines:
                 if runs_on(engine, wl):
                     work, kv = row_work(engine, wl, dtype)
-                    bw, peak = machine.bytes_per_s, machine.flops_per_s(dtype)
-                    wb = cost.weight_bytes(dtype)
-                    floors[(wl.name, dtype, engine)] = roofline.floor(cost, work, bw, peak, wb, kv)
+                    wb = row_weight_bytes(cost, engine, dtype)
+                    fl = roofline.floor(cost, work, machine.bytes_per_s, peak, wb, kv)
+                    floors[(wl.name, dtype, engine)] = fl
     return floors
+
+
+def matmul_dtype(precision: str) -> str:
+    """The dtype of the GEMM a row's prefill runs: int8 codes widen to float32 for it
+    (kvpage.model.widened), so int8 rows take the float32 peak."""
+    dtype, int8 = solo.PRECISIONS[precision]
+    return "float32" if int8 else dtype
+
+
+def row_weight_bytes(cost: roofline.ModelCost, engine: str, precision: str) -> int:
+    """Bytes a pass reads: kvpage's int8 (per-channel scales, the head too) or llama.cpp's Q8_0
+    on int8 rows, the model dtype otherwise."""
+    dtype, int8 = solo.PRECISIONS[precision]
+    if int8 and engine == "llama.cpp":
+        return cost.q8_0_bytes()
+    return cost.weight_bytes(dtype, int8=int8, int8_head=int8)
 
 
 def row_work(engine: str, wl: solo.SoloWorkload, dtype: str) -> tuple[roofline.Work, int]:
@@ -211,7 +234,8 @@ def row_work(engine: str, wl: solo.SoloWorkload, dtype: str) -> tuple[roofline.W
     if engine == "llama.cpp" and bb is not None:
         work = roofline.Work((bb.npp,) * bb.npl, (bb.ntg,) * bb.npl, bb.npp if bb.shared else 0)
         return work, LLAMA_CPP_KV_BYTES
-    return roofline.Work.of_generate(wl.prompts, wl.max_tokens), roofline.DTYPE_BYTES[dtype]
+    kv = roofline.DTYPE_BYTES[solo.PRECISIONS[dtype][0]]  # kvpage's KV: the model dtype
+    return roofline.Work.of_generate(wl.prompts, wl.max_tokens), kv
 
 
 def floor_notes(workloads, dtypes, floors, me: str = "kvpage") -> list[str]:
@@ -264,7 +288,7 @@ def mismatch_gaps(workloads, cells, model_dir: Path, me: str = "kvpage") -> list
 def run_one(engine, dtype, workloads, runner, cells, round_index) -> None:
     """One engine process (kvpage, hf, vllm) or a series of them (llama.cpp) on every workload it
     can run; its walls land in `cells`, a failure in every one of its cells of this dtype."""
-    todo = [w for w in workloads if runs_on(engine, w) and not cells[(w.name, dtype, engine)].error]
+    todo = [w for w in workloads if runs_on(engine, w) and _open(cells[(w.name, dtype, engine)])]
     if not todo or isinstance(runner, str):
         return
     t0 = time.perf_counter()
@@ -282,6 +306,10 @@ def run_one(engine, dtype, workloads, runner, cells, round_index) -> None:
     walls = ", ".join(f"{w.name} {results[w.name]['wall']:.2f}s" for w in todo)
     spent = time.perf_counter() - t0
     print(f"round {round_index + 1} {dtype} {engine}: {walls} (process {spent:.0f}s)", flush=True)
+
+
+def _open(cell: solo.Cell) -> bool:
+    return not (cell.error or cell.na)
 
 
 def describe(workloads: list[solo.SoloWorkload], engines: list[str]) -> list[str]:

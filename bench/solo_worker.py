@@ -3,7 +3,8 @@
 
     python bench/solo_worker.py SPEC.json OUT.json
 
-SPEC: engine ("kvpage" | "hf"), model_dir, dtype, seed, threads, hf_batch, workloads
+SPEC: engine ("kvpage" | "hf"), model_dir, dtype (bench/solo.py's PRECISIONS: float32, bfloat16,
+int8 and int8-bf16, int8 weights and LM head with float32 / bfloat16 activations), seed, threads, hf_batch, workloads
 [{name, prompts, max_tokens}]. The engine is built and warmed up once (untimed), then each
 workload runs once, timed around the generate call alone; OUT: load_s and per workload
 {wall, tokens}. kvpage: the throughput.py engine settings (block size 16, prefix caching on, a
@@ -19,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import solo
 import torch
 import transformers
 from throughput import Workload, blocks_needed, kvpage_llm, random_tokens, run_hf_generate
@@ -28,7 +30,9 @@ from kvpage import SamplingParams
 
 def run_kvpage(spec: dict, workloads: list[Workload]) -> dict:
     pool = max(blocks_needed(wl) for wl in workloads)
-    llm = kvpage_llm(spec["model_dir"], pool, True, spec["seed"], spec["dtype"])  # warms up
+    dtype, int8 = solo.PRECISIONS[spec["dtype"]]  # int8: weights and LM head
+    quant = "int8" if int8 else "none"
+    llm = kvpage_llm(spec["model_dir"], pool, True, spec["seed"], dtype, 1, quant, int8)  # warms
     results = {}
     for wl in workloads:
         params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in wl.max_tokens]

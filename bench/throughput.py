@@ -289,6 +289,8 @@ def kvpage_llm(
     seed: int,
     dtype: str = "float32",
     tp: int = 1,
+    quantization: str = "none",
+    quantize_lm_head: bool = False,
 ) -> LLM:
     llm = LLM(
         model_dir,
@@ -301,6 +303,8 @@ def kvpage_llm(
         device="cpu",
         seed=seed,
         tensor_parallel_size=tp,
+        quantization=quantization,
+        quantize_lm_head=quantize_lm_head,
     )
     rng = random.Random(seed + 1)
     warm = [random_tokens(rng, 48, llm.engine.model.config.vocab_size) for _ in range(4)]
@@ -812,7 +816,8 @@ def main() -> None:
     ap.add_argument(
         "--dtypes",
         default=None,
-        help="kvpage (and peer) dtypes: float32,bfloat16; default float32 (solo: both)",
+        help="kvpage (and peer) dtypes: float32,bfloat16; default float32 (solo: both; solo "
+        "also takes int8 and int8-bf16: int8 weights and LM head against llama.cpp's Q8_0)",
     )
     ap.add_argument(
         "--tensor-parallel-size",
@@ -829,8 +834,9 @@ def main() -> None:
         _default(args.dtypes, "float32,bfloat16" if solo_mode else "float32").split(",")
     )
     args.dtypes -= {""}
-    if args.dtypes - {"float32", "bfloat16"}:
-        raise SystemExit(f"unknown dtype(s) {sorted(args.dtypes - {'float32', 'bfloat16'})}")
+    known = {"float32", "bfloat16"} | ({"int8", "int8-bf16"} if solo_mode else set())
+    if args.dtypes - known:
+        raise SystemExit(f"unknown dtype(s) {sorted(args.dtypes - known)}; choose from {known}")
     if args.peers - PEERS:
         raise SystemExit(f"unknown peer(s) {sorted(args.peers - PEERS)}; choose from {PEERS}")
     torch.set_num_threads(args.threads)
@@ -915,7 +921,7 @@ def solo_main(args) -> None:
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.models = args.models or ("small" if args.quick else "125m")
     args.workloads = (args.workloads or ",".join(solo_rounds.solo.WORKLOADS)).split(",")
-    args.dtypes = [d for d in ("float32", "bfloat16") if d in args.dtypes]
+    args.dtypes = [d for d in solo_rounds.solo.PRECISIONS if d in args.dtypes]
     args.vllm_eager = args.vllm_eager or args.quick  # torch.compile warm-up costs minutes
     if args.peers - {"hf", "hf-generate", "vllm", "llama.cpp"}:
         raise SystemExit(f"solo mode peers: hf, vllm, llama.cpp (not {sorted(args.peers)})")

@@ -59,6 +59,10 @@ def test_weight_counts_match_the_models_parameters(name):
         read -= model.model.embed_tokens.weight.numel()
     assert cost.weight_bytes("float32") == 4 * read
     assert cost.weight_bytes("bfloat16") == 2 * read
+    # llama.cpp's Q8_0: 34 bytes per 32 weights of every matrix it reads, vectors in float32
+    matrices = sum(p.numel() for p in layers if p.dim() == 2) + model.lm_head.weight.numel()
+    vectors = read - matrices
+    assert cost.q8_0_bytes() == matrices // 32 * 34 + 4 * vectors
     attn = [layer.self_attn for layer in model.model.layers]
     kv = sum(a.k_proj.out_features + a.v_proj.out_features for a in attn)
     assert cost.kv_width == kv
