@@ -32,7 +32,7 @@ import serving_metrics as sm  # noqa: E402
 import serving_servers as ss  # noqa: E402
 from peers import llama_cpp, vllm_cpu  # noqa: E402
 from serving_client import send_stream  # noqa: E402
-from serving_workload import StreamShape, make_stream, warmup_stream  # noqa: E402
+from serving_workload import StreamRequest, StreamShape, make_stream, warmup_stream  # noqa: E402
 
 MAX_MODEL_LEN = 2048  # the longest request is 1024 + 256 tokens
 SLOT_CTX = 1536  # llama.cpp's context per slot: one request's 1280 tokens fit
@@ -70,7 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # --- one server, one round ----------------------------------------------------------------------
 def run_server(
-    server: str, setup: ss.ServerSetup, streams: dict, warm: list, tag: str, args
+    server: str,
+    setup: ss.ServerSetup,
+    streams: dict[float, list[StreamRequest]],
+    warm: list[StreamRequest],
+    tag: str,
+    args,
 ) -> dict[float, sm.RunSummary]:
     """Starts `server`, warms it up, sends every rate's stream; its summary per rate."""
     slo = sm.Slo(args.slo_ttft_ms, args.slo_tpot_ms)
@@ -120,7 +125,12 @@ def cell(pair: tuple[float, float], fmt: str) -> str:
     return "-" if math.isnan(best) else f"{fmt.format(best)} ({fmt.format(med)})"
 
 
-def table(args, streams: dict, results: dict[Key, list[sm.RunSummary]], failures: dict) -> None:
+def table(
+    args,
+    streams: dict[float, list[StreamRequest]],
+    results: dict[Key, list[sm.RunSummary]],
+    failures: dict,
+) -> None:
     slo = sm.Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     print(
         f"\nbest round (median round) of {args.rounds}; latencies in ms (best = lowest), rates "
