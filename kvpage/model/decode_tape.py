@@ -298,13 +298,9 @@ class DecodeTape:
         return len(self._tapes)
 
     @classmethod
-    def build(cls, model: nn.Module) -> DecodeTape | None:
-        """The tape of a model whose layers take (hidden, residual, rope, attn); None for a
-        tensor-parallel one (kvpage.parallel.sharding): its all-reduce is neither a kernel
-        call nor a torch operator the guard sees, so a replay would leave it out."""
-        for module in model.modules():
-            if any(hasattr(v, "all_reduce") for v in vars(module).values()):
-                return None
+    def build(cls, model: nn.Module) -> DecodeTape:
+        """The tape of a model whose layers take (hidden, residual, rope, attn). A
+        tensor-parallel shard's all-reduce is a recorded call (kvpage.parallel.sharding)."""
         return cls(model)
 
     def takes(self, x: torch.Tensor, attn: object) -> bool:

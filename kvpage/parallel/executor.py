@@ -22,6 +22,7 @@ from kvpage.kv.storage import KVShard, KVStorage
 from kvpage.lora.apply import LoraContext
 from kvpage.lora.tables import Factors, SlotTables
 from kvpage.model.base import CausalLM
+from kvpage.model.kernels import bound_with
 from kvpage.model.paged_attention import PagedAttentionMetadata
 from kvpage.parallel.commands import Command, Configure, PatchKV, Step, WriteLoraSlot
 from kvpage.parallel.sharding import attach_lora, shard_lora_factors
@@ -55,7 +56,8 @@ def _group_for(model: CausalLM, world_size: int, timeout_s: float) -> tuple[Work
         return WorkerGroup(model, world_size, timeout_s), False
     key = (id(model), world_size, timeout_s)
     group = _shared.get(key)
-    if group is None or not group.healthy or group.source is not model:
+    stale = group is not None and group.kernels != bound_with(model)  # ranks bind as it is
+    if group is None or stale or not group.healthy or group.source is not model:
         if group is not None:
             group.shutdown()
         group = _shared[key] = WorkerGroup(model, world_size, timeout_s)

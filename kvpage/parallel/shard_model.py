@@ -15,7 +15,7 @@ import torch
 
 from kvpage.config import ModelConfig
 from kvpage.model.base import CausalLM
-from kvpage.model.kernels import finalize
+from kvpage.model.kernels import KernelChoice, finalize
 from kvpage.model.loader import build_model
 from kvpage.model.quantize import quantize_model_, state_quantization
 from kvpage.parallel.group import TPGroup
@@ -23,8 +23,10 @@ from kvpage.parallel.sharding import ShardPlan, shard_model, shard_plan
 
 
 def build_shard(
-    cfg: ModelConfig, state: dict[str, torch.Tensor], group: TPGroup
+    cfg: ModelConfig, state: dict[str, torch.Tensor], group: TPGroup, kernels: KernelChoice
 ) -> tuple[CausalLM, ShardPlan]:
+    """This rank's shard, bound with `kernels` (the choice the engine's own model was bound
+    with: every rank runs the same paths)."""
     plan = shard_plan(cfg, group.rank, group.world_size)
     dtype = next(t.dtype for t in state.values() if t.is_floating_point())
     model = build_model(cfg).to(dtype)
@@ -33,4 +35,4 @@ def build_shard(
     model.load_state_dict(state)
     model.tie_weights()
     # Bound after sharding, to the shards' own tensors (kvpage.model.kernels).
-    return finalize(shard_model(model.eval(), plan, group.all_reduce)), plan
+    return finalize(shard_model(model.eval(), plan, group.all_reduce), kernels), plan

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import kvpage.model.native_build as native_build
 from kvpage.config import ModelConfig
 from kvpage.errors import TensorParallelError
 from kvpage.lora.apply import LoraContext, attach
@@ -106,7 +107,11 @@ class RowParallel:
         y = self.proj(x)[0]
         if self.lora is not None:
             y = self.lora(x, y)
-        return (self.all_reduce(y.contiguous()),)
+        y = y.contiguous()
+        # In place, through native_build.call: a decode tape records the collective with the
+        # kernels around it and replays it between them (every rank replays the same calls).
+        native_build.call(self.all_reduce, y)
+        return (y,)
 
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")

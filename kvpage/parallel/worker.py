@@ -17,6 +17,7 @@ from kvpage.kv.format import kv_format
 from kvpage.kv.storage import KVStorage
 from kvpage.lora.apply import LoraContext
 from kvpage.lora.tables import SlotTables
+from kvpage.model.kernels import KernelChoice
 from kvpage.model.paged_attention import paged_backend
 from kvpage.parallel.commands import (
     Configure,
@@ -46,6 +47,7 @@ class WorkerSpec:
     model_config: ModelConfig
     state: dict[str, torch.Tensor]  # the full model's weights (shared memory under spawn)
     num_threads: int
+    kernels: KernelChoice  # rank 0's: every rank runs the same kernels
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -57,7 +59,7 @@ def worker_main(spec: WorkerSpec) -> None:
     store.set(f"kvpage-ready-{spec.rank}", "1")
     try:
         group = TPGroup(store, spec.rank, spec.world_size, spec.timeout_s)
-        model, plan = build_shard(spec.model_config, spec.state, group)
+        model, plan = build_shard(spec.model_config, spec.state, group, spec.kernels)
         del spec.state
         _serve(Shard(group, model, plan))
     except WorkerFailure:

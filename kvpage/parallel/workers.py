@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 
 from kvpage.errors import WorkerFailure
 from kvpage.model.base import CausalLM
+from kvpage.model.kernels import bound_with, kernel_choice
 from kvpage.parallel.commands import Command, Stop
 from kvpage.parallel.group import TPGroup, master_store
 from kvpage.parallel.shard_model import build_shard
@@ -64,6 +65,8 @@ class WorkerGroup:
     def __init__(self, model: CausalLM, world_size: int, timeout_s: float) -> None:
         check_divisible(model.config, world_size)  # before any process is started
         self.source, self.world_size, self.timeout_s = model, world_size, timeout_s
+        # Every rank binds as the engine's model is bound (EngineConfig.fast_paths_off).
+        self.kernels = bound_with(model) or kernel_choice()
         self.group: TPGroup | None = None
         self.closed = False
         self.lease: object | None = None  # the executor (engine) the workers now serve
@@ -75,7 +78,9 @@ class WorkerGroup:
         try:
             self._await_workers(store)
             self.group = TPGroup(store, 0, world_size, timeout_s)
-            self.model, self.plan = build_shard(model.config, model.state_dict(), self.group)
+            self.model, self.plan = build_shard(
+                model.config, model.state_dict(), self.group, self.kernels
+            )
             _take_core_share(world_size)
             self.holds_cores = True
         except BaseException:
@@ -97,6 +102,7 @@ class WorkerGroup:
                 model.config,
                 state,
                 threads,
+                self.kernels,
             )
             proc = ctx.Process(
                 target=worker_main, args=(spec,), daemon=True, name=f"kvpage-tp{rank}"

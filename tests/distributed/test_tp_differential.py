@@ -12,6 +12,8 @@ import torch
 from kvpage import SamplingParams
 from kvpage.config import EngineConfig
 from kvpage.engine.events import EngineObserver
+from kvpage.model.decode_tape import Tape
+from kvpage.model.kernels import bound_with
 from kvpage.verify.driver import StepDriver
 from tests.engine.workload import prefix_prompts
 
@@ -72,6 +74,7 @@ def _hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
 # blocks its fork's samples are both swapped out before either writes (no copy-on-write).
 POOL = {"gemma3": 12}
 WINDOWED = ("mistral-window", "qwen2-window", "gemma3")
+TAPED = ("llama-gqa-8q-2kv", "llama-mha")  # at least these: a head size the native decode takes
 
 
 def _config(directory, num_blocks: int = 16, **kw) -> dict:
@@ -97,12 +100,19 @@ def _assert_same_tokens(name: str, tp_out, ref_out, stats) -> None:
 
 
 @pytest.mark.parametrize("name", TP_MODELS)
-def test_tp2_equals_tp1_and_hf(name, hf_dirs):
+def test_tp2_equals_tp1_and_hf(name, hf_dirs, monkeypatch):
     hf_model, directory = hf_dirs[name]
     prompts = prefix_prompts(BLOCK, hf_model.config.vocab_size, n=10, seed=3)
     config = _config(directory, POOL.get(name, 16))
+    replays = []  # decode steps replayed from a tape (TP: rank 0's, the all-reduce included)
+    replay = Tape.replay
+    monkeypatch.setattr(Tape, "replay", lambda self: replays.append(1) or replay(self))
     ref_out, ref_logits, _ = _run(EngineConfig(**config), prompts)
+    tp1_replays, replays[:] = len(replays), []
     tp_out, tp_logits, stats = _run(EngineConfig(**config, tensor_parallel_size=2), prompts)
+    # A shard takes the tape wherever the whole model does (its rows and head size allow it).
+    assert (len(replays) > 0) == (tp1_replays > 0), f"{name}: {len(replays)} vs {tp1_replays}"
+    assert tp1_replays > 0 or name not in TAPED, f"{name}: no decode step replayed"
 
     _assert_same_tokens(name, tp_out, ref_out, stats)
     if name in WINDOWED:  # every window group gives blocks back, Mistral's all-window one too
@@ -124,3 +134,22 @@ def test_tp2_int8_kv_equals_tp1_int8(hf_dirs):
     ref_out, _, _ = _run(EngineConfig(**config), prompts)
     tp_out, _, stats = _run(EngineConfig(**config, tensor_parallel_size=2), prompts)
     _assert_same_tokens("int8", tp_out, ref_out, stats)
+
+
+def test_the_ranks_bind_as_the_engine_asks(hf_dirs, monkeypatch):
+    """EngineConfig.fast_paths_off reaches the shards: rank 0's shard and the workers' spec
+    are bound without the tape, and no decode step replays one."""
+    replays = []
+    replay = Tape.replay
+    monkeypatch.setattr(Tape, "replay", lambda self: replays.append(1) or replay(self))
+    _, directory = hf_dirs["llama-gqa-8q-2kv"]
+    config = EngineConfig(**_config(directory), tensor_parallel_size=2,
+                          fast_paths_off=("decode_plan",))  # fmt: skip
+    with engine_for(config) as engine:
+        workers = engine.tp.workers
+        assert not workers.kernels.on("decode_plan")
+        assert bound_with(workers.model) == workers.kernels
+        engine.add_request("0", list(range(3, 20)), GREEDY)
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert replays == []
