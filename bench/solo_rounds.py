@@ -166,14 +166,16 @@ def run_rounds(args, model_dir: Path, vocab: int, workdir: Path) -> None:
                 cell.error = cell.error or (runner if key[2] == engine and not cell.na else None)
     for line in describe(workloads, engines):
         print(line)
-    floors = measure_floors(args, workloads, engines, model_dir)
+    machine = None
     for r in range(args.rounds):
+        machine = measure_machine(args, model_dir, machine)
         order = engines[r % len(engines) :] + engines[: r % len(engines)]
         for dtype in args.dtypes:
             for engine in order:
                 run_one(engine, dtype, workloads, runners[engine], cells, r)
     print(f"\nout tok/s = useful output tokens / wall of the generate call; best = fastest of "
           f"{args.rounds} round(s), (med) = median; kvpage/engine: best vs best (med vs med)")  # fmt: skip
+    floors = row_floors(args, workloads, engines, model_dir, machine) if machine else {}
     for line in solo.table(workloads, args.dtypes, engines, cells, floors=floors):
         print(line)
     for line in floor_notes(workloads, args.dtypes, floors):
@@ -188,14 +190,21 @@ def run_rounds(args, model_dir: Path, vocab: int, workdir: Path) -> None:
 LLAMA_CPP_KV_BYTES = 2  # llama-batched-bench keeps its KV cache in f16 (-ctk/-ctv default)
 
 
-def measure_floors(args, workloads, engines, model_dir: Path) -> dict:
-    """The machine's bandwidth and matmul peak (measured here, alone, before the rounds), and
-    each row's floor: the workload's least time on them (roofline.floor)."""
+def measure_machine(args, model_dir: Path, before: roofline.Machine | None) -> roofline.Machine:
+    """The machine's bandwidth and matmul peak, measured alone at the start of a round, each the
+    best of this and the earlier rounds: on a shared machine other load only ever lowers them."""
     cfg = json.loads((model_dir / "config.json").read_text())
     matmuls = tuple(dict.fromkeys(matmul_dtype(d) for d in args.dtypes))
     machine = roofline.measure(args.threads, roofline.model_shape(cfg), matmuls)
+    machine = machine if before is None else before.best_with(machine)
     for line in machine.lines():
         print(line)
+    return machine
+
+
+def row_floors(args, workloads, engines, model_dir: Path, machine: roofline.Machine) -> dict:
+    """Each row's floor: the workload's least time on the machine (roofline.floor)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
     cost = roofline.ModelCost.from_config(cfg)
     floors = {}
     for wl in workloads:
