@@ -21,7 +21,7 @@ the recorded addresses stay valid.
 Replay (`Tape.replay`): the step's inputs are copied into the tape's (the block tables,
 slots and lengths checked as the module forward checks them), then the calls run in order:
 each run of native calls whose signatures it knows from one native call (native/tape_replay.cpp:
-a switch over the kernels' six signatures), the others from Python between them.
+a switch over the kernels' signatures), the others from Python between them.
 The recording step's own result is the module forward's, computed on the same inputs.
 
 `DecodeTape.takes(x, attn)` says per step whether it runs: a decode-only paged step (KV in one
@@ -54,6 +54,8 @@ SIGNATURES = {
     "ppllpi": 3,  # a linear kernel: weight GEMV, AMX
     "iplpplllpppplllllllfpli": 4,  # paged_decode
     "ipplpplllpllll": 5,  # paged_write
+    "iplplppfllppi": 6,  # layer_norm
+    "ipllpli": 7,  # gelu_new
 }
 _LETTERS = {ctypes.c_int: "i", ctypes.c_int64: "l", ctypes.c_void_p: "p", ctypes.c_float: "f"}
 

@@ -218,12 +218,47 @@ class GeGLU(SwiGLU):
 _GATED_KERNELS = {SwiGLU.activation: "silu_mul", GeGLU.activation: "gelu_tanh_mul"}
 
 
+class LayerNorm(nn.LayerNorm):
+    """torch's LayerNorm (GPT-2's), with RMSNorm's native forward and fused residual add."""
+
+    native = False  # kvpage's native kernel (bound by kvpage.model.kernels.finalize)
+
+    def bind_kernels(self, choice: KernelChoice) -> None:
+        self.native = self.bias is not None and small_ops_on(choice, self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native_fits(x):
+            return native_small_ops.layer_norm(x, self.weight, self.bias, self.eps)[1]
+        return super().forward(x)
+
+    def add_forward(
+        self, x: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, LayerNorm(x + delta)): the residual add and the next norm in one pass."""
+        if self._native_fits(x):
+            return native_small_ops.layer_norm(x, self.weight, self.bias, self.eps, delta)
+        x = x + delta
+        return x, super().forward(x)
+
+    def _native_fits(self, x: torch.Tensor) -> bool:
+        w = self.weight
+        return (
+            self.native
+            and x.dim() == 2
+            and w.dtype == x.dtype
+            and native_small_ops.supports(x)
+            and not (w.requires_grad and torch.is_grad_enabled())
+        )
+
+
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
     """GPT-2's tanh approximation of GELU."""
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
 
 
 class GPT2MLP(nn.Module):
+    native = False  # gelu_new by kvpage's native kernel (bound by finalize)
+
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.c_fc = nn.Linear(hidden, intermediate)
@@ -231,5 +266,15 @@ class GPT2MLP(nn.Module):
         self.fc = Projection(self.c_fc)
         self.proj = Projection(self.c_proj)
 
+    def bind_kernels(self, choice: KernelChoice) -> None:
+        self.native = small_ops_on(choice, self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(gelu_new(self.fc(x)[0]))[0]
+        return self.proj(self._gelu_new(self.fc(x)[0]))[0]
+
+    def _gelu_new(self, h: torch.Tensor) -> torch.Tensor:
+        """Natively as SwiGLU's silu * up: bfloat16 always, float32 at decode's few rows."""
+        rows = h.dtype is torch.bfloat16 or h.shape[0] <= NATIVE_F32_ROWS
+        if self.native and rows and h.dim() == 2 and native_small_ops.supports(h):
+            return native_small_ops.gelu_new(h)
+        return gelu_new(h)

@@ -15,7 +15,7 @@ from kvpage.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, 
 from kvpage.model.projection import Projection
 
 
-class _PlanSlot:
+class PlanSlot:
     """The model's decode tape, bound by finalize. A copy of the model (the reference's twin, a
     pickled worker's) starts without one: the tape holds the original's modules and native
     kernel handles, which are neither its own nor picklable."""
@@ -23,11 +23,11 @@ class _PlanSlot:
     def __init__(self) -> None:
         self.plan: DecodeTape | None = None
 
-    def __deepcopy__(self, memo) -> _PlanSlot:
-        return _PlanSlot()
+    def __deepcopy__(self, memo) -> PlanSlot:
+        return PlanSlot()
 
     def __reduce__(self):
-        return (_PlanSlot, ())
+        return (PlanSlot, ())
 
 
 class LlamaAttention(nn.Module):
@@ -129,7 +129,7 @@ class LlamaForCausalLM(CausalLM):
         self.model = self.body(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.logits = Projection(self.lm_head)
-        self._plan = _PlanSlot()
+        self._plan = PlanSlot()
         self.tie_weights()
 
     def tie_weights(self) -> None:

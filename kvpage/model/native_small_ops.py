@@ -1,5 +1,6 @@
-"""RMSNorm (with the residual add before it; Gemma's with a float32 weight), rotary embedding and
-a gated MLP's silu(gate) * up or gelu_tanh(gate) * up as single native calls
+"""RMSNorm (with the residual add before it; Gemma's with a float32 weight), LayerNorm likewise,
+rotary embedding, a gated MLP's silu(gate) * up or gelu_tanh(gate) * up and GPT-2's gelu_new as
+single native calls
 (native/small_ops.cpp), built at first use like the other kernels (kvpage.model.native_build).
 
 Why: at batch 1 a decode step is ~40 torch ops per layer besides the matmuls, and on a 768-wide
@@ -35,6 +36,24 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.kvpage_rms_norm.restype = None
     lib.kvpage_rms_norm.argtypes = [i32, ptr, i64, ptr, i64, ptr, f32, i64, i64, ptr, ptr, i32]
+    lib.kvpage_layer_norm.restype = None
+    lib.kvpage_layer_norm.argtypes = [
+        i32,
+        ptr,
+        i64,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        f32,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        i32,
+    ]
+    lib.kvpage_gelu_new.restype = None
+    lib.kvpage_gelu_new.argtypes = [i32, ptr, i64, i64, ptr, i64, i32]
     lib.kvpage_rotary.restype = None
     lib.kvpage_rotary.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr, i64, i32]
     for gated in (lib.kvpage_silu_mul, lib.kvpage_gelu_tanh_mul):  # one signature
@@ -100,6 +119,64 @@ def rms_norm(
         torch.get_num_threads(),
     )
     return total, out
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    delta: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(x + delta or None, LayerNorm(x + delta)) with weight and bias of x's dtype, as rms_norm
+    (new contiguous outputs); the normed row rounded once, as torch's layer_norm."""
+    n, c = x.shape
+    _check_rows(x, c)
+    for t in (weight, bias):
+        if t.shape != (c,) or t.dtype != x.dtype or not t.is_contiguous():
+            raise ValueError(f"LayerNorm weight {tuple(t.shape)} {t.dtype} for rows {x.shape}")
+    out = _output(None, x)
+    if delta is not None:
+        if delta.shape != x.shape or delta.dtype != x.dtype:
+            raise ValueError(f"residual {tuple(delta.shape)} {delta.dtype} for {tuple(x.shape)}")
+        _check_rows(delta, c)
+    total = None if delta is None else _output(None, x)
+    native_build.call(
+        _library().kvpage_layer_norm,
+        DTYPES[x.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        None if delta is None else delta.data_ptr(),
+        0 if delta is None else delta.stride(0),
+        weight.data_ptr(),
+        bias.data_ptr(),
+        eps,
+        n,
+        c,
+        None if total is None else total.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return total, out
+
+
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's gelu_new of 2-D x (rows contiguous), every op rounded to the dtype as torch's
+    chain of ops rounds it (kvpage.model.layers.gelu_new); a new contiguous tensor."""
+    n, c = x.shape
+    _check_rows(x, c)
+    out = _output(None, x)
+    native_build.call(
+        _library().kvpage_gelu_new,
+        DTYPES[x.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        c,
+        out.data_ptr(),
+        n,
+        torch.get_num_threads(),
+    )
+    return out
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

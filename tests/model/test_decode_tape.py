@@ -31,7 +31,7 @@ TOKENS = 20
 # (measured <= 2e-5 on these models; tests/model/test_hf_parity.py's STEP_ATOL).
 ATOL = 1e-4
 FAMILIES = ["llama-gqa-8q-2kv", "llama-tied", "qwen2-bias", "llama-mqa", "mistral-window",
-            "qwen2-window", "qwen3", "phi3-partial-tied", "smollm3", "gemma3"]  # fmt: skip
+            "qwen2-window", "qwen3", "phi3-partial-tied", "smollm3", "gemma3", "gpt2"]  # fmt: skip
 
 
 def _prompts(n: int = 3) -> list[list[int]]:
@@ -171,19 +171,13 @@ def test_k_and_v_swapped_in_the_replayed_calls_is_caught(one_call, tmp_path, mon
     assert _hf_error(hf_model, tokens, logprobs) > 100 * ATOL
 
 
-@pytest.mark.parametrize("name", ["llama-gqa-8q-2kv", "phi3-partial-tied"])
+@pytest.mark.parametrize("name", ["llama-gqa-8q-2kv", "phi3-partial-tied", "gemma3", "gpt2"])
 def test_the_python_loop_replays_as_the_one_call(name, tmp_path, replays, monkeypatch):
     save_hf(name, tmp_path)
     one_call = _engine(tmp_path, dtype="bfloat16")
     monkeypatch.setattr(Tape, "compile", lambda self: None)
     loop = _engine(tmp_path, dtype="bfloat16")
     assert one_call[:2] == loop[:2] and len(replays) == 2 * (TOKENS - 2)
-
-
-def test_models_without_a_tape_do_not_build_one(tmp_path):
-    save_hf("gpt2", tmp_path)
-    model, _ = load_model(str(tmp_path))
-    assert getattr(model, "decode_plan", lambda: None)() is None
 
 
 @pytest.mark.parametrize("case", [{"kv_cache_dtype": "int8"}, {"hook": True}])

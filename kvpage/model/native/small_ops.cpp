@@ -1,6 +1,7 @@
 // The small per-token ops of a decoder layer, each one pass instead of a chain of torch ops:
-// RMSNorm (optionally after the residual add; Gemma's with a float32 weight), rotary embedding
-// applied to q and k in place, and a gated MLP's activation(gate) * up (SiLU, GELU-tanh).
+// RMSNorm (optionally after the residual add; Gemma's with a float32 weight), LayerNorm likewise
+// (GPT-2's), rotary embedding applied to q and k in place, a gated MLP's activation(gate) * up
+// (SiLU, GELU-tanh) and GPT-2's gelu_new.
 //
 // At batch 1 a 125M model's decode step runs ~40 torch ops per layer besides its matmuls, and
 // each op's dispatch costs more than its arithmetic on a 768-wide row. The numerics follow the
@@ -174,6 +175,62 @@ void rms_norm(const void* x, int64_t x_stride, const void* delta, int64_t delta_
     }
 }
 
+// One row of LayerNorm (GPT-2's): [sum = round(x + delta)]; out = round((s - mean) * rstd * w + b)
+// in float32, rounded once as torch's layer_norm rounds; mean and variance of the row as the
+// dtype holds it (two passes: the variance of s - mean).
+template <class D>
+void layer_norm_row(const typename D::T* x, const typename D::T* delta, const typename D::T* w,
+                    const typename D::T* b, float eps, int64_t c, typename D::T* sum,
+                    typename D::T* out) {
+    const typename D::T* s = x;
+    const int64_t vectors = c / kLanes * kLanes;
+    if (delta != nullptr) {
+        for (int64_t i = 0; i < vectors; i += kLanes)
+            store16(sum + i, load16(x + i) + load16(delta + i));
+        for (int64_t i = vectors; i < c; ++i) D::put(sum + i, D::get(x + i) + D::get(delta + i));
+        s = sum;
+    }
+    f32x16 acc = {};
+    for (int64_t i = 0; i < vectors; i += kLanes) acc += load16(s + i);
+    float total = 0.0f;
+    for (int64_t j = 0; j < kLanes; ++j) total += acc[j];
+    for (int64_t i = vectors; i < c; ++i) total += D::get(s + i);
+    const float mean = total / static_cast<float>(c);
+    f32x16 sq = {};
+    for (int64_t i = 0; i < vectors; i += kLanes) {
+        const f32x16 d = load16(s + i) - mean;
+        sq += d * d;
+    }
+    float squares = 0.0f;
+    for (int64_t j = 0; j < kLanes; ++j) squares += sq[j];
+    for (int64_t i = vectors; i < c; ++i) {
+        const float d = D::get(s + i) - mean;
+        squares += d * d;
+    }
+    const float rstd = 1.0f / std::sqrt(squares / static_cast<float>(c) + eps);
+    for (int64_t i = 0; i < vectors; i += kLanes)
+        store16(out + i, (load16(s + i) - mean) * rstd * load16(w + i) + load16(b + i));
+    for (int64_t i = vectors; i < c; ++i)
+        D::put(out + i, (D::get(s + i) - mean) * rstd * D::get(w + i) + D::get(b + i));
+}
+
+template <class D>
+void layer_norm(const void* x, int64_t x_stride, const void* delta, int64_t delta_stride,
+                const void* w, const void* b, float eps, int64_t n, int64_t c, void* sum,
+                void* out, int threads) {
+    using T = typename D::T;
+    const T* xs = static_cast<const T*>(x);
+    const T* ds = static_cast<const T*>(delta);
+    T* sums = static_cast<T*>(sum);
+    T* outs = static_cast<T*>(out);
+#pragma omp parallel for num_threads(threads) if (n * c >= kParallelElements && threads > 1)
+    for (int64_t row = 0; row < n; ++row) {
+        layer_norm_row<D>(xs + row * x_stride, ds == nullptr ? nullptr : ds + row * delta_stride,
+                          static_cast<const T*>(w), static_cast<const T*>(b), eps, c,
+                          sums == nullptr ? nullptr : sums + row * c, outs + row * c);
+    }
+}
+
 // x = round(round(x * cos) + round(rotate_half(x) * sin)) for every head of one row, in place:
 // apply_rotary's q * cos + _rotate_half(q) * sin, each op rounded as torch rounds it.
 template <class D>
@@ -290,6 +347,40 @@ void gelu_tanh_mul_row(const typename D::T* g, const typename D::T* u, int64_t c
     }
 }
 
+// out = GPT-2's gelu_new(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) as torch computes
+// its ops on the dtype one by one: every product, sum and the tanh rounded to it (x^3 as
+// (x * x) * x, each rounded: torch's pow(x, 3)).
+template <class D>
+void gelu_new_row(const typename D::T* g, int64_t c, typename D::T* out) {
+    constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
+    const D d{};
+    int64_t i = 0;
+    for (; i + kLanes <= c; i += kLanes) {
+        const f32x16 x = load16(g + i);
+        const f32x16 cube = round16(round16(x * x, d) * x, d);
+        const f32x16 inner = round16(kBeta * round16(x + round16(kKappa * cube, d), d), d);
+        const f32x16 one_plus = round16(1.0f + round16(tanh16(inner), d), d);
+        store16(out + i, round16(0.5f * x, d) * one_plus);
+    }
+    for (; i < c; ++i) {
+        const float x = D::get(g + i);
+        const float cube = D::round(D::round(x * x) * x);
+        const float inner = D::round(kBeta * D::round(x + D::round(kKappa * cube)));
+        const float t = std::fabs(inner) > 8.664339742f ? std::copysign(1.0f, inner)
+                                                        : std::tanh(inner);
+        D::put(out + i, D::round(0.5f * x) * D::round(1.0f + D::round(t)));
+    }
+}
+
+template <class D>
+void gelu_new(const void* x, int64_t stride, int64_t c, void* out, int64_t n, int threads) {
+    using T = typename D::T;
+    const T* xs = static_cast<const T*>(x);
+    T* outs = static_cast<T*>(out);
+#pragma omp parallel for num_threads(threads) if (n * c >= kParallelElements && threads > 1)
+    for (int64_t row = 0; row < n; ++row) gelu_new_row<D>(xs + row * stride, c, outs + row * c);
+}
+
 // row: silu_mul_row or gelu_tanh_mul_row
 template <class D, void (*row_fn)(const typename D::T*, const typename D::T*, int64_t,
                                   typename D::T*)>
@@ -323,6 +414,16 @@ void kvpage_rms_norm(int dtype, const void* x, int64_t x_stride, const void* del
         rms_norm<BF16, true>(x, x_stride, delta, delta_stride, w, eps, n, c, sum, out, threads);
 }
 
+// LayerNorm with weight w and bias b (the rows' dtype), as kvpage_rms_norm (dtype 0 or 1).
+void kvpage_layer_norm(int dtype, const void* x, int64_t x_stride, const void* delta,
+                       int64_t delta_stride, const void* w, const void* b, float eps, int64_t n,
+                       int64_t c, void* sum, void* out, int threads) {
+    if (dtype == 0)
+        layer_norm<F32>(x, x_stride, delta, delta_stride, w, b, eps, n, c, sum, out, threads);
+    else
+        layer_norm<BF16>(x, x_stride, delta, delta_stride, w, b, eps, n, c, sum, out, threads);
+}
+
 // q: n rows of q_heads heads (heads head_stride apart, rows q_stride apart), k likewise; the
 // first d values of each head rotate (d < head_stride: a partial rotary factor), the rest stay;
 // cos, sin: (n, d) contiguous. Rotates both in place.
@@ -354,6 +455,15 @@ void kvpage_gelu_tanh_mul(int dtype, const void* gate, const void* up, int64_t s
         gated_mul<F32, gelu_tanh_mul_row<F32>>(gate, up, stride, c, out, n, threads);
     else
         gated_mul<BF16, gelu_tanh_mul_row<BF16>>(gate, up, stride, c, out, n, threads);
+}
+
+// x: n rows of c values, rows `stride` apart; out = gelu_new(x): (n, c) contiguous.
+void kvpage_gelu_new(int dtype, const void* x, int64_t stride, int64_t c, void* out, int64_t n,
+                     int threads) {
+    if (dtype == 0)
+        gelu_new<F32>(x, stride, c, out, n, threads);
+    else
+        gelu_new<BF16>(x, stride, c, out, n, threads);
 }
 
 }  // extern "C"

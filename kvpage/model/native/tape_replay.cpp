@@ -58,6 +58,15 @@ extern "C" void kvpage_tape_replay(const Call* calls, int64_t n) {
                     I_(0), P_(1), P_(2), L_(3), P_(4), P_(5), L_(6), L_(7), L_(8), P_(9), L_(10),
                     L_(11), L_(12), L_(13));
                 break;
+            case 6:  // layer_norm: iplplppfllppi
+                reinterpret_cast<void (*)(int, P, L, P, L, P, P, float, L, L, P, P, int)>(c.fn)(
+                    I_(0), P_(1), L_(2), P_(3), L_(4), P_(5), P_(6), c.f[0], L_(7), L_(8), P_(9),
+                    P_(10), I_(11));
+                break;
+            case 7:  // gelu_new: ipllpli
+                reinterpret_cast<void (*)(int, P, L, L, P, L, int)>(c.fn)(
+                    I_(0), P_(1), L_(2), L_(3), P_(4), L_(5), I_(6));
+                break;
         }
     }
 }
