@@ -71,7 +71,7 @@ def fast_paths_raise(monkeypatch):
 
         return raising
 
-    for name in ("rms_norm", "rotary_", "silu_mul"):
+    for name in ("rms_norm", "rotary_", "silu_mul", "gelu_tanh_mul", "layer_norm", "gelu_new"):
         monkeypatch.setattr(native_small_ops, name, trap(name))
     monkeypatch.setattr(linear_kernels, "widened_linear", trap("widened_linear"))
     monkeypatch.setattr(linear_kernels, "onednn_linear", trap("onednn"))
