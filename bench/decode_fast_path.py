@@ -42,6 +42,7 @@ FAMILIES = {
     "mistral-window": ("mistral", dict(sliding_window=64, head_dim=64)),
     "gemma3": ("gemma3_text", dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=64)),
     "smollm3": ("smollm3", dict(no_rope_layer_interval=4)),
+    "gpt2": ("gpt2", dict(n_inner=2048)),  # 12 heads of 64, MHA (GPT-2 has no KV heads)
 }
 
 
