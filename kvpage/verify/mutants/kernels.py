@@ -64,8 +64,8 @@ def _plan_rope_swapped(engine: LLMEngine) -> None:
 
 
 def _no_plan(cfg) -> str | None:
-    if cfg.model_type != "llama":  # Gemma 3, GPT-2: their own forwards
-        return "the model has no decode tape (not a Llama-family model)"
+    if cfg.model_type != "llama":  # Gemma 3: two (cos, sin) pairs, GPT-2: none
+        return "the decode tape takes no single (cos, sin) pair (not a Llama-family model)"
     return None
 
 
