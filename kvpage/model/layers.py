@@ -162,7 +162,9 @@ class SwiGLU(nn.Module):
     lora = None  # a kvpage.lora.apply.LoraContext when the engine serves adapters
     layer = -1  # the decoder layer, for the adapters' weights
     native = False  # activation(gate) * up by kvpage's native kernel (bound by finalize)
-    native_mul = None  # that kernel: native_small_ops.silu_mul or gelu_tanh_mul
+    # That kernel's name in native_small_ops, looked up per call as every native small op is
+    # (kvpage.verify.path_coverage counts their calls by wrapping them).
+    native_mul: str | None = None
 
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
@@ -186,7 +188,7 @@ class SwiGLU(nn.Module):
         # By the activation itself: a subclass with another one keeps torch's.
         kernel = _GATED_KERNELS.get(type(self).activation)
         self.native = kernel is not None and small_ops_on(choice, self)
-        self.native_mul = getattr(native_small_ops, kernel) if self.native else None
+        self.native_mul = kernel if self.native else None
 
     @staticmethod
     def activation(gate: torch.Tensor) -> torch.Tensor:
@@ -202,7 +204,7 @@ class SwiGLU(nn.Module):
         native = self.native and (gate.dtype is torch.bfloat16 or f32) and gate.dim() == 2
         native = native and gate.stride(1) == 1 and gate.stride() == up.stride()
         if native and native_small_ops.supports(gate) and up.dtype == gate.dtype:
-            return self.native_mul(gate, up)
+            return getattr(native_small_ops, self.native_mul)(gate, up)
         return self.activation(gate) * up
 
 
