@@ -49,6 +49,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # the layer layouts ModelCost counts
 PREFILL_ROWS = 2048  # the step token budget of the benchmarks (throughput.MAX_BATCHED_TOKENS)
 MIN_ARRAY_BYTES = 256 << 20
+Q8_0_BYTES = 34 / 32  # llama.cpp's Q8_0: blocks of 32 int8 codes and one float16 scale
 
 
 # --- the model's cost ---------------------------------------------------------------------------
@@ -102,9 +103,6 @@ class ModelCost:
         """llama.cpp's Q8_0 GGUF: every matmul weight and the head in Q8_0, the rest float32."""
         quantized = (self.layer_matmul + self.head) * Q8_0_BYTES
         return int(quantized) + (self.layer_other + self.final_norm) * 4
-
-
-Q8_0_BYTES = 34 / 32  # llama.cpp's Q8_0: blocks of 32 int8 codes and one float16 scale
 
 
 def _biases(cfg: dict, family: str, d: int, q: int, kv: int, inter: int) -> int:

@@ -179,3 +179,12 @@ def test_llama_cpp_rows_take_batched_benchs_own_work():
     work, kv = solo_rounds.row_work("kvpage", prefix, "bfloat16")
     assert work.prompts == tuple(map(len, prefix.prompts)) and kv == 2
     assert work.shared == 512 and work.decodes == tuple(m - 1 for m in prefix.max_tokens)
+
+
+def test_machine_keeps_each_figures_best_measurement():
+    one = roofline.Machine(2, 256, {"copy": 30.0, "read": 50.0}, (8, 4, 4), {"float32": 90.0})
+    two = roofline.Machine(2, 256, {"copy": 45.0, "read": 40.0}, (8, 4, 4), {"float32": 80.0})
+    best = one.best_with(two)
+    assert best.bandwidth_gbs == {"copy": 45.0, "read": 50.0}
+    assert best.peak_gflops == {"float32": 90.0}
+    assert best.bytes_per_s == 50e9 and best.flops_per_s("float32") == 90e9
