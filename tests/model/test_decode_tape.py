@@ -1,10 +1,10 @@
 """The decode tape (kvpage.model.decode_tape) in the engine against Hugging Face transformers:
-every decode step of each Llama-family model after the first at a row count replays the kernel
-calls the module forward made, and each generated token's logprob is the HF model's for the
-same sequence; K and V swapped in the replayed calls are caught by the same comparison; a torch
-operator outside the kernels refuses the tape (the module forward runs). Models without a tape
-and steps it cannot take run the modules; its kernels (the KV-row write, silu * up, attention
-on strided q) against the torch code they stand for."""
+every decode step of each family's model (Llama's, Gemma 3, GPT-2) after the first at a row
+count replays the kernel calls the module forward made, and each generated token's logprob is
+the HF model's for the same sequence; K and V swapped in the replayed calls are caught by the
+same comparison; a torch operator outside the kernels refuses the tape (the module forward
+runs). Steps it cannot take run the modules; its kernels (the KV-row write, silu * up,
+attention on strided q) against the torch code they stand for."""
 
 from __future__ import annotations
 
