@@ -796,7 +796,12 @@ def run_scenario(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=None, help="legacy: small,120m; solo: 125m (quick: small)")
+    ap.add_argument(
+        "--models",
+        default=None,
+        help="legacy: small,120m; solo: 125m (quick: small); solo also NAME:DTYPE+DTYPE (that "
+        "model's dtypes), e.g. llama3.2-1b:bfloat16+int8",
+    )
     ap.add_argument("--scenarios", default="a,b,c")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
@@ -934,7 +939,8 @@ def solo_main(args) -> None:
         f"{args.threads} threads per engine, rounds {args.rounds}, dtypes {','.join(args.dtypes)}, "
         f"peers {','.join(sorted(args.peers))}, vLLM eager {args.vllm_eager}; logs in {logs}"
     )
-    for name in args.models.split(","):
+    for spec in args.models.split(","):
+        name, model_args = spec.partition(":")[0], model_dtypes(spec, args)
         with tempfile.TemporaryDirectory() as tmpdir:
             model_dir = Path(tmpdir) / "model"
             model = build_model(name, solo_rounds.MAX_MODEL_LEN, str(model_dir))
@@ -945,9 +951,26 @@ def solo_main(args) -> None:
             print(
                 f"\n=== model {name}: {total / 1e6:.1f}M parameters, d {cfg.hidden_size}, "
                 f"{cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads / "
-                f"{cfg.num_key_value_heads} KV heads, vocab {vocab}"
+                f"{cfg.num_key_value_heads} KV heads, vocab {vocab}; dtypes "
+                f"{','.join(model_args.dtypes)}"
             )
-            solo_rounds.run_rounds(args, model_dir, vocab, logs)
+            solo_rounds.run_rounds(model_args, model_dir, vocab, logs)
+
+
+def model_dtypes(spec: str, args):
+    """Solo mode's `--models NAME[:DTYPE+DTYPE...]`: `args` with that model's dtypes (default
+    `--dtypes`), e.g. `qwen2.5-0.5b:float32+bfloat16,llama3.2-1b:bfloat16+int8`."""
+    import solo  # bench/
+
+    wanted = spec.partition(":")[2]
+    if not wanted:
+        return args
+    unknown = set(wanted.split("+")) - set(solo.PRECISIONS)
+    if unknown:
+        raise SystemExit(f"unknown dtype(s) {sorted(unknown)} in --models {spec}")
+    own = copy.copy(args)
+    own.dtypes = [d for d in solo.PRECISIONS if d in wanted.split("+")]
+    return own
 
 
 if __name__ == "__main__":

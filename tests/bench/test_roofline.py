@@ -1,8 +1,8 @@
 """bench/roofline.py's arithmetic against counts taken from the models themselves: parameters of
 transformers' model built on the meta device, int8 bytes of kvpage's own quantizer, FLOPs counted
 by torch's FlopCounterMode over an eager forward pass per token, and KV bytes read as the size of
-transformers' cache at every decode pass. Also: throughput.py's published shapes have their
-published parameter counts, and the solo table prints each row's roofline fraction."""
+transformers' cache at every decode pass. Also: the solo table prints each row's roofline
+fraction."""
 
 from __future__ import annotations
 
@@ -22,10 +22,6 @@ from kvpage.model.int8 import quantize_per_channel
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # throughput's own imports
 import throughput  # noqa: E402
 
-# The total parameter counts of the published checkpoints (their safetensors' metadata): the
-# shapes in throughput.MODELS must reproduce them.
-PUBLISHED = {"qwen2.5-0.5b": 494_032_768, "llama3.2-1b": 1_235_814_400}
-
 
 def meta_model(name: str) -> transformers.PreTrainedModel:
     cfg = throughput.model_config(name, 1024)
@@ -35,13 +31,6 @@ def meta_model(name: str) -> transformers.PreTrainedModel:
 
 def config_dict(name: str) -> dict:
     return json.loads(throughput.model_config(name, 1024).to_json_string())
-
-
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
-def test_published_shapes_have_the_published_parameter_counts(name):
-    model = meta_model(name)
-    assert sum(p.numel() for p in model.parameters()) == PUBLISHED[name]
-    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
 
 
 @pytest.mark.parametrize("name", ["125m", "qwen2.5-0.5b", "llama3.2-1b"])
