@@ -12,7 +12,8 @@ import pytest
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # throughput's own imports
+# throughput.py imports its bench/ neighbours by bare name; appended, so it shadows nothing
+sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
 import throughput  # noqa: E402
 
 # The total parameter counts of the published checkpoints (their safetensors' metadata): the

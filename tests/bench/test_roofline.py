@@ -19,7 +19,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from bench import roofline, solo
 from kvpage.model.int8 import quantize_per_channel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # throughput's own imports
+# throughput.py imports its bench/ neighbours by bare name; appended, so it shadows nothing
+sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
 import throughput  # noqa: E402
 
 
