@@ -10,9 +10,11 @@ The machine (`measure`), with torch ops on `--threads` threads (`torch.set_num_t
              no write-allocate traffic): copy `b.copy_(a)` (2 arrays), triad
              `torch.add(b, c, alpha=3, out=a)` (3 arrays) and read `a.sum()` (1 array, the
              access pattern of a decode step's weights). The floor uses the fastest of the three.
-  matmul     torch's linear, x (M, K) @ W (N, K)^T, the op kvpage's prefill projections call
-             (oneDNN / MKL underneath), in float32 and bfloat16 at M = 2048 rows (the step's token
-             budget), K x N a layer's largest matmul (the MLP's d x intermediate), best of `reps`.
+  matmul     x (M, K) @ W (N, K)^T in float32 and bfloat16 at M = 2048 rows (the step's token
+             budget), K x N a layer's largest matmul (the MLP's d x intermediate), best of `reps`,
+             by the faster of torch's linear (MKL underneath) and oneDNN's matmul on the weight
+             reordered once into its blocked layout (what kvpage's projections call: on the dev
+             machine 2.5x torch's linear in float32, 520 vs 202 GFLOP/s at 2048 x 768 x 2048).
 
 A model's cost (`ModelCost.from_config`, from its config.json; Llama, Mistral, Qwen2, Qwen3):
   weight bytes read per forward pass: every decoder layer's weights (matmuls, biases, norms), the
@@ -240,7 +242,7 @@ class Machine:
         return [
             f"memory bandwidth ({self.threads} threads, torch, {self.array_mib} MiB float32 "
             f"arrays, best of reps): {bw} GB/s; the floor uses {self.bytes_per_s / 1e9:.1f}",
-            f"matmul peak (torch linear {m} x {k} @ ({n} x {k})^T, {self.threads} threads, best "
+            f"matmul peak (torch linear or oneDNN packed, {m} x {k} @ ({n} x {k})^T, {self.threads} threads, best "
             f"of reps): {mm} GFLOP/s",
         ]
 
@@ -290,7 +292,8 @@ def measure_bandwidth(reps: int = 20) -> tuple[int, dict[str, float]]:
 
 
 def measure_matmul(shape: tuple[int, int, int], dtype: str, reps: int = 5) -> float:
-    """GFLOP/s of torch's linear at (M, K) @ (N, K)^T in `dtype`."""
+    """GFLOP/s at (M, K) @ (N, K)^T in `dtype`: the faster of torch's linear and oneDNN's
+    matmul on the prepacked weight (where this torch has oneDNN for the dtype)."""
     import torch
 
     m, k, n = shape
@@ -298,6 +301,13 @@ def measure_matmul(shape: tuple[int, int, int], dtype: str, reps: int = 5) -> fl
     w = torch.randn(n, k).to(getattr(torch, dtype))
     with torch.inference_mode():
         t = _best(lambda: torch.nn.functional.linear(x, w), reps)
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        except RuntimeError:  # no oneDNN kernel for this dtype on this CPU
+            packed = None
+        if packed is not None:
+            pointwise = torch.ops.mkldnn._linear_pointwise
+            t = min(t, _best(lambda: pointwise(x, packed, None, "none", [], ""), reps))
     return 2.0 * m * k * n / t / 1e9
 
 
