@@ -227,10 +227,7 @@ class Tape:
             backend.prepare_write(self.x.dtype)
         guard = _Guard()
         with native_build.recording(self.calls), guard:
-            hidden, residual = self.x, None
-            for layer in model.model.layers:
-                hidden, residual = layer(hidden, residual, self.rope, self.attn)
-            self.out = model.model.norm.add_forward(residual, hidden)[1]
+            self.out = layers_forward(model, self.x, self.rope, self.attn)
         self.foreign, self._kept = guard.foreign, guard.kept
         return self.out
 
@@ -258,6 +255,26 @@ def _fresh(rope):
 
 def _tensors(rope) -> list[torch.Tensor]:
     return [rope] if isinstance(rope, torch.Tensor) else [t for r in rope for t in _tensors(r)]
+
+
+def layers_forward(model: nn.Module, x: torch.Tensor, rope, attn) -> torch.Tensor:
+    """The module forward of a model's decoder (`model.model`: `layers` taking (hidden,
+    residual, rope, attn), then `norm`) on its embedded rows x: the final norm's rows."""
+    hidden, residual = x, None
+    for layer in model.model.layers:
+        hidden, residual = layer(hidden, residual, rope, attn)
+    return model.model.norm.add_forward(residual, hidden)[1]
+
+
+def decoder_forward(model: nn.Module, x: torch.Tensor, rope, attn) -> torch.Tensor:
+    """The decoder on x (N, C) -> (N, C): replayed from the model's tape where it takes the
+    step (`model.decode_plan()`), else the module forward."""
+    plan = model.decode_plan()
+    if plan is not None and plan.takes(x, attn):
+        hidden = plan.run(x, rope, attn)
+        if hidden is not None:
+            return hidden
+    return layers_forward(model, x, rope, attn)
 
 
 def _backends(attn) -> list[PagedAttention]:

@@ -14,6 +14,7 @@ from torch import nn
 import kvpage.model.native_small_ops as native_small_ops
 from kvpage.config import ModelConfig
 from kvpage.model.attention import AttentionBackend
+from kvpage.model.decode_tape import decoder_forward
 from kvpage.model.kernels import KernelChoice
 from kvpage.model.layers import GeGLU, RMSNorm, RotaryEmbedding
 from kvpage.model.llama import LlamaAttention, LlamaForCausalLM
@@ -119,12 +120,4 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             self.model.rotary.cos_sin(positions, x.dtype),
             self.model.local_rotary.cos_sin(positions, x.dtype),
         )
-        plan = self._plan.plan
-        if plan is not None and plan.takes(x, attn):
-            hidden = plan.run(x, ropes, attn)
-            if hidden is not None:
-                return hidden
-        hidden, residual = x, None
-        for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, ropes, attn)
-        return self.model.norm.add_forward(residual, hidden)[1]  # (N, C)
+        return decoder_forward(self, x, ropes, attn)  # (N, C)

@@ -12,7 +12,7 @@ from torch import nn
 from kvpage.config import ModelConfig
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.base import CausalLM
-from kvpage.model.decode_tape import DecodeTape
+from kvpage.model.decode_tape import DecodeTape, decoder_forward
 from kvpage.model.kernels import KernelChoice
 from kvpage.model.layers import GPT2MLP, LayerNorm
 from kvpage.model.llama import PlanSlot
@@ -107,15 +107,7 @@ class GPT2LMHeadModel(CausalLM):
     def forward(self, input_ids, positions, attn) -> torch.Tensor:
         attn = self.bound_attention(attn)
         x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)  # (N, C)
-        plan = self._plan.plan
-        if plan is not None and plan.takes(x, attn):
-            hidden = plan.run(x, NO_ROPE, attn)
-            if hidden is not None:
-                return hidden
-        hidden, residual = x, None
-        for block in self.transformer.h:
-            hidden, residual = block(hidden, residual, NO_ROPE, attn)
-        return self.transformer.ln_f.add_forward(residual, hidden)[1]  # (N, C)
+        return decoder_forward(self, x, NO_ROPE, attn)  # (N, C)
 
     def bind_kernels(self, choice: KernelChoice) -> None:
         """The decode tape over the blocks' bound kernels, where every fast path is on."""

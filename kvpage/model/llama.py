@@ -9,7 +9,7 @@ from torch import nn
 from kvpage.config import ModelConfig
 from kvpage.model.attention import AttentionBackend
 from kvpage.model.base import CausalLM
-from kvpage.model.decode_tape import DecodeTape
+from kvpage.model.decode_tape import DecodeTape, decoder_forward
 from kvpage.model.kernels import KernelChoice
 from kvpage.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, small_ops_on
 from kvpage.model.projection import Projection
@@ -139,16 +139,7 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, input_ids, positions, attn) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (N, C)
         rope = self.model.rotary.cos_sin(positions, x.dtype)  # ((N, 1, D), (N, 1, D))
-        attn = self.bound_attention(attn)
-        plan = self._plan.plan
-        if plan is not None and plan.takes(x, attn):
-            hidden = plan.run(x, rope, attn)
-            if hidden is not None:
-                return hidden
-        hidden, residual = x, None
-        for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, rope, attn)
-        return self.model.norm.add_forward(residual, hidden)[1]  # (N, C)
+        return decoder_forward(self, x, rope, self.bound_attention(attn))  # (N, C)
 
     def bind_kernels(self, choice: KernelChoice) -> None:
         """The decode tape over the layers' bound kernels, where every fast path is on

@@ -95,30 +95,47 @@ def rms_norm(
     wide = weight.dtype is torch.float32
     if weight.shape != (c,) or not (wide or weight.dtype == x.dtype) or not weight.is_contiguous():
         raise ValueError(f"RMSNorm weight {tuple(weight.shape)} {weight.dtype} for rows {x.shape}")
-    out = _output(out, x)
-    if delta is not None:
-        if delta.shape != x.shape or delta.dtype != x.dtype:
-            raise ValueError(f"residual {tuple(delta.shape)} {delta.dtype} for {tuple(x.shape)}")
-        _check_rows(delta, c)
-        total = _output(total, x)
-    else:
-        total = None
+    out, residual, total = _norm_outputs(x, delta, out, total)
     native_build.call(
         _library().kvpage_rms_norm,
         WIDE_WEIGHT if wide and x.dtype is torch.bfloat16 else DTYPES[x.dtype],
         x.data_ptr(),
         x.stride(0),
-        None if delta is None else delta.data_ptr(),
-        0 if delta is None else delta.stride(0),
+        *residual,
         weight.data_ptr(),
-        eps,
-        n,
-        c,
-        None if total is None else total.data_ptr(),
-        out.data_ptr(),
-        torch.get_num_threads(),
+        *_rows_into(eps, n, c, total, out),
     )
     return total, out
+
+
+def _norm_outputs(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+    total: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, tuple[int | None, int], torch.Tensor | None]:
+    """A norm kernel's normed rows, residual arguments (_residual) and sum (None without a
+    residual): `out` and `total` where given, else new tensors."""
+    residual = _residual(delta, x)
+    return _output(out, x), residual, None if delta is None else _output(total, x)
+
+
+def _residual(delta: torch.Tensor | None, x: torch.Tensor) -> tuple[int | None, int]:
+    """A norm kernel's fused residual add: delta's (address, row stride), checked against x;
+    (None, 0) without one."""
+    if delta is None:
+        return None, 0
+    if delta.shape != x.shape or delta.dtype != x.dtype:
+        raise ValueError(f"residual {tuple(delta.shape)} {delta.dtype} for {tuple(x.shape)}")
+    _check_rows(delta, x.shape[1])
+    return delta.data_ptr(), delta.stride(0)
+
+
+def _rows_into(eps: float, n: int, c: int, total: torch.Tensor | None, out: torch.Tensor) -> tuple:
+    """A norm kernel's last arguments: eps, the rows' shape, where the sum (or None) and the
+    normed rows go, and the threads."""
+    total_ptr = None if total is None else total.data_ptr()
+    return eps, n, c, total_ptr, out.data_ptr(), torch.get_num_threads()
 
 
 def layer_norm(
@@ -135,27 +152,16 @@ def layer_norm(
     for t in (weight, bias):
         if t.shape != (c,) or t.dtype != x.dtype or not t.is_contiguous():
             raise ValueError(f"LayerNorm weight {tuple(t.shape)} {t.dtype} for rows {x.shape}")
-    out = _output(None, x)
-    if delta is not None:
-        if delta.shape != x.shape or delta.dtype != x.dtype:
-            raise ValueError(f"residual {tuple(delta.shape)} {delta.dtype} for {tuple(x.shape)}")
-        _check_rows(delta, c)
-    total = None if delta is None else _output(None, x)
+    out, residual, total = _norm_outputs(x, delta)
     native_build.call(
         _library().kvpage_layer_norm,
         DTYPES[x.dtype],
         x.data_ptr(),
         x.stride(0),
-        None if delta is None else delta.data_ptr(),
-        0 if delta is None else delta.stride(0),
+        *residual,
         weight.data_ptr(),
         bias.data_ptr(),
-        eps,
-        n,
-        c,
-        None if total is None else total.data_ptr(),
-        out.data_ptr(),
-        torch.get_num_threads(),
+        *_rows_into(eps, n, c, total, out),
     )
     return total, out
 

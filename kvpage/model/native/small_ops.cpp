@@ -114,19 +114,25 @@ float sum_squares(const typename D::T* x, int64_t c) {
     return total;
 }
 
+// The row a norm reads: x, or sum = round(x + delta) where a residual is added first.
+template <class D>
+const typename D::T* add_residual(const typename D::T* x, const typename D::T* delta, int64_t c,
+                                  typename D::T* sum) {
+    if (delta == nullptr) return x;
+    const int64_t vectors = c / kLanes * kLanes;
+    for (int64_t i = 0; i < vectors; i += kLanes)
+        store16(sum + i, load16(x + i) + load16(delta + i));
+    for (int64_t i = vectors; i < c; ++i) D::put(sum + i, D::get(x + i) + D::get(delta + i));
+    return sum;
+}
+
 // One row: [sum = round(x + delta)]; out = round(w * round(s * rsqrt(mean(s^2) + eps))) with s
 // the row (or the sum), as RMSNorm.forward computes it in float32 and rounds twice.
 template <class D>
 void norm_row(const typename D::T* x, const typename D::T* delta, const typename D::T* w,
               float eps, int64_t c, typename D::T* sum, typename D::T* out) {
-    const typename D::T* s = x;
+    const typename D::T* s = add_residual<D>(x, delta, c, sum);
     const int64_t vectors = c / kLanes * kLanes;  // the rest of the row one value at a time
-    if (delta != nullptr) {
-        for (int64_t i = 0; i < vectors; i += kLanes)
-            store16(sum + i, load16(x + i) + load16(delta + i));
-        for (int64_t i = vectors; i < c; ++i) D::put(sum + i, D::get(x + i) + D::get(delta + i));
-        s = sum;
-    }
     const float r = 1.0f / std::sqrt(sum_squares<D>(s, c) / static_cast<float>(c) + eps);
     for (int64_t i = 0; i < vectors; i += kLanes)
         store16(out + i, load16(w + i) * round16(load16(s + i) * r, D{}));
@@ -139,39 +145,48 @@ void norm_row(const typename D::T* x, const typename D::T* delta, const typename
 template <class D>
 void norm_row_wide(const typename D::T* x, const typename D::T* delta, const float* w, float eps,
                    int64_t c, typename D::T* sum, typename D::T* out) {
-    const typename D::T* s = x;
-    const int64_t vectors = c / kLanes * kLanes;
-    if (delta != nullptr) {
-        for (int64_t i = 0; i < vectors; i += kLanes)
-            store16(sum + i, load16(x + i) + load16(delta + i));
-        for (int64_t i = vectors; i < c; ++i) D::put(sum + i, D::get(x + i) + D::get(delta + i));
-        s = sum;
-    }
+    const typename D::T* s = add_residual<D>(x, delta, c, sum);
+    const int64_t vectors = c / kLanes * kLanes;  // the rest of the row one value at a time
     const float r = 1.0f / std::sqrt(sum_squares<D>(s, c) / static_cast<float>(c) + eps);
     for (int64_t i = 0; i < vectors; i += kLanes)
         store16(out + i, load16(s + i) * r * load16(w + i));
     for (int64_t i = vectors; i < c; ++i) D::put(out + i, D::get(s + i) * r * w[i]);
 }
 
+// A norm kernel's rows: x and the residual (row-strided, the residual optional), the sum
+// (optional) and the output (contiguous, c wide).
+template <class D>
+struct NormRows {
+    using T = typename D::T;
+    const void* xs;
+    int64_t x_stride;
+    const void* deltas;
+    int64_t delta_stride;
+    void* sums;
+    void* outs;
+    int64_t c;
+
+    const T* x(int64_t row) const { return static_cast<const T*>(xs) + row * x_stride; }
+    const T* delta(int64_t row) const {
+        return deltas == nullptr ? nullptr : static_cast<const T*>(deltas) + row * delta_stride;
+    }
+    T* sum(int64_t row) const { return sums == nullptr ? nullptr : static_cast<T*>(sums) + row * c; }
+    T* out(int64_t row) const { return static_cast<T*>(outs) + row * c; }
+};
+
 // wide: w is float32 and the row is rounded once (norm_row_wide), else w is the rows' dtype.
 template <class D, bool wide>
 void rms_norm(const void* x, int64_t x_stride, const void* delta, int64_t delta_stride,
               const void* w, float eps, int64_t n, int64_t c, void* sum, void* out, int threads) {
-    using T = typename D::T;
-    const T* xs = static_cast<const T*>(x);
-    const T* ds = static_cast<const T*>(delta);
-    T* sums = static_cast<T*>(sum);
-    T* outs = static_cast<T*>(out);
+    const NormRows<D> rows{x, x_stride, delta, delta_stride, sum, out, c};
 #pragma omp parallel for num_threads(threads) if (n * c >= kParallelElements && threads > 1)
     for (int64_t row = 0; row < n; ++row) {
-        const T* d = ds == nullptr ? nullptr : ds + row * delta_stride;
-        T* s = sums == nullptr ? nullptr : sums + row * c;
         if constexpr (wide)
-            norm_row_wide<D>(xs + row * x_stride, d, static_cast<const float*>(w), eps, c, s,
-                             outs + row * c);
+            norm_row_wide<D>(rows.x(row), rows.delta(row), static_cast<const float*>(w), eps, c,
+                             rows.sum(row), rows.out(row));
         else
-            norm_row<D>(xs + row * x_stride, d, static_cast<const T*>(w), eps, c, s,
-                        outs + row * c);
+            norm_row<D>(rows.x(row), rows.delta(row), static_cast<const typename D::T*>(w), eps,
+                        c, rows.sum(row), rows.out(row));
     }
 }
 
@@ -182,14 +197,8 @@ template <class D>
 void layer_norm_row(const typename D::T* x, const typename D::T* delta, const typename D::T* w,
                     const typename D::T* b, float eps, int64_t c, typename D::T* sum,
                     typename D::T* out) {
-    const typename D::T* s = x;
-    const int64_t vectors = c / kLanes * kLanes;
-    if (delta != nullptr) {
-        for (int64_t i = 0; i < vectors; i += kLanes)
-            store16(sum + i, load16(x + i) + load16(delta + i));
-        for (int64_t i = vectors; i < c; ++i) D::put(sum + i, D::get(x + i) + D::get(delta + i));
-        s = sum;
-    }
+    const typename D::T* s = add_residual<D>(x, delta, c, sum);
+    const int64_t vectors = c / kLanes * kLanes;  // the rest of the row one value at a time
     f32x16 acc = {};
     for (int64_t i = 0; i < vectors; i += kLanes) acc += load16(s + i);
     float total = 0.0f;
@@ -219,15 +228,11 @@ void layer_norm(const void* x, int64_t x_stride, const void* delta, int64_t delt
                 const void* w, const void* b, float eps, int64_t n, int64_t c, void* sum,
                 void* out, int threads) {
     using T = typename D::T;
-    const T* xs = static_cast<const T*>(x);
-    const T* ds = static_cast<const T*>(delta);
-    T* sums = static_cast<T*>(sum);
-    T* outs = static_cast<T*>(out);
+    const NormRows<D> rows{x, x_stride, delta, delta_stride, sum, out, c};
 #pragma omp parallel for num_threads(threads) if (n * c >= kParallelElements && threads > 1)
     for (int64_t row = 0; row < n; ++row) {
-        layer_norm_row<D>(xs + row * x_stride, ds == nullptr ? nullptr : ds + row * delta_stride,
-                          static_cast<const T*>(w), static_cast<const T*>(b), eps, c,
-                          sums == nullptr ? nullptr : sums + row * c, outs + row * c);
+        layer_norm_row<D>(rows.x(row), rows.delta(row), static_cast<const T*>(w),
+                          static_cast<const T*>(b), eps, c, rows.sum(row), rows.out(row));
     }
 }
 
@@ -397,6 +402,16 @@ void gated_mul(const void* gate, const void* up, int64_t stride, int64_t c, void
 
 }  // namespace
 
+// A gated activation's entry point: its float32 or bfloat16 row kernel by `dtype` (0: float32).
+template <auto RowF32, auto RowBF16>
+void gated_mul_of(int dtype, const void* gate, const void* up, int64_t stride, int64_t c,
+                  void* out, int64_t n, int threads) {
+    if (dtype == 0)
+        gated_mul<F32, RowF32>(gate, up, stride, c, out, n, threads);
+    else
+        gated_mul<BF16, RowBF16>(gate, up, stride, c, out, n, threads);
+}
+
 extern "C" {
 
 // dtype 0: float32, 1: bfloat16, 2: bfloat16 rows with a float32 weight, rounded once (Gemma's
@@ -442,19 +457,15 @@ void kvpage_rotary(int dtype, void* q, int64_t q_stride, int64_t q_heads, void* 
 // out: (n, c) contiguous.
 void kvpage_silu_mul(int dtype, const void* gate, const void* up, int64_t stride, int64_t c,
                      void* out, int64_t n, int threads) {
-    if (dtype == 0)
-        gated_mul<F32, silu_mul_row<F32>>(gate, up, stride, c, out, n, threads);
-    else
-        gated_mul<BF16, silu_mul_row<BF16>>(gate, up, stride, c, out, n, threads);
+    gated_mul_of<silu_mul_row<F32>, silu_mul_row<BF16>>(dtype, gate, up, stride, c, out, n,
+                                                        threads);
 }
 
 // gelu_tanh(gate) * up, as kvpage_silu_mul (the decode tape replays both as one signature).
 void kvpage_gelu_tanh_mul(int dtype, const void* gate, const void* up, int64_t stride, int64_t c,
                           void* out, int64_t n, int threads) {
-    if (dtype == 0)
-        gated_mul<F32, gelu_tanh_mul_row<F32>>(gate, up, stride, c, out, n, threads);
-    else
-        gated_mul<BF16, gelu_tanh_mul_row<BF16>>(gate, up, stride, c, out, n, threads);
+    gated_mul_of<gelu_tanh_mul_row<F32>, gelu_tanh_mul_row<BF16>>(dtype, gate, up, stride, c,
+                                                                  out, n, threads);
 }
 
 // x: n rows of c values, rows `stride` apart; out = gelu_new(x): (n, c) contiguous.
