@@ -9,7 +9,9 @@ A server with a planted bug must never be mistaken for a real one: it is refused
 A bug on a path only pressure reaches (a swap-in) would show only when the audit's own load made
 the server swap, which depends on how its requests happen to arrive (a loaded machine spreads
 them out): such a fault brings its trigger, so the path runs on every request whatever the
-timing (`plant`)."""
+timing (`plant`). Likewise a bug that frees a block another request still reads shows only once
+the block is written again first, which on a small pool depends on the traffic: its trigger
+overwrites every block as it is freed."""
 
 from __future__ import annotations
 
@@ -77,10 +79,36 @@ def plant(engine: LLMEngine, fault: Mutant) -> None:
     fault.apply(engine)
     if fault.name in SWAP_TRIGGERED:
         swap_each_request_once(engine)
+    if fault.name in REUSE_TRIGGERED:
+        overwrite_freed_blocks(engine)
 
 
 # Bugs in what a swap-in restores: the answer is wrong only after a swap-out and swap-in.
 SWAP_TRIGGERED = frozenset({"restore_visible_before_copy", "swap_in_without_scales"})
+# Bugs that free a block while another request still holds it: the answer is wrong only once
+# the block is written again before that request reads it.
+REUSE_TRIGGERED = frozenset({"no_refcount"})
+FREED_KV = 7  # what a freed block's K and V read after its trigger: far from any real K/V
+
+
+def overwrite_freed_blocks(engine: LLMEngine) -> None:
+    """Every block's K and V overwritten when it is freed (its invalidation, in order with the
+    step's other block operations), as if another request had reused it at once. An honest
+    engine never reads a free block, so this alone changes no token. A tensor-parallel
+    engine's pool lives in its ranks: left as it is."""
+    from kvpage.verify.mutants.base import bind
+
+    storage = engine.storage
+    if not hasattr(storage, "data"):
+        return
+    engine.cache.invalidate_on_free()  # ordered: a pending swap-out copies the block first
+    invalidate = storage.invalidate
+
+    def invalidate_and_overwrite(self, block_id: int) -> None:
+        invalidate(block_id)
+        self.data[:, :, block_id].fill_(FREED_KV)
+
+    bind(storage, "invalidate", invalidate_and_overwrite)
 
 
 def swap_each_request_once(engine: LLMEngine) -> None:

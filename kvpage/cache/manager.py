@@ -67,7 +67,7 @@ class KVCacheManager(Allocation, SwapSupport):
         # A block's per-generation KV state (a quantized block's scales) dies with it: each free
         # becomes an InvalidateBlock for the KV store. A plain layout keeps none, so no op.
         if invalidate_freed:
-            self.pool.on_free = lambda block_id: self._ops.append(InvalidateBlock(block_id))
+            self.invalidate_on_free()
         self.index = PrefixIndex(self.pool, self.stats, fast_key_bits)
         self.pool.on_cached = self.index.note_cached
         self.managers = managers_for(layout, block_size, self.index)
@@ -80,6 +80,11 @@ class KVCacheManager(Allocation, SwapSupport):
         self.live_tables: dict[int, BlockTable] = {}  # seq_id -> table holding blocks
         self.snapshots = Snapshots(self.pool)
         self.inflight = self.snapshots.inflight
+
+    def invalidate_on_free(self) -> None:
+        """Every block freed from now on becomes an InvalidateBlock for the KV store, in order
+        with the step's other block operations (a pending swap-out still reads it first)."""
+        self.pool.on_free = lambda block_id: self._ops.append(InvalidateBlock(block_id))
 
     @property
     def extra_windows(self) -> tuple[int | None, ...]:

@@ -1,15 +1,25 @@
 """`kvpage serve --inject-fault`: refused without --allow-unsafe-faults, and when allowed, a real
 `kvpage serve` process that marks every reply and that `kvpage audit` fails through the API; a
-fault on the swap path brings its trigger, which swaps every request and alone changes nothing."""
+fault on the swap path brings its trigger, which swaps every request and alone changes nothing;
+a fault that frees a block still held brings one that overwrites every freed block, which alone
+changes nothing and makes the fault show whatever the timing."""
 
 from __future__ import annotations
 
 import sys
 
 import httpx
+import pytest
 
 from kvpage import LLM, SamplingParams
-from kvpage.audit.faults import FAULT_HEADER, SWAP_TRIGGERED, find, swap_each_request_once
+from kvpage.audit.faults import (
+    FAULT_HEADER,
+    REUSE_TRIGGERED,
+    SWAP_TRIGGERED,
+    find,
+    overwrite_freed_blocks,
+    swap_each_request_once,
+)
 from kvpage.cli import main
 from kvpage.server.background import free_port
 from tests.audit.servers import MODEL
@@ -62,3 +72,34 @@ def test_the_swap_trigger_swaps_every_request_and_alone_changes_no_token():
     stats = swapping.engine.stats()
     assert stats["swap_outs"] == stats["swap_ins"] == len(prompts)
     assert all(find(name) for name in SWAP_TRIGGERED)  # each names a fault that exists
+
+
+def _sharing_run(preemption: str, trigger: bool, fault: str | None = None) -> list[list[int]]:
+    """Requests sharing a 40-token prefix, decoding together on a pool tight enough to preempt
+    and reuse blocks; the freed-block trigger planted first when asked."""
+    prefix = list(range(100, 140))
+    prompts = [prefix + list(range(10 + 7 * i, 14 + 7 * i)) for i in range(6)]
+    params = [SamplingParams(max_tokens=4 + 6 * (i % 3), ignore_eos=True) for i in range(6)]
+    llm = LLM(MODEL, num_blocks=24, preemption_mode=preemption)
+    if fault is not None:
+        find(fault).apply(llm.engine)
+    if trigger:
+        overwrite_freed_blocks(llm.engine)
+    llm.generate([prompts[0]], params[0], use_tqdm=False)  # its prefix cached
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_the_freed_block_trigger_alone_changes_no_token(preemption):
+    """An honest engine never reads a freed block: overwriting each as it is freed (in order
+    with the step's swap-outs and copies) leaves every token as it was."""
+    assert _sharing_run(preemption, True) == _sharing_run(preemption, False)
+    assert all(find(name) for name in REUSE_TRIGGERED)  # each names a fault that exists
+
+
+def test_the_freed_block_trigger_makes_no_refcount_show():
+    """no_refcount frees the shared prefix for everyone when the first sharer finishes; with
+    the trigger the others then read overwritten K/V, whatever the timing."""
+    honest = _sharing_run("recompute", False)
+    assert _sharing_run("recompute", True, "no_refcount") != honest
