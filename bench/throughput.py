@@ -527,6 +527,8 @@ def llama_cpp_ready(args) -> str | None:
 def model_config(name: str, max_len: int) -> transformers.PretrainedConfig:
     """MODELS[name] as a transformers config (a Llama unless it names its `model_type`); the toy
     shapes take `max_len` positions, the published ones keep their own."""
+    if name not in MODELS:
+        raise SystemExit(f"unknown model {name!r}; one of: {', '.join(MODELS)}")
     shape = dict(MODELS[name])
     model_type = shape.pop("model_type", "llama")
     shape.setdefault("max_position_embeddings", max_len)
