@@ -17,7 +17,7 @@ from kvpage.errors import (
     UnknownModel,
 )
 from kvpage.lora.request import LoRARequest
-from kvpage.sampling_params import SamplingParams
+from kvpage.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -35,6 +35,7 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "SwapError",
     "TokenizerNotFound",
     "UnknownModel",

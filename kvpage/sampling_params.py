@@ -7,6 +7,7 @@ import numbers
 from dataclasses import dataclass, replace
 
 from kvpage.errors import InvalidRequest
+from kvpage.structured_params import StructuredOutputsParams
 
 # Below this temperature sampling is greedy, as in vLLM: dividing logits by a tiny temperature
 # overflows float32 long before it changes the argmax.
@@ -28,6 +29,8 @@ class SamplingParams:
     n: int = 1  # parallel samples of one prompt (forked after prefill)
     # Per prompt token after the first: its logprob and the top k at its position (vLLM's name)
     prompt_logprobs: int | None = None
+    # What the output must match (a JSON schema, regex, choice or grammar); None: free text
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -57,6 +60,20 @@ class SamplingParams:
                 f"prompt_logprobs must be None or an int >= 0, got {self.prompt_logprobs!r}"
             )
         self._check_seed()
+        self._check_structured()
+
+    def _check_structured(self) -> None:
+        value = self.structured_outputs
+        if isinstance(value, dict):
+            try:
+                value = StructuredOutputsParams(**value)
+            except TypeError as err:  # a field it does not have
+                raise InvalidRequest(f"structured_outputs: {err}") from None
+            object.__setattr__(self, "structured_outputs", value)
+        elif value is not None and not isinstance(value, StructuredOutputsParams):
+            raise InvalidRequest(
+                f"structured_outputs must be a StructuredOutputsParams, got {type(value).__name__}"
+            )
 
     def _check_seed(self) -> None:
         """Checked here, not when the engine makes the generator: by then the request holds a

@@ -13,12 +13,13 @@ PACKAGE = ROOT / "kvpage"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "host_memory"),  # host_memory: glibc malloc settings, imports nothing
-    ("config", "sampling_params"),
+    ("config", "structured_params", "sampling_params"),
     ("sampling",),
     ("cache",),
     ("kv",),
     ("model",),
     ("lora",),  # computed over the model's projections (their oneDNN packing)
+    ("structured",),  # llguidance grammars over the model's tokenizer
     ("parallel",),
     ("engine",),
     ("reference",),

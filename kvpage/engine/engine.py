@@ -34,6 +34,7 @@ from kvpage.engine.checks import (
 )
 from kvpage.engine.events import EngineObserver
 from kvpage.engine.executor import Executor
+from kvpage.engine.grammars import Grammars
 from kvpage.engine.kv_pool import local_storage, num_kv_blocks
 from kvpage.engine.namespace import base_namespace
 from kvpage.engine.outputs import RequestOutput
@@ -116,7 +117,10 @@ class LLMEngine:
         )
         self._observers: list[EngineObserver] = []  # shared with the scheduler
         self.swap_space = SwapSpace(config.swap_space_blocks * pages_per_block)
-        self.requests = Requests(self.cache, config.seed, model.device, mcfg.eos_token_ids)
+        self.grammars = Grammars(tokenizer, mcfg.vocab_size, mcfg.eos_token_ids)
+        self.requests = Requests(
+            self.cache, config.seed, model.device, mcfg.eos_token_ids, self.grammars
+        )
         self.checks = RequestChecks(
             mcfg.vocab_size, self.max_model_len, config.max_num_seqs, self.cache
         )
@@ -144,7 +148,7 @@ class LLMEngine:
             else ModelRunner(model, self.storage, self.cache, None, lora, self.lora_slots)
         )
         self.executor = Executor(self.runner, self.storage, self.swap_space)
-        self.sampler = Sampler(self.scheduler)
+        self.sampler = Sampler(self.scheduler, self.grammars)
         self.prompt_scorer = PromptScorer()
         self.namespace = base_namespace(
             model, tokenizer, config.block_size, config.model, self.kv_format
@@ -193,8 +197,11 @@ class LLMEngine:
         now = time.monotonic()
         timeout_s = timeout_s if timeout_s is not None else self.config.request_timeout_s
         deadline = None if timeout_s is None else now + timeout_s
+        grammar = self.grammars.matcher_for(params)
         adapter = None if lora_request is None else self.load_lora_adapter(lora_request)
-        req = NewRequest(request_id, prompt_ids, params, cache_salt, now, deadline, adapter)
+        req = NewRequest(
+            request_id, prompt_ids, params, cache_salt, now, deadline, adapter, grammar
+        )
         namespace = self.request_namespace(cache_salt, adapter)
         if adapter is not None:
             self.tenant_switches.follow(cache_salt, namespace.digest())
@@ -252,7 +259,7 @@ class LLMEngine:
         seq, mode = preemptible(self.requests, sample_id, mode, self.config.preemption_mode)
         plan = StepPlan(self.step_count)
         self.scheduler.preempt(seq, plan, mode)
-        self.scheduler.block_ops_applied(plan, self.executor.apply_block_ops(plan.block_ops))
+        self._apply_block_ops(plan)
         return plan.preempted[0].mode
 
     def suspend(self, sample_id: str) -> None:
@@ -320,7 +327,7 @@ class LLMEngine:
         plan = self.scheduler.schedule(self.step_count)
         for observer in self._observers:
             observer.on_plan(plan)
-        self.scheduler.block_ops_applied(plan, self.executor.apply_block_ops(plan.block_ops))
+        self._apply_block_ops(plan)
         for seq, message in plan.failed:  # stuck with preemption off: failed to free its blocks
             self.scheduler.fail(seq, message)
         outputs = self._run(plan) if plan.scheduled else self.scheduler.take_outputs()
@@ -328,6 +335,14 @@ class LLMEngine:
         if self.config.debug_checks:
             self.cache.check_invariants()
         return outputs
+
+    def _apply_block_ops(self, plan: StepPlan) -> None:
+        """The plan's copies and swaps, in order; then every sequence preempted by recompute
+        (a failed swap-out included) replays its grammar matcher from its tokens."""
+        self.scheduler.block_ops_applied(plan, self.executor.apply_block_ops(plan.block_ops))
+        for pre in plan.preempted:
+            if pre.mode == "recompute" and pre.seq.grammar is not None:
+                self.grammars.replay(pre.seq)
 
     def _run(self, plan: StepPlan) -> list[RequestOutput]:
         batch = self.executor.build(plan)
@@ -384,4 +399,7 @@ class LLMEngine:
         return self.scheduler.counters
 
     def stats(self) -> dict[str, int]:
-        return engine_stats(self.cache, self.scheduler, self.swap_space)
+        return {
+            **engine_stats(self.cache, self.scheduler, self.swap_space),
+            **self.grammars.stats(),
+        }

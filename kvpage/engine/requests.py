@@ -15,10 +15,12 @@ from kvpage.cache.block_table import BlockTable
 from kvpage.cache.key_chain import BlockKeyChain
 from kvpage.cache.manager import KVCacheManager
 from kvpage.cache.namespace import CacheNamespace
+from kvpage.engine.grammars import Grammars
 from kvpage.engine.sequence import SeqStatus, Sequence
 from kvpage.lora.adapter import LoraAdapter
 from kvpage.sampling import make_generator
 from kvpage.sampling_params import SamplingParams
+from kvpage.structured.matcher import GrammarMatcher
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,7 @@ class NewRequest:
     arrival_time: float
     deadline: float | None
     lora: LoraAdapter | None = None
+    grammar: GrammarMatcher | None = None  # sample 0's matcher, compiled at add_request
 
 
 class Requests:
@@ -39,8 +42,10 @@ class Requests:
         seed: int,
         device: str | torch.device,
         eos_token_ids: tuple[int, ...],
+        grammars: Grammars | None = None,  # None: no request of this engine is constrained
     ) -> None:
         self.cache, self.seed, self.device = cache, seed, device
+        self.grammars = grammars
         self.eos_token_ids = eos_token_ids
         self.heads: dict[str, Sequence] = {}  # request id -> its sample 0
         self.samples: dict[str, list[Sequence]] = {}  # request id -> its samples, by index
@@ -65,6 +70,7 @@ class Requests:
             req.params,
             stop_ids=frozenset((*eos, *req.params.stop_token_ids)),
             prompt_logprobs=None if req.params.prompt_logprobs is None else [None],
+            grammar=req.grammar,
         )
         self.heads[req.request_id] = seq
         self.samples[req.request_id] = [seq]
@@ -94,6 +100,7 @@ class Requests:
             # change again: shared, so each sample's first output can carry them.
             prompt_logprobs=parent.prompt_logprobs,
             sample_index=index,
+            grammar=None if self.grammars is None else self.grammars.fork(parent.grammar),
         )
         # It runs on from the parent's admission: the prompt computed (its blocks shared), and
         # its later re-prefills (after recompute) are not new prefix queries.

@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from kvpage.engine.grammars import Grammars
 from kvpage.engine.plan import Draw, Sampled, ScheduledSeq
 from kvpage.engine.sequence import Sequence
 from kvpage.sampling import chosen_logprobs, sample_token
@@ -28,11 +29,15 @@ class Sampler:
     """The engine's sampling seam: one object per engine, so a mutant can replace `sample` on one
     instance without touching the module the reference also uses."""
 
-    def __init__(self, forks: Forks) -> None:
+    def __init__(self, forks: Forks, grammars: Grammars | None = None) -> None:
         self.forks = forks
+        self.grammars = grammars
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """logits: (M, V), one row per sequence -> M token ids."""
+        """logits: (M, V), one row per sequence -> M token ids. A constrained row's grammar
+        masks it first: greedy, temperature, top-k and top-p all see the masked row."""
+        if self.grammars is not None:
+            logits = self.grammars.mask_rows(logits, seqs)
         # One host sync for all greedy rows. max's indices are argmax's (the first maximum on a
         # tie, NaN's position where a row has one) at a third of its time on CPU: 0.25 vs
         # 0.74 ms for 32 rows of 32000 logits (argmax does not vectorise its reduction).

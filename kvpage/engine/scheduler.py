@@ -324,6 +324,9 @@ class Scheduler:
         if seq.params.max_tokens == 0:  # the prompt only scored: its rows are the output
             self.finish(seq, "length")
             return
+        if seq.grammar is not None and not seq.grammar.advance(token):
+            self.fail(seq, f"token {token} is outside the grammar: {seq.grammar.error}")
+            return
         seq.output_ids.append(token)
         seq.chain.extend((token,))
         if seq.logprobs is not None:
@@ -340,8 +343,11 @@ class Scheduler:
     def stop_reason(self, seq: Sequence, token: int) -> str | None:
         """The stop rule after `token` was appended (a declared seam): a stop id (EOS unless
         ignore_eos, or one of stop_token_ids) ends with "stop", max_tokens with "length"; a stop
-        drawn exactly at max_tokens is a stop."""
+        drawn exactly at max_tokens is a stop. A structured output ends with "stop" once its
+        grammar is complete (nothing may follow)."""
         if token in seq.stop_ids:
+            return "stop"
+        if seq.grammar is not None and seq.grammar.finished:
             return "stop"
         if len(seq.output_ids) >= seq.params.max_tokens:
             return "length"

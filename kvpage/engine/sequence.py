@@ -24,6 +24,7 @@ from kvpage.cache.block_table import BlockTable
 from kvpage.cache.key_chain import BlockKeyChain
 from kvpage.lora.adapter import LoraAdapter
 from kvpage.sampling_params import SamplingParams
+from kvpage.structured.matcher import GrammarMatcher
 
 
 class SeqStatus(enum.Enum):
@@ -68,6 +69,7 @@ class Sequence:
     rows_offered: int = 0  # leading full blocks whose prompt rows went to the row store
     lora: LoraAdapter | None = None  # the adapter it runs with; None: the base model
     lora_held: bool = False  # it holds its adapter's slot (from admission to its finish)
+    grammar: GrammarMatcher | None = None  # its structured-output matcher (kvpage.engine.grammars)
 
     @property
     def sample_id(self) -> str:

@@ -83,6 +83,10 @@ class HFTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def tokenizer_json(self) -> str:
+        """The whole tokenizer as tokenizer.json text (what llguidance builds its own from)."""
+        return self._tok.to_str()
+
     def with_special_tokens(self) -> SpecialTokensShown:
         """This tokenizer decoding special tokens as their text (skip_special_tokens=False)."""
         return SpecialTokensShown(self)
