@@ -84,6 +84,8 @@ def _checked(kind: str, build) -> str:
     """The grammar `build` makes, validated: its first error is the request's."""
     try:
         grammar = build()
+    except InvalidRequest:  # already names its field (a GBNF that does not translate)
+        raise
     except (ValueError, RuntimeError, TypeError) as err:
         raise InvalidRequest(f"structured_outputs.{kind}: {err}") from None
     error = llguidance.LLMatcher.validate_grammar(grammar)
