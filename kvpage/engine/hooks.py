@@ -39,6 +39,10 @@ OWNERS: dict[str, str] = {
     "lora": "lora_slots",  # an engine made with enable_lora
     "lora_reader": "lora_slots.reader",
     "lora_tables": "lora_slots.tables",
+    "grammars": "grammars",  # structured outputs (kvpage.engine.grammars)
+    # built at the first constrained request (or when a seam of it is planted); a model with
+    # no tokenizer has none
+    "grammar_compiler": "grammars.compiler",
 }
 
 SEAMS: dict[str, Seam] = {
@@ -74,6 +78,10 @@ SEAMS: dict[str, Seam] = {
         Seam("lora_reader", "scale", "a loaded adapter's scale from its config (rsLoRA)"),
         Seam("lora_tables", "clear_slot", "what a slot's write zeroes first (every projection)"),
         Seam("engine", "patch_kv_shards", "the KV pool's code on every rank (quantize, copy…)"),
+        Seam("grammars", "mask_rows", "the step's grammar masks, one per constrained row"),
+        Seam("grammars", "fork", "a parallel sample's own copy of its parent's matcher"),
+        Seam("grammars", "replay", "the matcher rebuilt from the output after recompute"),
+        Seam("grammar_compiler", "cache_key", "what a compiled grammar is cached by"),
     )
 }
 

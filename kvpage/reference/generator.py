@@ -10,11 +10,13 @@ import torch
 
 from kvpage.errors import InvalidRequest
 from kvpage.model.base import CausalLM
+from kvpage.reference.grammar import ReferenceGrammars, ReferenceMatcher, masked
 from kvpage.reference.kv_oracle import RoundTrip, RoundTripKVCache
 from kvpage.reference.records import (
     CacheView,
     StepRecord,
     ViewEntry,
+    grammar_note,
     make_record,
     sampler_state,
     scale_digest,
@@ -33,14 +35,21 @@ class ReferenceOutput:
     positions: list[list[int]] = field(default_factory=list)  # positions fed at each step
     records: list[StepRecord] = field(default_factory=list)  # filled when traced
 
-    def append(self, token: int, logits: torch.Tensor, params: SamplingParams, stop_ids) -> bool:
+    def append(
+        self,
+        token: int,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        stop_ids,
+        grammar_done: bool = False,
+    ) -> bool:
         """Take the drawn token and its step's logits (and top logprobs where asked); True when
-        the request is finished (a stop token, or max_tokens reached)."""
+        the request is finished (a stop token, a complete grammar, or max_tokens reached)."""
         self.token_ids.append(token)
         self.step_logits.append(logits.float().cpu())
         if self.logprobs is not None:
             self.logprobs.append(top_logprobs(logits, params.logprobs))
-        if token in stop_ids:
+        if token in stop_ids or grammar_done:
             self.finish_reason = "stop"
             return True
         return len(self.token_ids) >= params.max_tokens
@@ -56,6 +65,7 @@ def generate(
     namespace: str = "",
     kv_cache_dtype: str = "auto",
     scale_span: int = 0,
+    grammars: ReferenceGrammars | None = None,
 ) -> ReferenceOutput:
     """Generate for one request alone. With `trace_as` set, `records` holds one StepRecord per
     token (request id `trace_as`, contiguous cache view, `namespace` as the expected one).
@@ -64,16 +74,27 @@ def generate(
     view carry one digest of the scales per span of that many tokens, as a paged view has one
     per block. Every forward pass runs on a twin of the model bound to torch's operators alone
     (kvpage.reference.weight_oracle.reference_model; an int8-weight model's dequantises): no
-    kernel the engine takes."""
+    kernel the engine takes. A constrained request (params.structured_outputs) draws through
+    `grammars`' own matcher (kvpage.reference.grammar): masked first, then sampled; its
+    records carry what the grammar allowed at each step."""
     return _generate(
         reference_model(model), prompt_ids, params, fallback_seed, trace_as, namespace,
-        kv_cache_dtype, scale_span,
+        kv_cache_dtype, scale_span, _matcher(params, grammars),
     )  # fmt: skip
 
 
+def _matcher(params: SamplingParams, grammars: ReferenceGrammars | None):
+    if params.structured_outputs is None:
+        return None
+    if grammars is None:  # never an unconstrained answer for a constrained request
+        raise InvalidRequest("a constrained request needs the reference's grammars")
+    return grammars.matcher(params.structured_outputs)
+
+
 def _generate(
-    model, prompt_ids, params, fallback_seed, trace_as, namespace, kv_cache_dtype, scale_span
-) -> ReferenceOutput:
+    model, prompt_ids, params, fallback_seed, trace_as, namespace, kv_cache_dtype, scale_span,
+    matcher: ReferenceMatcher | None,
+) -> ReferenceOutput:  # fmt: skip
     check_prompt(model, prompt_ids, params)
     cache = RoundTripKVCache(model.config.num_layers, RoundTrip(kv_cache_dtype))
     generator = make_generator(params, fallback_seed, model.device)
@@ -82,17 +103,31 @@ def _generate(
     step_input = list(prompt_ids)
     while params.max_tokens > 0:  # 0: the prompt is only scored, nothing is drawn
         logits = _step(model, cache, step_input, out)
-        token = sample_token(logits, params, generator)
+        allowed = None if matcher is None else matcher.allowed()
+        token = sample_token(
+            logits if allowed is None else masked(logits, allowed), params, generator
+        )
+        done = matcher is not None and _advance(matcher, token)
         if trace_as is not None:
             record = _record(
                 trace_as, out, step_input, logits, token, cache, namespace, model, scale_span
             )
             record.sampler = sampler_state(generator, len(out.token_ids) + 1)
+            record.grammar = None if allowed is None else grammar_note(allowed, done)
             out.records.append(record)
-        if out.append(token, logits, params, stop_ids):
+        if out.append(token, logits, params, stop_ids, done):
             return out
         step_input = [token]
     return out
+
+
+def _advance(matcher: ReferenceMatcher, token: int) -> bool:
+    """Take the drawn token; True when the grammar is complete after it."""
+    if not matcher.consume(token):  # drawn from the mask: a refusal is the reference's bug
+        raise RuntimeError(
+            f"the reference's grammar refused its own token {token}: {matcher.error}"
+        )
+    return matcher.stopped
 
 
 def _step(model: CausalLM, cache: RoundTripKVCache, ids: list[int], out: ReferenceOutput):

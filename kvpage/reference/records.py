@@ -92,6 +92,9 @@ class StepRecord:
     # Candidate only: the adapters of every row of the engine step it came from (a bug in the
     # mixed batch shows on the rows of others too).
     batch_adapters: tuple[str, ...] = ()
+    # Reference only, for a constrained request: what its grammar allowed at this step and
+    # whether the token completed it (grammar_note); None otherwise.
+    grammar: dict | None = None
     logits: torch.Tensor | None = field(default=None, repr=False)  # (V,) float32, for atol checks
 
     def to_dict(self) -> dict:
@@ -99,6 +102,20 @@ class StepRecord:
         d.pop("logits")
         d["view"]["entries"] = [e._asdict() for e in self.view.entries]
         return d
+
+
+GRAMMAR_IDS_SHOWN = 16
+
+
+def grammar_note(allowed: torch.Tensor, finished: bool) -> dict:
+    """A constrained step's grammar, for the report: how many ids it allowed, the first of
+    them, and whether the chosen token completed it."""
+    ids = torch.nonzero(allowed).flatten()
+    return {
+        "allowed": int(ids.numel()),
+        "allowed_ids": ids[:GRAMMAR_IDS_SHOWN].tolist(),
+        "finished": bool(finished),
+    }
 
 
 def logits_digest(logits: torch.Tensor) -> str:

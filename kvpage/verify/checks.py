@@ -18,6 +18,7 @@ from kvpage.verify.diff import (
     RequestContext,
     attribute,
     sampling_attribution,
+    structured_attribution,
 )
 from kvpage.verify.sampling_oracle import (
     SAMPLING_P_THRESHOLD,
@@ -57,19 +58,35 @@ def finding(
 
 # --- sampling ----------------------------------------------------------------------------------
 def check_sampling(
-    spec: RequestSpec, sample: int, ref: list[StepRecord], cand: list[StepRecord], completion
+    spec: RequestSpec,
+    sample: int,
+    ref: list[StepRecord],
+    cand: list[StepRecord],
+    completion,
+    masks: list | None = None,
 ) -> list[Failure]:
     """Every draw of a sampled request must be possible under the oracle, and its logprobs must be
-    the raw distribution's. The first violation per sample is enough to fail it."""
+    the raw distribution's. The first violation per sample is enough to fail it. A constrained
+    sample's draws are checked against the masked distribution: `masks` (the verifier's own
+    grammar walk, kvpage.verify.structured) holds the mask before each of its tokens, and its
+    steps past the last mask are not checked (the walk's own failure says why)."""
     params = spec.params.for_sample(sample)
     logprobs = None if completion is None else completion.logprobs
-    for step, rec in enumerate(cand):
-        problem = None if rec.logits is None else check_draw(rec.logits, params, rec.chosen_token)
+    checked = cand if masks is None else cand[: len(masks)]
+    for step, rec in enumerate(checked):
+        allowed = None if masks is None else masks[step]
+        problem = None
+        if rec.logits is not None:
+            problem = check_draw(rec.logits, params, rec.chosen_token, allowed)
         if problem is None and logprobs is not None and step < len(logprobs):
             problem = check_logprobs(rec.logits, logprobs[step], params.logprobs)
         if problem is not None:
             ref_rec = ref[step] if step < len(ref) else rec
-            attribution = sampling_attribution(ref_rec, rec, RequestContext(params))
+            context = RequestContext(params)
+            if masks is None:
+                attribution = sampling_attribution(ref_rec, rec, context)
+            else:
+                attribution = structured_attribution(ref_rec, rec, context, problem)
             div = Divergence(
                 rec.request_id, step, "sampling", problem, ref_rec, rec, None, attribution
             )
@@ -79,17 +96,25 @@ def check_sampling(
     return []
 
 
-def check_draw_distribution(case: Case, records: dict[str, list[StepRecord]]) -> list[Failure]:
+def check_draw_distribution(
+    case: Case, records: dict[str, list[StepRecord]], masks: dict[str, list] | None = None
+) -> list[Failure]:
     """All sampled draws of the case together must be distributed as the oracle says (a
-    randomized-PIT uniformity test; deterministic, since every draw is seeded)."""
+    randomized-PIT uniformity test; deterministic, since every draw is seeded). A constrained
+    sample's draws (its `masks`, sample id -> the mask before each token) count against the
+    masked, renormalised distribution."""
     draws, first = [], None
+    masks = masks or {}
     for spec in case.requests:
         for sample, sample_id in enumerate(spec.sample_ids()):
             params = spec.params.for_sample(sample)
             if params.greedy:
                 continue
-            for rec in records.get(sample_id, []):
-                draws.append(DrawSample(rec.logits, params, rec.chosen_token))
+            own = masks.get(sample_id)
+            recs = records.get(sample_id, [])
+            for step, rec in enumerate(recs if own is None else recs[: len(own)]):
+                allowed = None if own is None else own[step]
+                draws.append(DrawSample(rec.logits, params, rec.chosen_token, allowed))
                 first = first or (rec, params)
     if not draws:
         return []

@@ -8,6 +8,8 @@ matrix, so where the first divergence falls names what to check:
                                                suite: the same case with unquantized KV matches)
   diverges at the end of prefill / a hit    -> prefix_key:   namespace, prefix digest, position ids
   diverges later (after a block boundary)   -> block_table:  in-block offset, last-block length
+  a constrained request's token or end      -> structured:   the grammar's mask, its matcher's
+    differs while the logits agree                           state (replay, forks), completion
   a layer group's view is not the window's   -> layer_group:  the group and its first layer, the
                                                blocks its window needs and those it held
                                                (kvpage.verify.group_views; found on the view itself,
@@ -238,6 +240,8 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
         "running_growth",
     ),
     "prefix_hold": ("step", "held_at", "request", "pending_keys", "queues", "budget_left"),
+    # Structured outputs: a constrained request's token, end or text (kvpage.verify.structured)
+    "structured": ("constraint", "digest", "step", "token", "allowed_next"),
 }
 WHERE_TO_LOOK = {
     "sampling": "the sampler: seed, per-request generator state, temperature / top-k / top-p",
@@ -263,6 +267,10 @@ WHERE_TO_LOOK = {
     "finish_precedence": "the stop rule's order: a stop id at max_tokens is a stop",
     "reservation": "the worst-case reservation with preemption off: running growth, free pool",
     "prefix_hold": "the same-step prefix hold-back: which blocks count as being computed now",
+    "structured": "structured outputs: the step's grammar masks (which row gets which), the "
+    "matcher's state after a recompute (replay) or a fork (its own copy), the grammar's "
+    "completion as a stop, the compiled-grammar cache key (kvpage/engine/grammars.py, "
+    "kvpage/structured/)",
 }
 
 # The whole stack (kvpage.verify.stack): the OpenAI app's text-level fields against the text
@@ -433,11 +441,74 @@ def _ending_divergence(reference, candidate, context: RequestContext | None):
         f"reference {len(reference)} tokens ({finish_ref}), candidate {len(candidate)} tokens "
         f"({finish_cand})"
     )
-    attribution = _stop_attribution(reference, candidate, context)
-    rid = last.request_id if last is not None else ""
     shown_ref = ref if ref is not None else (reference[-1] if reference else None)
     shown_cand = cand if cand is not None else (candidate[-1] if candidate else None)
+    if _grammar_ending(reference, candidate, context):
+        why = f"a constrained request's end differs: {detail}"
+        attribution = structured_attribution(_ref_at(reference, step), shown_cand, context, why)
+    else:
+        attribution = _stop_attribution(reference, candidate, context)
+    rid = last.request_id if last is not None else ""
     return Divergence(rid, step, kind, detail, shown_ref, shown_cand, None, attribution)
+
+
+def _ref_at(reference: list[StepRecord], step: int) -> StepRecord | None:
+    """The reference's record at `step`, or its last when it ended before."""
+    if not reference:
+        return None
+    return reference[min(step, len(reference) - 1)]
+
+
+def constrained(context: RequestContext | None) -> bool:
+    return context is not None and getattr(context.params, "structured_outputs", None) is not None
+
+
+def _grammar_ending(reference, candidate, context: RequestContext | None) -> bool:
+    """The grammar decided where one side ended: the reference's grammar was complete on a
+    token that is no stop id, or the candidate stopped on such a token."""
+    if not constrained(context):
+        return False
+    stop_ids = set(context.stop_ids)
+    last_ref = reference[-1] if reference else None
+    ref_done = (
+        last_ref is not None
+        and (last_ref.grammar or {}).get("finished", False)
+        and last_ref.chosen_token not in stop_ids
+    )
+    cand_done = (
+        context.finish_cand == "stop"
+        and bool(candidate)
+        and candidate[-1].chosen_token not in stop_ids
+    )
+    return ref_done or cand_done
+
+
+def structured_attribution(
+    ref: StepRecord | None,
+    cand: StepRecord | None,
+    context: RequestContext | None,
+    reason: str,
+    extra: dict | None = None,
+) -> Attribution:
+    """A constrained request whose token, end or text is not what its grammar makes it: the
+    constraint, the step, the candidate's token there and what the reference's own matcher
+    allowed at it (its grammar note)."""
+    constraint = getattr(context.params, "structured_outputs", None) if context else None
+    shown = cand or ref
+    fields: dict[str, Any] = {
+        "constraint": None if constraint is None else constraint.kind,
+        "spec": None if constraint is None else constraint.spec[:200],
+        "digest": None if constraint is None else constraint.digest[:16],
+        "step": None if shown is None else shown.step,
+        "token": None if cand is None else cand.chosen_token,
+        "reference_token": None if ref is None else ref.chosen_token,
+        "allowed_next": None if ref is None else ref.grammar,
+        "finish_reason_ref": context.finish_ref if context else None,
+        "finish_reason_cand": context.finish_cand if context else None,
+    }
+    fields.update(extra or {})
+    missing = [f for f in REQUIRED_FIELDS["structured"] if fields.get(f) is None]
+    return Attribution("structured", reason, fields, missing)
 
 
 def _stop_attribution(reference, candidate, context: RequestContext | None) -> Attribution:
@@ -509,6 +580,8 @@ def attribute(
         and ref.input_ids == cand.input_ids
         and ref.position_ids == cand.position_ids
     ):
+        if constrained(context):  # the mask decides before any sampling rule
+            return structured_attribution(ref, cand, context, "logits agree but the token differs")
         return sampling_attribution(ref, cand, context)
     lora = lora_attribution(ref, cand)
     if lora is not None:

@@ -12,6 +12,12 @@ the renormalised top-k distribution (walking down the sorted tokens, keep a toke
 strictly before it is < top_p, so the top token always stays), renormalise, draw. Reported
 logprobs are the k most likely tokens of the RAW (untempered, unfiltered) log_softmax.
 
+Structured outputs: a constrained draw comes from the masked, renormalised distribution: every
+id the grammar refuses (`allowed` False) is removed before anything else, so greedy is the argmax
+over the allowed ids, and temperature, top-k and top-p act on the allowed ids alone; a draw
+outside the mask is impossible. The mask is the caller's (the verifier's own matcher walked over
+the drawn tokens, kvpage.reference.grammar), never the engine's.
+
 Ties: top-p's walk orders tokens of one logit value in some order, and which of them the cut keeps
 depends on it (the oracle's sort is stable, by token id; the engine's is not). In 16-bit models a
 logit value is shared by many tokens, so a tie group often straddles the top-p cut. How many of
@@ -44,10 +50,15 @@ CHI2_BINS = 20
 
 # --- exact probabilities -------------------------------------------------------------------------
 def oracle_probs(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits: (V,) -> (V,) float64 probabilities; exactly zero outside the filtered support."""
-    x = _as_f64(logits)
+    """logits: (V,) -> (V,) float64 probabilities; exactly zero outside the filtered support
+    (and outside `allowed`, a (V,) bool grammar mask, when given)."""
+    x = _masked(logits, allowed)
     if temperature == 0.0:
         return _one_hot(int(torch.argmax(x)), x.shape[0])
     scaled = x / temperature
@@ -56,6 +67,14 @@ def oracle_probs(
 
 def _as_f64(logits: torch.Tensor) -> torch.Tensor:
     return logits.detach().to("cpu", torch.float64).reshape(-1)
+
+
+def _masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """float64 logits with the ids a grammar refuses at -inf: they take no part in any rule."""
+    x = _as_f64(logits)
+    if allowed is None:
+        return x
+    return x.masked_fill(~allowed.detach().to("cpu", torch.bool).reshape(-1), float("-inf"))
 
 
 def _one_hot(index: int, size: int) -> torch.Tensor:
@@ -68,7 +87,7 @@ def _kept(scaled: torch.Tensor, top_k: int, top_p: float, slack: float) -> torch
     """Boolean (V,) mask of the filtered support of tempered logits. `slack` widens both cut-offs
     (for checks that must tolerate float32 rounding in the engine)."""
     values, order = torch.sort(scaled, descending=True, stable=True)
-    cut = len(values)
+    cut = int(torch.isfinite(values).sum())  # masked ids (-inf) are never kept
     if 0 < top_k < cut:
         kth = float(values[top_k - 1])
         cut = int((values >= kth - slack * max(1.0, abs(kth))).sum())  # ties at the k-th stay
@@ -99,10 +118,10 @@ def _drawable(scaled: torch.Tensor, token: int, top_k: int, top_p: float, slack:
     than float32 rounding of the tempered logits) is < top_p, i.e. when it could have come first
     in its tie group. `slack` widens both cut-offs as in _kept."""
     value = float(scaled[token])
-    keep = torch.ones_like(scaled, dtype=torch.bool)
-    if 0 < top_k < scaled.shape[0]:
+    keep = torch.isfinite(scaled)  # a grammar's masked ids are never kept
+    if 0 < top_k < int(keep.sum()):
         kth = float(torch.sort(scaled, descending=True).values[top_k - 1])
-        keep = scaled >= kth - slack * max(1.0, abs(kth))
+        keep = keep & (scaled >= kth - slack * max(1.0, abs(kth)))
         if not keep[token]:
             return False
     if top_p >= 1.0:
@@ -120,11 +139,19 @@ def _renormalised(scaled: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 
 # --- single draws and logprobs -------------------------------------------------------------------
-def check_draw(logits: torch.Tensor, params: SamplingParams, token: int) -> str | None:
-    """A message when `token` cannot have been drawn from `logits` under `params`, else None."""
-    x = _as_f64(logits)
+def check_draw(
+    logits: torch.Tensor, params: SamplingParams, token: int, allowed: torch.Tensor | None = None
+) -> str | None:
+    """A message when `token` cannot have been drawn from `logits` under `params` (masked by
+    `allowed`, a constrained step's grammar mask), else None."""
+    x = _masked(logits, allowed)
     if not 0 <= token < x.shape[0]:
         return f"token {token} is outside the vocabulary [0, {x.shape[0]})"
+    if allowed is not None and not bool(allowed.reshape(-1)[token]):
+        return (
+            f"drew token {token}, which the grammar does not allow here ({int(allowed.sum())} "
+            "ids allowed)"
+        )
     if params.temperature == 0.0:
         best = int(torch.argmax(x))
         if x[token] < x[best]:  # a tie with the maximum is a legitimate argmax
@@ -175,6 +202,7 @@ class DrawSample:
     logits: torch.Tensor  # (V,) the logits the token was drawn from
     params: SamplingParams
     token: int
+    allowed: torch.Tensor | None = None  # (V,) bool: a constrained step's grammar mask
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,8 +251,8 @@ def _pit(draw: DrawSample, rng: random.Random) -> float:
     tie), in descending order: which members of a group straddling the top-p cut are kept is the
     sort's choice, how much mass the group keeps is not."""
     p = draw.params
-    probs = oracle_probs(draw.logits, p.temperature, p.top_k, p.top_p)
-    scaled = _as_f64(draw.logits) / p.temperature
+    probs = oracle_probs(draw.logits, p.temperature, p.top_k, p.top_p, draw.allowed)
+    scaled = _masked(draw.logits, draw.allowed) / p.temperature
     value = scaled[draw.token]
     below = math.fsum(probs[scaled > value].tolist())  # F(group-)
     mass = math.fsum(probs[scaled == value].tolist())  # the group's kept mass
@@ -281,9 +309,11 @@ class Support:
     size: int  # the whole support's size
 
 
-def filtered_support(logits: torch.Tensor, params: SamplingParams) -> Support:
+def filtered_support(
+    logits: torch.Tensor, params: SamplingParams, allowed: torch.Tensor | None = None
+) -> Support:
     """The tokens the oracle gives nonzero probability, most probable first."""
-    probs = oracle_probs(logits, params.temperature, params.top_k, params.top_p)
+    probs = oracle_probs(logits, params.temperature, params.top_k, params.top_p, allowed)
     size = int((probs > 0).sum())
     order = torch.sort(probs, descending=True, stable=True).indices[: min(size, SUPPORT_CAP)]
     return Support(tuple(order.tolist()), size)

@@ -19,6 +19,7 @@ from kvpage.engine.namespace import base_namespace
 from kvpage.kv.format import kv_format
 from kvpage.lora.request import LoRARequest
 from kvpage.reference.generator import ReferenceOutput, generate, stop_token_ids
+from kvpage.reference.grammar import ReferenceGrammars
 from kvpage.reference.lora_merge import merged_model
 from kvpage.reference.records import StepRecord
 from kvpage.sampling_params import SamplingParams
@@ -53,6 +54,7 @@ from kvpage.verify.kernel_attribution import attribute_kernels
 from kvpage.verify.lora_adapters import AdapterFiles, LoraSpec, WrittenAdapter
 from kvpage.verify.mutants.base import MissingSeam
 from kvpage.verify.properties import StepProperties, check_independence, pin_unseeded
+from kvpage.verify.structured import check_structured
 from kvpage.verify.trace import EngineTracer
 
 __all__ = ["SUITES", "CaseResult", "Failure", "Runtime", "build_suites", "run_case"]
@@ -107,6 +109,7 @@ class Runtime:
         self._refs: dict[tuple, ReferenceOutput] = {}
         self.adapter_files: AdapterFiles | None = None  # written at the first adapter asked for
         self._merged: dict[str, object] = {}  # adapter identity -> the reference's merged model
+        self._grammars: ReferenceGrammars | None = None  # built at the first constrained request
         # A diverging case runs again with the fast paths off to name a kernel
         # (kvpage.verify.kernel_attribution); a caller that only asks whether a case still
         # fails (shrinking a reproducer) turns it off.
@@ -128,6 +131,15 @@ class Runtime:
         if written.identity not in self._merged:
             self._merged[written.identity] = merged_model(self.model, written.path)
         return self._merged[written.identity]
+
+    @property
+    def grammars(self) -> ReferenceGrammars:
+        """The reference's own constraint compiler over this model's vocabulary (its tokenizer
+        read by itself, never the engine's; kvpage.reference.grammar)."""
+        if self._grammars is None:
+            cfg = self.model.config
+            self._grammars = ReferenceGrammars(self.model_name, cfg.vocab_size, cfg.eos_token_ids)
+        return self._grammars
 
     def make_engine(self, overrides: dict) -> LLMEngine:
         args = dict(model=self.model_name, tensor_parallel_size=self.tensor_parallel_size)
@@ -191,6 +203,7 @@ class Runtime:
                 namespace=ns_hex,
                 kv_cache_dtype=kv_cache_dtype,
                 scale_span=span,
+                grammars=None if params.structured_outputs is None else self.grammars,
             )
             identity = "" if lora is None else self.adapter(lora).identity
             for record in out.records:
@@ -427,6 +440,7 @@ def _check_requests(
     failures: list[Failure] = []
     block_size, kv_dtype = engine.config.block_size, engine.config.kv_cache_dtype
     records = dict(engine.tracer.records)  # cut at a numeric tie (16-bit) for the canary check
+    masks: dict[str, list] = {}  # constrained sample -> the verifier's mask before each token
     for spec in case.requests:
         out = finished.get(spec.request_id)
         if out is None:
@@ -450,15 +464,29 @@ def _check_requests(
                 div.request_id = sample_id
                 message = f"{sample_id} diverged at step {div.step} ({div.kind}: {div.detail})"
                 failures.append(Failure("divergence", message, sample_id, div))
-            failures += check_sampling(spec, sample, ref.records, cand, completion)
+            if spec.params.structured_outputs is not None:
+                found, masks[sample_id] = _check_structured(
+                    runtime, spec, sample, ref, cand, completion
+                )
+                failures += found
+            failures += check_sampling(
+                spec, sample, ref.records, cand, completion, masks.get(sample_id)
+            )
     canaries = {sid: s.canary for s in case.requests if s.canary for sid in s.sample_ids()}
     scale = logit_scale([r for recs in refs.values() for r in recs])
     margin = max(TOPK_MARGIN, logit_atol(kv_dtype, runtime.model.dtype, scale))
     for leak in find_foreign_canaries(canaries, records, refs, margin):
         failures.append(Failure("canary", str(leak), leak.victim))
     if case.check_sampling:
-        failures += check_draw_distribution(case, records)
+        failures += check_draw_distribution(case, records, masks)
     return failures
+
+
+def _check_structured(runtime: Runtime, spec, sample: int, ref, cand, completion):
+    """A constrained sample: its draws walked by the verifier's own matcher, its end and text
+    checked (kvpage.verify.structured); the walk's masks go to the sampling oracle."""
+    stop_ids = stop_token_ids(runtime.model, spec.params.for_sample(sample))
+    return check_structured(spec, sample, ref.records, cand, completion, runtime.grammars, stop_ids)
 
 
 def _partial_divergences(case: Case, runtime: Runtime, engine: LLMEngine) -> list[Failure]:
@@ -474,7 +502,9 @@ def _partial_divergences(case: Case, runtime: Runtime, engine: LLMEngine) -> lis
             scale = logit_scale(ref.records)
             atol = logit_atol(kv_dtype, runtime.model.dtype, scale, spec.lora is not None)
             ties = _ties(runtime, kv_dtype)
-            div = first_divergence(ref.records[: len(cand)], cand, atol, ties_allowed=ties)
+            # the request's parameters: a constrained one's token is its grammar's first
+            context = RequestContext(spec.params.for_sample(sample))
+            div = first_divergence(ref.records[: len(cand)], cand, atol, context, ties)
             if div is not None:
                 div.request_id = sample_id
                 message = f"{sample_id} diverged at step {div.step} ({div.kind}: {div.detail})"

@@ -77,8 +77,16 @@ EXPECTED_CLASS = {
     "lora_digest_skips_tensors": "lora",
     "lora_rslora_key_misspelled": "lora",
     "lora_slot_keeps_old_factors": "lora",
+    # structured outputs: a constrained request's token or end leaves its grammar's
+    "mask_of_neighbouring_row": "structured",
+    "matcher_not_replayed_after_recompute": "structured",
+    "forks_share_one_matcher": "structured",
+    "mask_after_top_k": "structured",
+    "grammar_termination_ignored": "structured",
+    "grammar_cache_keyed_by_name": "structured",
 }
 STEP_PAIR_CLASSES = {"block_table", "prefix_key", "restore", "sampling", "quantized_kv"}
+STEP_PAIR_CLASSES |= {"structured"}
 SUITES = {
     "prefix",
     "batching",
@@ -92,6 +100,7 @@ SUITES = {
     "parallel",
     "prompt_logprobs",
     "lora",
+    "structured",
     # the gate's default --kv-cache-dtype int8 copies
     "prefix:int8",
     "batching:int8",

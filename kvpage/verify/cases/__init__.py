@@ -17,6 +17,7 @@ from kvpage.verify.cases.quantized import REQUANTIZED_SUITES, cow_case, quantize
 from kvpage.verify.cases.resources import resource_cases
 from kvpage.verify.cases.sampling import sampling_cases
 from kvpage.verify.cases.stop import stop_cases
+from kvpage.verify.cases.structured import structured_cases
 
 SUITES = (
     "prefix",
@@ -31,6 +32,7 @@ SUITES = (
     "parallel",
     "prompt_logprobs",
     "lora",
+    "structured",
 )
 # Suites that need a model of a given shape, run by the cells of such a model (kvpage.verify
 # .matrix): layer_groups needs global and sliding-window layers (builtin:tiny-hybrid).
@@ -63,6 +65,7 @@ def build_suites(
         "parallel": parallel_cases,
         "prompt_logprobs": prompt_logprob_cases,
         "lora": lora_cases,
+        "structured": structured_cases,
         "layer_groups": layer_group_cases,
     }
     for name, build in builders.items():

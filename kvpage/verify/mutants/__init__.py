@@ -19,6 +19,7 @@ from kvpage.verify.mutants.quantized import QUANTIZED_MUTANTS
 from kvpage.verify.mutants.resources import RESOURCE_MUTANTS
 from kvpage.verify.mutants.sampling import SAMPLING_MUTANTS
 from kvpage.verify.mutants.stop import STOP_MUTANTS
+from kvpage.verify.mutants.structured import STRUCTURED_MUTANTS
 
 MUTANTS: tuple[Mutant, ...] = (
     *CACHE_MUTANTS,
@@ -33,6 +34,7 @@ MUTANTS: tuple[Mutant, ...] = (
     *PROPERTY_MUTANTS,
     *LORA_MUTANTS,
     *LAYER_GROUP_MUTANTS,
+    *STRUCTURED_MUTANTS,
     *KERNEL_MUTANTS,
     *CRASH_MUTANTS,
 )
