@@ -48,6 +48,18 @@ def add_parser(sub) -> None:
         help="the chat template, in place of the model's (as vLLM: a file's path, else the "
         "Jinja template itself, backslash escapes decoded)",
     )
+    srv.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" (the default with tools): tool calls are parsed out of the '
+        "reply (needs --tool-call-parser)",
+    )
+    srv.add_argument(
+        "--tool-call-parser",
+        choices=("hermes",),  # kvpage.server.tool_calls.PARSERS (not imported: fastapi)
+        help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>, the "
+        "Qwen2.5/Qwen3/Hermes templates')",
+    )
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=port, default=8000, help="port to listen on")
     srv.add_argument(
@@ -256,6 +268,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
     else:
         _audit_to_stderr()
     chat_template = _chat_template(args)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise CliError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     names = tuple(args.served_model_name or (args.model,))
     if any(not name for name in names):
         raise CliError("--served-model-name: names must be non-empty")
@@ -272,6 +286,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         shutdown_timeout=args.shutdown_timeout,
         lora_modules=tuple(args.lora_modules),
         chat_template=chat_template,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

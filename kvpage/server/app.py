@@ -11,6 +11,7 @@ import logging
 import sys
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import replace
 
 from fastapi import APIRouter, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
@@ -60,7 +61,14 @@ from kvpage.server.responses import (
 )
 from kvpage.server.shadow import ShadowChecker
 from kvpage.server.state import ServerOptions, ServerState
+from kvpage.server.structured import (
+    Constraint,
+    is_constraint_error,
+    refusal,
+    request_constraint,
+)
 from kvpage.server.tenants import Tenants
+from kvpage.server.tool_calls import ToolPolicy, finish_of, tool_policy
 from kvpage.server.transport import RequestGuard
 
 log = logging.getLogger("kvpage.server")
@@ -280,18 +288,23 @@ async def completions(
     body: CompletionRequest, request: Request, authorization: str | None = Header(default=None)
 ) -> Response:
     state = _admit(request, body, authorization)
+    constraint = request_constraint(body)
     prompts = body.prompts()
     if len(prompts) > MAX_PROMPTS:
         raise ApiError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
     all_ids = [_encode(state, p) if isinstance(p, str) else list(p) for p in prompts]
     if len(all_ids) > 1:
-        return await _serve_batch(request, state, body, all_ids)
+        return await _serve_batch(request, state, body, all_ids, constraint)
     prompt_ids = all_ids[0]
     max_tokens = _room(state, prompt_ids) if body.max_tokens is None else body.max_tokens
-    return await _serve(request, state, body, prompt_ids, max_tokens, body.logprobs, chat=False)
+    return await _serve(
+        request, state, body, prompt_ids, max_tokens, body.logprobs, False, constraint
+    )
 
 
-async def _serve_batch(request, state, body, all_ids: list[list[int]]) -> Response:
+async def _serve_batch(
+    request, state, body, all_ids: list[list[int]], constraint: Constraint | None
+) -> Response:
     """A list of prompts: one engine request each (kvpage.server.batch)."""
     salt = state.tenants.cache_salt(request.state.tenant, body.cache_salt)
     shape = new_shape(
@@ -308,7 +321,7 @@ async def _serve_batch(request, state, body, all_ids: list[list[int]]) -> Respon
     gens = []
     for i, ids in enumerate(all_ids):
         max_tokens = _room(state, ids) if body.max_tokens is None else body.max_tokens
-        params = sampling_params(body, max_tokens, body.logprobs)
+        params = sampling_params(body, max_tokens, body.logprobs, _params(constraint))
         rid = f"{shape.request_id}-{i}"
         gen = Generation.new(
             rid, ids, params, salt, tokenizer, body.stop_strings, state.text_stream
@@ -316,7 +329,7 @@ async def _serve_batch(request, state, body, all_ids: list[list[int]]) -> Respon
         gen.echo_only = max_tokens == 0
         gen.lora = state.adapter_for(body.model)
         gens.append(gen)
-    sinks = await submit_all(state, gens, request.state.tenant)
+    sinks = await submit_all(state, gens, request.state.tenant, constraint)
     path = request.url.path
     if body.stream:
         return StreamingResponse(
@@ -348,12 +361,16 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request, authorization: str | None = Header(default=None)
 ) -> Response:
     state = _admit(request, body, authorization)
+    tools = tool_policy(body, state.options.auto_tool_parser)
+    constraint = request_constraint(body, tools.constraint)
     # A model's own (Jinja) template spells BOS and the other specials itself; encoding its text
     # with special tokens would add them twice. The built-in template has none.
     specials = state.chat_template.builtin
     prompt_ids = _encode(state, _render(state, body), add_special_tokens=specials)
     max_tokens = body.max_completion_tokens or body.max_tokens or _room(state, prompt_ids)
-    return await _serve(request, state, body, prompt_ids, max_tokens, body.num_logprobs, chat=True)
+    return await _serve(
+        request, state, body, prompt_ids, max_tokens, body.num_logprobs, True, constraint, tools
+    )
 
 
 def _render(state: ServerState, body: ChatCompletionRequest | TokenizeRequest) -> str:
@@ -395,10 +412,24 @@ def _room(state: ServerState, prompt_ids: list[int]) -> int:
     return max(1, min(engine.max_model_len, pool_tokens) - len(prompt_ids))
 
 
-async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, chat) -> Response:
+def _params(constraint: Constraint | None):
+    return None if constraint is None else constraint.params
+
+
+async def _serve(
+    request,
+    state,
+    body,
+    prompt_ids,
+    max_tokens,
+    num_logprobs,
+    chat: bool,
+    constraint: Constraint | None = None,
+    tools: ToolPolicy | None = None,
+) -> Response:
     # max_tokens 0 (echo only): the engine scores the prompt and draws nothing, so a prompt
     # may fill the whole context.
-    params = sampling_params(body, max_tokens, num_logprobs)
+    params = sampling_params(body, max_tokens, num_logprobs, _params(constraint))
     salt = state.tenants.cache_salt(request.state.tenant, body.cache_salt)
     model = _served_name(state, body.model)
     echo = not chat and body.echo
@@ -412,6 +443,8 @@ async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, cha
         body.prompt_logprobs,
         body.return_tokens_as_token_ids,
     )
+    if tools is not None and tools.parses:
+        shape = replace(shape, tools=tools)
     tokenizer = text_tokenizer(state.loop.engine.tokenizer, body.skip_special_tokens is not False)
     stop = body.stop_strings
     gen = Generation.new(
@@ -425,6 +458,8 @@ async def _serve(request, state, body, prompt_ids, max_tokens, num_logprobs, cha
         sink = await submit(state, gen)
     except InvalidRequest as err:
         state.audit.forget(gen.request_id)
+        if constraint is not None and is_constraint_error(err):
+            raise refusal(err, constraint) from err
         raise _named_as_sent(invalid_request(err), body, chat) from err
     if body.stream:
         events = _stream(state, shape, gen, sink, body.include_usage, request.url.path)
@@ -462,15 +497,24 @@ async def _stream_events(state, shape, gen, sink, include_usage: bool) -> AsyncI
             yield sse(role_chunk(shape, index))
     started: set[int] = set()  # choices that have had a chunk (the first carries the echo)
     echo = None  # made at the first delta: the prompt's logprobs come with the first output
+    calls = {c.index: shape.tools.stream() for c in gen.choices} if shape.tools else {}
     try:
         async with aclosing(run(state, gen, sink)) as deltas:
             async for delta in deltas:
                 first = delta.index not in started
-                if first or delta.text or delta.finish_reason is not None or not quiet:
+                said = delta.text
+                if calls:  # the text read as tool calls (kvpage.server.tool_calls)
+                    stream = calls[delta.index]
+                    said = stream.feed(delta.text, delta.finish_reason is not None)
+                    delta.finish_reason = finish_of(delta.finish_reason, stream.called)
+                if first or said or delta.finish_reason is not None or not quiet:
                     started.add(delta.index)
                     if shape.echo and echo is None:
                         echo = echo_of(gen, tokenizer, shape.num_logprobs is not None)
-                    yield sse(chunk_body(shape, delta, tokenizer, echo, first, gen))
+                    chunk = chunk_body(shape, delta, tokenizer, echo, first, gen)
+                    if calls:
+                        chunk["choices"][0]["delta"] = said
+                    yield sse(chunk)
     except EngineFailure as err:
         yield sse(error_body(str(err), err.kind))
     if include_usage:

@@ -15,13 +15,16 @@ from kvpage.server.generation import Delta, Generation, run, submit
 from kvpage.server.protocol import ApiError, error_body, invalid_request, usage
 from kvpage.server.responses import Shape, chunk_body, echo_of, final_body, sse
 from kvpage.server.state import ServerState
+from kvpage.server.structured import Constraint, is_constraint_error, refusal
 
 MAX_PROMPTS = 256  # prompts per request: each one is an engine request of its own
 
 
-async def submit_all(state: ServerState, gens: list[Generation], tenant) -> list[asyncio.Queue]:
+async def submit_all(
+    state: ServerState, gens: list[Generation], tenant, constraint: Constraint | None = None
+) -> list[asyncio.Queue]:
     """Queue every prompt; if one is refused, the ones queued before it are aborted (drained in
-    the background) and the refusal names the prompt."""
+    the background) and the refusal names the prompt (or the constraint they all share)."""
     sinks: list[asyncio.Queue] = []
     for i, gen in enumerate(gens):
         state.audit.admit(gen.request_id, tenant, None if gen.lora is None else gen.lora.lora_name)
@@ -32,6 +35,8 @@ async def submit_all(state: ServerState, gens: list[Generation], tenant) -> list
             for queued, sink in zip(gens, sinks, strict=False):
                 state.loop.abort(queued.request_id)
                 asyncio.get_running_loop().create_task(_drain(state, queued, sink))
+            if constraint is not None and is_constraint_error(err):
+                raise refusal(err, constraint) from err
             api = invalid_request(err)
             raise ApiError(f"prompt {i}: {api.message}", "prompt") from err
     return sinks

@@ -73,7 +73,9 @@ _PROMPT_LOGPROBS = _nullable(
         )
     )
 )
-_FINISH = _nullable({"type": "string", "enum": ["stop", "length", "abort", "timeout", "error"]})
+_FINISH = _nullable(
+    {"type": "string", "enum": ["stop", "length", "abort", "timeout", "error", "tool_calls"]}
+)
 _COMPLETION_LOGPROBS = _obj(
     {
         "tokens": _list(_STR),
@@ -108,7 +110,18 @@ _COMPLETION_CHOICE = _obj(
     },
     _EXTRAS,
 )
-_CHAT_MESSAGE = _obj({"role": {"const": "assistant"}, "content": _STR})
+# a reply read as tool calls (kvpage.server.tool_calls): content null when there are only calls
+_TOOL_CALL = _obj(
+    {"id": _STR, "type": {"const": "function"}, "function": _obj({"name": _STR, "arguments": _STR})}
+)
+_CHAT_MESSAGE = _obj(
+    {"role": {"const": "assistant"}, "content": _nullable(_STR)}, {"tool_calls": _list(_TOOL_CALL)}
+)
+# a streamed call: its first delta has id, type and name (arguments ""), then argument fragments
+_TOOL_CALL_DELTA = _obj(
+    {"index": _INT, "function": _obj({}, {"name": _STR, "arguments": _STR})},
+    {"id": _STR, "type": {"const": "function"}},
+)
 _CHAT_CHOICE = _obj(
     {
         "index": _INT,
@@ -122,7 +135,14 @@ _CHAT_CHOICE = _obj(
 _CHAT_DELTA = _obj(
     {
         "index": _INT,
-        "delta": _obj({"content": _STR}, {"role": {"const": "assistant"}}),
+        "delta": _obj(
+            {},
+            {
+                "role": {"const": "assistant"},
+                "content": _STR,
+                "tool_calls": _list(_TOOL_CALL_DELTA),
+            },
+        ),
         "finish_reason": _FINISH,
     },
     {"logprobs": _nullable(_CHAT_LOGPROBS), "token_ids": _list(_INT)},
@@ -273,13 +293,22 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
 
 
 _CHAT = [{"role": "user", "content": "Hello"}]
-_TOOL = {  # shown to the model by its chat template; no tool call is parsed from the reply
+_TOOL = {  # shown to the model by its chat template; tool_choice may force a call of it
     "type": "function",
     "function": {
         "name": "get_weather",
         "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+        },
     },
+}
+_SCHEMA = {  # a JSON schema for response_format and structured_outputs
+    "type": "object",
+    "properties": {"answer": {"type": "string", "maxLength": 8}},
+    "required": ["answer"],
 }
 # Request bodies a reader can start from (and schemathesis sends first): one of each shape.
 EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
@@ -292,6 +321,7 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
             "stream_options": {"include_usage": True},
         },
         "batch": {"prompt": ["Once", "Twice"], "max_tokens": 2, "logprobs": 2, "echo": True},
+        "regex": {"prompt": "Code:", "max_tokens": 8, "structured_outputs": {"regex": "[A-Z]{3}"}},
         "batch_stream": {"prompt": [[72, 105], [79]], "max_tokens": 2, "stream": True, "n": 2},
         "scored": {"prompt": "Hi", "max_tokens": 1, "prompt_logprobs": 1, "return_token_ids": True},
     },
@@ -310,7 +340,25 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
             "prompt_logprobs": 1,
             "return_token_ids": True,
         },
-        "tools": {"messages": _CHAT, "max_tokens": 4, "tools": [_TOOL], "tool_choice": "auto"},
+        "tools": {
+            "messages": _CHAT,
+            "max_tokens": 16,
+            "tools": [_TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        },
+        "json_schema": {
+            "messages": _CHAT,
+            "max_tokens": 16,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": _SCHEMA, "strict": True},
+            },
+        },
+        "choice": {
+            "messages": _CHAT,
+            "max_tokens": 4,
+            "structured_outputs": {"choice": ["yes", "no"]},
+        },
     },
     ("/tokenize", "post"): {
         "prompt": {"prompt": "Hello"},
@@ -397,9 +445,9 @@ def _chat_template(names: list[str]) -> dict[str, Schema]:
     }
 
 
-def _tighten(schemas: dict[str, Schema], vocab: int, names: list[str]) -> None:
+def _tighten(schemas: dict[str, Schema], vocab: int, names: list[str], auto_tools: bool) -> None:
     """Request schemas as the server accepts them (pydantic's say only the types); `names`: the
-    served model's chat templates."""
+    served model's chat templates; `auto_tools`: tool_choice "auto" is served."""
     fields = {
         "CompletionRequest": {
             **_common(vocab),
@@ -408,7 +456,11 @@ def _tighten(schemas: dict[str, Schema], vocab: int, names: list[str]) -> None:
             "best_of": {"anyOf": [{"type": "null"}, {"type": "integer", "const": 1}]},
             "suffix": {"enum": [None, ""]},
         },
-        "ChatCompletionRequest": {**_common(vocab), **_chat_template(names)},
+        "ChatCompletionRequest": {
+            **_common(vocab),
+            **_chat_template(names),
+            "tool_choice": _tool_choice(auto_tools),
+        },
         "DetokenizeRequest": {"tokens": {**_list(_token_ids(vocab)), "maxItems": 1_000_000}},
         "TokenizeRequest": _chat_template(names),
     }
@@ -416,6 +468,7 @@ def _tighten(schemas: dict[str, Schema], vocab: int, names: list[str]) -> None:
         schemas[model]["properties"].update(props)
     for model, rules in _RULES.items():
         schemas[model]["allOf"] = rules
+    _tighten_constraints(schemas)
     schemas["TokenizeRequest"]["oneOf"] = [_only("prompt", "messages"), _only("messages", "prompt")]
 
 
@@ -427,14 +480,66 @@ def _needs(field: str, value: Schema, needed: str, needed_value: Any) -> Schema:
     }
 
 
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_TEXT = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "null"}]}
+
+
+def _chosen(kind: str) -> Schema:
+    """structured_outputs with `kind` the one constraint set (the others null, absent, false)."""
+    off = {k: {"enum": [None, False]} for k in _CONSTRAINT_KINDS if k != kind}
+    on = {"const": True} if kind == "json_object" else {"not": {"type": "null"}}
+    return {"required": [kind], "properties": {kind: on, **off}}
+
+
+def _tighten_constraints(schemas: dict[str, Schema]) -> None:
+    """structured_outputs takes exactly one constraint, non-empty; a json_schema
+    response_format needs its schema (kvpage.server.structured)."""
+    fields = schemas["StructuredOutputsField"]
+    fields["properties"].update(
+        regex=_TEXT,
+        grammar=_TEXT,
+        choice=_nullable({**_list({"type": "string", "minLength": 1}), "minItems": 1}),
+        json=_nullable({"anyOf": [{"type": "object"}, _STR, {"const": True}]}),
+    )
+    fields["oneOf"] = [_chosen(kind) for kind in _CONSTRAINT_KINDS]
+    needs_schema = _obj({"schema": {"type": "object"}})
+    schemas["ResponseFormat"]["allOf"] = [
+        {
+            "if": {"properties": {"type": {"const": "json_schema"}}},
+            "then": {"required": ["json_schema"], "properties": {"json_schema": needs_schema}},
+        }
+    ]
+
+
+def _tool_choice(auto_tools: bool) -> Schema:
+    modes = ["none", "required", *(["auto"] if auto_tools else [])]
+    return {"anyOf": [{"enum": modes}, _ref("NamedToolChoice"), {"type": "null"}]}
+
+
+# response_format and structured_outputs: not both at once. (tool_choice's own rules, that a
+# forced call needs tools in OpenAI's function shape and no second constraint, are in the
+# description: schemathesis' canonicaliser cannot model the chat request with them as well.)
+_TEXT_FORMAT = _nullable(_obj({"type": {"const": "text"}}))
+_ONE_CONSTRAINT = {
+    "anyOf": [
+        {"properties": {"structured_outputs": {"type": "null"}}},
+        {"properties": {"response_format": _TEXT_FORMAT}},
+    ]
+}
+
 _STREAM_OPTIONS = _needs("stream_options", {"type": "object"}, "stream", True)
 # the final message is continued, so no new one is begun (transformers refuses both)
 _CONTINUE = _needs("continue_final_message", {"const": True}, "add_generation_prompt", False)
 # Rules across fields, as the models' check_unsupported methods apply them.
 _RULES: dict[str, list[Schema]] = {
-    "CompletionRequest": [_STREAM_OPTIONS, _needs("max_tokens", {"const": 0}, "echo", True)],
+    "CompletionRequest": [
+        _STREAM_OPTIONS,
+        _needs("max_tokens", {"const": 0}, "echo", True),
+        _ONE_CONSTRAINT,
+    ],
     "ChatCompletionRequest": [
         _STREAM_OPTIONS,
+        _ONE_CONSTRAINT,
         _needs("top_logprobs", {"type": "integer"}, "logprobs", True),
         _CONTINUE,
     ],
@@ -462,6 +567,13 @@ Some refusals depend on the served model and are not
 written in the schemas: the prompt's tokens plus `max_tokens` must fit the context (`max_model_len`
 in /v1/models) and the KV pool, and `seed + n - 1` must fit in 64 bits.
 
+Output constraints: `response_format` (`json_object`, `json_schema`) or vLLM's
+`structured_outputs` (exactly one of json, regex, choice, grammar, json_object); a schema, regex or
+grammar the grammar engine cannot compile is a 400 naming the field. `tool_choice` "required" or a
+named function (chat) forces a call: it needs `tools` in OpenAI's function shape, a named function
+must be one of them, and neither goes with another constraint; "auto" is served only with
+`--enable-auto-tool-choice --tool-call-parser hermes`.
+
 With `stream: true` the answer is `text/event-stream`; its schema is that of one event, whose
 `data` is a JSON chunk (or an error, if the engine fails mid-stream), and the last event's is
 `[DONE]`."""
@@ -487,7 +599,8 @@ def document(app: FastAPI) -> Schema:
     for unused in ("HTTPValidationError", "ValidationError"):  # only FastAPI's 422 used them
         schemas.pop(unused, None)
     names = sorted(state.chat_template.compiled)
-    _tighten(schemas, state.loop.engine.model.config.vocab_size, names)
+    auto_tools = state.options.auto_tool_parser is not None
+    _tighten(schemas, state.loop.engine.model.config.vocab_size, names, auto_tools)
     schemas.update(SCHEMAS)
     return doc
 

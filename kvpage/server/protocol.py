@@ -13,6 +13,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from kvpage.errors import InvalidRequest, KVPageError
 from kvpage.sampling_params import SamplingParams
+from kvpage.structured_params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_N = 16  # parallel samples per request: each one is a sequence of its own after prefill
@@ -72,6 +73,8 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     same = [e for e in errors if _field_of(_untagged(_loc(e), stop_at_tag=True)) == param]
     best = max(same, key=lambda e: len(_loc(e)))  # the first of the deepest
     where = ".".join(_untagged(_loc(best), stop_at_tag=False))
+    if best.get("type") == "extra_forbidden":  # the unknown key is the point: name it
+        where = f"{where}.{_loc(best)[-1]}"
     return ApiError(f"{where}: {best.get('msg', 'invalid value')}", param)
 
 
@@ -120,7 +123,6 @@ def _body_message(error: dict) -> str:
 # `metadata`, ...) are accepted and ignored.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logit_bias": ({},),
-    "response_format": ({"type": "text"},),
     "min_p": (0,),
     "repetition_penalty": (1,),
     "length_penalty": (1,),
@@ -134,10 +136,8 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_regex": (),
     "guided_choice": (),
     "guided_grammar": (),
-    "structured_outputs": (),
     "logits_processors": ([],),
     "prompt_embeds": (),
-    "tool_choice": ("none", "auto"),  # tools reach the template; no tool call is parsed out
     "functions": ([],),
     "function_call": ("none", "auto"),
     "audio": (),
@@ -213,6 +213,39 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """response_format's json_schema (OpenAI's): the schema the reply's JSON follows."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced here
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's `structured_outputs` request field: StructuredOutputsParams' fields, exactly one
+    constraint of them (a field this server does not know is refused, never ignored)."""
+
+    model_config = ConfigDict(
+        strict=True, allow_inf_nan=False, extra="forbid", populate_by_name=True
+    )
+
+    # a schema (an object, or its JSON text), or true: any JSON value
+    json_: dict[str, Any] | str | Literal[True] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+
+
 class _Common(_Strict):
     """Fields shared by both endpoints; OpenAI names, plus vLLM's extensions (top_k, ignore_eos,
     stop_token_ids, cache_salt) and `return_token_ids` (token ids in each choice). Other fields
@@ -243,6 +276,9 @@ class _Common(_Strict):
     skip_special_tokens: bool | None = True  # null: the default
     spaces_between_special_tokens: bool | None = True
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
+    # the output's constraint (kvpage.server.structured): OpenAI's and vLLM's fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     def check_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -410,8 +446,21 @@ class _ChatTemplateFields(_Strict):
             )
 
 
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """tool_choice naming the function the reply must call."""
+
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
 class ChatCompletionRequest(_ChatTemplateFields, _Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    # kvpage.server.tool_calls; None: "auto" where the server parses tool calls, else "none"
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -476,10 +525,14 @@ class UnloadLoraAdapter(_Strict):
 
 
 def sampling_params(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, num_logprobs: int | None
+    req: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    num_logprobs: int | None,
+    structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The engine's parameters. The engine reports the chosen token's logprob apart from the top
-    k, so `num_logprobs` (0 included) is asked for as it is."""
+    k, so `num_logprobs` (0 included) is asked for as it is. `structured`: the output's
+    constraint (kvpage.server.structured)."""
     try:
         return SamplingParams(
             temperature=req.temperature,
@@ -492,6 +545,7 @@ def sampling_params(
             logprobs=num_logprobs,
             n=req.n,  # sample i draws with seed + i (SamplingParams.for_sample)
             prompt_logprobs=req.num_prompt_logprobs,
+            structured_outputs=structured,
         )
     except InvalidRequest as err:
         raise ApiError(str(err), _field_named(str(err))) from err
@@ -519,6 +573,12 @@ _FIELD_NAMES = _KNOWN_PARAMS.union(
     ToolCall.model_fields,
     FunctionCall.model_fields,
     StreamOptions.model_fields,
+    ResponseFormat.model_fields,
+    JsonSchemaFormat.model_fields,
+    {"schema", "json"},
+    StructuredOutputsField.model_fields,
+    NamedToolChoice.model_fields,
+    ToolChoiceFunction.model_fields,
     TokenizeRequest.model_fields,  # so that a bad token id names `tokens`, not ""
     DetokenizeRequest.model_fields,
     Switch.model_fields,

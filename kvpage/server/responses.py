@@ -12,6 +12,7 @@ from kvpage.model.tokenizer import Tokenizer
 from kvpage.server.generation import Delta, Generation, TokenLogprobs
 from kvpage.server.protocol import usage
 from kvpage.server.text_stream import TextStream
+from kvpage.server.tool_calls import ToolPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,7 @@ class Shape:
     echo: bool = False  # completions: each choice starts with the prompt (and its logprobs)
     prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` field, with this top k
     tokens_as_ids: bool = False  # vLLM's `return_tokens_as_token_ids`: every token `token_id:N`
+    tools: ToolPolicy | None = None  # chat: the reply read as tool calls (kvpage.server.tool_calls)
 
     @property
     def object(self) -> str:
@@ -129,6 +131,8 @@ def final_body(shape: Shape, gen: Generation, tok: Tokenizer) -> dict[str, Any]:
         if echo is not None:
             text, ids, lps = echo.before(text, ids, lps)
         choice = _choice(shape, c.index, text, ids, lps, c.finish_reason, tok, False)
+        if shape.tools is not None:
+            choice["message"], choice["finish_reason"] = shape.tools.message(text, c.finish_reason)
         choices.append(_with_prompt_logprobs(shape, choice, gen, tok))
     body = _envelope(shape, choices, chunk=False)
     if shape.chat and shape.prompt_logprobs is not None:

@@ -42,6 +42,15 @@ class ServerOptions:
     lora_modules: tuple[tuple[str, str], ...] = ()
     # vLLM's --chat-template: a template's text, in place of the model's own (kvpage.server.chat)
     chat_template: str | None = None
+    # vLLM's --enable-auto-tool-choice and --tool-call-parser: tool_choice "auto" (the default
+    # with tools) parses the reply's tool calls (kvpage.server.tool_calls)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser of tool_choice "auto", None where the server does not parse."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
 
 @dataclass(slots=True)

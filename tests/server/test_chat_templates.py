@@ -313,14 +313,14 @@ def test_tools_documents_and_tool_calls_reach_the_template(built, tmp_path):
     # As vLLM hands them over: null keys left out, a call's JSON arguments as a dict.
     hf_call = {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
     hf_messages = [*USER_ONLY, {"role": "assistant", "tool_calls": [hf_call]}, messages[2]]
-    body = {"messages": messages, "tools": [TOOL], "documents": [DOCUMENT], "tool_choice": "auto"}
+    body = {"messages": messages, "tools": [TOOL], "documents": [DOCUMENT], "tool_choice": "none"}
     with _serve(directory) as url:
         ids = _server_prompt_ids(url, body)
         assert ids == _hf_ids(directory, hf_messages, tools=[TOOL], documents=[DOCUMENT])
         text = "".join(_tokenize(url, {**body, "return_token_strs": True}).json()["token_strs"])
         for part in ('"description": "The weather <now>', "Park:", "[Paris]", "(call_1)"):
             assert part in text, text
-        r = _chat(url, {**body, "tool_choice": "required"})  # no tool-call parsing (yet)
+        r = _chat(url, {**body, "tool_choice": "auto"})  # no --enable-auto-tool-choice
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
 
 

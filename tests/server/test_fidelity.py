@@ -242,7 +242,6 @@ def test_usage_is_null_on_intermediate_chunks(served, path):
 # --- item 10: unimplemented fields are refused by name ----------------------------------------
 UNSUPPORTED = [  # (path, field, a value that would change the output)
     (COMPLETIONS, "logit_bias", {"65": 100}),
-    (COMPLETIONS, "response_format", {"type": "json_object"}),
     (COMPLETIONS, "min_p", 0.1),
     (COMPLETIONS, "repetition_penalty", 1.2),
     (COMPLETIONS, "min_tokens", 4),
@@ -253,8 +252,6 @@ UNSUPPORTED = [  # (path, field, a value that would change the output)
     (COMPLETIONS, "allowed_token_ids", [65, 66]),
     (COMPLETIONS, "bad_words", ["x"]),
     (COMPLETIONS, "include_stop_str_in_output", True),
-    (CHAT, "tool_choice", "required"),
-    (CHAT, "response_format", {"type": "json_schema"}),
     (CHAT, "logit_bias", {"65": -100}),
     (CHAT, "min_p", 0.05),
     (CHAT, "repetition_penalty", 0.9),
