@@ -1,8 +1,8 @@
 """Constrained requests preempted mid-output, by recompute and by swap, forced between steps and
-forced by a tight KV pool: each sample's tokens equal the same request's run without preemption
-(greedy), and every output validates. Recompute rebuilds the matcher from the tokens; a replay
-that only resets it (the matcher back at the grammar's start) changes the outputs, so the test
-sees the replay."""
+forced by a tight KV pool: each sample's tokens, streamed and final, equal the same request's run
+without preemption (greedy or seeded), and every output validates. Recompute rebuilds the matcher
+from the tokens (a failed swap-out too); a replay that only resets it (the matcher back at the
+grammar's start) changes the outputs, so the test sees the replay."""
 
 from __future__ import annotations
 
@@ -48,14 +48,22 @@ def _requests(n: int = 1, temperature: float = 0.0) -> dict[str, tuple[str, Samp
 
 
 def _run(engine: LLMEngine, requests, driver: StepDriver | None = None) -> dict[str, list]:
-    """Step to idle; each request id -> its samples' (token ids, text, finish reason)."""
+    """Step to idle; each request id -> its samples' (token ids, text, finish reason). What
+    was streamed (each step's new tokens, preemptions included) adds up to the final tokens."""
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
-    final = {}
+    final, streamed = {}, {}
     for _ in range(5000):
         if not engine.has_unfinished_requests():
+            assert streamed == {
+                (rid, i): s[0] for rid, samples in final.items() for i, s in enumerate(samples)
+            }
             return final
         for out in (driver or engine).step():
+            if out.new_token_ids:  # one sample's: a progress output, or n = 1's last one
+                (sample,) = out.outputs
+                key = (out.request_id, sample.index)
+                streamed.setdefault(key, []).extend(out.new_token_ids)
             if out.finished:
                 final[out.request_id] = [
                     (s.token_ids, s.text, s.finish_reason) for s in out.outputs
@@ -125,3 +133,21 @@ def test_a_replay_that_only_resets_changes_the_outputs(tiny):
     final = _run(engine, requests, driver)
     changed = [rid for rid in requests if final[rid] != expected[rid]]
     assert len(changed) == len(requests), changed
+
+
+def test_a_failed_swap_out_recomputes_and_replays(tiny):
+    """A swap-out whose copy fails falls back to recompute: that sample's matcher is replayed
+    (it would otherwise be masked from the grammar's start), and the tokens stay."""
+    requests = _requests()
+    expected = _run(_engine(tiny), requests)
+    engine = _engine(tiny)
+    replays = []
+    replay = engine.grammars.replay
+    engine.grammars.replay = lambda seq: (replays.append(seq.sample_id), replay(seq))
+    driver = StepDriver(engine)
+    driver.fail_swap_writes(2)
+    forced = _force(driver, expected, "swap")
+    assert _run(engine, requests, driver) == expected
+    stats = engine.stats()
+    assert stats["preemptions_recompute"] == len(replays) == 2, (stats, replays)
+    assert stats["preemptions_swap"] == forced - 2, stats
