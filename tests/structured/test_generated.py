@@ -5,6 +5,8 @@ ends with "stop" satisfies its constraint by the independent checker, and most e
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvpage import LLM, SamplingParams, StructuredOutputsParams
@@ -71,3 +73,31 @@ def test_a_completed_choice_stops_without_another_token(llm):
         assert sample.text in choices
         # exactly the choice's bytes: no EOS drawn after it, nothing past the grammar's end
         assert sample.token_ids == tokenizer.encode(sample.text, False), sample.token_ids
+
+
+# Lark and GBNF grammars, each with the Python regex it stands for (the independent checker)
+GRAMMARS = [
+    ('start: WORD "=" NUM\nWORD: /[a-z]{1,5}/\nNUM: /[0-9]{1,3}/', r"[a-z]{1,5}=[0-9]{1,3}"),
+    ('start: "(" item ("," item)* ")"\nitem: "yes" | "no"', r"\((yes|no)(,(yes|no))*\)"),
+    ('root ::= [a-f]{2,4} "-" ("x" | "y")', r"[a-f]{2,4}-(x|y)"),
+    ('root ::= "k" [0-9] [0-9]?', r"k[0-9][0-9]?"),
+]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_lark_and_gbnf_outputs_match_their_regex(llm, temperature):
+    params = [
+        SamplingParams(
+            n=3,
+            temperature=temperature,
+            seed=i,
+            max_tokens=40,
+            structured_outputs=StructuredOutputsParams(grammar=grammar),
+        )
+        for i, (grammar, _) in enumerate(GRAMMARS)
+    ]
+    outputs = llm.generate([f"grammar {i}" for i in range(len(params))], params, use_tqdm=False)
+    for (_, pattern), out in zip(GRAMMARS, outputs, strict=True):
+        for sample in out.outputs:
+            assert sample.finish_reason == "stop", sample
+            assert re.fullmatch(pattern, sample.text), (pattern, sample.text)
