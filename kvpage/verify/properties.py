@@ -18,6 +18,7 @@ set are computed here from the configuration and public sequence state."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import combinations, takewhile
 
@@ -30,6 +31,9 @@ from kvpage.reference.records import StepRecord
 from kvpage.verify.case import Case
 from kvpage.verify.checks import Failure, finding
 from kvpage.verify.sampling_oracle import SAMPLING_P_THRESHOLD, oracle_probs
+
+# (constraint, tokens) -> the verifier's grammar mask before each token (kvpage.verify.structured)
+GrammarMasks = Callable[[object, list[int]], list]
 
 
 def _property_failure(cls: str, message: str, fields: dict, request_id: str = "", step=-1):
@@ -309,16 +313,21 @@ class StepProperties(EngineObserver):
 
 
 # --- unseeded samples ----------------------------------------------------------------------
-def check_independence(case: Case, records: dict[str, list[StepRecord]]) -> list[Failure]:
+def check_independence(
+    case: Case, records: dict[str, list[StepRecord]], grammar_masks: GrammarMasks | None = None
+) -> list[Failure]:
     """Unseeded samples must not share a generator seed (one random stream for two samples,
-    whatever their prompts), and must not draw in lockstep (`check_lockstep`)."""
+    whatever their prompts), and must not draw in lockstep (`check_lockstep`). Constrained
+    samples agree where their grammar leaves one token: `grammar_masks` (constraint, tokens)
+    -> the verifier's mask before each token scores their agreement on the masked
+    distribution."""
     unseeded = [
         (spec, sid)
         for spec in case.requests
         if spec.params.seed is None and not spec.params.greedy
         for sid in spec.sample_ids()
     ]
-    return _shared_seed(unseeded, records) or check_lockstep(unseeded, records)
+    return _shared_seed(unseeded, records) or check_lockstep(unseeded, records, grammar_masks)
 
 
 def _shared_seed(unseeded, records) -> list[Failure]:
@@ -346,7 +355,9 @@ def _shared_seed(unseeded, records) -> list[Failure]:
     return []
 
 
-def check_lockstep(unseeded, records: dict[str, list[StepRecord]]) -> list[Failure]:
+def check_lockstep(
+    unseeded, records: dict[str, list[StepRecord]], grammar_masks: GrammarMasks | None = None
+) -> list[Failure]:
     """Unseeded samples with the same prompt and sampling parameters draw from the same
     distributions; independent ones agree on their first L tokens with probability
     P = prod_t p_B,t(a_t): B's oracle probability of A's token at each step, from B's own logits,
@@ -360,14 +371,16 @@ def check_lockstep(unseeded, records: dict[str, list[StepRecord]]) -> list[Failu
     params = {}
     for spec, sid in unseeded:
         p = spec.params
-        groups.setdefault((tuple(spec.prompt), p.temperature, p.top_k, p.top_p), []).append(sid)
+        key = (tuple(spec.prompt), p.temperature, p.top_k, p.top_p, p.structured_outputs)
+        groups.setdefault(key, []).append(sid)
         params[sid] = p
     pairs = [pair for ids in groups.values() for pair in combinations(ids, 2)]
     if not pairs:
         return []
     threshold = SAMPLING_P_THRESHOLD / len(pairs)
     scored = [
-        (pair_p_value(records.get(a, []), records.get(b, []), params[b]), a, b) for a, b in pairs
+        (_pair(records.get(a, []), records.get(b, []), params[b], grammar_masks), a, b)
+        for a, b in pairs
     ]
     (p_value, agreed), a, b = min(scored, key=lambda s: s[0][0])
     if p_value >= threshold:
@@ -387,15 +400,27 @@ def check_lockstep(unseeded, records: dict[str, list[StepRecord]]) -> list[Failu
     return [_property_failure("sample_independence", message, fields, b)]
 
 
-def pair_p_value(ra: list[StepRecord], rb: list[StepRecord], params) -> tuple[float, int]:
-    """(p-value, L) for B agreeing with A on their first L tokens."""
+def _pair(ra, rb, params, grammar_masks: GrammarMasks | None) -> tuple[float, int]:
+    constraint = params.structured_outputs
+    if constraint is None or grammar_masks is None:
+        return pair_p_value(ra, rb, params)
+    # the masks along the history the two share (a token the grammar refuses ends it)
+    masks = grammar_masks(constraint, [r.chosen_token for r in ra])
+    return pair_p_value(ra[: len(masks)], rb, params, masks)
+
+
+def pair_p_value(
+    ra: list[StepRecord], rb: list[StepRecord], params, masks: list | None = None
+) -> tuple[float, int]:
+    """(p-value, L) for B agreeing with A on their first L tokens; `masks`: a constrained
+    pair's grammar mask before each of A's tokens (the same for B while they agree)."""
     p, agreed = 1.0, 0
-    for a, b in zip(ra, rb, strict=False):
+    for step, (a, b) in enumerate(zip(ra, rb, strict=False)):
         if a.chosen_token != b.chosen_token or b.logits is None:
             break
-        prob = float(
-            oracle_probs(b.logits, params.temperature, params.top_k, params.top_p)[a.chosen_token]
-        )
+        allowed = None if masks is None else masks[step]
+        probs = oracle_probs(b.logits, params.temperature, params.top_k, params.top_p, allowed)
+        prob = float(probs[a.chosen_token])
         # A token the oracle puts just outside the support (float32 filtering) carries no
         # evidence either way: counting it as 1 keeps P a valid (conservative) p-value.
         p *= prob if prob > 0.0 else 1.0

@@ -110,7 +110,11 @@ def check_structured(
     if completion is not None and completion.finish_reason == "error":
         message = "ended with an error although every token it drew is in its grammar"
         failures.append(_failure(last, _ref(ref, len(cand) - 1), context, message, end))
-    elif completion is not None and completion.finish_reason == "stop":
+    elif (
+        completion is not None
+        and completion.finish_reason == "stop"
+        and not _cut(completion.token_ids, params, stop_ids)
+    ):
         output = list(completion.token_ids)
         if output and output[-1] in stop_ids:
             output = output[:-1]
@@ -123,6 +127,13 @@ def check_structured(
             extra = {**end, "text": text[:200]}
             failures.append(_failure(last, _ref(ref, len(cand) - 1), context, message, extra))
     return failures, steps.masks
+
+
+def _cut(output: list[int], params, stop_ids: frozenset[int]) -> bool:
+    """The output ended on one of the request's own stop_token_ids (not EOS): a stop the user
+    asked for, wherever the grammar was, so its text need not be complete."""
+    eos = stop_ids - set(params.stop_token_ids)
+    return bool(output) and output[-1] in params.stop_token_ids and output[-1] not in eos
 
 
 def _ref(ref: list[StepRecord], step: int) -> StepRecord | None:

@@ -54,7 +54,7 @@ from kvpage.verify.kernel_attribution import attribute_kernels
 from kvpage.verify.lora_adapters import AdapterFiles, LoraSpec, WrittenAdapter
 from kvpage.verify.mutants.base import MissingSeam
 from kvpage.verify.properties import StepProperties, check_independence, pin_unseeded
-from kvpage.verify.structured import check_structured
+from kvpage.verify.structured import check_structured, walk
 from kvpage.verify.trace import EngineTracer
 
 __all__ = ["SUITES", "CaseResult", "Failure", "Runtime", "build_suites", "run_case"]
@@ -229,7 +229,9 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         drive = _Drive(engine, case, runtime)
         finished, steps = drive.run()
         # First: a broken step rule is the cause of what the later checks see.
-        failures += props.failures + check_independence(case, engine.tracer.records)
+        failures += props.failures + check_independence(
+            case, engine.tracer.records, _grammar_masks(runtime)
+        )
         failures += drive.liveness  # when the engine stalls, the rest follows from it
         refs: dict[str, list[StepRecord]] = {}
         pinned, outputs = pin_unseeded(case, engine.tracer.records, finished)
@@ -270,6 +272,11 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         time.perf_counter() - start,
         stats,
     )
+
+
+def _grammar_masks(runtime: Runtime):
+    """(constraint, tokens) -> the verifier's own grammar mask before each token."""
+    return lambda constraint, tokens: walk(runtime.grammars, constraint, tokens).masks
 
 
 def crash_failure(err: Exception, case: Case, engine: LLMEngine | None) -> Failure:

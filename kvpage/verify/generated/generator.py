@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass
 
 from kvpage.config import KV_CACHE_DTYPES
+from kvpage.verify.generated.constraints import draw_constraints
 from kvpage.verify.generated.scenario import (
     ABORT_STATES,
     EventScenario,
@@ -117,6 +118,7 @@ def generate(
         requests += added
     for r in requests:  # a request of more samples than the fixed cap would be refused
         r.n = min(r.n, fixed.get("max_num_seqs", r.n))
+    draw_constraints(stream(seed, index, "structured"), requests, gen.covers)
     engine, covers = gen.engine(block, requests)
     engine.update(fixed)
     if max_loras is not None:

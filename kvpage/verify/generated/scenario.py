@@ -15,6 +15,7 @@ import torch
 from kvpage.engine.sequence import SeqStatus
 from kvpage.reference.weight_oracle import reference_model
 from kvpage.sampling_params import SamplingParams
+from kvpage.structured_params import StructuredOutputsParams
 from kvpage.verify.case import Action, Case, RequestSpec, status_of
 from kvpage.verify.driver import StepDriver
 from kvpage.verify.lora_adapters import LoraSpec
@@ -49,6 +50,9 @@ class RequestScenario:
     # prompt-logprob hit whose next token is among its writer's kept top k). Without a model the
     # drawn token stays.
     top_next: list[int] | None = None
+    # StructuredOutputsParams' fields (json: the schema as an object; regex; choice; ...);
+    # None: the request is free (kvpage.verify.generated.constraints)
+    structured: dict | None = None
 
     def lora_spec(self) -> LoraSpec | None:
         if self.lora is None:
@@ -67,6 +71,9 @@ class RequestScenario:
             logprobs=self.logprobs,
             n=self.n,
             prompt_logprobs=self.prompt_logprobs,
+            structured_outputs=None
+            if self.structured is None
+            else StructuredOutputsParams(**self.structured),
         )
 
     def spec(self) -> RequestSpec:
