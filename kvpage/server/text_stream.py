@@ -165,6 +165,13 @@ class Detokenizer:
         start, floor = end, max(end - MAX_CONTEXT_TOKENS, self.prefix)
         while joined is not None and start > floor and joined(self.token_ids[start - 1]):
             start -= 1
+        if start > self.prefix and start < end and joined(self.token_ids[start - 1]):
+            # Cut inside a longer run (JSON whitespace is one): start where a character does,
+            # as prompt_context does; a stray continuation byte would turn the whole window's
+            # run into U+FFFD.
+            token_bytes = self.tokenizer.token_bytes
+            while start < end and _is_continuation(token_bytes(self.token_ids[start])):
+                start += 1
         return start
 
     def _decode(self, end: int) -> str:

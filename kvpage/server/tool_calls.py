@@ -63,7 +63,10 @@ class ToolPolicy:
             return text, []  # cut short (max_tokens): the text as it is
         if self.mode == "named":
             return None, [tool_call(self.name, text)]
-        return None, [tool_call(c["name"], _arguments(c["parameters"])) for c in value]
+        try:
+            return None, [tool_call(c["name"], _arguments(c["parameters"])) for c in value]
+        except (TypeError, KeyError):  # not the schema's array: the text as it is
+            return text, []
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
