@@ -29,6 +29,7 @@ from kvpage.verify.sampling_oracle import (
 from kvpage.verify.structured import check_output, walk
 from kvpage.verify.suites import Runtime, run_case
 
+from .stack_dirs import build
 from .test_diff import PROMPT, TOKENS, _logits, _trace
 from .test_reference_independence import _kvpage_imports, reached_modules
 
@@ -233,3 +234,26 @@ def test_each_structured_mutant_is_caught_and_attributed(mutant, runtime):
     assert result.caught and result.caught_by[0].startswith("structured/"), result.first_failure
     attribution = result.divergence["attribution"]
     assert attribution["class"] == "structured" and attribution["missing"] == [], attribution
+
+
+@pytest.mark.parametrize("kind", ["spm", "bpe"])
+def test_the_suite_passes_on_trained_tokenizers(kind, tmp_path):
+    """A Hugging Face directory: the reference builds its matcher's tokenizer from the
+    directory's tokenizer.json (read by itself), the engine from its own tokenizer."""
+    directory = build(tmp_path / kind, kind)
+    model, tokenizer = load_model(str(directory))
+    runtime = Runtime(model, tokenizer, str(directory))
+    case = next(c for c in structured_cases(model.config.vocab_size) if c.name == "mixed_batch")
+    result = run_case(case, runtime)
+    assert result.passed, [f.message for f in result.failures]
+    stopped = 0
+    for spec in case.requests:
+        constraint = spec.params.structured_outputs
+        if constraint is None or constraint.kind == "json_object":
+            continue
+        ref = runtime.reference(spec, case.engine["block_size"])
+        if ref.finish_reason == "stop":
+            text = runtime.grammars.text(ref.token_ids)
+            assert check_output(constraint, text) is None, (spec.request_id, text)
+            stopped += 1
+    assert stopped >= 5
