@@ -83,6 +83,7 @@ def create_app(engine: LLMEngine, options: ServerOptions | None = None) -> FastA
         options.shadow_rate,
         options.seed,
         kv_cache_dtype=engine.config.kv_cache_dtype,
+        model_name=engine.config.model,
     )
     state = ServerState(
         options=options,

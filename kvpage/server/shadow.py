@@ -18,6 +18,7 @@ import torch
 
 from kvpage.model.base import CausalLM
 from kvpage.reference.generator import generate
+from kvpage.reference.grammar import ReferenceGrammars
 from kvpage.sampling_params import SamplingParams
 from kvpage.server.audit import AuditLog
 
@@ -42,11 +43,16 @@ class ShadowChecker:
         seed: int = 0,
         backlog: int = 64,
         kv_cache_dtype: str = "auto",
+        model_name: str = "",
     ) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"shadow rate must be in [0, 1], got {rate}")
         self.model, self.audit, self.rate = model, audit, rate
         self.kv_cache_dtype = kv_cache_dtype  # the reference rounds K/V as the served pool does
+        # a constrained request replays through the reference's own grammars (its tokenizer
+        # read from `model_name` by itself), built at the first one; "": none are checked
+        self.model_name = model_name
+        self._grammars: ReferenceGrammars | None = None
         self.checked = self.mismatched = self.dropped = 0
         self._random = random.Random(seed)
         self._jobs: queue.Queue[ShadowJob | None] = queue.Queue(maxsize=backlog)
@@ -65,6 +71,8 @@ class ShadowChecker:
     def offer(self, job: ShadowJob) -> None:
         """Called for every finished request; samples, never blocks the serving path."""
         comparable = job.params.greedy or job.params.seed is not None
+        if job.params.structured_outputs is not None and not self.model_name:
+            return
         if job.cached_tokens <= 0 or not job.served_ids or not comparable:
             return
         if self._random.random() >= self.rate:
@@ -87,7 +95,11 @@ class ShadowChecker:
         params = replace(job.params, max_tokens=len(job.served_ids), logprobs=None)
         with torch.inference_mode():
             reference = generate(
-                self.model, job.prompt_ids, params, kv_cache_dtype=self.kv_cache_dtype
+                self.model,
+                job.prompt_ids,
+                params,
+                kv_cache_dtype=self.kv_cache_dtype,
+                grammars=self._grammars_for(params),
             ).token_ids
         step = first_difference(reference, job.served_ids)
         self.checked += 1
@@ -105,6 +117,14 @@ class ShadowChecker:
             )
             log.error("shadow comparison: %s diverged at step %d", job.request_id, step)
         return step
+
+    def _grammars_for(self, params: SamplingParams) -> ReferenceGrammars | None:
+        if params.structured_outputs is None:
+            return None
+        if self._grammars is None:
+            cfg = self.model.config
+            self._grammars = ReferenceGrammars(self.model_name, cfg.vocab_size, cfg.eos_token_ids)
+        return self._grammars
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Literal
 
 import httpx
@@ -23,9 +24,11 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from kvpage import EngineConfig, LLMEngine
+from kvpage import LLM, EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
 from kvpage.server import ServerOptions, create_app
+from kvpage.server.audit import AuditLog
 from kvpage.server.background import BackgroundServer
+from kvpage.server.shadow import ShadowChecker, ShadowJob
 
 from .conftest import MODEL
 
@@ -340,3 +343,19 @@ def test_a_repeated_schema_compiles_once(served):
     after = served.stats()
     assert after["grammar_compiles"] == before["grammar_compiles"]
     assert after["grammar_cache_hits"] == before["grammar_cache_hits"] + 1
+
+
+def test_the_shadow_replays_a_constrained_request():
+    """The server's shadow comparison recomputes a constrained sample through the reference's
+    own grammar: the same tokens; unconstrained, the reference draws others (it can fail)."""
+    llm = LLM(model=MODEL)
+    checker = ShadowChecker(llm.engine.model, AuditLog(sample_rate=0.0), 1.0, model_name=MODEL)
+    prompt_ids = [256, *b"A code:"]
+    constraint = StructuredOutputsParams(regex=REGEX)
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=3, structured_outputs=constraint)
+    served = llm.generate(prompt_ids, params, use_tqdm=False)[0].outputs[0]
+    assert served.finish_reason == "stop" and re.fullmatch(REGEX, served.text)
+    assert checker.check(ShadowJob("c", prompt_ids, params, served.token_ids, 16)) is None
+    free = replace(params, structured_outputs=None)
+    assert checker.check(ShadowJob("f", prompt_ids, free, served.token_ids, 16)) is not None
+    assert checker.counts() == (2, 1)
