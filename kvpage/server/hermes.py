@@ -14,18 +14,13 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpage.server.call_scan import CallScanner, call_id
+
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(START) + r"(.*?)" + re.escape(END), re.DOTALL)
-# A block that names its function before its arguments: the header can go before the arguments.
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
-
-
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _call(block: str) -> tuple[str, str] | None:
@@ -51,7 +46,7 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
         name, arguments = call
         calls.append(
             {
-                "id": _call_id(),
+                "id": call_id(),
                 "type": "function",
                 "function": {"name": name, "arguments": arguments},
             }
@@ -64,61 +59,11 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
 
 
 @dataclass(slots=True)
-class _ValueScan:
-    """Where a JSON value written in pieces ends: strings, escapes and nesting tracked."""
-
-    depth: int = 0
-    in_string: bool = False
-    escaped: bool = False
-    started: bool = False
-    scalar: bool = False
-    done: bool = False
-
-    def take(self, text: str) -> int:
-        """How many characters of `text` belong to the value (stops at its end)."""
-        for i, ch in enumerate(text):
-            if not self._step(ch):
-                self.done = True
-                return i
-            if self.done:
-                return i + 1
-        return len(text)
-
-    def _step(self, ch: str) -> bool:
-        """False: `ch` is past the value (a scalar's delimiter)."""
-        if not self.started:
-            self.started = True
-            self.scalar = ch not in '{["'
-        if self.scalar:
-            return ch not in ",}] \t\r\n"
-        if self.in_string:
-            if self.escaped:
-                self.escaped = False
-            elif ch == "\\":
-                self.escaped = True
-            elif ch == '"':
-                self.in_string = False
-                self.done = self.depth == 0
-            return True
-        if ch == '"':
-            self.in_string = True
-        elif ch in "{[":
-            self.depth += 1
-        elif ch in "}]":
-            self.depth -= 1
-            self.done = self.depth == 0
-        return True
-
-
-@dataclass(slots=True)
 class HermesStream:
     pending: str = ""  # text not yet sent: a held-back tail, or the open block's text
     in_block: bool = False
     calls: int = 0  # calls sent (the next one's index)
-    header_sent: bool = False
-    arguments_at: int = 0  # where the open block's arguments value starts
-    sent: int = 0  # the arguments' characters sent so far
-    scan: _ValueScan = field(default_factory=_ValueScan)
+    call: CallScanner = field(default_factory=lambda: CallScanner("arguments"))
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """(content, tool-call delta entries) that `text` adds; `final`: the reply ends here."""
@@ -141,8 +86,8 @@ class HermesStream:
             entries += self._progress(block)
             if end < 0:
                 if final:  # an unclosed block: a call if it began as one, else text
-                    content.append("" if self.header_sent else START + self.pending)
-                    self.calls += self.header_sent
+                    content.append("" if self.call.header_sent else START + self.pending)
+                    self.calls += self.call.header_sent
                     self.pending, self.in_block = "", False
                 break
             closed, text_back = self._close(block)
@@ -152,41 +97,22 @@ class HermesStream:
         return "".join(content), entries
 
     def _open(self) -> None:
-        self.in_block, self.header_sent, self.sent = True, False, 0
-        self.scan = _ValueScan()
+        self.in_block, self.call = True, CallScanner("arguments")
 
     def _progress(self, block: str) -> list[dict[str, Any]]:
-        entries = []
-        if not self.header_sent:
-            head = _HEAD.match(block)
-            if head is None:
-                return []
-            self.header_sent, self.arguments_at = True, head.end()
-            entry = {"index": self.calls, "id": _call_id(), "type": "function"}
-            entry["function"] = {"name": json.loads(head.group(1)), "arguments": ""}
-            entries.append(entry)
-        if not self.scan.started:  # whitespace before the arguments is no part of them
-            rest = block[self.arguments_at :]
-            self.arguments_at += len(rest) - len(rest.lstrip())
-        if not self.scan.done:
-            new = block[self.arguments_at + self.sent :]
-            taken = self.scan.take(new)
-            if taken:
-                self.sent += taken
-                entries.append({"index": self.calls, "function": {"arguments": new[:taken]}})
-        return entries
+        return self.call.progress(block, self.calls)
 
     def _close(self, block: str) -> tuple[list[dict[str, Any]], str]:
         """A block's end: (entries still to send, text it gives back as content)."""
         self.in_block = False
-        if self.header_sent:  # sent as it came
+        if self.call.header_sent:  # sent as it came
             self.calls += 1
             return [], ""
         call = _call(block)
         if call is None:
             return [], START + block + END
         name, arguments = call
-        entry = {"index": self.calls, "id": _call_id(), "type": "function"}
+        entry = {"index": self.calls, "id": call_id(), "type": "function"}
         entry["function"] = {"name": name, "arguments": arguments}
         self.calls += 1
         return [entry], ""

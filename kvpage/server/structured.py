@@ -76,8 +76,9 @@ def constraint_from(field: str, where: str, **values: Any) -> Constraint:
 
 
 def is_constraint_error(err: InvalidRequest) -> bool:
-    """The engine's refusal of a constraint (kvpage.structured.compiler names it so)."""
-    return str(err).startswith("structured_outputs")
+    """The engine's refusal of a constraint (kvpage.structured.compiler names it so; an engine
+    without a tokenizer says "structured outputs need ...")."""
+    return str(err).startswith(("structured_outputs", "structured outputs"))
 
 
 def refusal(err: InvalidRequest, constraint: Constraint) -> ApiError:

@@ -13,20 +13,16 @@ calls that parse finish with "tool_calls" where the engine said "stop"."""
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpage.server.call_scan import CallScanner, call_id
 from kvpage.server.hermes import HermesStream, parse_hermes
 from kvpage.server.protocol import ApiError, ChatCompletionRequest
 from kvpage.server.structured import Constraint, constraint_from
 
 PARSERS = ("hermes",)  # --tool-call-parser choices
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a tool without parameters (vLLM's)
-
-
-def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def tool_call(name: str, arguments: str) -> dict[str, Any]:
@@ -84,12 +80,14 @@ def _arguments(value: Any) -> str:
 class ToolStream:
     """One choice's streamed reply as OpenAI streams tool calls: per call a first delta with
     index, id, type, function.name and arguments "", then argument fragments (coalesced per
-    chunk). Named: the text is the arguments. Required: each element of the array, once whole.
-    Auto: content until a `<tool_call>` starts, then its call (kvpage.server.hermes)."""
+    chunk). Named: the text is the arguments. Required: each element of the array read as it is
+    written (kvpage.server.call_scan). Auto: content until a `<tool_call>` starts, then its call
+    (kvpage.server.hermes)."""
 
     policy: ToolPolicy
     text: str = ""  # required: the array so far
-    at: int = 0  # required: where the next element starts
+    at: int = 0  # required: where the element being written starts (or the next one is looked for)
+    element: CallScanner | None = None  # required: the element being written
     calls: int = 0
     hermes: HermesStream = field(default_factory=HermesStream)
 
@@ -118,22 +116,40 @@ class ToolStream:
             self.calls = 1
             return [*entries, {"index": 0, "function": {"arguments": text}}] if text else entries
         self.text += text
-        entries = []
-        decoder = json.JSONDecoder()
+        entries: list[dict[str, Any]] = []
         while True:
-            start = _element_start(self.text, self.at)
-            if start is None:
+            if self.element is None:
+                start = _element_start(self.text, self.at)
+                if start is None:
+                    return entries
+                self.at, self.element = start, CallScanner("parameters")
+            entries += self.element.progress(self.text[self.at :], self.calls)
+            end = self._element_end()
+            if end is None:
                 return entries
-            try:
-                value, end = decoder.raw_decode(self.text, start)
-            except ValueError:
-                return entries  # not whole yet
-            self.at = end
-            arguments = _arguments(value.get("parameters", {}))
-            header = _header(self.calls, value.get("name", ""))
-            header["function"]["arguments"] = arguments
-            entries.append(header)
+            if not self.element.header_sent:  # its keys in another order: sent whole
+                entries.append(self._whole_element(end))
+            self.at, self.element = end, None
             self.calls += 1
+
+    def _element_end(self) -> int | None:
+        """Where the element being written ends (past its `}`), None while it is not whole."""
+        if self.element.header_sent:
+            if not self.element.done:
+                return None
+            close = self.text.find("}", self.at + self.element.arguments_end)
+            return None if close < 0 else close + 1
+        try:
+            _, end = json.JSONDecoder().raw_decode(self.text, self.at)
+        except ValueError:
+            return None
+        return end
+
+    def _whole_element(self, end: int) -> dict[str, Any]:
+        value = json.loads(self.text[self.at : end])
+        header = _header(self.calls, value.get("name", ""))
+        header["function"]["arguments"] = _arguments(value.get("parameters", {}))
+        return header
 
 
 def _element_start(text: str, at: int) -> int | None:

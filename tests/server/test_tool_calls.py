@@ -174,6 +174,15 @@ def test_required_and_named_streams_split_anywhere():
         assert _read(required, [text[:at], text[at:]]) == expected, at
     for at in range(len(args) + 1):
         assert _read(named, [args[:at], args[at:]]) == [("get_time", {"zone": "UTC"})], at
+    reordered = '[{"parameters": {"zone": "UTC"}, "name": "get_time"}]'  # sent once whole
+    for at in range(len(reordered) + 1):
+        parts = [reordered[:at], reordered[at:]]
+        assert _read(required, parts) == [("get_time", {"zone": "UTC"})], at
+    stream = required.stream()  # the header as soon as the name is whole, then fragments
+    (first,) = stream.feed('[{"name": "get_time", "parameters": {"zo', False)["tool_calls"]
+    assert first["function"] == {"name": "get_time", "arguments": '{"zo'} and "id" in first
+    rest = stream.feed('ne": "UTC"} }]', True)["tool_calls"]
+    assert rest == [{"index": 0, "function": {"arguments": 'ne": "UTC"}'}}]
     cut, finish = named.message('{"zone": "U', "length")  # max_tokens cut the arguments
     assert cut == {"role": "assistant", "content": '{"zone": "U'} and finish == "length"
 
