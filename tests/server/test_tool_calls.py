@@ -5,20 +5,26 @@ a live server on a random-weight model with a real BPE tokenizer and a Qwen-styl
 renders `tools`: a named tool choice and "required" return tool_calls whose arguments validate
 (`jsonschema`) against the tool's parameters, streamed and not; "auto" with the hermes parser
 extracts the `<tool_call>` blocks a regex makes the model write; refusals are 400s naming the
-field, and the server serves the next request."""
+field, and the server serves the next request. Last, the real `kvpage serve` process with
+`--enable-auto-tool-choice --tool-call-parser hermes`, through the openai client (named calls,
+streamed hermes calls, `chat.completions.parse` with a pydantic model)."""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Literal
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from kvpage import EngineConfig, LLMEngine
 from kvpage.cli import build_parser
@@ -33,6 +39,8 @@ from kvpage.server.text_stream import TextStream, prompt_context
 from kvpage.server.tool_calls import ToolPolicy, required_schema, tool_policy
 
 from ..real_servers.models import CLIENT_TINY, build
+from ..real_servers.process import free_port, serve_process
+from ..waiting import READY_S
 
 CHAT = "/v1/chat/completions"
 WEATHER = {
@@ -473,3 +481,71 @@ def test_bad_tool_choice_is_400_and_the_server_goes_on(url, body, param, words):
     assert error["param"] == param and words in error["message"], error
     after = _post(url, {"tools": TOOLS, "tool_choice": NAMED, "max_tokens": 200, "seed": 1})
     assert after.status_code == 200 and after.json()["choices"][0]["message"].get("tool_calls")
+
+
+def test_kvpage_serve_with_the_hermes_parser(model_dir, tmp_path):
+    """The real `kvpage serve` process with vLLM's flags, through the openai client: a named
+    tool call whose arguments validate, and auto's hermes calls streamed as deltas."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "kvpage.cli", "serve", "--model", str(model_dir)]
+    cmd += ["--port", str(port), "--num-blocks", "256"]
+    cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    cmd += ["--audit-log", str(tmp_path / "audit.jsonl"), "--shadow-rate", "0"]
+    with serve_process(cmd, dict(os.environ), url, tmp_path / "serve.log", READY_S):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+        called = []
+        for seed in range(3):
+            choice = client.chat.completions.create(
+                model=str(model_dir),
+                messages=MESSAGES,
+                tools=TOOLS,
+                tool_choice=NAMED,
+                max_tokens=200,
+                seed=seed,
+            ).choices[0]
+            if choice.finish_reason == "tool_calls":
+                (call,) = choice.message.tool_calls
+                jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+                called.append(call)
+        assert called
+        stream = client.chat.completions.create(
+            model=str(model_dir),
+            messages=MESSAGES,
+            tools=TOOLS,
+            max_tokens=120,
+            seed=7,
+            stream=True,
+            extra_body={"structured_outputs": {"regex": HERMES_REPLY}},
+        )
+        content, calls, finish = "", {}, None
+        for chunk in stream:
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for entry in delta.tool_calls or []:
+                call = calls.setdefault(entry.index, {"name": "", "arguments": ""})
+                call["name"] += entry.function.name or ""
+                call["arguments"] += entry.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls" and content == "Sure."
+        ((_, call),) = calls.items()
+        assert call["name"] in PARAMETERS and len(json.loads(call["arguments"])) == 1
+        parsed = []  # the openai SDK's structured outputs, against the same process
+        for seed in range(4):
+            try:
+                completion = client.chat.completions.parse(
+                    model=str(model_dir),
+                    messages=MESSAGES,
+                    response_format=Forecast,
+                    max_tokens=200,
+                    seed=seed,
+                )
+            except openai.LengthFinishReasonError:  # whitespace to max_tokens: a random model's
+                continue
+            parsed.append(completion.choices[0].message.parsed)
+        assert parsed and all(isinstance(p, Forecast) for p in parsed)
+
+
+class Forecast(BaseModel):
+    city: Literal["Paris", "Rome"]
+    days: int = Field(ge=1, le=7)
