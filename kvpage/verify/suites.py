@@ -509,8 +509,9 @@ def _partial_divergences(case: Case, runtime: Runtime, engine: LLMEngine) -> lis
             scale = logit_scale(ref.records)
             atol = logit_atol(kv_dtype, runtime.model.dtype, scale, spec.lora is not None)
             ties = _ties(runtime, kv_dtype)
-            # the request's parameters: a constrained one's token is its grammar's first
-            context = RequestContext(spec.params.for_sample(sample))
+            # a constrained request's token is its grammar's first: the diff must know it is one
+            params = spec.params.for_sample(sample)
+            context = None if params.structured_outputs is None else RequestContext(params)
             div = first_divergence(ref.records[: len(cand)], cand, atol, context, ties)
             if div is not None:
                 div.request_id = sample_id
