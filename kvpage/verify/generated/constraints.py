@@ -31,13 +31,13 @@ def draw_constraints(rng: random.Random, requests, covers: dict) -> None:
         if request.timeout_s is not None or rng.random() >= P_CONSTRAINED:
             continue
         kind = rng.choice(KINDS)
-        request.structured = {"json": _schema, "regex": _regex, "choice": _choice}[kind](rng)
+        request.structured = {"json": _json_schema, "regex": _regex, "choice": _choice}[kind](rng)
         if rng.random() < P_ROOM:
             request.max_tokens = max(request.max_tokens, ROOM[kind])
         add_cover(covers, "structured", kind)
 
 
-def _schema(rng: random.Random) -> dict:
+def _json_schema(rng: random.Random) -> dict:
     if rng.random() < 0.25:
         items = {"type": "integer", "minimum": 0, "maximum": rng.choice((9, 99))}
         schema = {"type": "array", "items": items, "maxItems": rng.randint(1, 4)}
