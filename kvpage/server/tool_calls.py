@@ -44,17 +44,17 @@ class ToolPolicy:
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The whole reply as a chat message, and its finish reason."""
-        content, calls = self._parsed(text, finish_reason)
+        content, calls = self._parsed(text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
         return message, finish_of(finish_reason, bool(calls))
 
-    def _parsed(self, text: str, finish: str | None) -> tuple[str | None, list[dict[str, Any]]]:
+    def _parsed(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         if self.mode == "auto":
             return parse_hermes(text)
         try:
-            value = json.loads(text)
+            value = json.loads(text)  # named: the arguments; required: the array of calls
         except ValueError:
             return text, []  # cut short (max_tokens): the text as it is
         if self.mode == "named":
