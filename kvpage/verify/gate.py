@@ -277,7 +277,7 @@ def _run_gate(plan: GatePlan, progress: bool) -> GateResult:
     )
     model_stage = _model_stage(plan, model)
     kv_copies = tuple(d for d in plan.kv_cache_dtypes if d not in ("auto", plan.pool_kv_dtype))
-    cases, unfit = _cases(plan, model.config, kv_copies)
+    cases, unfit = _cases(plan, model.config, kv_copies, tokenizer is not None)
     suites = (*plan.suites, *quantized_suite_names(plan.suites, kv_copies))
     mutant_list = [m for m in MUTANTS if plan.wants(m)]
     scenarios = 0 if plan.generated is None else plan.generated.count or 0
@@ -388,10 +388,11 @@ def _stack_stage(plan: GatePlan, runtime: Runtime):
     return run_stack_stage(TextTarget(*_model_of(runtime)), wanted)
 
 
-def _cases(plan: GatePlan, config, kv_copies: tuple[str, ...]):
+def _cases(plan: GatePlan, config, kv_copies: tuple[str, ...], has_tokenizer: bool = True):
     """The suites' cases that fit the model, and why the others do not. A block size the user
     verifies that the prefix suite does not already run gets the prefix cases at that size too
-    (every other case keeps its own block size)."""
+    (every other case keeps its own block size). Constrained requests need the model's
+    tokenizer (`has_tokenizer`)."""
     cases = build_suites(config.vocab_size, plan.suites, kv_copies)
     block_size = plan.engine.get("block_size")
     if "prefix" in plan.suites and block_size is not None and block_size not in BLOCK_SIZES:
@@ -399,7 +400,9 @@ def _cases(plan: GatePlan, config, kv_copies: tuple[str, ...]):
     limit = min(config.max_position_embeddings, plan.engine.get("max_model_len") or math.inf)
     lora_unfit = _lora_unfit(config, plan.engine)
     unfit = {
-        c.full_name: _too_long(c, limit) or (lora_unfit if _has_adapters(c) else None)
+        c.full_name: _too_long(c, limit)
+        or (lora_unfit if _has_adapters(c) else None)
+        or (None if has_tokenizer else _constrained(c))
         for c in cases
     }
     return [c for c in cases if unfit[c.full_name] is None], {
@@ -414,6 +417,16 @@ def _lora_unfit(config, engine: dict) -> str | None:
         return f"LoRA adapters are served on Llama-shaped models, not {config.model_type}"
     if engine.get("quantization", "none") != "none":
         return "LoRA adapters are not served on int8 weights yet (the engine refuses them)"
+    return None
+
+
+NO_TOKENIZER = "structured outputs compile over the model's tokenizer, and this model has none"
+
+
+def _constrained(case) -> str | None:
+    """Why a case with constrained requests cannot run without a tokenizer (None: it has none)."""
+    if any(s.params.structured_outputs is not None for s in case.requests):
+        return NO_TOKENIZER
     return None
 
 
@@ -441,7 +454,11 @@ def _suite_stage(cases, runtime: Runtime, bar: Progress) -> list[CaseResult]:
 def _mutant_stage(mutant_list, cases, runtime: Runtime, bar: Progress) -> list[MutantResult]:
     results = []
     for mutant in mutant_list:
-        reason = mutant.not_applicable(runtime.model.config) or _own_model_unfit(mutant, runtime)
+        reason = (
+            mutant.not_applicable(runtime.model.config)
+            or _own_model_unfit(mutant, runtime)
+            or (NO_TOKENIZER if mutant.needs_tokenizer and runtime.tokenizer is None else None)
+        )
         if reason is not None:
             results.append(MutantResult(mutant, False, [], None, None, 0.0, reason))
             bar.step(f"mutant {mutant.name}: not applicable")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import kvpage.verify.gate as gate
 import kvpage.verify.structured
 from kvpage.model import load_model
 from kvpage.reference.grammar import ReferenceGrammars
@@ -19,6 +20,7 @@ from kvpage.verify.case import RequestSpec
 from kvpage.verify.cases.structured import ITEM_IDS, ITEM_NAMES, constraint, structured_cases
 from kvpage.verify.diff import RequestContext, first_divergence
 from kvpage.verify.gate import run_mutant
+from kvpage.verify.generated import generate
 from kvpage.verify.mutants.structured import STRUCTURED_MUTANTS
 from kvpage.verify.sampling_oracle import (
     DrawSample,
@@ -28,6 +30,7 @@ from kvpage.verify.sampling_oracle import (
 )
 from kvpage.verify.structured import check_output, walk
 from kvpage.verify.suites import Runtime, run_case
+from tests.model.hf_models import save_hf
 
 from .stack_dirs import build
 from .test_diff import PROMPT, TOKENS, _logits, _trace
@@ -257,3 +260,28 @@ def test_the_suite_passes_on_trained_tokenizers(kind, tmp_path):
             assert check_output(constraint, text) is None, (spec.request_id, text)
             stopped += 1
     assert stopped >= 5
+
+
+def test_without_a_tokenizer_the_structured_suite_and_mutants_are_not_applicable(tmp_path):
+    """A model directory with no tokenizer.json: the engine refuses every constraint, so the
+    constrained cases and the structured mutants are reported not applicable (neither passed
+    nor caught), and generated scenarios draw no constraint."""
+    save_hf("llama-mqa", tmp_path)
+    names = [m.name for m in STRUCTURED_MUTANTS]
+    result = gate.run_gate(
+        str(tmp_path),
+        suites=("structured", "stop"),
+        mutants=names,
+        progress=False,
+        kv_cache_dtypes=(),
+    )
+    assert {c.suite for c in result.cases} == {"stop"}  # unconstrained cases still run
+    assert set(result.cases_not_applicable) == {
+        f"structured/{c.name}" for c in structured_cases(258)
+    }
+    assert all("tokenizer" in why for why in result.cases_not_applicable.values())
+    assert {m.mutant.name for m in result.mutants} == set(names)
+    assert all(m.not_applicable and not m.caught for m in result.mutants)
+    scenarios = [generate(0, i, constraints=False) for i in range(20)]
+    assert not any(r.structured for s in scenarios for r in s.requests)
+    assert any(r.structured for i in range(20) for r in generate(0, i).requests)

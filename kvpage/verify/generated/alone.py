@@ -36,6 +36,7 @@ SUITE_DIMENSIONS: dict[str, tuple[str, ...]] = {
     "policy": ("eviction_order", "siblings"),
     "namespaces": ("off_window",),
     "sampling": ("seeded_recompute",),
+    "structured": ("structured",),
 }
 
 
@@ -54,6 +55,8 @@ def generated_alone(mutants, model, tokenizer, model_name, generated, runtime, r
     out = []
     for mutant in mutants:
         if mutant.not_applicable(model.config) is not None:
+            continue
+        if mutant.needs_tokenizer and tokenizer is None:  # no scenario draws a constraint
             continue
         seconds, found = 0.0, None
         for scenario in focus_order(mutant, passed):

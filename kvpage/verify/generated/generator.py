@@ -95,12 +95,15 @@ def generate(
     fixed: dict | None = None,
     windows: tuple[int, ...] = (),
     adapters: bool = True,
+    constraints: bool = True,
 ):
     """Scenario `index` of the stream `seed`; `fixed`: engine fields (FIXABLE) it must keep
     (and, read but not kept, `quantization`: adapters are drawn on unquantized weights only);
     `adapters`: whether the engine serves LoRA adapters on the model (Llama-shaped ones);
     `windows`: the model's sliding windows, around which prefixes are cut (kvpage.verify
-    .generated.served: the same (seed, index) on a model without windows draws none)."""
+    .generated.served: the same (seed, index) on a model without windows draws none);
+    `constraints`: whether requests may be constrained (structured outputs need the model's
+    tokenizer)."""
     lora_ok = adapters and (fixed or {}).get("quantization", "none") in (None, "none")
     fixed = {k: v for k, v in (fixed or {}).items() if k in FIXABLE and v is not None}
     rng = random.Random(f"kvpage-scenario:{seed}:{index}")
@@ -118,7 +121,8 @@ def generate(
         requests += added
     for r in requests:  # a request of more samples than the fixed cap would be refused
         r.n = min(r.n, fixed.get("max_num_seqs", r.n))
-    draw_constraints(stream(seed, index, "structured"), requests, gen.covers)
+    if constraints:
+        draw_constraints(stream(seed, index, "structured"), requests, gen.covers)
     engine, covers = gen.engine(block, requests)
     engine.update(fixed)
     if max_loras is not None:

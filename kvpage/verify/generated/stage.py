@@ -29,12 +29,17 @@ class GeneratedStage:
     limits: Limits = field(default_factory=Limits)
     fixed: dict = field(default_factory=dict)  # engine fields every scenario keeps (FIXABLE)
 
-    def scenarios(self, windows: tuple[int, ...] = (), adapters: bool = True):
-        """`windows`: the model's sliding windows, `adapters`: whether it is served adapters
+    def scenarios(
+        self, windows: tuple[int, ...] = (), adapters: bool = True, constraints: bool = True
+    ):
+        """`windows`: the model's sliding windows, `adapters`: whether it is served adapters,
+        `constraints`: whether requests may be constrained (the model has a tokenizer)
         (generate's)."""
         index = 0
         while self.count is None or index < self.count:
-            yield generate(self.seed, index, self.limits, self.fixed, windows, adapters)
+            yield generate(
+                self.seed, index, self.limits, self.fixed, windows, adapters, constraints
+            )
             index += 1
 
 
@@ -79,7 +84,10 @@ def run_stage(
     start = time.perf_counter()
     results, ran, stopped_by = [], [], "count"
     config = runtime.model.config
-    for scenario in stage.scenarios(model_windows(config), serves_adapters(config)):
+    drawn = stage.scenarios(
+        model_windows(config), serves_adapters(config), runtime.tokenizer is not None
+    )
+    for scenario in drawn:
         if stage.budget_s is not None and time.perf_counter() - start > stage.budget_s:
             stopped_by = "time budget"
             break

@@ -35,6 +35,9 @@ class Mutant:
     # The bug lives in objects the model owns (a fast path's kernels): the mutant's engines get
     # a copy of the model of their own, the reference keeps the original.
     own_model: bool = False
+    # The bug lives in structured outputs, which compile over the model's tokenizer: on a model
+    # without one (the engine refuses every constraint) it is not applicable.
+    needs_tokenizer: bool = False
 
     def not_applicable(self, cfg: ModelConfig) -> str | None:
         return None if self.not_applicable_on is None else self.not_applicable_on(cfg)

@@ -136,4 +136,5 @@ STRUCTURED_MUTANTS = mutant_table(
         ),
     ),
     suites=("structured",),
+    needs_tokenizer=True,
 )
