@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvpage.cli.common import (
@@ -15,7 +16,7 @@ from kvpage.cli.common import (
     token_ids,
 )
 from kvpage.errors import WorkerFailure
-from kvpage.sampling_params import SamplingParams
+from kvpage.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     pass
@@ -33,6 +34,7 @@ def add_parser(sub) -> None:
     gen.add_argument("--top-p", type=number(float, 0.0, 1.0), default=1.0, help="nucleus mass")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens")
+    add_structured_args(gen)
     add_engine_flag(
         gen, "kv_cache_dtype", help="K/V round trip of the reference (auto: as computed)"
     )
@@ -44,6 +46,42 @@ def add_parser(sub) -> None:
     add_engine_flag(gen, "quantize_lm_head")
     add_tensor_parallel(gen)
     gen.set_defaults(func=run)
+
+
+def add_structured_args(gen) -> None:
+    """One constraint on the output (SamplingParams.structured_outputs), at most."""
+    group = gen.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
+    group.add_argument("--json-schema", help="a JSON schema: its JSON text, or @FILE")
+    group.add_argument("--regex", help="the output matches this regular expression")
+    group.add_argument("--choice", action="append", help="the output is one of these (repeat)")
+    group.add_argument("--grammar", help="a Lark or GBNF grammar: its text, or @FILE")
+    group.add_argument("--json-object", action="store_true", help="any JSON object")
+    gen.add_argument(
+        "--disable-any-whitespace", action="store_true", help="JSON without whitespace"
+    )
+
+
+def structured_outputs(args: argparse.Namespace) -> StructuredOutputsParams | None:
+    fields = {
+        "json": _text_or_file(args.json_schema),
+        "regex": args.regex,
+        "choice": args.choice,
+        "grammar": _text_or_file(args.grammar),
+        "json_object": args.json_object,
+    }
+    chosen = {k: v for k, v in fields.items() if v not in (None, False)}
+    if not chosen:
+        return None
+    return StructuredOutputsParams(**chosen, disable_any_whitespace=args.disable_any_whitespace)
+
+
+def _text_or_file(value: str | None) -> str | None:
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text()
+    except OSError as err:
+        raise CliError(f"cannot read {value[1:]}: {err}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        structured_outputs=structured_outputs(args),
     )
     if args.quantize_lm_head and args.quantization != "int8":
         raise CliError("--quantize-lm-head needs --quantization int8")
@@ -71,13 +110,30 @@ def run(args: argparse.Namespace) -> int:
     if args.tensor_parallel_size > 1:
         out = _generate_tensor_parallel(args, model, tokenizer, prompt_ids, params)
     else:
-        out = generate(model, prompt_ids, params, kv_cache_dtype=args.kv_cache_dtype)
+        grammars = None
+        if params.structured_outputs is not None:
+            grammars = _reference_grammars(args.model, model, params)
+        kv = args.kv_cache_dtype
+        out = generate(model, prompt_ids, params, kv_cache_dtype=kv, grammars=grammars)
     if tokenizer is not None:
         print(f"text: {tokenizer.decode(out.token_ids)!r}")
     print(f"prompt_ids: {prompt_ids}")
     print(f"token_ids: {out.token_ids}")
     print(f"finish_reason: {out.finish_reason}")
     return 0
+
+
+def _reference_grammars(name: str, model, params: SamplingParams):
+    """The reference's own grammars, the request's constraint compiled once up front: a
+    constraint it cannot compile is a one-line error, not a traceback."""
+    from kvpage.reference.grammar import ReferenceGrammars
+
+    grammars = ReferenceGrammars(name, model.config.vocab_size, model.config.eos_token_ids)
+    try:
+        grammars.matcher(params.structured_outputs)
+    except ValueError as err:
+        raise CliError(str(err).splitlines()[0]) from None
+    return grammars
 
 
 def _generate_tensor_parallel(args, model, tokenizer, prompt_ids, params):
