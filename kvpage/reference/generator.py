@@ -114,6 +114,7 @@ def _generate(
             )
             record.sampler = sampler_state(generator, len(out.token_ids) + 1)
             record.grammar = None if allowed is None else grammar_note(allowed, done)
+            record.allowed = allowed
             out.records.append(record)
         if out.append(token, logits, params, stop_ids, done):
             return out

@@ -95,11 +95,14 @@ class StepRecord:
     # Reference only, for a constrained request: what its grammar allowed at this step and
     # whether the token completed it (grammar_note); None otherwise.
     grammar: dict | None = None
+    # Reference only: that step's whole grammar mask, (V,) bool (not in reports: grammar is)
+    allowed: torch.Tensor | None = field(default=None, repr=False)
     logits: torch.Tensor | None = field(default=None, repr=False)  # (V,) float32, for atol checks
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("logits")
+        d.pop("allowed")
         d["view"]["entries"] = [e._asdict() for e in self.view.entries]
         return d
 

@@ -83,10 +83,11 @@ def check_sampling(
         if problem is not None:
             ref_rec = ref[step] if step < len(ref) else rec
             context = RequestContext(params)
-            if masks is None:
-                attribution = sampling_attribution(ref_rec, rec, context)
-            else:
+            # greedy: the argmax over the mask; sampled outside it: never drawable
+            if allowed is not None and (params.greedy or not bool(allowed[rec.chosen_token])):
                 attribution = structured_attribution(ref_rec, rec, context, problem)
+            else:  # a free draw, or a sampled one inside its mask: the sampler's rules drew it
+                attribution = sampling_attribution(ref_rec, rec, context, allowed)
             div = Divergence(
                 rec.request_id, step, "sampling", problem, ref_rec, rec, None, attribution
             )

@@ -463,22 +463,35 @@ def constrained(context: RequestContext | None) -> bool:
     return context is not None and getattr(context.params, "structured_outputs", None) is not None
 
 
+def grammar_decided(ref: StepRecord, token: int, context: RequestContext) -> bool:
+    """Whether the grammar, not the sampler, explains another token from the same logits: a
+    greedy step's token is the argmax over its mask (no generator to blame), and a sampled
+    token outside the mask the reference's own matcher allowed there was never drawable. A
+    sampled token inside that mask came from the right support: its sampler chose it."""
+    if context.params.greedy or ref.allowed is None:
+        return True
+    return not bool(ref.allowed[token])
+
+
 def _grammar_ending(reference, candidate, context: RequestContext | None) -> bool:
     """The grammar decided where one side ended: the reference's grammar was complete on a
-    token that is no stop id, or the candidate stopped on such a token."""
+    token that is no stop id, or the candidate stopped on such a token where the reference did
+    not end on a stop id (a stop id's end, on either side, is the stop rule's)."""
     if not constrained(context):
         return False
     stop_ids = set(context.stop_ids)
     last_ref = reference[-1] if reference else None
+    ref_on_stop_id = last_ref is not None and last_ref.chosen_token in stop_ids
     ref_done = (
         last_ref is not None
         and (last_ref.grammar or {}).get("finished", False)
-        and last_ref.chosen_token not in stop_ids
+        and not ref_on_stop_id
     )
     cand_done = (
         context.finish_cand == "stop"
         and bool(candidate)
         and candidate[-1].chosen_token not in stop_ids
+        and not (context.finish_ref == "stop" and ref_on_stop_id)
     )
     return ref_done or cand_done
 
@@ -580,9 +593,9 @@ def attribute(
         and ref.input_ids == cand.input_ids
         and ref.position_ids == cand.position_ids
     ):
-        if constrained(context):  # the mask decides before any sampling rule
+        if constrained(context) and grammar_decided(ref, cand.chosen_token, context):
             return structured_attribution(ref, cand, context, "logits agree but the token differs")
-        return sampling_attribution(ref, cand, context)
+        return sampling_attribution(ref, cand, context, ref.allowed)
     lora = lora_attribution(ref, cand)
     if lora is not None:
         return lora
@@ -702,9 +715,13 @@ def _first_differing_part(a: str, b: str) -> int | None:
 
 
 def sampling_attribution(
-    ref: StepRecord, cand: StepRecord, context: RequestContext | None
+    ref: StepRecord,
+    cand: StepRecord,
+    context: RequestContext | None,
+    allowed: torch.Tensor | None = None,
 ) -> Attribution:
-    """Same inputs, same logits, another token: the sampler (or its generator) chose it."""
+    """Same inputs, same logits, another token: the sampler (or its generator) chose it.
+    `allowed`: a constrained step's grammar mask (the support is the masked one)."""
     params = context.params if context else None
     sampler = cand.sampler or {}
     fields: dict[str, Any] = {
@@ -720,7 +737,7 @@ def sampling_attribution(
         "reference_sampler": ref.sampler,
     }
     if params is not None and cand.logits is not None:
-        support = filtered_support(cand.logits, params)
+        support = filtered_support(cand.logits, params, allowed)
         fields["support"] = asdict(support) if is_dataclass(support) else support
     if params is not None and params.greedy:
         # A greedy request has no generator: its "state" is the argmax rule itself.

@@ -185,6 +185,30 @@ def test_a_constrained_token_from_the_same_logits_is_structured():
     assert free.attribution.cls == "sampling"
 
 
+def test_a_sampled_constrained_token_inside_its_mask_is_the_samplers():
+    """The mask the reference's matcher allowed decides: a sampled token outside it was never
+    drawable (structured); one inside it came from the right support, so its sampler chose it."""
+    sampled = SamplingParams(
+        temperature=0.8,
+        max_tokens=5,
+        seed=7,
+        structured_outputs=StructuredOutputsParams(regex="a+"),
+    )
+    sampler = {"seed": 7, "generator_offset": 3, "generator_state": "00ff"}
+    ref = _trace(TOKENS, False, PROMPT, {2: {"sampler": sampler}})
+    cand = _trace([7, 8, 4, 1, 2], True, PROMPT, {2: {"logits": _logits(9), "sampler": sampler}})
+    allowed = torch.zeros(ref[2].logits.shape[0], dtype=torch.bool)
+    allowed[[4, 9]] = True
+    ref[2].allowed = allowed
+    ref[2].grammar = {"allowed": 2, "allowed_ids": [4, 9], "finished": False}
+    inside = first_divergence(ref, cand, context=RequestContext(sampled)).attribution
+    assert inside.cls == "sampling" and inside.complete, inside.missing
+    assert set(inside.fields["support"]["ids"]) <= {4, 9}  # the masked support
+    allowed[4] = False
+    outside = first_divergence(ref, cand, context=RequestContext(sampled)).attribution
+    assert outside.cls == "structured" and outside.complete
+
+
 def test_running_past_a_complete_grammar_is_structured_not_a_stop_rule():
     ref = _trace(TOKENS[:3], False, PROMPT)
     ref[-1].grammar = {"allowed": 1, "allowed_ids": [9], "finished": True}
@@ -285,3 +309,14 @@ def test_without_a_tokenizer_the_structured_suite_and_mutants_are_not_applicable
     scenarios = [generate(0, i, constraints=False) for i in range(20)]
     assert not any(r.structured for s in scenarios for r in s.requests)
     assert any(r.structured for i in range(20) for r in generate(0, i).requests)
+
+
+def test_a_constrained_request_that_ran_past_its_stop_id_is_a_stop_rule():
+    """The reference ended on a stop id (not its grammar); the candidate stopped one token
+    later, on a token that is none: the stop rule's, not the grammar's."""
+    ref = _trace(TOKENS[:3], False, PROMPT)  # ends on 9, a stop id
+    ref[-1].grammar = {"allowed": 3, "allowed_ids": [1, 9], "finished": False}
+    cand = _trace(TOKENS[:4], True, PROMPT)
+    context = RequestContext(CONSTRAINED, "stop", "stop", (9, 257))
+    a = first_divergence(ref, cand, context=context).attribution
+    assert a.cls == "stop_rule" and a.complete, a.missing

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from kvpage.engine.engine import LLMEngine
 from kvpage.verify.mutants.base import mutant_table, plant
+from kvpage.verify.mutants.stop import grammar_complete
 
 
 def _stop_window_indexes_past_start(engine: LLMEngine) -> None:
@@ -13,7 +14,7 @@ def _stop_window_indexes_past_start(engine: LLMEngine) -> None:
     4 of them (an IndexError on a request's 1st-3rd token once it has decoded one)."""
 
     def stop_reason(self, seq, token):
-        if token in seq.stop_ids:
+        if token in seq.stop_ids or grammar_complete(seq):
             return "stop"
         if len(seq.output_ids) > 1:
             tail = [seq.output_ids[-i] for i in range(1, 5)]

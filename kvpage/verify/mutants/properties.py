@@ -12,6 +12,7 @@ from kvpage.engine.engine import LLMEngine
 from kvpage.engine.sequence import Sequence
 from kvpage.sampling import make_generator
 from kvpage.verify.mutants.base import Mutant, bind, plant, replace
+from kvpage.verify.mutants.stop import grammar_complete
 
 
 # --- step budget ---------------------------------------------------------------------------
@@ -72,7 +73,7 @@ def length_before_stop(engine: LLMEngine) -> None:
     def stop_reason(self, seq, token):
         if len(seq.output_ids) >= seq.params.max_tokens:
             return "length"
-        return "stop" if token in seq.stop_ids else None
+        return "stop" if token in seq.stop_ids or grammar_complete(seq) else None
 
     plant(engine, "scheduler.stop_reason", stop_reason)
 

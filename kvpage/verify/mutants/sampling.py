@@ -47,10 +47,18 @@ def race_draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 # --- the mutants ---------------------------------------------------------------------------------
+def masked_first(sampler, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The honest sampler's first rule, kept by every sampling mutant: constrained rows masked
+    by their grammar (a mask dropped or misplaced is a bug of its own, kvpage.verify.mutants
+    .structured)."""
+    return logits if sampler.grammars is None else sampler.grammars.mask_rows(logits, seqs)
+
+
 def _sample_with(engine: LLMEngine, probs_fn: ProbsFn) -> None:
     """The instance's sampler draws each seeded row from `probs_fn`'s probabilities."""
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        logits = masked_first(self, logits, seqs)
         tokens = torch.argmax(logits, dim=-1).tolist()
         for row, seq in enumerate(seqs):
             if not seq.params.greedy:
@@ -66,6 +74,7 @@ def sampler_shared_generator(engine: LLMEngine) -> None:
     the batch): a token depends on its batch neighbours and on their order."""
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        logits = masked_first(self, logits, seqs)
         tokens = torch.argmax(logits, dim=-1).tolist()
         shared = next((s.generator for s in seqs if not s.params.greedy), None)
         for row, seq in enumerate(seqs):

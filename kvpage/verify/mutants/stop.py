@@ -8,11 +8,18 @@ from kvpage.engine.engine import LLMEngine
 from kvpage.verify.mutants.base import mutant_table, plant
 
 
+def grammar_complete(seq) -> bool:
+    """The honest rule's structured-output part, kept by every stop mutant: each plants one
+    bug, and a grammar that keeps generating is a bug of its own (kvpage.verify.mutants
+    .structured)."""
+    return seq.grammar is not None and seq.grammar.finished
+
+
 def eos_not_a_stop(engine: LLMEngine) -> None:
     """The stop set is built from the request's stop_token_ids only: EOS never ends anything."""
 
     def stop_reason(self, seq, token):
-        if token in seq.params.stop_token_ids:
+        if token in seq.params.stop_token_ids or grammar_complete(seq):
             return "stop"
         return "length" if len(seq.output_ids) >= seq.params.max_tokens else None
 
@@ -23,7 +30,7 @@ def max_tokens_off_by_one(engine: LLMEngine) -> None:
     """The length check runs after one more token (`>` where `>=` was meant)."""
 
     def stop_reason(self, seq, token):
-        if token in seq.stop_ids:
+        if token in seq.stop_ids or grammar_complete(seq):
             return "stop"
         return "length" if len(seq.output_ids) > seq.params.max_tokens else None
 
@@ -35,6 +42,8 @@ def stop_one_token_late(engine: LLMEngine) -> None:
 
     def stop_reason(self, seq, token):
         if len(seq.output_ids) >= 2 and seq.output_ids[-2] in seq.stop_ids:
+            return "stop"
+        if grammar_complete(seq):
             return "stop"
         return "length" if len(seq.output_ids) >= seq.params.max_tokens else None
 
