@@ -9,17 +9,19 @@ The model is bench/throughput.py's (the 125m shape: 12 layers, d=768, a 32000-to
 seeded random weights) with a byte-level BPE of 32000 tokens trained here on random words, so a
 mask has a real vocabulary's shape to walk (tokens of one to many letters, digits, punctuation).
 Each round runs, interleaved: `free` (`--requests` unconstrained requests), `constrained` (the
-same requests, each with the constraint) and `half` (every other request constrained). The
-constraint does not complete within `--output` tokens and every request ignores EOS, so every row
-decodes exactly `--output` tokens in all three: `json` is an object with one string of a fixed
-length (inside a string almost every token is allowed: the widest masks), `regex` is `[a-z ]+`
-(about 85% of the vocabulary; only a drawn EOS could end it, and the check would say so), and
-`regex-counted` is `[a-z ]{N}`, a counted repetition llguidance's lexer pays for per step.
+same requests, each with the constraint) and `half` (every other request constrained). Every
+request ignores EOS and the constraints do not complete within `--output` tokens: `json` is an
+object with one string of a fixed length (inside a string almost every token is allowed: the
+widest masks), `regex` is `[a-z ]+` (about 85% of the vocabulary; a drawn EOS can end it) and
+`regex-counted` is `[a-z ]{N}` (a counted repetition, which llguidance's lexer pays for at every
+step). An untimed constrained run first (the warm-up) fixes each row's length, `--output` or
+the shorter one where the grammar let the model draw EOS, and every mode decodes exactly those.
 Reported per mode: decode ms per step (min / median over every step of every round; the first
 step, the prefill, left out), tok/s at the median, the overhead against `free`, and the grammar
-mask's own ms per step (Grammars.mask_rows: fill, unpack, apply). Checked: the `half` batch's free rows give the `free` batch's tokens, and every
-constrained output is a prefix its constraint allows (Python's `re`). `--profile` adds a cProfile
-of one constrained run's decode steps.
+mask's own ms per step (Grammars.mask_rows: fill, unpack, apply). Checked: each row decodes its
+length, the `half` batch's free rows give the `free` batch's tokens, and every constrained
+output is a prefix its constraint allows (Python's `re`). `--profile` adds a cProfile of one
+constrained run's decode steps.
 CPU contention skews everything: run it on an otherwise idle machine."""
 
 from __future__ import annotations
@@ -117,8 +119,9 @@ class MaskTimer:
         return masked
 
 
-def run(model, tokenizer, args, mode: str, prompts, structured, profile=None):
-    """(decode step seconds, mask seconds per step, request id -> (token ids, text, finish))."""
+def run(model, tokenizer, args, mode: str, prompts, structured, lengths, profile=None):
+    """(decode step seconds, mask seconds per step, request id -> (token ids, text, finish)).
+    Request i decodes lengths[i] tokens (ignoring EOS)."""
     config = EngineConfig(
         model=args.directory,
         num_blocks=args.requests * -(-(args.prompt + args.output) // 16) + 4,
@@ -130,7 +133,7 @@ def run(model, tokenizer, args, mode: str, prompts, structured, profile=None):
     for i, prompt in enumerate(prompts):
         constrained = mode == "constrained" or (mode == "half" and i % 2 == 0)
         params = SamplingParams(
-            max_tokens=args.output,
+            max_tokens=lengths[i],
             ignore_eos=True,
             structured_outputs=structured if constrained else None,
         )
@@ -153,13 +156,13 @@ def run(model, tokenizer, args, mode: str, prompts, structured, profile=None):
     return times, timer.times, final
 
 
-def check(finals: dict, pattern: re.Pattern, args) -> list[str]:
-    """What went wrong: a row that did not decode `--output` tokens, a free row of `half` whose
-    tokens differ from `free`'s, a constrained text its constraint does not allow."""
+def check(finals: dict, pattern: re.Pattern, lengths: list[int]) -> list[str]:
+    """What went wrong: a row that did not decode its length, a free row of `half` whose tokens
+    differ from `free`'s, a constrained text its constraint does not allow."""
     problems = []
     for mode, final in finals.items():
         for rid, (tokens, text, finish) in final.items():
-            if len(tokens) != args.output or finish != "length":
+            if len(tokens) != lengths[int(rid)] or finish != "length":
                 problems.append(f"{mode} {rid}: {len(tokens)} tokens, {finish}")
             constrained = mode == "constrained" or (mode == "half" and int(rid) % 2 == 0)
             if constrained and not pattern.fullmatch(text):
@@ -194,20 +197,37 @@ def main() -> None:
         prompts = [
             [rng.randrange(3, vocab) for _ in range(args.prompt)] for _ in range(args.requests)
         ]
+        # An untimed constrained run (the warm-up) says how long each row is: `--output`, or
+        # shorter where the grammar let the model end it (a drawn EOS); every mode then decodes
+        # exactly those lengths.
+        _, _, pilot = run(
+            model,
+            tokenizer,
+            args,
+            "constrained",
+            prompts,
+            structured,
+            [args.output] * args.requests,
+        )
+        lengths = [len(pilot[str(i)][0]) for i in range(args.requests)]
         times = {m: [] for m in MODES}
         masks = {m: [] for m in MODES}
         finals = {}
         for _ in range(max(1, args.rounds)):
             for mode in MODES:  # interleaved round by round
-                ts, ms, finals[mode] = run(model, tokenizer, args, mode, prompts, structured)
+                ts, ms, finals[mode] = run(
+                    model, tokenizer, args, mode, prompts, structured, lengths
+                )
                 times[mode] += ts
                 masks[mode] += ms
         report(args, times, masks)
-        problems = check(finals, pattern, args)
+        short = [n for n in lengths if n < args.output]
+        print(f"rows the grammar ended early (EOS): {len(short)} {short}")
+        problems = check(finals, pattern, lengths)
         print(f"checks: {'all passed' if not problems else '; '.join(problems[:5])}")
         if args.profile:
             prof = cProfile.Profile()
-            run(model, tokenizer, args, "constrained", prompts, structured, prof)
+            run(model, tokenizer, args, "constrained", prompts, structured, lengths, prof)
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(20)
             print(out.getvalue())
