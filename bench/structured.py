@@ -156,15 +156,17 @@ def run(model, tokenizer, args, mode: str, prompts, structured, lengths, profile
     return times, timer.times, final
 
 
-def check(finals: dict, pattern: re.Pattern, lengths: list[int]) -> list[str]:
-    """What went wrong: a row that did not decode its length, a free row of `half` whose tokens
+def check(finals: dict, pattern: re.Pattern, lengths: list[int], output: int) -> list[str]:
+    """What went wrong: a row that did not decode its length (a constrained row its grammar
+    ended early ends with "stop", any other with "length"), a free row of `half` whose tokens
     differ from `free`'s, a constrained text its constraint does not allow."""
     problems = []
     for mode, final in finals.items():
         for rid, (tokens, text, finish) in final.items():
-            if len(tokens) != lengths[int(rid)] or finish != "length":
-                problems.append(f"{mode} {rid}: {len(tokens)} tokens, {finish}")
             constrained = mode == "constrained" or (mode == "half" and int(rid) % 2 == 0)
+            ended = "stop" if constrained and lengths[int(rid)] < output else "length"
+            if len(tokens) != lengths[int(rid)] or finish != ended:
+                problems.append(f"{mode} {rid}: {len(tokens)} tokens, {finish}")
             if constrained and not pattern.fullmatch(text):
                 problems.append(f"{mode} {rid}: {text[:40]!r} is outside the constraint")
             if mode == "half" and not constrained and tokens != finals["free"][rid][0]:
@@ -223,7 +225,7 @@ def main() -> None:
         report(args, times, masks)
         short = [n for n in lengths if n < args.output]
         print(f"rows the grammar ended early (EOS): {len(short)} {short}")
-        problems = check(finals, pattern, lengths)
+        problems = check(finals, pattern, lengths, args.output)
         print(f"checks: {'all passed' if not problems else '; '.join(problems[:5])}")
         if args.profile:
             prof = cProfile.Profile()
