@@ -13,6 +13,7 @@ never sees it: KV does not depend on the grammar. Its public methods are declare
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as SequenceABC
 
 import torch
@@ -32,6 +33,8 @@ class Grammars:
         self.vocab_size = vocab_size
         self._compiler: GrammarCompiler | None = None  # built at the first constrained request
         self._masks: TokenMasks | None = None
+        self.masked_steps = 0  # steps whose batch had a constrained row
+        self.mask_ns = 0  # the time those steps spent masking
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -59,7 +62,11 @@ class Grammars:
         rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
         if not rows:
             return logits
-        return self._masks.apply(logits, rows, [seqs[i].grammar for i in rows])
+        start = time.perf_counter_ns()
+        masked = self._masks.apply(logits, rows, [seqs[i].grammar for i in rows])
+        self.mask_ns += time.perf_counter_ns() - start
+        self.masked_steps += 1
+        return masked
 
     def fork(self, matcher: GrammarMatcher | None) -> GrammarMatcher | None:
         """A parallel sample's matcher: a copy of its parent's, made before the parent's first
@@ -73,9 +80,12 @@ class Grammars:
             raise RuntimeError(f"{seq.sample_id}: its own output no longer matches its grammar")
 
     def stats(self) -> dict[str, int]:
-        if self._compiler is None:
-            return {"grammar_compiles": 0, "grammar_cache_hits": 0}
+        """Compiles and cache hits; the steps that masked rows and the microseconds they took
+        (a constrained batch's own cost, what bench/structured.py reports)."""
+        compiler = self._compiler
         return {
-            "grammar_compiles": self._compiler.compiles,
-            "grammar_cache_hits": self._compiler.hits,
+            "grammar_compiles": 0 if compiler is None else compiler.compiles,
+            "grammar_cache_hits": 0 if compiler is None else compiler.hits,
+            "grammar_masked_steps": self.masked_steps,
+            "grammar_mask_us": self.mask_ns // 1000,
         }
