@@ -103,6 +103,30 @@ def preempting_engine(
     )
 
 
+def forced_preemption_case(
+    suite: str,
+    name: str,
+    specs: list[RequestSpec],
+    actions: list[Action],
+    mode: str,
+    pool: tuple[int, int],
+    hold_steps: int,
+    **expect,
+) -> Case:
+    """A case whose `actions` force preemptions in `mode` on a pool of (block size, blocks)
+    (preempting_engine): it must see one, and its step bound allows `hold_steps` steps out."""
+    return Case(
+        suite,
+        name,
+        specs,
+        preempting_engine(mode, *pool),
+        actions=actions,
+        expect_preemption=True,
+        hold_steps=hold_steps,
+        **expect,
+    )
+
+
 def after_one_preemption(mode: str) -> dict[str, int]:
     """The swap counters once one forced preemption has resumed: swapped back in once, or
     (recompute) nothing ever swapped out."""

@@ -6,7 +6,7 @@ the reference run alone with its derived seed; without preemption the copy count
 from __future__ import annotations
 
 from kvpage.sampling_params import SamplingParams
-from kvpage.verify.case import Case, RequestSpec, Tokens, preempt_once_added, preempting_engine
+from kvpage.verify.case import Case, RequestSpec, Tokens, forced_preemption_case, preempt_once_added
 
 B = 8
 
@@ -57,12 +57,5 @@ def _forks_under_pressure(t: Tokens, mode: str) -> Case:
     preempt_child = preempt_once_added(
         "preempt sample x0#1 after 3 tokens", "x0", 3, 2, mode, "x0#1"
     )
-    return Case(
-        "parallel",
-        f"forks_tiny_pool_{mode}",
-        specs,
-        preempting_engine(mode, B, num_blocks=26),
-        actions=[preempt_child],
-        expect_preemption=True,
-        hold_steps=2,
-    )
+    name = f"forks_tiny_pool_{mode}"
+    return forced_preemption_case("parallel", name, specs, [preempt_child], mode, (B, 26), 2)

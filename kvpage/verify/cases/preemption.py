@@ -7,6 +7,7 @@ from kvpage.verify.case import (
     RequestSpec,
     Tokens,
     after_one_preemption,
+    forced_preemption_case,
     greedy,
     preempt_at_step,
     preempt_once_added,
@@ -27,15 +28,9 @@ def _abc_script(t: Tokens, mode: str) -> Case:
     ]
     specs = with_canaries(specs, 256, seed=7)
     preempt = preempt_once_added("preempt C at token 8", "C", 8, 6, mode)
-    return Case(
-        "preemption",
-        f"abc_{mode}",
-        specs,
-        preempting_engine(mode, B, num_blocks=16),
-        actions=[preempt],
-        expect_preemption=True,
-        expect_counters=after_one_preemption(mode),
-        hold_steps=6,
+    counters = after_one_preemption(mode)
+    return forced_preemption_case(
+        "preemption", f"abc_{mode}", specs, [preempt], mode, (B, 16), 6, expect_counters=counters
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvpage.sampling_params import SamplingParams
-from kvpage.verify.case import Case, RequestSpec, Tokens, preempt_once_added, preempting_engine
+from kvpage.verify.case import Case, RequestSpec, Tokens, forced_preemption_case, preempt_once_added
 
 B = 8
 SETTINGS = (  # (temperature, top_k, top_p)
@@ -65,15 +65,9 @@ def _seeded_preempted(t: Tokens, mode: str) -> Case:
     recompute or swap must continue the same generator, not restart it."""
     specs = [RequestSpec(f"p{i}", t.take(9 + 2 * i), _params(i, 28), i // 3) for i in range(9)]
     forced = [preempt_once_added(f"preempt p{i}", f"p{i}", 4 + i, 2, mode) for i in (0, 4, 8)]
-    return Case(
-        "sampling",
-        f"seeded_preempted_{mode}",
-        specs,
-        preempting_engine(mode, B, num_blocks=30),
-        actions=forced,
-        expect_preemption=True,
-        check_sampling=True,
-        hold_steps=6,
+    name = f"seeded_preempted_{mode}"
+    return forced_preemption_case(
+        "sampling", name, specs, forced, mode, (B, 30), 6, check_sampling=True
     )
 
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from kvpage.sampling_params import SamplingParams
 from kvpage.structured_params import StructuredOutputsParams
-from kvpage.verify.case import Case, RequestSpec, Tokens, preempt_once_added, preempting_engine
+from kvpage.verify.case import Case, RequestSpec, Tokens, forced_preemption_case, preempt_once_added
 
 B = 8
 MAX_TOKENS = 40
@@ -167,14 +167,8 @@ def _preempted(t: Tokens, mode: str) -> Case:
         preempt_once_added(f"preempt {s.request_id}", s.request_id, 4 + i, 2, mode)
         for i, s in enumerate(specs[:3])
     ]
-    return Case(
-        "structured",
-        f"preempted_{mode}",
-        specs,
-        preempting_engine(mode, B, num_blocks=20),
-        actions=forced,
-        expect_preemption=True,
-        expect_counters=compile_counters(specs),
-        check_sampling=True,
-        hold_steps=6,
-    )
+    counters = compile_counters(specs)
+    return forced_preemption_case(
+        "structured", f"preempted_{mode}", specs, forced, mode, (B, 20), 6,
+        expect_counters=counters, check_sampling=True,
+    )  # fmt: skip
