@@ -20,6 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("model",),
     ("lora",),  # computed over the model's projections (their oneDNN packing)
     ("structured",),  # llguidance grammars over the model's tokenizer
+    ("speculative",),  # proposers and the rejection rule; the engine verifies drafts
     ("parallel",),
     ("engine",),
     ("reference",),
