@@ -49,6 +49,8 @@ def verify_drafts(
     which count as a one-hot q on the draft token, as vLLM treats them."""
     if logits.shape[0] != len(draft_tokens) + 1:
         raise ValueError(f"{len(draft_tokens)} drafts need {len(draft_tokens) + 1} logits rows")
+    if draft_probs is not None and draft_probs.shape != (len(draft_tokens), logits.shape[-1]):
+        raise ValueError(f"draft_probs {tuple(draft_probs.shape)} is not (k, V)")
     if params.greedy:
         return verify_greedy(logits, draft_tokens)
     return verify_sampled(logits, draft_tokens, params, generator, draft_probs)
@@ -59,7 +61,8 @@ def verify_greedy(logits: torch.Tensor, draft_tokens: list[int]) -> Verification
     the first maximum, as the engine's sampler (torch.max(...).indices), so a speculating greedy
     request picks the same token the plain one would."""
     targets = torch.max(logits, dim=-1).indices.tolist()  # (k+1,) one host sync
-    num_accepted = _leading_true([d == t for d, t in zip(draft_tokens, targets, strict=False)])
+    kept = [d == t for d, t in zip(draft_tokens, targets[: len(draft_tokens)], strict=True)]
+    num_accepted = _leading_true(kept)
     tokens = list(draft_tokens[:num_accepted]) + [targets[num_accepted]]
     return Verification(tokens, num_accepted, list(draft_tokens), greedy_targets=targets)
 

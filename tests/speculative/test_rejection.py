@@ -235,6 +235,29 @@ def test_recorded_draws_replay_every_decision() -> None:
     assert outcomes == {0, 1, 2, 3}  # every path taken: rejections at each draft and the bonus
 
 
+def test_the_replay_catches_acceptance_without_the_min(monkeypatch: pytest.MonkeyPatch) -> None:
+    """p/q without the min keeps the same drafts (u < 1 either way), so no distribution test can
+    see it; the recorded acceptance probabilities can."""
+
+    def no_min(p: torch.Tensor, q: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        rows, index = torch.arange(len(drafts)), torch.tensor(drafts)
+        return p[rows, index] / q[rows, index]
+
+    monkeypatch.setattr(rejection, "acceptance_probs", no_min)
+    gen = torch.Generator().manual_seed(10)
+    logits = torch.zeros(2, 4)
+    logits[0, 1] = 3.0  # p(1) ~ 0.87 > q(1) = 0.25: the ratio exceeds 1
+    q = torch.full((1, 4), 0.25)
+    result = verify_drafts(logits, [1], SamplingParams(temperature=1.0), gen, q)
+    with pytest.raises(AssertionError):
+        _replay(result, logits, 1.0)
+
+
+def test_draft_probs_must_be_k_by_v() -> None:
+    with pytest.raises(ValueError, match="not \\(k, V\\)"):
+        verify_drafts(torch.zeros(2, 8), [1], SAMPLED, None, torch.ones(1, 7) / 7)
+
+
 def test_without_drafts_it_is_plain_sampling() -> None:
     """k = 0 takes exactly sample_token's draw from the same generator state."""
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(4))
