@@ -22,12 +22,14 @@ def llm():
         yield llm
 
 
-def constraints() -> list[StructuredOutputsParams]:
+def constraints() -> list[tuple[StructuredOutputsParams, dict | None]]:
+    """Each constraint with the schema as written (None: not a schema), for the checker."""
     schemas = [
-        StructuredOutputsParams(json=s, disable_any_whitespace=True) for s in json_schemas(50, 43)
+        (StructuredOutputsParams(json=s, disable_any_whitespace=True), s)
+        for s in json_schemas(50, 43)
     ]
-    patterns = [StructuredOutputsParams(regex=r) for r in regexes(30, 43)]
-    choices = [StructuredOutputsParams(choice=c) for c in choice_lists(10, 43)]
+    patterns = [(StructuredOutputsParams(regex=r), None) for r in regexes(30, 43)]
+    choices = [(StructuredOutputsParams(choice=c), None) for c in choice_lists(10, 43)]
     return schemas + patterns + choices
 
 
@@ -39,18 +41,18 @@ def test_every_stopped_output_validates(llm, n, temperature):
         SamplingParams(
             n=n, temperature=temperature, seed=i, max_tokens=96, structured_outputs=constraint
         )
-        for i, constraint in enumerate(cases)
+        for i, (constraint, _) in enumerate(cases)
     ]
     prompts = [f"request {i}: answer" for i in range(len(cases))]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     finishes = []
-    for constraint, out in zip(cases, outputs, strict=True):
+    for (constraint, schema), out in zip(cases, outputs, strict=True):
         assert len(out.outputs) == n
         for sample in out.outputs:
             finishes.append(sample.finish_reason)
             assert sample.finish_reason in ("stop", "length"), (sample.finish_reason, out)
             if sample.finish_reason == "stop":
-                assert valid(constraint, sample.text), (constraint, sample.text)
+                assert valid(constraint, sample.text, schema), (constraint, sample.text)
     stopped = finishes.count("stop") / len(finishes)
     assert stopped >= 0.8, f"only {stopped:.0%} of the samples stopped: the check is vacuous"
     if temperature > 0 and n > 1:
