@@ -26,6 +26,9 @@ class RequestSpec:
     # the case runs), so a stop rule is exercised whatever the model's weights are.
     stop_at_ref_step: int | None = None
     lora: LoraSpec | None = None  # the adapter it runs with (kvpage.verify.lora_adapters)
+    # Its JSON schema as the case wrote it: the checker validates the output against this, not
+    # against StructuredOutputsParams' normalized text (a bug there would be in both)
+    sent_schema: dict | None = None
 
     def sample_ids(self) -> list[str]:
         """Trace keys of the request's samples (kvpage.engine.sequence.Sequence.sample_id)."""

@@ -55,9 +55,12 @@ def walk(
     return out
 
 
-def check_output(constraint: StructuredOutputsParams, text: str) -> str | None:
+def check_output(
+    constraint: StructuredOutputsParams, text: str, sent_schema: dict | None = None
+) -> str | None:
     """Why `text` does not satisfy the constraint, by checkers that are not llguidance (a
-    grammar is the exception: see check_grammar_output); None when it does."""
+    grammar is the exception: see check_grammar_output); None when it does. A JSON schema is
+    `sent_schema`, the schema as the request was written, where known."""
     kind = constraint.kind
     if kind in ("json", "json_object"):
         try:
@@ -69,7 +72,8 @@ def check_output(constraint: StructuredOutputsParams, text: str) -> str | None:
                 None if isinstance(value, dict) else f"JSON {type(value).__name__}, not an object"
             )
         try:
-            jsonschema.validate(value, json.loads(constraint.json))
+            schema = json.loads(constraint.json) if sent_schema is None else sent_schema
+            jsonschema.validate(value, schema)
         except jsonschema.ValidationError as err:
             return f"fails its schema: {err.message}"
         return None
@@ -119,7 +123,7 @@ def check_structured(
         if output and output[-1] in stop_ids:
             output = output[:-1]
         text = grammars.text(output)
-        problem = check_output(constraint, text)
+        problem = check_output(constraint, text, spec.sent_schema)
         if problem is None and constraint.kind == "grammar" and not steps.accepting:
             problem = "its grammar does not accept it"
         if problem is not None:

@@ -229,6 +229,26 @@ def test_the_suite_passes_on_the_engine(results):
     assert not failed
 
 
+def test_a_bug_in_the_shared_schema_normalization_fails_the_suite(runtime, monkeypatch):
+    """Engine, reference and the request share StructuredOutputsParams' normalized schema text:
+    a bug there (here: "required" dropped) makes both draw alike, and only the checker, which
+    validates against the schema as the case wrote it, can see it."""
+    import kvpage.structured_params as structured_params
+
+    honest = structured_params._schema_text
+
+    def drops_required(schema):
+        if isinstance(schema, dict):
+            schema = {k: v for k, v in schema.items() if k != "required"}
+        return honest(schema)
+
+    monkeypatch.setattr(structured_params, "_schema_text", drops_required)
+    case = next(c for c in structured_cases(258) if c.name == "mixed_batch")
+    result = run_case(case, runtime)
+    assert not result.passed
+    assert any("is a required property" in f.message for f in result.failures)
+
+
 def test_the_suite_exercises_its_paths(results, runtime):
     stops = 0
     for case, result in results.values():

@@ -83,7 +83,20 @@ def structured_cases(vocab: int) -> list[Case]:
     t = Tokens(vocab, seed=4343)
     cases = [_mixed_batch(t), _parallel(t)]
     cases += [_preempted(t, mode) for mode in ("recompute", "swap")]
+    for case in cases:
+        for spec in case.requests:
+            spec.sent_schema = _sent_schema(spec.params.structured_outputs)
     return cases
+
+
+def _sent_schema(constraint: StructuredOutputsParams | None) -> dict | None:
+    """The suite's own schema a JSON constraint was made from (the checker's, not the
+    normalized text the engine compiles)."""
+    if constraint is None or constraint.kind != "json":
+        return None
+    compact = {"disable_any_whitespace": constraint.disable_any_whitespace}
+    schemas = (ITEM_IDS, ITEM_NAMES, DIGITS)
+    return next(s for s in schemas if StructuredOutputsParams(json=s, **compact) == constraint)
 
 
 def compile_counters(specs: list[RequestSpec]) -> dict[str, int]:

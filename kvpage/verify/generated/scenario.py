@@ -86,6 +86,7 @@ class RequestScenario:
             timeout_s=self.timeout_s,
             stop_at_ref_step=self.stop_at_ref_step,
             lora=self.lora_spec(),
+            sent_schema=None if self.structured is None else self.structured.get("json"),
         )
 
 
