@@ -5,6 +5,7 @@ grammar that does not parse) is an InvalidRequest naming the field, before the r
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 
 import llguidance
@@ -65,8 +66,6 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     if kind == "regex":
         return _checked(kind, lambda: matcher.grammar_from_regex(params.regex))
     if kind == "choice":  # Lark string literals take JSON's escapes
-        import json
-
         lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
         return matcher.grammar_from_lark(lark)
     return _checked(kind, lambda: matcher.grammar_from_lark(_lark(params.grammar)))
