@@ -172,9 +172,13 @@ class EngineConfig:
     # Fast paths (kvpage.model.kernels.FAST_PATHS, checked there) the engine binds its model
     # without: the verifier's re-runs; KVPAGE_NATIVE=0 and the like add to them.
     fast_paths_off: tuple[str, ...] = ()
+    # Speculative decoding, vLLM's dict (kvpage.speculative.config.SpeculativeConfig checks its
+    # keys and values when the engine is built); None: plain decoding.
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         _check_text("model", self.model)
+        self._check_speculative_config()
         paths = self.fast_paths_off
         if not isinstance(paths, (tuple, list)) or not all(isinstance(p, str) for p in paths):
             raise InvalidConfig(f"fast_paths_off must be a tuple of names, got {paths!r}")
@@ -220,6 +224,15 @@ class EngineConfig:
                 f"enable_lora needs unquantized weights for now, got quantization "
                 f"{self.quantization!r}"
             )
+
+    def _check_speculative_config(self) -> None:
+        """A dict (or a SpeculativeConfig, kept as its dict so the config stays plain data)."""
+        spec = self.speculative_config
+        if spec is not None and not isinstance(spec, dict) and hasattr(spec, "to_dict"):
+            spec = spec.to_dict()
+        if spec is not None and not isinstance(spec, dict):
+            raise InvalidConfig(f"speculative_config must be None or a dict, got {spec!r}")
+        object.__setattr__(self, "speculative_config", spec)
 
 
 # --- field checks: each names the field and the value it got -----------------------------------

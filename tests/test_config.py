@@ -46,6 +46,8 @@ BAD = {
     "quantize_lm_head": [1, "yes", None, True],  # True: only with quantization "int8"
     "kv_layer_groups": [1, "no", None],
     "fast_paths_off": ["gemv", None, (1,), ("gemv", None)],  # names: kvpage.model.kernels
+    # its keys and values: kvpage.speculative.config, checked when the engine is built
+    "speculative_config": ["ngram", 3, ["ngram"]],
     "max_loras": [0, -1, None, True, 1.5],
     "max_lora_rank": [0, -2, None, False, "16"],
 }
@@ -76,6 +78,7 @@ GOOD = {
     "quantize_lm_head": [False],  # True needs quantization "int8" (tests/model/test_int8_head.py)
     "kv_layer_groups": [True, False],
     "fast_paths_off": [(), ("gemv",), ("gemv", "onednn")],
+    "speculative_config": [None, {"method": "ngram", "num_speculative_tokens": 2}],
     "max_loras": [1, 8],
     "max_lora_rank": [1, 64],
 }

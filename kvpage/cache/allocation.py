@@ -92,6 +92,29 @@ class Allocation:
         self._debug()
         return slots
 
+    def roll_back(self, table: BlockTable, num_tokens: int) -> None:
+        """Give back the slots past `num_tokens` that the last append assigned (a speculative
+        step's rejected drafts, kvpage.engine.speculation): every group's blocks past them are
+        freed and the last kept block's valid length shrinks. Only slots of the last append can
+        go: the kept blocks are the ones it wrote into, so each is this table's own. Nothing is
+        published past `num_tokens` (publishing runs after the roll-back)."""
+        if not table.num_published * self.block_size <= num_tokens <= table.num_tokens:
+            raise InvariantViolation(
+                f"seq {table.seq_id}: roll back to {num_tokens} of {table.num_tokens} tokens "
+                f"({table.num_published} blocks published)"
+            )
+        keep = self.blocks_for(num_tokens)
+        for ids in table.groups:
+            for bid in ids[keep:]:
+                if bid != NULL_BLOCK:
+                    self.pool.remove_owner(bid, table.seq_id)
+            del ids[keep:]
+            if ids and num_tokens % self.block_size and ids[-1] != NULL_BLOCK:
+                self.pool.set_valid(ids[-1], num_tokens - (keep - 1) * self.block_size)
+        table.num_tokens = num_tokens
+        table.bump()
+        self._debug()
+
     def trim(self, table: BlockTable) -> None:
         """Window groups give back the blocks no query from position num_tokens on can see
         (kvpage.cache.groups): published ones go CACHED, the others FREE (a declared seam).

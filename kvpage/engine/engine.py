@@ -45,6 +45,7 @@ from kvpage.engine.runner import ModelRunner
 from kvpage.engine.sampler import Sampler
 from kvpage.engine.scheduler import Scheduler
 from kvpage.engine.sequence import Sequence
+from kvpage.engine.speculation import build_speculation
 from kvpage.engine.stats import engine_stats
 from kvpage.engine.tenant_switches import TenantSwitches
 from kvpage.errors import InvalidRequest, WorkerFailure
@@ -126,6 +127,7 @@ class LLMEngine:
         )
         self.lora_slots, lora = serve_adapters(config, model, self.tp)
         decode = tokenizer.decode if tokenizer is not None else None
+        self.speculation = build_speculation(config, model, self.max_model_len)
         self.scheduler = Scheduler(
             config,
             self.cache,
@@ -134,6 +136,7 @@ class LLMEngine:
             self._observers,
             decode,
             self.lora_slots,
+            self.speculation,
         )
         self.runner = (
             ModelRunner(
@@ -148,7 +151,7 @@ class LLMEngine:
             else ModelRunner(model, self.storage, self.cache, None, lora, self.lora_slots)
         )
         self.executor = Executor(self.runner, self.storage, self.swap_space)
-        self.sampler = Sampler(self.scheduler, self.grammars)
+        self.sampler = Sampler(self.scheduler, self.grammars, self.speculation)
         self.prompt_scorer = PromptScorer()
         self.namespace = base_namespace(
             model, tokenizer, config.block_size, config.model, self.kv_format
@@ -361,7 +364,12 @@ class LLMEngine:
         self.scheduler.commit(plan)
         logits = out.logits
         sampled = self.sampler.draw(batch.sample_seqs, logits)
+        if batch.spec_seqs:
+            sampled.verified = self.sampler.verify(batch.spec_seqs, out.spec_logits)
         outputs = self.scheduler.update(plan, sampled)
+        if sampled.verified:
+            for observer in self._observers:
+                observer.on_verified(batch, out.spec_logits, sampled.verified)
         for draw in sampled.forked:
             for observer in self._observers:
                 observer.on_forked(draw.parent, draw.seq, logits[draw.row], draw.token)
@@ -399,7 +407,9 @@ class LLMEngine:
         return self.scheduler.counters
 
     def stats(self) -> dict[str, int]:
+        spec = {} if self.speculation is None else self.speculation.stats()
         return {
             **engine_stats(self.cache, self.scheduler, self.swap_space),
             **self.grammars.stats(),
+            **spec,
         }

@@ -35,6 +35,9 @@ class RequestMetrics:
     ttft: float | None  # seconds from arrival to the first output token
     num_cached_tokens: int  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int
+    # Speculative decoding (kvpage.engine.speculation): drafts proposed, and of them accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -98,7 +101,7 @@ def final_output(samples: list[Sequence], new_tokens: list[int], decode: Decode)
         head.prompt_ids,
         outputs,
         True,
-        metrics(head, preemptions),
+        metrics(head, preemptions, samples),
         new_token_ids=new_tokens,
         error=error,
         prompt_logprobs=None if head.prompt_logprobs is None else list(head.prompt_logprobs),
@@ -117,8 +120,18 @@ def completion(seq: Sequence, decode: Decode) -> CompletionOutput:
     )
 
 
-def metrics(seq: Sequence, num_preemptions: int) -> RequestMetrics:
+def metrics(
+    seq: Sequence, num_preemptions: int, samples: list[Sequence] | None = None
+) -> RequestMetrics:
+    """`samples`: every sample of the request, whose draft counts add up (default: `seq`)."""
     ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
+    samples = [seq] if samples is None else samples
     return RequestMetrics(
-        seq.arrival_time, seq.first_token_time, ttft, seq.num_cached_tokens, num_preemptions
+        seq.arrival_time,
+        seq.first_token_time,
+        ttft,
+        seq.num_cached_tokens,
+        num_preemptions,
+        sum(s.num_draft_tokens for s in samples),
+        sum(s.num_accepted_tokens for s in samples),
     )

@@ -31,6 +31,10 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     slots: list[int]  # KV slot of each new token (block_id * block_size + offset)
+    # A speculating sequence (kvpage.engine.speculation): its pending token then these drafts,
+    # num_new_tokens = 1 + len(drafts), each of the 1 + k rows scored by the target.
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # (k, V) q of a draft model's sampled drafts
 
 
 @dataclass(slots=True)
@@ -91,6 +95,9 @@ class StepBatch:
     context_lens: list[int]  # per scheduled sequence: tokens its attention reads, chunk included
     # Only for requests that asked for prompt logprobs (empty otherwise: no extra logits).
     prompt_rows: list[PromptRows] = field(default_factory=list)
+    # Speculating sequences (not in sample_seqs) and the first of each one's 1 + k rows.
+    spec_seqs: list[ScheduledSeq] = field(default_factory=list)
+    spec_rows: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -100,6 +107,8 @@ class StepLogits:
     logits: torch.Tensor  # (len(sample_rows), V) float32, one row per sampling row
     # (sum of counts, V) float32, one row per prompt row in prompt_rows' order (None: none asked)
     prompt_logits: torch.Tensor | None = None
+    # (sum of 1 + k, V) float32: every speculating sequence's rows in spec_seqs' order (or None)
+    spec_logits: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -122,3 +131,6 @@ class Sampled:
     draws: list[Draw]
     forked: list[Draw] = field(default_factory=list)
     logits: torch.Tensor | None = None  # (M, V) float32, one row per sampling row
+    # Speculating sequences: each one's verified tokens in order (kept drafts, then the
+    # target's own token), as draws whose `row` indexes StepLogits.spec_logits
+    verified: list[tuple[ScheduledSeq, list[Draw]]] = field(default_factory=list)

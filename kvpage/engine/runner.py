@@ -61,19 +61,26 @@ class ModelRunner:
         sample_seqs: list[ScheduledSeq] = []
         context_lens: list[int] = []
         prompt_rows: list[PromptRows] = []
+        spec_seqs: list[ScheduledSeq] = []
+        spec_rows: list[int] = []
         for item in scheduled:
             seq, start, n = item.seq, item.seq.num_computed, item.num_new_tokens
-            if seq.needs_prompt_rows:
-                rows = prompt_rows_of(seq, start, n, len(ids))
-                if rows is not None:
-                    prompt_rows.append(rows)
-            ids += seq.token_at(start, start + n)
+            if item.drafts:  # its pending token, then the drafts: every row is scored
+                spec_seqs.append(item)
+                spec_rows.append(len(ids))
+                ids += seq.token_at(start, seq.num_tokens) + item.drafts
+            else:
+                if seq.needs_prompt_rows:
+                    rows = prompt_rows_of(seq, start, n, len(ids))
+                    if rows is not None:
+                        prompt_rows.append(rows)
+                ids += seq.token_at(start, start + n)
+                if start + n == seq.num_tokens:
+                    sample_rows.append(len(ids) - 1)
+                    sample_seqs.append(item)
             positions += range(start, start + n)
             cu.append(cu[-1] + n)
             context_lens.append(start + n)
-            if start + n == seq.num_tokens:
-                sample_rows.append(cu[-1] - 1)
-                sample_seqs.append(item)
         self.check_batch(cu, len(ids))
         snaps = [self.cache.snapshot(item.seq.table) for item in scheduled]
         return StepBatch(
@@ -86,6 +93,8 @@ class ModelRunner:
             sample_seqs,
             context_lens,
             prompt_rows,
+            spec_seqs,
+            spec_rows,
         )
 
     def check_batch(self, cu_seqlens: list[int], num_tokens: int) -> None:
@@ -108,10 +117,20 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.batch = None
         prompt = self._prompt_logits(hidden, batch.prompt_rows) if batch.prompt_rows else None
-        if batch.sample_rows != list(range(hidden.shape[0])):  # a decode step samples every row
-            rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
-            hidden = hidden[rows]
-        return StepLogits(self.model.compute_logits(hidden).float(), prompt)  # (M, V)
+        rows = batch.sample_rows
+        if batch.spec_seqs:  # every row of a speculating sequence, after the sampling rows
+            rows = rows + [
+                r
+                for item, first in zip(batch.spec_seqs, batch.spec_rows, strict=True)
+                for r in range(first, first + item.num_new_tokens)
+            ]
+        if rows != list(range(hidden.shape[0])):  # a decode step samples every row
+            hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        logits = self.model.compute_logits(hidden).float()  # (M + S, V)
+        if not batch.spec_seqs:
+            return StepLogits(logits, prompt)
+        m = len(batch.sample_rows)
+        return StepLogits(logits[:m], prompt, logits[m:])
 
     def adapter_rows(self, batch: StepBatch) -> LoraBatch | None:
         """The step's rows grouped by the adapter their sequence runs with (None: no row has

@@ -14,6 +14,7 @@ import torch
 from kvpage.engine.grammars import Grammars
 from kvpage.engine.plan import Draw, Sampled, ScheduledSeq
 from kvpage.engine.sequence import Sequence
+from kvpage.engine.speculation import Speculation
 from kvpage.sampling import chosen_logprobs, sample_token
 
 
@@ -29,9 +30,15 @@ class Sampler:
     """The engine's sampling seam: one object per engine, so a mutant can replace `sample` on one
     instance without touching the module the reference also uses."""
 
-    def __init__(self, forks: Forks, grammars: Grammars | None = None) -> None:
+    def __init__(
+        self,
+        forks: Forks,
+        grammars: Grammars | None = None,
+        speculation: Speculation | None = None,
+    ) -> None:
         self.forks = forks
         self.grammars = grammars
+        self.speculation = speculation
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits: (M, V), one row per sequence -> M token ids. A constrained row's grammar
@@ -62,6 +69,25 @@ class Sampler:
             _draw(s, t, logits[r], r) for r, (s, t) in enumerate(zip(seqs, tokens, strict=True))
         ]
         return Sampled(draws, forked, logits)
+
+    def verify(
+        self, spec_seqs: list[ScheduledSeq], spec_logits: torch.Tensor
+    ) -> list[tuple[ScheduledSeq, list[Draw]]]:
+        """Each speculating sequence's verified tokens, as draws from its rows of spec_logits
+        (sum of 1 + k, V): kept drafts then the target's own token, each with the logprobs of
+        the row it stands at."""
+        verifications = self.speculation.verify(spec_seqs, spec_logits)
+        out = []
+        first = 0
+        for item, verification in zip(spec_seqs, verifications, strict=True):
+            seq = item.seq
+            draws = [
+                _draw(seq, token, spec_logits[first + i], first + i)
+                for i, token in enumerate(verification.tokens)
+            ]
+            out.append((item, draws))
+            first += item.num_new_tokens
+        return out
 
     def _fork(self, parent: Sequence, row: int, logits_row: torch.Tensor) -> list[Draw]:
         draws = []

@@ -39,6 +39,7 @@ from kvpage.engine.prompt_row_store import PromptRowStore
 from kvpage.engine.queues import Queues
 from kvpage.engine.requests import Requests
 from kvpage.engine.sequence import SeqStatus, Sequence
+from kvpage.engine.speculation import Speculation
 from kvpage.engine.swapping import SwapLifecycle
 from kvpage.kv.swap_space import SwapSpace
 from kvpage.lora.slots import LoraSlots
@@ -54,6 +55,7 @@ class Scheduler:
         observers: list[EngineObserver],
         decode: Decode = None,
         lora_slots: LoraSlots | None = None,
+        speculation: Speculation | None = None,
     ) -> None:
         self.config = config
         self.cache = cache
@@ -83,6 +85,7 @@ class Scheduler:
         self.prompt_rows = PromptRowStore(cache)
         self.lora_slots = lora_slots  # the engine's, when it serves adapters
         self.adapters = AdapterHolds(lora_slots)
+        self.speculation = speculation  # the engine's, when it decodes speculatively
 
     # --- queues -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -117,10 +120,17 @@ class Scheduler:
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+        spec = self.speculation
+        proposals = spec.propose(self.running, self.to_fork) if spec and self.running else None
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed, budget)
+            proposal = proposals.get(seq.seq_id) if proposals else None
+            if proposal is not None:
+                n = self._speculated(seq, proposal.tokens, budget)
+                if n == 1:
+                    proposal = None
             room = self._make_room(seq, n, plan)
             if room == "self_preempted":
                 break  # seq itself was the newest; nothing after it is left
@@ -128,10 +138,19 @@ class Scheduler:
                 plan.stalled.append(seq)
                 i += 1
                 continue
-            plan.scheduled.append(ScheduledSeq(seq, n, self._append(seq, n, plan)))
+            item = ScheduledSeq(seq, n, self._append(seq, n, plan))
+            if proposal is not None:
+                item.drafts, item.draft_probs = proposal.tokens, proposal.probs
+            plan.scheduled.append(item)
             budget -= n
             i += 1
         return budget
+
+    def _speculated(self, seq: Sequence, drafts: list[int], budget: int) -> int:
+        """Tokens `seq` runs with its drafts: 1 + k, or 1 when the step's budget or the pool
+        cannot take them without preempting anyone (drafts never cost another request its KV)."""
+        n = 1 + len(drafts)
+        return n if n <= budget and self.cache.can_append(seq.table, n) else 1
 
     def _make_room(self, seq: Sequence, n: int, plan: StepPlan) -> str:
         while not self.cache.can_append(seq.table, n):
@@ -294,6 +313,8 @@ class Scheduler:
         """The step wrote its KV: count it, and publish the blocks it completed (only now may
         another request read them)."""
         for item in plan.scheduled:
+            if item.drafts:  # counted once verified (settle), never before
+                continue
             seq = item.seq
             seq.num_computed += item.num_new_tokens
             self.cache.publish_full_blocks(seq.table, seq.chain)
@@ -313,11 +334,34 @@ class Scheduler:
         return children
 
     def update(self, plan: StepPlan, sampled: Sampled) -> list[RequestOutput]:
-        """Append the step's draws (forked samples first), end what the stop rule ends, and
-        return the outputs since the last step."""
+        """Append the step's draws (forked samples first) and every speculating sequence's
+        verified tokens, end what the stop rule ends, and return the outputs since the last
+        step."""
         for draw in (*sampled.forked, *sampled.draws):
             self._append_draw(draw)
+        for item, draws in sampled.verified:
+            self.settle(item, draws)
         return self.take_outputs()
+
+    def settle(self, item: ScheduledSeq, draws: list[Draw]) -> None:
+        """A speculating sequence's verified tokens, appended in order until the stop rule
+        ends it. Its KV is computed for the pending token and the kept drafts only: the slots
+        past them are rolled back, and only then are its full blocks published."""
+        seq = item.seq
+        start = seq.num_computed
+        for draw in draws:
+            self._append_draw(draw)
+            if seq.finished:
+                return
+        self.commit_verified(seq, start + len(draws))
+
+    def commit_verified(self, seq: Sequence, num_computed: int) -> None:
+        """The verified KV of a speculating sequence (a declared seam): `num_computed` leading
+        tokens (the pending one and the kept drafts), the rejected drafts' slots given back,
+        then the blocks now full of verified tokens published."""
+        seq.num_computed = num_computed
+        self.cache.roll_back(seq.table, num_computed)
+        self.cache.publish_full_blocks(seq.table, seq.chain)
 
     def _append_draw(self, draw: Draw) -> None:
         seq, token = draw.seq, draw.token
@@ -361,6 +405,8 @@ class Scheduler:
         held = held_blocks(seq, self.cache.pool) if self.observers else None
         self.remove(seq)
         self.adapters.release(seq)
+        if self.speculation is not None:
+            self.speculation.forget(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         if held is not None:

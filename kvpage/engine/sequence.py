@@ -70,6 +70,8 @@ class Sequence:
     lora: LoraAdapter | None = None  # the adapter it runs with; None: the base model
     lora_held: bool = False  # it holds its adapter's slot (from admission to its finish)
     grammar: GrammarMatcher | None = None  # its structured-output matcher (kvpage.engine.grammars)
+    num_draft_tokens: int = 0  # speculative drafts proposed for it (kvpage.engine.speculation)
+    num_accepted_tokens: int = 0  # of those, the ones the target kept
 
     @property
     def sample_id(self) -> str:

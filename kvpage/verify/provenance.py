@@ -173,11 +173,28 @@ class KVProvenance:
         cu = batch.cu_seqlens_q
         for item, start, end in zip(batch.scheduled, cu, cu[1:], strict=False):
             self._sample_ids[item.seq.seq_id] = item.seq.sample_id
+            # A speculating sequence's drafts are not its tokens (yet): only its pending token's
+            # KV is recorded now, the kept drafts' once verified (on_verified), the rejected
+            # drafts' never — KV nobody may read.
+            end = start + 1 if item.drafts else end
             self._record_writes(item.seq, item.slots, batch.positions[start:end])
         for item, snap in zip(batch.scheduled, batch.snapshots, strict=False):
             if item.seq.num_computed == 0 and item.num_new_tokens > 1:
                 continue  # a fresh prompt attends to its own in-batch K/V, not to the pool
-            self._check_reads(item.seq, snap, item.seq.num_computed + item.num_new_tokens)
+            # Drafts attend to their own in-batch KV: the pool holds the context and the
+            # pending token.
+            new = 1 if item.drafts else item.num_new_tokens
+            self._check_reads(item.seq, snap, item.seq.num_computed + new)
+
+    def on_verified(self, batch, verified: list) -> None:
+        """The kept drafts' KV is now the sequence's: positions start + 1 .. start + kept (a
+        finished sequence's blocks are gone: nothing to record)."""
+        for (item, draws), first in zip(verified, batch.spec_rows, strict=True):
+            if item.seq.finished or len(draws) < 2:
+                continue
+            start = batch.positions[first]
+            kept = range(start + 1, start + len(draws))
+            self._record_writes(item.seq, item.slots[1 : len(draws)], list(kept))
 
     def on_kv_copy(self, src: int, dst: int) -> None:
         """dst now holds src's KV (copy-on-write; the manager gives dst src's valid_len)."""

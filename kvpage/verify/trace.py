@@ -105,7 +105,7 @@ class EngineTracer:
         self.provenance.on_batch(batch)
         adapters = {item.seq.lora.identity for item in batch.scheduled if item.seq.lora}
         self._batch_adapters = tuple(sorted(adapters))
-        sampling = {item.seq.seq_id for item in batch.sample_seqs}
+        sampling = {item.seq.seq_id for item in (*batch.sample_seqs, *batch.spec_seqs)}
         self._views = {}
         cu = batch.cu_seqlens_q
         for item, snap, start, end in zip(
@@ -164,6 +164,28 @@ class EngineTracer:
             # logits[row] is a view of this step's own logits tensor
             step_records.append(self._append(seq, pend, view, token, logits[row]))
         self._unsummarized.append((logits, step_records))
+
+    def on_verified(self, batch, spec_logits: torch.Tensor, verified: list) -> None:
+        """A speculating sequence's verified tokens, one record each, as plain decoding would
+        write them: draw i was chosen from the row at position start + i, whose input is the
+        token at that position (the pending token, then the kept drafts). The rejected drafts'
+        inputs go nowhere: the next record starts from the position after the last kept."""
+        self.provenance.on_verified(batch, verified)
+        logits = spec_logits.detach().float().cpu()  # (sum of 1 + k, V)
+        step_records = []
+        for (item, draws), first in zip(verified, batch.spec_rows, strict=True):
+            seq = item.seq
+            start = batch.positions[first]
+            pend = self._pending.pop(seq.sample_id, _PendingInputs())
+            view = self._views.get(seq.seq_id, EMPTY_VIEW)
+            fed = pend.by_index
+            for i, draw in enumerate(draws):
+                at = start + i
+                pend.by_index = {j: v for j, v in fed.items() if (j <= at if i == 0 else j == at)}
+                step_records.append(self._append(seq, pend, view, draw.token, logits[draw.row]))
+                pend = _PendingInputs(context_start=at + 1)
+            self._pending[seq.sample_id] = pend
+        self._unsummarized.append((logits[[d.row for _, ds in verified for d in ds]], step_records))
 
     def on_forked(self, parent, child, logits_row: torch.Tensor, token: int) -> None:
         """A parallel sample forked off `parent` drew its first token from the parent's logits:
