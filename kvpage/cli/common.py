@@ -5,6 +5,7 @@ here, so the configuration a user verifies is spelled exactly as the one they se
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
@@ -16,7 +17,8 @@ from kvpage.config import (
     PREEMPTION_MODES,
     QUANTIZATIONS,
 )
-from kvpage.errors import KVPageError
+from kvpage.errors import InvalidConfig, KVPageError
+from kvpage.speculative.config import SpeculativeConfig
 
 ADMIN_TOKEN_ENV = "KVPAGE_ADMIN_TOKEN"
 
@@ -78,6 +80,22 @@ def token_ids(text: str) -> list[int]:
     if not ids:
         raise argparse.ArgumentTypeError("no token ids")
     return ids
+
+
+def speculative_config(text: str) -> dict:
+    """vLLM's --speculative-config: a JSON object, checked as the engine will check it, so a bad
+    key or value stops the command before the model loads."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err}): {text!r}") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    try:
+        SpeculativeConfig.from_dict(config)
+    except InvalidConfig as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return config
 
 
 def device(text: str) -> str:
@@ -168,6 +186,15 @@ ENGINE_FLAGS: dict[str, EngineFlag] = {
     "enable_lora": _flag(False, action="store_true", help="serve LoRA adapters (vLLM's flag)"),
     "max_loras": _flag(1, type=count, help="adapters resident at once"),
     "max_lora_rank": _flag(16, type=count, help="the largest adapter rank served"),
+    "speculative_config": _flag(
+        None,
+        type=speculative_config,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s JSON object: {"method": "ngram", '
+        '"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4} or '
+        '{"method": "draft_model", "num_speculative_tokens": 3, "model": null, '
+        '"quantization": "int8"} (the target\'s own int8 copy as its draft)',
+    ),
 }
 
 

@@ -19,7 +19,7 @@ from kvpage.errors import WorkerFailure
 from kvpage.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
-    pass
+    from kvpage.engine.outputs import RequestOutput
 
 
 def add_parser(sub) -> None:
@@ -44,6 +44,7 @@ def add_parser(sub) -> None:
         help="the linear layers' weights (int8: per-output-channel weight-only int8)",
     )
     add_engine_flag(gen, "quantize_lm_head")
+    add_engine_flag(gen, "speculative_config")  # runs the paged engine (the reference does not)
     add_tensor_parallel(gen)
     gen.set_defaults(func=run)
 
@@ -107,8 +108,10 @@ def run(args: argparse.Namespace) -> int:
         prompt_ids = encode_text(tokenizer, args.prompt, args.model)
     else:
         prompt_ids = args.prompt_ids
-    if args.tensor_parallel_size > 1:
-        out = _generate_tensor_parallel(args, model, tokenizer, prompt_ids, params)
+    metrics = None
+    if args.tensor_parallel_size > 1 or args.speculative_config is not None:
+        request = _generate_engine(args, model, tokenizer, prompt_ids, params)
+        out, metrics = request.outputs[0], request.metrics
     else:
         grammars = None
         if params.structured_outputs is not None:
@@ -120,6 +123,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"prompt_ids: {prompt_ids}")
     print(f"token_ids: {out.token_ids}")
     print(f"finish_reason: {out.finish_reason}")
+    if args.speculative_config is not None:
+        accepted, drafted = metrics.num_accepted_tokens, metrics.num_draft_tokens
+        print(f"speculative: {accepted} of {drafted} draft tokens accepted")
     return 0
 
 
@@ -136,19 +142,24 @@ def _reference_grammars(name: str, model, params: SamplingParams):
     return grammars
 
 
-def _generate_tensor_parallel(args, model, tokenizer, prompt_ids, params):
-    """One request through a tensor-parallel engine (the one-process path above runs the
-    contiguous reference, which has no paged pool to shard)."""
+def _generate_engine(args, model, tokenizer, prompt_ids, params) -> RequestOutput:
+    """One request through the paged engine: tensor-parallel, or speculating (the one-process
+    path above runs the contiguous reference, which has no paged pool to shard and does not
+    speculate)."""
     from kvpage.config import EngineConfig
     from kvpage.engine.engine import LLMEngine
 
+    placement = {"tensor_parallel_size": args.tensor_parallel_size}
+    if args.tensor_parallel_size == 1:  # the tensor-parallel engine runs on CPU (gloo)
+        placement["device"] = args.device
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         quantize_lm_head=args.quantize_lm_head,
-        tensor_parallel_size=args.tensor_parallel_size,
+        speculative_config=args.speculative_config,
+        **placement,
     )
     engine = LLMEngine(config, model, tokenizer)
     finished = []
@@ -161,4 +172,4 @@ def _generate_tensor_parallel(args, model, tokenizer, prompt_ids, params):
     out = finished[0]
     if out.outputs[0].finish_reason == "error":
         raise WorkerFailure(out.error)
-    return out.outputs[0]
+    return out

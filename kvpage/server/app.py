@@ -96,7 +96,7 @@ def create_app(engine: LLMEngine, options: ServerOptions | None = None) -> FastA
     )
     for name, path in options.lora_modules:
         engine.load_lora_adapter(LoRARequest(name, path))
-    engine.add_observer(AuditObserver(audit))
+    engine.add_observer(AuditObserver(audit, engine.speculation is not None))
     engine.add_observer(state.metrics)
     app = FastAPI(title="kvpage", lifespan=_lifespan)
     app.state.server = state

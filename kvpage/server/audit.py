@@ -3,7 +3,9 @@ swap in (the restore, with its latency), free, finish, abort, timeout — sample
 rate; cache corruption, requests failed with an error and shadow-comparison alerts are always
 written. Each line names the request and sample, the namespace digest (which identifies the
 tenant and the adapter), the tenant, and the LoRA adapter of a request that runs with one; the
-cache salt itself is not written, since it is the tenant's isolation key.
+cache salt itself is not written, since it is the tenant's isolation key. When the engine
+speculates, each finish line also carries the sample's draft tokens proposed and accepted
+(num_draft_tokens, num_accepted_tokens: what RequestMetrics sums over a request's samples).
 
 `AuditObserver` is the engine observer that feeds it; admin switch changes are written by the
 admin API. Lines go to a file (`kvpage serve` writes ./kvpage-audit.jsonl unless `--audit-log`
@@ -21,9 +23,13 @@ import time
 from collections import deque
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpage.engine.events import EngineEvent, EngineObserver, Finished
+
+if TYPE_CHECKING:
+    from kvpage.engine.plan import StepBatch
+    from kvpage.engine.sequence import Sequence
 
 log = logging.getLogger("kvpage.audit")
 
@@ -86,8 +92,17 @@ class AuditObserver(EngineObserver):
     key's tenant name, registered by the server while the request runs; None on an open
     server), never the cache salt derived from it."""
 
-    def __init__(self, audit: AuditLog) -> None:
+    def __init__(self, audit: AuditLog, speculating: bool = False) -> None:
         self.audit = audit
+        # The engine speculates: each finish line carries the sample's draft tokens proposed
+        # and accepted, read off the sequences that verified drafts (sample id -> sequence;
+        # the last verification's counts are in it by the time its Finished event comes).
+        self.speculating = speculating
+        self._speculated: dict[str, Sequence] = {}
+
+    def on_batch(self, batch: StepBatch) -> None:
+        for item in batch.spec_seqs:  # empty unless the engine speculates
+            self._speculated[item.seq.sample_id] = item.seq
 
     def on_event(self, event: EngineEvent) -> None:
         fields = asdict(event)
@@ -95,12 +110,21 @@ class AuditObserver(EngineObserver):
         adapter = self.audit.adapters.get(event.request_id)
         if adapter is not None:  # the base model's lines stay as they were
             fields["adapter"] = adapter
+        if self.speculating and isinstance(event, Finished):
+            fields.update(self._draft_counts(event.sample_id))
         alert = event.kind == "cache_corruption" or (
             isinstance(event, Finished) and event.reason == "error"
         )
         self.audit.write(event.kind, always=alert, **fields)
         if isinstance(event, Finished) and event.sample_id == event.request_id:
             self.audit.forget(event.request_id)  # n == 1: that was its last line
+
+    def _draft_counts(self, sample_id: str) -> dict[str, int]:
+        seq = self._speculated.pop(sample_id, None)  # None: it never verified a draft
+        return {
+            "num_draft_tokens": 0 if seq is None else seq.num_draft_tokens,
+            "num_accepted_tokens": 0 if seq is None else seq.num_accepted_tokens,
+        }
 
 
 def _plain(value: Any) -> Any:

@@ -37,6 +37,22 @@ COUNTERS = {  # engine stats key -> (metric name without _total, help)
     ),
     "aborts": ("kvpage_request_aborts", "Requests aborted (client gone, stop string)"),
 }
+# vLLM's spec_decode_* counters, present (as in vLLM) only when the engine speculates
+SPEC_DECODE_COUNTERS = {
+    "spec_decode_num_drafts": (
+        "kvpage_spec_decode_num_drafts",
+        "Speculative verifications (one per speculating sequence and step)",
+    ),
+    "spec_decode_num_draft_tokens": (
+        "kvpage_spec_decode_num_draft_tokens",
+        "Draft tokens proposed",
+    ),
+    "spec_decode_num_accepted_tokens": (
+        "kvpage_spec_decode_num_accepted_tokens",
+        "Draft tokens the target accepted",
+    ),
+}
+ACCEPTED_PER_POS = "spec_decode_num_accepted_tokens_pos_"  # + draft position 0..k-1
 
 
 def engine_snapshot(engine: LLMEngine) -> dict[str, int]:
@@ -75,6 +91,8 @@ class _EngineCollector:
         for q in ("running", "waiting", "swapped"):
             reqs.add_metric([q], s[q])
         yield reqs
+        if "spec_decode_num_drafts" in s:
+            yield from _spec_decode(s)
         checked, bad = self.shadow_counts()
         yield CounterMetricFamily("kvpage_shadow_checks", "Shadow comparisons run", value=checked)
         yield CounterMetricFamily(
@@ -91,6 +109,35 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 def _hit_ratio(s: dict[str, Any]) -> float:
     return s["prefix_hits"] / s["prefix_queries"] if s["prefix_queries"] else 0.0
+
+
+def _spec_decode(s: dict[str, Any]) -> Iterator[Metric]:
+    """vLLM's spec_decode counters, and two lifetime figures derived from them: the share of
+    draft tokens accepted, and vLLM's mean acceptance length (tokens per verification, the
+    target's own token included)."""
+    for key, (name, doc) in SPEC_DECODE_COUNTERS.items():
+        yield CounterMetricFamily(name, doc, value=s[key])
+    per_pos = CounterMetricFamily(
+        "kvpage_spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft",
+        labels=["position"],
+    )
+    positions = sorted(int(k[len(ACCEPTED_PER_POS) :]) for k in s if k.startswith(ACCEPTED_PER_POS))
+    for pos in positions:
+        per_pos.add_metric([str(pos)], s[f"{ACCEPTED_PER_POS}{pos}"])
+    yield per_pos
+    drafted, accepted = s["spec_decode_num_draft_tokens"], s["spec_decode_num_accepted_tokens"]
+    drafts = s["spec_decode_num_drafts"]
+    yield _gauge(
+        "kvpage_spec_decode_acceptance_ratio",
+        "Lifetime draft tokens accepted / proposed",
+        accepted / drafted if drafted else 0.0,
+    )
+    yield _gauge(
+        "kvpage_spec_decode_mean_acceptance_length",
+        "Lifetime tokens per verification: 1 + accepted draft tokens / verifications",
+        1 + accepted / drafts if drafts else 0.0,
+    )
 
 
 class ServerMetrics(EngineObserver):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -122,6 +123,7 @@ class ServerState:
             f"KV pool: {pool_blocks} blocks x {block_size} tokens = {pool_blocks * block_size} "
             f"tokens, {_mib(engine.storage.nbytes)}, KV {engine.storage.format.describe()}",
             f"prefix caching: {caching}; preemption: {engine.config.preemption_mode}",
+            *_speculation(engine.config.speculative_config),
             f"chat template: {self.chat_template.describe()}",
             f"auth: {self._auth()}",
             f"admin API: {'on' if opts.admin_token else 'off (no admin token)'}",
@@ -141,6 +143,11 @@ class ServerState:
 
 
 _TENANTS_SHOWN = 10
+
+
+def _speculation(config: dict | None) -> list[str]:
+    """The banner's speculative-decoding line, where the engine speculates."""
+    return [] if config is None else [f"speculative decoding: {json.dumps(config)}"]
 
 
 def _mib(n: int) -> str:
