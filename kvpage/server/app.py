@@ -25,7 +25,7 @@ from kvpage.engine.engine import LLMEngine
 from kvpage.errors import InvalidRequest
 from kvpage.lora.request import LoRARequest
 from kvpage.model.tokenizer import encode_text, text_tokenizer
-from kvpage.server.audit import AuditLog, AuditObserver
+from kvpage.server.audit import AuditLog, audit_observer
 from kvpage.server.batch import (
     MAX_PROMPTS,
     batch_body,
@@ -96,7 +96,7 @@ def create_app(engine: LLMEngine, options: ServerOptions | None = None) -> FastA
     )
     for name, path in options.lora_modules:
         engine.load_lora_adapter(LoRARequest(name, path))
-    engine.add_observer(AuditObserver(audit, engine.speculation is not None))
+    engine.add_observer(audit_observer(audit, engine.speculation is not None))
     engine.add_observer(state.metrics)
     app = FastAPI(title="kvpage", lifespan=_lifespan)
     app.state.server = state

@@ -92,17 +92,8 @@ class AuditObserver(EngineObserver):
     key's tenant name, registered by the server while the request runs; None on an open
     server), never the cache salt derived from it."""
 
-    def __init__(self, audit: AuditLog, speculating: bool = False) -> None:
+    def __init__(self, audit: AuditLog) -> None:
         self.audit = audit
-        # The engine speculates: each finish line carries the sample's draft tokens proposed
-        # and accepted, read off the sequences that verified drafts (sample id -> sequence;
-        # the last verification's counts are in it by the time its Finished event comes).
-        self.speculating = speculating
-        self._speculated: dict[str, Sequence] = {}
-
-    def on_batch(self, batch: StepBatch) -> None:
-        for item in batch.spec_seqs:  # empty unless the engine speculates
-            self._speculated[item.seq.sample_id] = item.seq
 
     def on_event(self, event: EngineEvent) -> None:
         fields = asdict(event)
@@ -110,21 +101,45 @@ class AuditObserver(EngineObserver):
         adapter = self.audit.adapters.get(event.request_id)
         if adapter is not None:  # the base model's lines stay as they were
             fields["adapter"] = adapter
-        if self.speculating and isinstance(event, Finished):
-            fields.update(self._draft_counts(event.sample_id))
-        alert = event.kind == "cache_corruption" or (
-            isinstance(event, Finished) and event.reason == "error"
-        )
+        finished = isinstance(event, Finished)
+        if finished:
+            fields.update(self.finish_fields(event))
+        alert = event.kind == "cache_corruption" or (finished and event.reason == "error")
         self.audit.write(event.kind, always=alert, **fields)
-        if isinstance(event, Finished) and event.sample_id == event.request_id:
+        if finished and event.sample_id == event.request_id:
             self.audit.forget(event.request_id)  # n == 1: that was its last line
 
-    def _draft_counts(self, sample_id: str) -> dict[str, int]:
-        seq = self._speculated.pop(sample_id, None)  # None: it never verified a draft
+    def finish_fields(self, event: Finished) -> dict[str, Any]:
+        """What a finish line carries beyond the event's own fields."""
+        return {}
+
+
+class SpeculativeAuditObserver(AuditObserver):
+    """The audit observer of an engine that speculates: each finish line also carries the
+    sample's draft tokens proposed and accepted. They are read off the sample's sequence, kept
+    from the first step it verified drafts in until its Finished event (by then its last
+    verification is counted in it); a sample that never verified one has 0 and 0."""
+
+    def __init__(self, audit: AuditLog) -> None:
+        super().__init__(audit)
+        self.speculated: dict[str, Sequence] = {}  # sample id -> its sequence
+
+    def on_batch(self, batch: StepBatch) -> None:
+        for item in batch.spec_seqs:
+            self.speculated[item.seq.sample_id] = item.seq
+
+    def finish_fields(self, event: Finished) -> dict[str, Any]:
+        seq = self.speculated.pop(event.sample_id, None)
         return {
             "num_draft_tokens": 0 if seq is None else seq.num_draft_tokens,
             "num_accepted_tokens": 0 if seq is None else seq.num_accepted_tokens,
         }
+
+
+def audit_observer(audit: AuditLog, speculating: bool) -> AuditObserver:
+    """The observer that feeds `audit` from an engine (one that speculates or not): a plain
+    engine's steps pay nothing for speculation's counts."""
+    return SpeculativeAuditObserver(audit) if speculating else AuditObserver(audit)
 
 
 def _plain(value: Any) -> Any:
