@@ -160,9 +160,10 @@ class EngineObserver:
 
     def on_verified(self, batch: StepBatch, spec_logits: torch.Tensor, verified: list) -> None:
         """Speculating sequences' rows were verified (kvpage.engine.speculation) and their
-        tokens appended: `verified` is (item, draws) per sequence, each draw's `row` indexing
-        spec_logits (sum of 1 + k, V); draw i stands at position batch.positions[first row] + i
-        and the KV of the first len(draws) positions is the sequence's (unless it finished)."""
+        tokens appended: one kvpage.engine.plan.Verified per sequence, each draw's `row`
+        indexing spec_logits (sum of 1 + k, V); draw i stands at position
+        batch.positions[first row] + i and the KV of the first len(draws) positions is the
+        sequence's (unless it finished)."""
 
     def on_forked(
         self, parent: Sequence, child: Sequence, logits_row: torch.Tensor, token: int

@@ -43,6 +43,7 @@ OWNERS: dict[str, str] = {
     # built at the first constrained request (or when a seam of it is planted); a model with
     # no tokenizer has none
     "grammar_compiler": "grammars.compiler",
+    "speculation": "speculation",  # an engine made with a speculative_config
 }
 
 SEAMS: dict[str, Seam] = {
@@ -82,6 +83,9 @@ SEAMS: dict[str, Seam] = {
         Seam("grammars", "fork", "a parallel sample's own copy of its parent's matcher"),
         Seam("grammars", "replay", "the matcher rebuilt from the output after recompute"),
         Seam("grammar_compiler", "cache_key", "what a compiled grammar is cached by"),
+        Seam("scheduler", "commit_verified", "a speculative step's kept KV: roll back, publish"),
+        Seam("speculation", "verify", "the rule that keeps drafts and adds the target's token"),
+        Seam("speculation", "propose", "the drafts each speculating sequence runs with"),
     )
 }
 

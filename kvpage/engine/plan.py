@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from kvpage.cache.block_table import TableSnapshot
     from kvpage.engine.sequence import Sequence
+    from kvpage.speculative.rejection import Verification
 
 Op = TypeVar("Op", bound=BlockOp)
 
@@ -131,6 +132,17 @@ class Sampled:
     draws: list[Draw]
     forked: list[Draw] = field(default_factory=list)
     logits: torch.Tensor | None = None  # (M, V) float32, one row per sampling row
-    # Speculating sequences: each one's verified tokens in order (kept drafts, then the
-    # target's own token), as draws whose `row` indexes StepLogits.spec_logits
-    verified: list[tuple[ScheduledSeq, list[Draw]]] = field(default_factory=list)
+    # Speculating sequences: each one's verified tokens (kvpage.engine.speculation)
+    verified: list[Verified] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Verified:
+    """One speculating sequence's verification: its tokens in order (kept drafts, then the
+    target's own token) as draws whose `row` indexes StepLogits.spec_logits, and the rule's
+    record of how it decided (what an oracle re-checks)."""
+
+    item: ScheduledSeq
+    draws: list[Draw]
+    verification: Verification
+    appended: int = 0  # of the draws, those appended (the stop rule may end it before the last)

@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from kvpage.engine.grammars import Grammars
-from kvpage.engine.plan import Draw, Sampled, ScheduledSeq
+from kvpage.engine.plan import Draw, Sampled, ScheduledSeq, Verified
 from kvpage.engine.sequence import Sequence
 from kvpage.engine.speculation import Speculation
 from kvpage.sampling import chosen_logprobs, sample_token
@@ -70,9 +70,7 @@ class Sampler:
         ]
         return Sampled(draws, forked, logits)
 
-    def verify(
-        self, spec_seqs: list[ScheduledSeq], spec_logits: torch.Tensor
-    ) -> list[tuple[ScheduledSeq, list[Draw]]]:
+    def verify(self, spec_seqs: list[ScheduledSeq], spec_logits: torch.Tensor) -> list[Verified]:
         """Each speculating sequence's verified tokens, as draws from its rows of spec_logits
         (sum of 1 + k, V): kept drafts then the target's own token, each with the logprobs of
         the row it stands at."""
@@ -85,7 +83,7 @@ class Sampler:
                 _draw(seq, token, spec_logits[first + i], first + i)
                 for i, token in enumerate(verification.tokens)
             ]
-            out.append((item, draws))
+            out.append(Verified(item, draws, verification))
             first += item.num_new_tokens
         return out
 

@@ -339,28 +339,31 @@ class Scheduler:
         step."""
         for draw in (*sampled.forked, *sampled.draws):
             self._append_draw(draw)
-        for item, draws in sampled.verified:
-            self.settle(item, draws)
+        for verified in sampled.verified:
+            verified.appended = self.settle(verified.item, verified.draws)
         return self.take_outputs()
 
-    def settle(self, item: ScheduledSeq, draws: list[Draw]) -> None:
+    def settle(self, item: ScheduledSeq, draws: list[Draw]) -> int:
         """A speculating sequence's verified tokens, appended in order until the stop rule
         ends it. Its KV is computed for the pending token and the kept drafts only: the slots
-        past them are rolled back, and only then are its full blocks published."""
+        past them are rolled back, and only then are its full blocks published. Returns how
+        many draws were appended."""
         seq = item.seq
-        start = seq.num_computed
-        for draw in draws:
+        for i, draw in enumerate(draws):
             self._append_draw(draw)
             if seq.finished:
-                return
-        self.commit_verified(seq, start + len(draws))
+                return i + 1
+        self.commit_verified(item, len(draws))
+        return len(draws)
 
-    def commit_verified(self, seq: Sequence, num_computed: int) -> None:
-        """The verified KV of a speculating sequence (a declared seam): `num_computed` leading
-        tokens (the pending one and the kept drafts), the rejected drafts' slots given back,
-        then the blocks now full of verified tokens published."""
-        seq.num_computed = num_computed
-        self.cache.roll_back(seq.table, num_computed)
+    def commit_verified(self, item: ScheduledSeq, num_kept: int) -> None:
+        """The verified KV of a speculating sequence (a declared seam): of the 1 + k slots its
+        step wrote, the first `num_kept` (its pending token and the kept drafts) are computed;
+        the rejected drafts' slots are given back, and only then are the blocks full of
+        verified tokens published."""
+        seq = item.seq
+        seq.num_computed += num_kept
+        self.cache.roll_back(seq.table, seq.num_computed)
         self.cache.publish_full_blocks(seq.table, seq.chain)
 
     def _append_draw(self, draw: Draw) -> None:

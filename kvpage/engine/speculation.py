@@ -50,6 +50,9 @@ class Speculation:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k
+        # seq id -> an output length its steps may not pass (a test driver's hold: a forced
+        # preemption "after t tokens" must find the sequence at t, not past it)
+        self.holds: dict[int, int] = {}
 
     def draft_room(self, seq: Sequence, to_fork: set[int]) -> int:
         """How many drafts `seq` may take this step (0: it decodes plainly)."""
@@ -58,7 +61,15 @@ class Speculation:
         if seq.seq_id in to_fork:
             return 0
         # The step appends up to k drafts and one more token: never past max_tokens.
-        return max(0, min(self.k, seq.params.max_tokens - len(seq.output_ids) - 1))
+        limit = min(seq.params.max_tokens, self.holds.get(seq.seq_id, seq.params.max_tokens))
+        return max(0, min(self.k, limit - len(seq.output_ids) - 1))
+
+    def hold_at(self, seq: Sequence, num_output_tokens: int | None) -> None:
+        """Speculate `seq` no further than `num_output_tokens` outputs (None: no hold)."""
+        if num_output_tokens is None:
+            self.holds.pop(seq.seq_id, None)
+        else:
+            self.holds[seq.seq_id] = num_output_tokens
 
     def propose(self, running: list[Sequence], to_fork: set[int]) -> dict[int, Proposal]:
         """Drafts for every running sequence that may speculate: seq id -> proposal."""
@@ -105,6 +116,7 @@ class Speculation:
 
     def forget(self, seq: Sequence) -> None:
         """The sequence finished: the draft model's shadow of it goes."""
+        self.holds.pop(seq.seq_id, None)
         if self.draft_model is not None:
             self.draft_model.forget(seq.seq_id)
 

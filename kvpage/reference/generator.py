@@ -66,6 +66,7 @@ def generate(
     kv_cache_dtype: str = "auto",
     scale_span: int = 0,
     grammars: ReferenceGrammars | None = None,
+    forced: tuple[int, ...] | None = None,
 ) -> ReferenceOutput:
     """Generate for one request alone. With `trace_as` set, `records` holds one StepRecord per
     token (request id `trace_as`, contiguous cache view, `namespace` as the expected one).
@@ -76,10 +77,12 @@ def generate(
     (kvpage.reference.weight_oracle.reference_model; an int8-weight model's dequantises): no
     kernel the engine takes. A constrained request (params.structured_outputs) draws through
     `grammars`' own matcher (kvpage.reference.grammar): masked first, then sampled; its
-    records carry what the grammar allowed at each step."""
+    records carry what the grammar allowed at each step. `forced`: the tokens to take instead
+    of drawing, while they last (a speculative engine's sampled output, whose draws are its
+    rejection rule's: the reference scores the same path, the oracle judges the draws)."""
     return _generate(
         reference_model(model), prompt_ids, params, fallback_seed, trace_as, namespace,
-        kv_cache_dtype, scale_span, _matcher(params, grammars),
+        kv_cache_dtype, scale_span, _matcher(params, grammars), forced or (),
     )  # fmt: skip
 
 
@@ -93,7 +96,7 @@ def _matcher(params: SamplingParams, grammars: ReferenceGrammars | None):
 
 def _generate(
     model, prompt_ids, params, fallback_seed, trace_as, namespace, kv_cache_dtype, scale_span,
-    matcher: ReferenceMatcher | None,
+    matcher: ReferenceMatcher | None, forced: tuple[int, ...] = (),
 ) -> ReferenceOutput:  # fmt: skip
     check_prompt(model, prompt_ids, params)
     cache = RoundTripKVCache(model.config.num_layers, RoundTrip(kv_cache_dtype))
@@ -104,9 +107,12 @@ def _generate(
     while params.max_tokens > 0:  # 0: the prompt is only scored, nothing is drawn
         logits = _step(model, cache, step_input, out)
         allowed = None if matcher is None else matcher.allowed()
-        token = sample_token(
-            logits if allowed is None else masked(logits, allowed), params, generator
-        )
+        if len(out.token_ids) < len(forced):
+            token = forced[len(out.token_ids)]
+        else:
+            token = sample_token(
+                logits if allowed is None else masked(logits, allowed), params, generator
+            )
         done = matcher is not None and _advance(matcher, token)
         if trace_as is not None:
             record = _record(

@@ -95,6 +95,10 @@ class StepRecord:
     # Reference only, for a constrained request: what its grammar allowed at this step and
     # whether the token completed it (grammar_note); None otherwise.
     grammar: dict | None = None
+    # Candidate only, on a speculating engine: set when this record's token came out of a
+    # verification, or its step read KV a speculative step wrote (the drafts, how many were
+    # kept, which of the verified tokens this is: -1 for a read only)
+    speculative: dict | None = None
     # Reference only: that step's whole grammar mask, (V,) bool (not in reports: grammar is)
     allowed: torch.Tensor | None = field(default=None, repr=False)
     logits: torch.Tensor | None = field(default=None, repr=False)  # (V,) float32, for atol checks

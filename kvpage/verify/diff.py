@@ -242,6 +242,9 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "prefix_hold": ("step", "held_at", "request", "pending_keys", "queues", "budget_left"),
     # Structured outputs: a constrained request's token, end or text (kvpage.verify.structured)
     "structured": ("constraint", "digest", "step", "token", "allowed_next"),
+    # Speculative decoding: a token out of a verification, or a step that read KV a speculative
+    # step wrote (index -1), or a decision of the rejection rule (kvpage.verify.speculative)
+    "speculative": ("step", "method", "index"),
 }
 WHERE_TO_LOOK = {
     "sampling": "the sampler: seed, per-request generator state, temperature / top-k / top-p",
@@ -271,6 +274,10 @@ WHERE_TO_LOOK = {
     "matcher's state after a recompute (replay) or a fork (its own copy), the grammar's "
     "completion as a stop, the compiled-grammar cache key (kvpage/engine/grammars.py, "
     "kvpage/structured/)",
+    "speculative": "speculative decoding: the rejection rule (acceptance min(1, p/q), the "
+    "residual norm(max(0, p - q)), one token after the kept drafts), the roll-back of the "
+    "rejected drafts' slots and what is published after it (kvpage/engine/speculation.py, "
+    "Scheduler.settle / commit_verified, kvpage/speculative/rejection.py)",
 }
 
 # The whole stack (kvpage.verify.stack): the OpenAI app's text-level fields against the text
@@ -586,6 +593,11 @@ def attribute(
     if groups is not None:
         missing = [f for f in REQUIRED_FIELDS["layer_group"] if groups.fields.get(f) is None]
         return Attribution("layer_group", groups.reason, groups.fields, missing)
+    if cand.speculative is not None:  # its token or its KV came out of a speculative step
+        fields = {**cand.speculative, "step": cand.step}
+        reason = "a verified token" if fields.get("index", -1) >= 0 else "read speculated KV"
+        missing = [f for f in REQUIRED_FIELDS["speculative"] if fields.get(f) is None]
+        return Attribution("speculative", reason, fields, missing)
     if (
         ref.chosen_token != cand.chosen_token
         and drift is not None

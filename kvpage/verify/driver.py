@@ -110,6 +110,18 @@ class StepDriver(EngineObserver):
             if not plan.done and self._due(plan):
                 plan.done = True
                 self._preempt(plan, step)
+        self._hold_speculation()
+
+    def _hold_speculation(self) -> None:
+        """A speculating engine adds several tokens a step: each sample with a preemption still
+        to come is held at its token count, so the preemption finds it there."""
+        speculation = self.engine.speculation
+        if speculation is None:
+            return
+        for plan in self.forced:
+            seq = self.engine.requests.sample(plan.sample_id)
+            if seq is not None:
+                speculation.hold_at(seq, None if plan.done else plan.after_tokens)
 
     def _due(self, plan: ForcedPreemption) -> bool:
         seq = self.engine.requests.sample(plan.sample_id)

@@ -189,7 +189,8 @@ class KVProvenance:
     def on_verified(self, batch, verified: list) -> None:
         """The kept drafts' KV is now the sequence's: positions start + 1 .. start + kept (a
         finished sequence's blocks are gone: nothing to record)."""
-        for (item, draws), first in zip(verified, batch.spec_rows, strict=True):
+        for v, first in zip(verified, batch.spec_rows, strict=True):
+            item, draws = v.item, v.draws[: v.appended]
             if item.seq.finished or len(draws) < 2:
                 continue
             start = batch.positions[first]

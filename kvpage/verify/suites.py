@@ -54,6 +54,7 @@ from kvpage.verify.kernel_attribution import attribute_kernels
 from kvpage.verify.lora_adapters import AdapterFiles, LoraSpec, WrittenAdapter
 from kvpage.verify.mutants.base import MissingSeam
 from kvpage.verify.properties import StepProperties, check_independence, pin_unseeded
+from kvpage.verify.speculative import check_verifications, speculative_draws
 from kvpage.verify.structured import check_structured, walk
 from kvpage.verify.trace import EngineTracer
 
@@ -155,10 +156,11 @@ class Runtime:
         sample: int = 0,
         max_tokens: int | None = None,
         kv_cache_dtype: str = "auto",
+        forced: tuple[int, ...] | None = None,
     ) -> ReferenceOutput:
         """Sample `sample` of the request, run alone on the contiguous reference (with the K/V
         round trip of `kv_cache_dtype`); `max_tokens` cuts it short (the first k steps do not
-        depend on how many follow)."""
+        depend on how many follow); `forced`: tokens it takes instead of drawing."""
         fmt = kv_format(kv_cache_dtype, self.model.dtype)
         ns = base_namespace(self.model, self.tokenizer, block_size, self.model_name, fmt)
         ns = ns.with_salt(spec.cache_salt)
@@ -169,7 +171,7 @@ class Runtime:
             params = replace(params, max_tokens=max(1, max_tokens))
         span = block_size if fmt.quantized else 0
         return self._generate(
-            spec.prompt, params, ns.digest().hex(), kv_cache_dtype, span, spec.lora
+            spec.prompt, params, ns.digest().hex(), kv_cache_dtype, span, spec.lora, forced
         )
 
     def resolve(self, spec: RequestSpec, kv_cache_dtype: str = "auto") -> RequestSpec:
@@ -192,8 +194,9 @@ class Runtime:
         kv_cache_dtype: str = "auto",
         span: int = 0,
         lora: LoraSpec | None = None,
+        forced: tuple[int, ...] | None = None,
     ):
-        key = (tuple(prompt), params, ns_hex, kv_cache_dtype, span, lora)
+        key = (tuple(prompt), params, ns_hex, kv_cache_dtype, span, lora, forced)
         if key not in self._refs:
             out = generate(
                 self.reference_model(lora),
@@ -204,6 +207,7 @@ class Runtime:
                 kv_cache_dtype=kv_cache_dtype,
                 scale_span=span,
                 grammars=None if params.structured_outputs is None else self.grammars,
+                forced=forced,
             )
             identity = "" if lora is None else self.adapter(lora).identity
             for record in out.records:
@@ -239,6 +243,7 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         failures += _check_requests(pinned, runtime, engine, outputs, refs, tied)
         failures += check_adapters(drive.loaded, engine.tracer.records, refs)
         failures += check_provenance(engine.tracer, refs)
+        failures += check_verifications(case, engine.tracer, refs)
         failures += check_expectations(case, engine, finished, refs, frozenset(tied))
         failures += bounds.check(finished, refs, drive.driver.switch_log)
         failures += check_prompt_logprobs(
@@ -457,7 +462,12 @@ def _check_requests(
             cand = records.get(sample_id, [])
             completion = _completion(out, sample)
             cut = completion is None or completion.finish_reason not in ("stop", "length")
-            ref = runtime.reference(spec, block_size, sample, len(cand) if cut else None, kv_dtype)
+            forced = speculative_draws(engine, spec.params.for_sample(sample), cand)
+            ref = runtime.reference(
+                spec, block_size, sample, len(cand) if cut else None, kv_dtype, forced
+            )
+            if forced is not None:  # its own draws, rightly: not the reference's free ones
+                tied.add(sample_id)
             tie = _tie_step(runtime, spec, sample, ref.records, cand, kv_dtype)
             if tie is not None:  # both sides follow other tokens after it: compare up to it
                 records[sample_id] = cand = cand[:tie]

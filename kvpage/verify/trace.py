@@ -54,6 +54,13 @@ class EngineTracer:
         self._pending: dict[str, _PendingInputs] = {}
         self._views: dict[int, CacheView] = {}
         self._batch_adapters: tuple[str, ...] = ()  # of the step being traced
+        # Speculative decoding: block incarnations a speculating step wrote, and per sample its
+        # verifications (the record step of the first token each produced, and the rule's
+        # record), which kvpage.verify.speculative re-checks against p and q.
+        self._spec_written: set[tuple[int, int]] = set()
+        self.verifications: dict[str, list[tuple[int, object]]] = {}
+        spec = getattr(engine, "speculation", None)
+        self._spec_method = None if spec is None else spec.config.method
         self._block_size = engine.config.block_size
         self._kv_format = engine.kv_format
 
@@ -122,6 +129,10 @@ class EngineTracer:
                 )
             if seq.seq_id in sampling:
                 self._views[seq.seq_id] = self._view(seq, snap, first)
+        for item in batch.spec_seqs:  # whose KV a speculative step wrote (for attribution)
+            blocks = self.engine.cache.pool.blocks
+            bids = {slot // self._block_size for slot in item.slots}
+            self._spec_written.update((bid, blocks[bid].generation) for bid in bids)
 
     def on_step_ran(self, batch) -> None:
         """The model ran and the blocks are still pinned: a quantized view takes the scales its
@@ -173,19 +184,24 @@ class EngineTracer:
         self.provenance.on_verified(batch, verified)
         logits = spec_logits.detach().float().cpu()  # (sum of 1 + k, V)
         step_records = []
-        for (item, draws), first in zip(verified, batch.spec_rows, strict=True):
-            seq = item.seq
+        for v, first in zip(verified, batch.spec_rows, strict=True):
+            seq, draws = v.item.seq, v.draws[: v.appended]  # the stop rule may end it early
             start = batch.positions[first]
             pend = self._pending.pop(seq.sample_id, _PendingInputs())
             view = self._views.get(seq.seq_id, EMPTY_VIEW)
+            own = self.verifications.setdefault(seq.sample_id, [])
+            own.append((len(self._records.get(seq.sample_id, ())), v.verification))
             fed = pend.by_index
             for i, draw in enumerate(draws):
                 at = start + i
-                pend.by_index = {j: v for j, v in fed.items() if (j <= at if i == 0 else j == at)}
-                step_records.append(self._append(seq, pend, view, draw.token, logits[draw.row]))
+                pend.by_index = {j: x for j, x in fed.items() if (j <= at if i == 0 else j == at)}
+                note = _spec_note(v.verification, i, self._spec_method)
+                record = self._append(seq, pend, view, draw.token, logits[draw.row], note)
+                step_records.append(record)
                 pend = _PendingInputs(context_start=at + 1)
             self._pending[seq.sample_id] = pend
-        self._unsummarized.append((logits[[d.row for _, ds in verified for d in ds]], step_records))
+        rows = [d.row for v in verified for d in v.draws[: v.appended]]
+        self._unsummarized.append((logits[rows], step_records))
 
     def on_forked(self, parent, child, logits_row: torch.Tensor, token: int) -> None:
         """A parallel sample forked off `parent` drew its first token from the parent's logits:
@@ -195,8 +211,12 @@ class EngineTracer:
         record = self._append(child, self._pending_for(parent), view, token, logits[0])
         self._unsummarized.append((logits, [record]))
 
-    def _append(self, seq, pend: _PendingInputs, view: CacheView, token: int, logits):
-        """Record `seq`'s next token from the inputs it accumulated; start its next inputs."""
+    def _append(self, seq, pend: _PendingInputs, view: CacheView, token: int, logits, spec=None):
+        """Record `seq`'s next token from the inputs it accumulated; start its next inputs.
+        `spec`: the verification it came out of (a note); a record that read KV a speculative
+        step wrote gets a note too."""
+        if spec is None and self._spec_written:
+            spec = self._spec_read_note(view)
         order = sorted(pend.by_index)
         records = self._records.setdefault(seq.sample_id, [])
         record = StepRecord(
@@ -219,12 +239,21 @@ class EngineTracer:
             logits=logits,
             adapter="" if seq.lora is None else seq.lora.identity,
             batch_adapters=self._batch_adapters,
+            speculative=spec,
         )
         records.append(record)
         self._pending[seq.sample_id] = _PendingInputs(context_start=seq.num_tokens - 1)
         return record
 
     # --- helpers ---------------------------------------------------------------------------
+    def _spec_read_note(self, view: CacheView) -> dict | None:
+        written = [
+            e.physical for e in view.entries if (e.physical, e.generation) in self._spec_written
+        ]
+        if not written:
+            return None
+        return {"index": -1, "read_blocks": written, "method": self._spec_method}
+
     def _pending_for(self, seq) -> _PendingInputs:
         return self._pending.setdefault(seq.sample_id, _PendingInputs())
 
@@ -298,3 +327,14 @@ class EngineTracer:
             for e in view.entries
         )
         return replace(view, entries=entries, scale_digests=tuple(e.scale for e in entries))
+
+
+def _spec_note(verification, index: int, method: str | None) -> dict:
+    """What a verified token's record says of its verification (the report shows it)."""
+    return {
+        "method": method,
+        "index": index,
+        "drafts": list(verification.draft_tokens),
+        "num_accepted": verification.num_accepted,
+        "tokens": list(verification.tokens),
+    }
