@@ -192,9 +192,10 @@ def run_engine(engine: Engine, dtype: str, workloads, rows, round_index: int) ->
         row.runs.append(run)
         acc = "" if run.drafted is None else f", {run.accepted}/{run.drafted} drafts accepted"
         parts.append(f"{row.workload} decode {run.decode_rate:.1f} tok/s{acc}")
-    spent = time.perf_counter() - t0
+    spent, load = time.perf_counter() - t0, os.getloadavg()[0]
     print(
-        f"round {round_index + 1} {dtype} {engine.name}: {'; '.join(parts)} ({spent:.0f}s)",
+        f"round {round_index + 1} {dtype} {engine.name}: {'; '.join(parts)} "
+        f"({spent:.0f}s, load {load:.2f})",
         flush=True,
     )
 

@@ -171,30 +171,30 @@ def acceptance_text(row: Row) -> str:
 
 
 def table(rows: dict[tuple[str, str, str], Row], output_tokens: int) -> list[str]:
-    """One line per row, in `rows`' order: decode and e2e tok/s best (median), the ratio to its
-    plain baseline and to llama.cpp's same method (decode, best / best (median / median)), the
-    acceptance (accepted / drafted, mean accepted length), and whether its tokens equal its
-    plain baseline's (kvpage rows) or kvpage's plain ones (llama.cpp rows), first
+    """One line per row, in `rows`' order: decode and e2e tok/s best (median), the ratios to its
+    plain baseline and to llama.cpp's same method (decode, then e2e; best / best (median /
+    median)), the acceptance (accepted / drafted, mean accepted length), and whether its tokens
+    equal its plain baseline's (kvpage rows) or kvpage's plain ones (llama.cpp rows), first
     `output_tokens` compared."""
     head = (
         f"{'workload':<9} {'dtype':<5} {'engine':<16} {'decode tok/s':>14} {'e2e tok/s':>14} "
-        f"{'x plain':>14} {'x llama.cpp':>14} {'accept, len':>14}  tokens"
+        f"{'x plain dec':>14} {'x plain e2e':>14} {'x llama.cpp dec':>15} {'x llama.cpp e2e':>15} "
+        f"{'accept, len':>13}  tokens"
     )
     lines = [head, "-" * len(head)]
     for (wl, dtype, engine), row in rows.items():
         base = rows.get((wl, dtype, BASELINE.get(engine, "")))
         peer = rows.get((wl, dtype, PEER.get(engine, "")))
         ref = base if base is not None else rows.get((wl, dtype, "kvpage"))
-        same = (
-            ""
-            if ref is row or ref is None
-            else agreement_text(row.tokens, ref.tokens, output_tokens)
-        )
+        same = ""
+        if ref is not None and ref is not row:
+            same = agreement_text(row.tokens, ref.tokens, output_tokens)
         if row.error:
             same = f"FAILED: {row.error[:100]}"
         lines.append(
             f"{wl:<9} {dtype:<5} {engine:<16} {rate_text(row, 'decode'):>14} "
-            f"{rate_text(row, 'e2e'):>14} {ratio_text(row, base):>14} {ratio_text(row, peer):>14} "
-            f"{acceptance_text(row):>14}  {same}"
+            f"{rate_text(row, 'e2e'):>14} {ratio_text(row, base):>14} "
+            f"{ratio_text(row, base, 'e2e'):>14} {ratio_text(row, peer):>15} "
+            f"{ratio_text(row, peer, 'e2e'):>15} {acceptance_text(row):>13}  {same}"
         )
     return lines

@@ -146,6 +146,7 @@ def test_table_gives_ratios_to_plain_and_to_llama_cpp():
     rows = _rows()
     lines = {line.split()[2]: line for line in tbl.table(rows, 3)[2:]}
     assert "2.00x (2.00x)" in lines["kvpage-draft"]  # over plain kvpage: 100 / 50 tok/s
+    assert "1.84x (1.84x)" in lines["kvpage-draft"]  # end to end: (256 / 3.05) / (256 / 5.6)
     assert "1.33x (1.33x)" in lines["kvpage-draft"]  # over llama.cpp-draft: 100 / 75
     assert "75.0%, 4.00" in lines["kvpage-draft"]
     assert "0.75x (0.75x)" in lines["llama.cpp-draft"]  # over llama.cpp plain: 75 / 100
