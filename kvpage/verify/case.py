@@ -29,6 +29,10 @@ class RequestSpec:
     # Its JSON schema as the case wrote it: the checker validates the output against this, not
     # against StructuredOutputsParams' normalized text (a bug there would be in both)
     sent_schema: dict | None = None
+    # (request id, n): its prompt is that request's prompt followed by the first n tokens the
+    # reference decodes for it (resolved before the case runs, like stop_at_ref_step), so it
+    # can hit blocks that request's own output filled
+    continues: tuple[str, int] | None = None
 
     def sample_ids(self) -> list[str]:
         """Trace keys of the request's samples (kvpage.engine.sequence.Sequence.sample_id)."""

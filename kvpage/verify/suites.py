@@ -186,6 +186,23 @@ class Runtime:
         stop = tokens[min(spec.stop_at_ref_step, len(tokens) - 1)]
         return replace(spec, params=replace(spec.params, stop_token_ids=(stop,)))
 
+    def resolve_continuations(self, case: Case, kv_cache_dtype: str = "auto") -> Case:
+        """Give each request that continues another (RequestSpec.continues) its prompt: the
+        other's prompt and the first n tokens its reference decodes."""
+        if not any(s.continues for s in case.requests):
+            return case
+        by_id = {s.request_id: s for s in case.requests}
+        specs = []
+        for spec in case.requests:
+            if spec.continues is not None:
+                other, n = by_id[spec.continues[0]], spec.continues[1]
+                out = self._generate(
+                    other.prompt, other.params.for_sample(0), "", kv_cache_dtype, lora=other.lora
+                )
+                spec = replace(spec, prompt=other.prompt + out.token_ids[:n], continues=None)
+            specs.append(spec)
+        return replace(case, requests=specs)
+
     def _generate(
         self,
         prompt: list[int],
@@ -226,6 +243,7 @@ def run_case(case: Case, runtime: Runtime) -> CaseResult:
         engine = runtime.make_engine({**lora_fields(case, runtime.engine_overrides), **case.engine})
         kv = engine.config.kv_cache_dtype  # a stop token is the reference's in the pool's format
         case = replace(case, requests=[runtime.resolve(s, kv) for s in case.requests])
+        case = runtime.resolve_continuations(case, kv)
         engine.add_observer(EngineTracer(engine))
         props = StepProperties(engine)
         engine.add_observer(props)

@@ -84,6 +84,13 @@ EXPECTED_CLASS = {
     "mask_after_top_k": "structured",
     "grammar_termination_ignored": "structured",
     "grammar_cache_keyed_by_name": "structured",
+    # speculative decoding: a verified token, or KV a speculative step wrote, or a decision
+    "published_before_roll_back": "speculative",
+    "rejected_kv_left": "speculative",
+    "slots_advanced_by_k": "speculative",
+    "bonus_after_rejection": "speculative",
+    "acceptance_without_min": "speculative",
+    "resample_from_p": "speculative",
 }
 STEP_PAIR_CLASSES = {"block_table", "prefix_key", "restore", "sampling", "quantized_kv"}
 STEP_PAIR_CLASSES |= {"structured"}
@@ -101,6 +108,7 @@ SUITES = {
     "prompt_logprobs",
     "lora",
     "structured",
+    "speculative",
     # the gate's default --kv-cache-dtype int8 copies
     "prefix:int8",
     "batching:int8",

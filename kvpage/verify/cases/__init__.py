@@ -16,6 +16,7 @@ from kvpage.verify.cases.prompt_logprobs import prompt_logprob_cases
 from kvpage.verify.cases.quantized import REQUANTIZED_SUITES, cow_case, quantized_copies
 from kvpage.verify.cases.resources import resource_cases
 from kvpage.verify.cases.sampling import sampling_cases
+from kvpage.verify.cases.speculative import speculative_cases
 from kvpage.verify.cases.stop import stop_cases
 from kvpage.verify.cases.structured import structured_cases
 
@@ -33,6 +34,7 @@ SUITES = (
     "prompt_logprobs",
     "lora",
     "structured",
+    "speculative",
 )
 # Suites that need a model of a given shape, run by the cells of such a model (kvpage.verify
 # .matrix): layer_groups needs global and sliding-window layers (builtin:tiny-hybrid).
@@ -66,6 +68,7 @@ def build_suites(
         "prompt_logprobs": prompt_logprob_cases,
         "lora": lora_cases,
         "structured": structured_cases,
+        "speculative": speculative_cases,
         "layer_groups": layer_group_cases,
     }
     for name, build in builders.items():

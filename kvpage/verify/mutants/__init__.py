@@ -18,6 +18,7 @@ from kvpage.verify.mutants.properties import PROPERTY_MUTANTS
 from kvpage.verify.mutants.quantized import QUANTIZED_MUTANTS
 from kvpage.verify.mutants.resources import RESOURCE_MUTANTS
 from kvpage.verify.mutants.sampling import SAMPLING_MUTANTS
+from kvpage.verify.mutants.speculative import SPECULATIVE_MUTANTS
 from kvpage.verify.mutants.stop import STOP_MUTANTS
 from kvpage.verify.mutants.structured import STRUCTURED_MUTANTS
 
@@ -35,6 +36,7 @@ MUTANTS: tuple[Mutant, ...] = (
     *LORA_MUTANTS,
     *LAYER_GROUP_MUTANTS,
     *STRUCTURED_MUTANTS,
+    *SPECULATIVE_MUTANTS,
     *KERNEL_MUTANTS,
     *CRASH_MUTANTS,
 )
