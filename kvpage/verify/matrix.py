@@ -104,8 +104,13 @@ class Cell:
     # Fast paths (kvpage.model.kernels.FAST_PATHS) the cell keeps off, so the paths behind them
     # run: int8's widened tiles where the weight GEMV takes every row count (AVX-512).
     paths_off: tuple[str, ...] = ()
+    # Speculative decoding (SPECULATIVE_CONFIGS): every case's engine speculates, and every
+    # greedy token must still equal the reference's plain decoding ("": plain decoding).
+    speculative: str = ""
 
     def __post_init__(self) -> None:
+        if self.speculative and self.speculative not in SPECULATIVE_CONFIGS:
+            raise ValueError(f"speculative must be one of {sorted(SPECULATIVE_CONFIGS)}")
         if self.mutants not in MUTANT_PARTS:
             raise ValueError(f"mutants must be one of {MUTANT_PARTS}, got {self.mutants!r}")
         if self.model_check not in MODEL_CHECKS:
@@ -123,7 +128,8 @@ class Cell:
         weights += "+head" if self.quantize_lm_head else ""
         dims = f"{self.dtype}{weights}/kv-{kv}{copies}/tp{self.tensor_parallel_size}"
         off = "".join(f"/off-{p}" for p in self.paths_off)
-        return f"{model}/{dims}{off}{parts}"
+        spec = f"/spec-{self.speculative}" if self.speculative else ""
+        return f"{model}/{dims}{off}{spec}{parts}"
 
     def engine(self, base: dict) -> dict:
         """The user's engine fields with the cell's dimensions over them (a KV format of None
@@ -131,11 +137,15 @@ class Cell:
         kv = {} if self.kv_cache_dtype is None else {"kv_cache_dtype": self.kv_cache_dtype}
         weights = {} if self.quantization == "none" else {"quantization": self.quantization}
         weights |= {"quantize_lm_head": True} if self.quantize_lm_head else {}
+        spec = {}
+        if self.speculative:
+            spec = {"speculative_config": SPECULATIVE_CONFIGS[self.speculative]}
         return {
             **base,
             "dtype": self.dtype,
             **kv,
             **weights,
+            **spec,
             "tensor_parallel_size": self.tensor_parallel_size,
         }
 
@@ -163,6 +173,39 @@ GENERATED = Cell(
     model_check="none",
 )
 STACK = Cell("builtin:tiny-llama", suites=(), mutants="all", stack=True, model_check="none")
+# Speculative cells' configurations: n-gram lookup (drafts cost nothing, rejections common) and
+# the target's own int8 copy as its draft model (most drafts kept, the bonus row often drawn).
+SPECULATIVE_CONFIGS = {
+    "ngram": {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+    },
+    "self-int8": {
+        "method": "draft_model",
+        "model": None,
+        "quantization": "int8",
+        "num_speculative_tokens": 3,
+    },
+}
+# Every hand-written suite with speculation on: the cases' greedy tokens are the reference's
+# plain decoding's, and the sampled ones are judged by the rejection-rule oracle
+# (kvpage.verify.speculative). The speculative suite itself runs on the main cell (its cases
+# speculate by their own config), where the speculative mutants run.
+SPECULATIVE = Cell(
+    "builtin:tiny-llama",
+    suites=tuple(s for s in SUITES if s != "speculative"),
+    speculative="ngram",
+    model_check="none",
+)
+SPECULATIVE_INT8 = Cell(
+    "builtin:tiny-qwen2",
+    suites=("prefix", "batching", "preemption", "sampling", "parallel"),
+    speculative="self-int8",
+    model_check="none",
+)
+
 # What `--suite` may name besides the hand-written suites.
 PARTS = ("generated", "stack", "model")
 QWEN2 = "builtin:tiny-qwen2"
@@ -218,6 +261,8 @@ DEFAULT: tuple[Cell, ...] = (
     INT8_WIDENED,
     INT8_HEAD,
     HYBRID,
+    SPECULATIVE,
+    SPECULATIVE_INT8,
     STACK,
 )
 
@@ -239,7 +284,7 @@ def full_cells() -> tuple[Cell, ...]:
         replace(INT8_WIDENED, suites=SUITES),
         replace(INT8_HEAD, suites=SUITES),
     )
-    return (*cells, *weights, HYBRID, GENERATED, STACK)
+    return (*cells, *weights, HYBRID, SPECULATIVE, SPECULATIVE_INT8, GENERATED, STACK)
 
 
 def _full_mutants(model: str, dtype: str, kv: str, tp: int) -> str:
@@ -258,6 +303,7 @@ def _key(cell: Cell) -> tuple:
         cell.generated,
         cell.stack,
         cell.paths_off,
+        cell.speculative,
     )
 
 
@@ -294,10 +340,19 @@ def pin(
             stack=stack,
             model_check=check,
         )
+        if _refused(cell):
+            continue
         if (kept or generated or stack or check != "none") and _key(cell) not in seen:
             seen.add(_key(cell))
             out.append(cell)
     return out
+
+
+def _refused(cell: Cell) -> bool:
+    """A configuration the engine refuses by name: a draft model under tensor parallelism
+    (kvpage.engine.speculation runs the draft in one process)."""
+    spec = SPECULATIVE_CONFIGS.get(cell.speculative, {})
+    return spec.get("method") == "draft_model" and cell.tensor_parallel_size > 1
 
 
 def single_cell(model: str, engine: dict, suites: tuple[str, ...], mutants: bool) -> Cell:

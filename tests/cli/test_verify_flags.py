@@ -91,8 +91,13 @@ def test_a_dimension_given_without_model_is_fixed_in_every_cell(monkeypatch):
     cells, _ = _planned(monkeypatch, ["--tensor-parallel-size", "2", "--suite", "batching"])
     assert cells and all(c.tensor_parallel_size == 2 for c in cells)
     assert all(c.suites == ("batching",) for c in cells)
-    keys = [(c.model, c.dtype, c.kv_cache_dtype, c.quantization, c.paths_off) for c in cells]
+    keys = [
+        (c.model, c.dtype, c.kv_cache_dtype, c.quantization, c.paths_off, c.speculative)
+        for c in cells
+    ]
     assert len(keys) == len(set(keys))
+    # a draft model runs in one process: the self-draft cell is dropped under TP 2
+    assert "self-int8" not in {c.speculative for c in cells}
 
 
 def test_quantization_is_a_cell_dimension_and_an_engine_flag(monkeypatch):

@@ -69,7 +69,10 @@ def test_full_matrix_is_every_combination_once():
     ]
     hybrid = [c for c in full_cells() if c.model == matrix.HYBRID.model]
     assert hybrid == [matrix.HYBRID]
-    cells = [c for c in full_cells() if not (c.generated or c.stack or c in weights or c in hybrid)]
+    speculative = [c for c in full_cells() if c.speculative]
+    assert speculative == [matrix.SPECULATIVE, matrix.SPECULATIVE_INT8]
+    others = (*weights, *hybrid, *speculative)
+    cells = [c for c in full_cells() if not (c.generated or c.stack or c in others)]
     assert full_cells()[-2:] == (matrix.GENERATED, matrix.STACK)
     keys = [(c.model, c.dtype, c.kv_cache_dtype, c.tensor_parallel_size) for c in cells]
     assert len(keys) == len(set(keys))
@@ -116,6 +119,7 @@ def test_pin_fixes_dimensions_narrows_suites_and_drops_duplicates():
     assert all(c.mutants == "none" for c in cells)
     keys = [
         (c.model, c.kv_cache_dtype, c.tensor_parallel_size, c.quantization, c.paths_off)
+        + (c.speculative,)
         for c in cells
     ]
     assert len(keys) == len(set(keys))  # tiny-llama/bfloat16 folded into the main cell
@@ -129,6 +133,7 @@ def test_pin_fixes_dimensions_narrows_suites_and_drops_duplicates():
             c.mutants,
             c.kv_copies,
             model_check="none",  # "model" not among the suites asked for
+            speculative=c.speculative,
         )
         for c in DEFAULT
         if "namespaces" in c.suites
