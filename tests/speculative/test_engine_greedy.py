@@ -3,7 +3,7 @@ as its draft model, every request's tokens equal those of the same engine decodi
 Llama, Qwen3 and Gemma 3 shapes (Gemma 3: global and sliding-window layer groups), under prefix
 caching with a second wave hitting the first wave's blocks (blocks a speculating request wrote),
 a pool tight enough to preempt by recompute or by swap, forced preemption between speculative
-steps, and n = 2. Blocks of 8 tokens and k = 3 drafts: drafts cross block boundaries. The
+steps, int8 KV, and n = 2. Blocks of 8 tokens and k = 3 drafts: drafts cross block boundaries. The
 invariant checker runs after every step (debug_checks)."""
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ SELF_DRAFT = {
 SCENARIOS = {
     "prefix_recompute": dict(enable_prefix_caching=True, preemption_mode="recompute", pool="tight"),
     "swap_forced": dict(preemption_mode="swap", swap_space_blocks=512, forced=True),
+    # int8 KV: one scale per token, so a rolled-back slot leaves no scale behind
+    "int8_kv": dict(kv_cache_dtype="int8", preemption_mode="recompute", pool="tight"),
 }
 
 
