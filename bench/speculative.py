@@ -24,7 +24,7 @@ rounds, the ratios speculative / plain and kvpage / llama.cpp, acceptance (accep
 mean accepted length; bench/speculative_table.py), whether each speculative row's tokens equal
 its plain row's (a kvpage mismatch is printed loudly and makes the exit status 1), and the load
 average before and after (and the 1-minute load after every row). `--quick`: 1 x (32 + 32),
-fp32 only, 1 round (a smoke test).
+1 round, fp32 unless --dtypes says otherwise (a smoke test).
 
 The random weights decide what speculation can gain here. At the bench model's init std (0.15,
 throughput.INIT_STD: wide, so greedy tokens are not near-ties) the model is chaotic: its int8 copy
@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,8 +84,8 @@ def kvpage_worker(model_dir: Path, workdir: Path, args, name: str, config: dict 
     return run
 
 
-def run_worker(model_dir, workdir, args, name, dtype, config, workloads) -> dict:
-    spec = {"model_dir": str(model_dir), "dtype": dtype, "seed": args.seed}
+def run_worker(model_dir, workdir, args, name, dtype, config, workloads, gaps=False) -> dict:
+    spec = {"model_dir": str(model_dir), "dtype": dtype, "seed": args.seed, "gaps": gaps}
     spec |= {"threads": args.threads, "speculative_config": config}
     spec["workloads"] = [w.as_json() for w in workloads]
     spec_path, out_path = workdir / f"{name}-spec.json", workdir / f"{name}-out.json"
@@ -201,6 +202,34 @@ def run_engine(engine: Engine, dtype: str, workloads, rows, round_index: int) ->
 
 
 # --- checks -------------------------------------------------------------------------------------
+def mismatch_gaps(rows, workloads, model_dir, workdir, args, n: int) -> list[str]:
+    """For each kvpage speculative row whose tokens leave plain kvpage's: plain decoding's own
+    top-2 logprob gap at the first differing output (a diagnostic run, untimed, after the
+    rounds). A gap of 0 or one bf16 step is a tie the verification pass's multi-row kernels
+    may break the other way; a wide gap is not."""
+    lines = []
+    for (wl, dtype, engine), row in rows.items():
+        plain = rows.get((wl, dtype, "kvpage"))
+        if engine not in ("kvpage-draft", "kvpage-ngram") or not (row.ok and plain and plain.ok):
+            continue
+        pos = tbl.first_diff(row.tokens[:n], plain.runs[0].tokens[:n])
+        if pos is None:
+            continue
+        try:
+            out = run_worker(
+                model_dir, workdir, args, "gaps", DTYPES[dtype], None, [workloads[wl]], True
+            )
+        except EngineFailed as err:
+            lines.append(f"  {dtype} {wl}: no gap diagnosis ({err})")
+            continue
+        gaps = out["workloads"][wl]["gaps"]
+        lines.append(
+            f"  {dtype} {wl}: {engine} leaves plain at output {pos}, where plain {dtype}'s top-2 "
+            f"logprob gap is {gaps[pos]:.4f} (median over its outputs {statistics.median(gaps):.3f})"
+        )
+    return lines
+
+
 def grounding_lines(rows, workloads, continuation: list[int], args) -> list[str]:
     """How grounded the grounded workload turned out: whether plain kvpage repeats C after the
     second P, and the 1-gram lookup bound (bench/speculative_workload.lookup_hits)."""
@@ -245,7 +274,7 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--dtypes", default="fp32,bf16", help="fp32,bf16")
+    ap.add_argument("--dtypes", default=None, help="fp32,bf16 (--quick: fp32)")
     ap.add_argument("--k", type=int, default=4, help="draft model: num_speculative_tokens")
     ap.add_argument("--ngram-k", type=int, default=4, help="ngram: num_speculative_tokens")
     ap.add_argument("--lookup-min", type=int, default=1, help="ngram: prompt_lookup_min")
@@ -262,8 +291,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="1 x (32 + 32), fp32, 1 round")
     args = ap.parse_args()
     if args.quick:
-        args.rounds, args.dtypes = 1, "fp32"
-    args.dtypes = args.dtypes.split(",")
+        args.rounds = 1
+    args.dtypes = (args.dtypes or ("fp32" if args.quick else "fp32,bf16")).split(",")
     if set(args.dtypes) - set(DTYPES) or args.rounds < 1:
         raise SystemExit(f"--dtypes from {list(DTYPES)}, --rounds >= 1")
     return args
@@ -289,7 +318,8 @@ def main() -> None:
                 engines += failed_engines(f"{type(err).__name__}: {err}")
         rows = make_rows(engines, args)
         run_rounds(engines, workloads, rows, args)
-    report(rows, workloads, continuation, args, shape)
+        gaps = mismatch_gaps(rows, workloads, model_dir, workdir, args, shape.output)
+    report(rows, workloads, continuation, args, shape, gaps)
 
 
 def make_workloads(model_dir, workdir, args, shape, vocab) -> tuple[dict, list[int]]:
@@ -307,13 +337,13 @@ def make_workloads(model_dir, workdir, args, shape, vocab) -> tuple[dict, list[i
     return {"random": random_wl, "grounded": grounded}, continuation
 
 
-def report(rows, workloads, continuation, args, shape) -> None:
+def report(rows, workloads, continuation, args, shape, gaps: list[str]) -> None:
     k = args.llama_k or args.k
     print(
         f"\ndecode tok/s = tokens after the first / time after the first; e2e = output tokens / "
         f"whole request (llama.cpp: its own prompt + generation times); best (median) of "
-        f"{args.rounds} round(s); x plain / x llama.cpp: decode rate ratio, best/best "
-        f"(median/median); accept = accepted / drafted draft tokens, len = mean accepted length "
+        f"{args.rounds} round(s); x plain / x llama.cpp: the row's rate over its plain row's / "
+        f"llama.cpp's same method's, decode (dec) and e2e, best/best (median/median); accept = accepted / drafted draft tokens, len = mean accepted length "
         f"(tokens per target pass). kvpage-draft: int8 self-draft k={args.k}; kvpage-ngram: "
         f"k={args.ngram_k}, lookup {args.lookup_min}-{args.lookup_max}; llama.cpp-draft: Q8_0 "
         f"draft, k={k}"
@@ -323,7 +353,7 @@ def report(rows, workloads, continuation, args, shape) -> None:
     for line in grounding_lines(rows, workloads, continuation, args):
         print(line)
     lines, ok = tbl.token_checks(rows, shape.output)
-    for line in lines:
+    for line in lines + gaps:
         print(line)
     print(f"after: {load_text()}")
     if not ok:

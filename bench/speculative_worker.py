@@ -4,7 +4,8 @@ workloads of a JSON spec, one request at a time.
     python bench/speculative_worker.py SPEC.json OUT.json
 
 SPEC: model_dir, dtype, seed, threads, speculative_config (vLLM's dict, or null: plain decoding),
-workloads [{name, prompt, max_tokens}]. The engine is built and warmed up once (untimed, with the
+workloads [{name, prompt, max_tokens}], and optionally gaps (true: a diagnostic run that also
+returns each position's top-2 logprob gap). The engine is built and warmed up once (untimed, with the
 same config, so a draft model is warm too), then each workload runs once, greedy, EOS ignored.
 OUT per workload: wall (the generate call), decode_s (its end minus the request's
 first_token_time), tokens, and spec (the spec_decode_* counters of LLM.stats() over that call
@@ -48,20 +49,27 @@ def build(spec: dict) -> LLM:
     return llm
 
 
-def run_one(llm: LLM, workload: dict, speculative: bool) -> dict:
-    params = SamplingParams(max_tokens=workload["max_tokens"], ignore_eos=True)
+def run_one(llm: LLM, workload: dict, speculative: bool, gaps: bool = False) -> dict:
+    """`gaps` (a diagnostic run, not a timed one): also each output position's top-2 logprob
+    gap, how near a tie its greedy token was."""
+    logprobs = 2 if gaps else None
+    params = SamplingParams(max_tokens=workload["max_tokens"], ignore_eos=True, logprobs=logprobs)
     before = llm.stats()
     start = time.monotonic()
     out = llm.generate([workload["prompt"]], params, use_tqdm=False)[0]
     end = time.monotonic()
     after = llm.stats()
     spec = {k: after[k] - before[k] for k in SPEC_KEYS} if speculative else None
-    return {
+    result = {
         "wall": end - start,
         "decode_s": end - out.metrics.first_token_time,
         "tokens": list(out.outputs[0].token_ids),
         "spec": spec,
     }
+    if gaps:
+        tops = [sorted(lp.values(), reverse=True) for lp in out.outputs[0].logprobs]
+        result["gaps"] = [top[0] - top[1] for top in tops]
+    return result
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -71,7 +79,8 @@ def main(spec_path: str, out_path: str) -> None:
     llm = build(spec)
     load_s = time.perf_counter() - t0
     speculative = spec["speculative_config"] is not None
-    results = {w["name"]: run_one(llm, w, speculative) for w in spec["workloads"]}
+    gaps = spec.get("gaps", False)
+    results = {w["name"]: run_one(llm, w, speculative, gaps) for w in spec["workloads"]}
     llm.close()
     Path(out_path).write_text(json.dumps({"load_s": load_s, "workloads": results}))
 
