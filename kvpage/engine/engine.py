@@ -89,6 +89,8 @@ class LLMEngine:
         self.max_model_len = (
             limit if config.max_model_len is None else min(config.max_model_len, limit)
         )
+        # Before any worker starts: a configuration it refuses leaves nothing running.
+        self.speculation = build_speculation(config, model, self.max_model_len)
         self.kv_format = kv_format(config.kv_cache_dtype, model.dtype)
         self.kv_layout = kv_layout(mcfg.num_layers, mcfg.layer_windows, config.kv_layer_groups)
         # A page holds `rows` layers of one group: as many pages as the memory of the blocks
@@ -127,7 +129,6 @@ class LLMEngine:
         )
         self.lora_slots, lora = serve_adapters(config, model, self.tp)
         decode = tokenizer.decode if tokenizer is not None else None
-        self.speculation = build_speculation(config, model, self.max_model_len)
         self.scheduler = Scheduler(
             config,
             self.cache,

@@ -73,7 +73,30 @@ def test_a_mixed_batch_matches_peft_for_every_row(setup):
     """Base, adapter a (all seven projections) and adapter b (three, rank 8, rsLoRA) in the
     same steps: each request's greedy tokens and chosen logprobs equal HF + PEFT's."""
     base, root = setup
-    engine = _engine(root)
+    _check_mixed_batch(base, root, _engine(root))
+
+
+SPECULATIVE = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+    "self_int8": {"method": "draft_model", "quantization": "int8", "num_speculative_tokens": 3},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPECULATIVE))
+def test_a_speculating_mixed_batch_matches_peft_for_every_row(setup, name):
+    """The same with speculative decoding: each adapter's 1 + k verification rows run with its
+    own factors beside the base rows (the int8 self-draft knows no adapter: it drafts worse,
+    never wrongly), and every token's logprob is its own row's."""
+    base, root = setup
+    engine = _engine(root, speculative_config=SPECULATIVE[name])
+    _check_mixed_batch(base, root, engine)
+    stats = engine.stats()
+    assert stats["spec_decode_num_drafts"] > 0, stats
+    if name == "self_int8":  # later rows count too: drafts kept (n-gram rarely matches here)
+        assert stats["spec_decode_num_accepted_tokens"] > 0, stats
+
+
+def _check_mixed_batch(base, root, engine) -> None:
     la, lb = LoRARequest("a", str(root / "a")), LoRARequest("b", 2, str(root / "b"))
     prompts = {f"p{i}": _prompt(11 + 3 * i, i) for i in range(3)}
     requests = {}
