@@ -22,7 +22,12 @@ from torch import nn
 
 from kvpage.model.base import CausalLM
 from kvpage.model.loader import build_model
-from kvpage.reference.weight_oracle import with_plain_layers
+from kvpage.reference.weight_oracle import (
+    DequantizedLinear,
+    dequantized_copy,
+    has_int8_layers,
+    with_plain_layers,
+)
 
 _OWNER = {
     "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -71,6 +76,8 @@ def merged_model(model: CausalLM, directory: str | Path) -> CausalLM:
     """A new model: `model` with the adapter at `directory` merged into its weights (the
     original untouched)."""
     _, scale, factors = read_adapter(directory)
+    if has_int8_layers(model):
+        return merged_int8(model, scale, factors)
     # A fresh model of the same config with the same weights: no LoRA context, no packed
     # weight caches of the original's projections.
     merged = build_model(model.config).to(device=model.device, dtype=model.dtype)
@@ -110,3 +117,50 @@ class DeltaLinear(nn.Module):
 
 def _delta_layer(deltas: dict, name: str, layer: nn.Module) -> DeltaLinear | None:
     return DeltaLinear(layer, deltas[name]) if name in deltas else None
+
+
+# --- int8 weights ------------------------------------------------------------------------------
+# PEFT's model on the dequantised weights: W' = code * scale (kvpage.model.int8's format, written
+# again by weight_oracle) plus scale * B @ A, never merged into the codes (that would be another
+# model: a requantised W + delta). The engine serves the same contract on its own path: the int8
+# product, then x A^T B^T on the activations added to it (kvpage.lora.apply).
+
+
+class Int8DeltaLinear(DequantizedLinear):
+    """An adapted int8 layer: the dequantised product as the quantized reference computes it
+    (float32, the output rounded to x's dtype), then the adapter's dense delta x (scale * B @
+    A)^T in float32 added and the sum rounded once: in float32 the merged model W' + delta, in
+    a 16-bit model the contract DeltaLinear states (one rounding of base + delta on top of the
+    base product's own)."""
+
+    def __init__(self, layer: nn.Module, delta: torch.Tensor) -> None:
+        super().__init__(layer)
+        self.register_buffer("delta32", delta.to(torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return (y.to(torch.float32) + x.to(torch.float32) @ self.delta32.T).to(x.dtype)
+
+
+@torch.no_grad()
+def merged_int8(model: CausalLM, scale: float, factors: dict) -> CausalLM:
+    """The int8 model's dequantised copy with each adapted layer's delta added (its other
+    layers DequantizedLinear, as the quantized reference's)."""
+    deltas = {
+        f"model.layers.{index}.{_OWNER[module]}.{module}": scale * (b.double() @ a.double())
+        for (index, module), (a, b) in factors.items()
+    }
+    merged_into = set()
+
+    def layer(name: str, int8: nn.Module) -> nn.Module:
+        delta = deltas.get(name)
+        if delta is None:
+            return DequantizedLinear(int8)
+        merged_into.add(name)
+        return Int8DeltaLinear(int8, delta)
+
+    merged = dequantized_copy(model, layer)
+    left = sorted(set(deltas) - merged_into)
+    if left:  # an adapted layer left float here would lose its delta without a word
+        raise ValueError(f"the adapter targets layers that are not int8 here: {left}")
+    return merged.eval()

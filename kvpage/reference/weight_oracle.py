@@ -34,11 +34,15 @@ _twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def reference_model(model: CausalLM) -> CausalLM:
     """`model`'s torch twin when no layer is int8; else its dequantising twin (made once per
     model); both bound to torch's operators only."""
-    if not any(isinstance(m, Int8Linear) for m in model.modules()):
+    if not has_int8_layers(model):
         return torch_twin(model)
     if model not in _twins:
         _twins[model] = finalize(_dequantized_twin(model), TORCH)
     return _twins[model]
+
+
+def has_int8_layers(model: nn.Module) -> bool:
+    return any(isinstance(m, Int8Linear) for m in model.modules())
 
 
 class Float32Linear(nn.Module):
@@ -82,17 +86,27 @@ def _linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return layer(x)  # a replacement's own forward (Float32Linear, a merged adapter's layer)
 
 
-@torch.no_grad()
 def _dequantized_twin(model: CausalLM) -> CausalLM:
+    return dequantized_copy(model, lambda _name, layer: DequantizedLinear(layer))
+
+
+@torch.no_grad()
+def dequantized_copy(model: CausalLM, int8_layer) -> CausalLM:
+    """A copy of an int8 model, each Int8Linear replaced by `int8_layer(name, layer)` (a module
+    computing from the layer's codes and scales in plain float: DequantizedLinear, or a merged
+    adapter's layer, kvpage.reference.lora_merge), every Projection a plain one. An adapter
+    context the engine attached (`lora`) is left out: the copy computes its own layers only."""
     names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
     # Projections are not copied (their packed caches are the engine's); the twin makes its own.
     slots = [(name, attr, p) for name, m in model.named_modules() for attr, p in _projections(m)]
-    twin = copy.deepcopy(model, {id(p): None for _, _, p in slots})
+    memo = {id(p): None for _, _, p in slots}
+    memo.update({id(m.__dict__["lora"]): None for m in model.modules() if "lora" in m.__dict__})
+    twin = copy.deepcopy(model, memo)
 
-    def dequantized(_name: str, layer: nn.Module) -> nn.Module | None:
-        return DequantizedLinear(layer) if isinstance(layer, Int8Linear) else None
+    def replaced(name: str, layer: nn.Module) -> nn.Module | None:
+        return int8_layer(name, layer) if isinstance(layer, Int8Linear) else None
 
-    return _rebuilt(twin, names, slots, dequantized)
+    return _rebuilt(twin, names, slots, replaced)
 
 
 @torch.no_grad()
