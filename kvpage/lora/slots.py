@@ -7,6 +7,10 @@ is evicted least recently used first when another needs its slot. A request whos
 become resident (every slot held) waits in the queue; those behind it that need no new slot are
 admitted meanwhile (kvpage.engine.scheduler). `reader` reads PEFT directories for the engine.
 
+`registered` is the engine thread's; other threads (the server's event loop) read `published`,
+an immutable snapshot the engine thread replaces after every register and unregister
+(kvpage.lora.published).
+
 Resident adapters are computed from stacked slot tables (kvpage.lora.tables); `on_write`, when
 set, hears of every slot written (a tensor-parallel engine sends it to its workers)."""
 
@@ -20,6 +24,7 @@ import torch
 
 from kvpage.errors import LoRAError
 from kvpage.lora.adapter import LoraAdapter, PeftReader
+from kvpage.lora.published import AdapterSnapshot
 from kvpage.lora.tables import Factors, SlotTables
 
 
@@ -46,6 +51,7 @@ class LoraSlots:
         self.on_write = on_write
         self.reader = PeftReader()  # how a PEFT directory becomes an adapter (engine loads)
         self.registered: dict[str, LoraAdapter] = {}  # name -> its current adapter
+        self.published = AdapterSnapshot()  # what other threads read of `registered`
         self.resident: OrderedDict[str, ResidentAdapter] = OrderedDict()  # identity -> LRU last
         self.loads = 0  # adapters made resident (a reload or an eviction costs one)
         self.evictions = 0
@@ -54,9 +60,8 @@ class LoraSlots:
     def register(self, adapter: LoraAdapter) -> LoraAdapter:
         """Known by its name from now on; a new adapter under a registered name replaces it for
         new requests (requests already queued keep the one they were given)."""
-        # Replaced, never mutated: the server's event-loop thread reads it (/v1/models, a
-        # request's `model`) while the engine thread loads and unloads.
         self.registered = {**self.registered, adapter.name: adapter}
+        self.publish()
         return adapter
 
     def unregister(self, name: str) -> None:
@@ -64,9 +69,15 @@ class LoraSlots:
             raise LoRAError(f"no adapter named {name!r} is loaded")
         adapter = self.registered[name]
         self.registered = {k: v for k, v in self.registered.items() if k != name}
+        self.publish()
         held = self.resident.get(adapter.identity)
         if held is not None and held.holds == 0:
             del self.resident[adapter.identity]
+
+    def publish(self) -> None:
+        """Replace the snapshot other threads read by one of `registered` now (one attribute
+        store: a reader sees the old snapshot or the new one, each whole)."""
+        self.published = AdapterSnapshot.of(self.published.version + 1, self.registered.values())
 
     # --- residency -------------------------------------------------------------------------
     def can_hold(self, adapter: LoraAdapter) -> bool:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpage.lora.published import EMPTY, AdapterSnapshot
 from kvpage.lora.request import LoRARequest
 from kvpage.server.audit import AuditLog
 from kvpage.server.chat import ChatTemplate
@@ -79,17 +80,22 @@ class ServerState:
         """What a request's `model` may name: the base model's names, then every adapter."""
         return (*self.base_names, *self.adapter_names)
 
+    def adapters(self) -> AdapterSnapshot:
+        """The engine's adapters as its thread last published them: this (event-loop) thread
+        never reads the engine's registry, which load and unload change on the engine thread.
+        Take it once per answer: two calls may see two publications."""
+        slots = self.loop.engine.lora_slots
+        return EMPTY if slots is None else slots.published
+
     @property
     def adapter_names(self) -> tuple[str, ...]:
-        slots = self.loop.engine.lora_slots
-        return () if slots is None else tuple(sorted(slots.registered))
+        return self.adapters().names
 
     def adapter_for(self, model: str) -> LoRARequest | None:
         """The adapter a request's `model` names, None for the base model (or no name)."""
-        slots = self.loop.engine.lora_slots
-        if not model or model in self.base_names or slots is None:
+        if not model or model in self.base_names:
             return None
-        adapter = slots.registered.get(model)
+        adapter = self.adapters().get(model)
         return None if adapter is None else LoRARequest(adapter.name, adapter.path)
 
     async def shut_down(self, timeout: float, force: Callable[[], bool] = lambda: False) -> int:
