@@ -162,6 +162,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 20.0  # a collective slower than this = a hung worker
     # LoRA adapters (vLLM's names): at most max_loras resident at once, ranks up to max_lora_rank.
+    # On int8 weights too: the delta is x A^T B^T on the activations, beside the int8 product
+    # (kvpage.lora.apply), never merged into the codes.
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -216,13 +218,6 @@ class EngineConfig:
             raise InvalidConfig(
                 "tensor parallelism runs on CPU (gloo) only for now: tensor_parallel_size "
                 f"{self.tensor_parallel_size} needs device 'cpu', got {self.device!r}"
-            )
-        if self.enable_lora and self.quantization != "none":
-            # The reference merges adapters into float weights (reference/lora_merge.py);
-            # merging into int8 codes is not defined yet.
-            raise InvalidConfig(
-                f"enable_lora needs unquantized weights for now, got quantization "
-                f"{self.quantization!r}"
             )
 
     def _check_speculative_config(self) -> None:

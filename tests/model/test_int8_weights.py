@@ -102,8 +102,6 @@ def test_unknown_quantization_is_a_typed_config_error():
     with pytest.raises(InvalidConfig, match="quantization"):
         LLM("builtin:tiny-llama", quantization="int4")
     assert EngineConfig().quantization == "none"
-    with pytest.raises(InvalidConfig, match="enable_lora"):  # not yet: LoRA on int8 weights
-        EngineConfig(quantization="int8", enable_lora=True)
 
 
 def test_engine_refuses_a_model_that_is_not_what_the_config_says():
