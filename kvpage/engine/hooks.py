@@ -77,6 +77,7 @@ SEAMS: dict[str, Seam] = {
         Seam("lora", "factors", "a resident adapter's low-rank factors and scale"),
         Seam("lora_reader", "digest", "a loaded adapter's digest (config and tensor bytes)"),
         Seam("lora_reader", "scale", "a loaded adapter's scale from its config (rsLoRA)"),
+        Seam("lora_reader", "pattern_key", "the rank_pattern / alpha_pattern key of a module"),
         Seam("lora_tables", "clear_slot", "what a slot's write zeroes first (every projection)"),
         Seam("engine", "patch_kv_shards", "the KV pool's code on every rank (quantize, copy…)"),
         Seam("grammars", "mask_rows", "the step's grammar masks, one per constrained row"),

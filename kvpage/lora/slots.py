@@ -131,12 +131,13 @@ class LoraSlots:
 
     def factors(self, adapter: LoraAdapter):
         """(layer, module) -> (A^T, scale * B^T) in the tables' dtype (the model's, float32 for
-        a 16-bit model: kvpage.lora.tables) (a declared seam)."""
+        a 16-bit model: kvpage.lora.tables), each with its module's own scale (rank_pattern,
+        alpha_pattern) (a declared seam)."""
 
         def cast(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=self.device, dtype=self.tables.dtype).contiguous()
 
         return {
-            where: (cast(a.t()), cast(b.t() * adapter.scale))
+            where: (cast(a.t()), cast(b.t() * adapter.scale_of(where)))
             for where, (a, b) in adapter.weights.items()
         }

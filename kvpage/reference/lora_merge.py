@@ -2,7 +2,8 @@
 W' = W + scale * B @ A, computed here in float64 from the adapter's PEFT directory as written.
 
 It reads the directory itself: its own JSON parse of adapter_config.json (r, lora_alpha,
-use_rslora) and its own read of adapter_model.safetensors, and shares no code with the engine's
+use_rslora, and per-module ranks and alphas: rank_pattern / alpha_pattern, matched to module
+names by PEFT's rule written again here) and its own read of adapter_model.safetensors, and shares no code with the engine's
 loader (kvpage/lora/adapter.py) nor its low-rank path (kvpage/lora/apply.py, tables.py,
 slots.py): a bug in how the engine reads the config (the scale, rsLoRA), pairs the tensors, or
 computes the stacked slot tables, the row mask or the sharding shows as a divergence from this
@@ -33,10 +34,21 @@ _OWNER = {
     "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
     "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
 }  # fmt: skip
-# PEFT's names: base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight
-_NAME = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$")
+# PEFT's names: base_model.model.{the module's name in the model}.lora_{A|B}.weight, the name
+# model.layers.{i}.{self_attn|mlp}.{module} here
+_NAME = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+))"
+    r"\.lora_(A|B)\.weight$"
+)
 # Fields that change the computation beyond W + scale * B @ A: refused when set.
-_NOT_MERGED = ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save", "fan_in_fan_out")
+_NOT_MERGED = (
+    "use_dora",
+    "lora_bias",
+    "modules_to_save",
+    "trainable_token_indices",
+    "layer_replication",
+    "fan_in_fan_out",
+)
 
 
 def adapter_scale(config: dict) -> float:
@@ -46,8 +58,27 @@ def adapter_scale(config: dict) -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora", False) else alpha / rank
 
 
+def pattern_value(patterns: dict, module_name: str, default):
+    """A module's value in rank_pattern or alpha_pattern as PEFT (peft.utils.other.
+    get_pattern_key) finds it: the first pattern, in the file's order, that as a regular
+    expression matches the whole module name or a dot-separated tail of it; else `default`."""
+    for pattern, value in patterns.items():
+        if re.match(r"(.*\.)?(" + pattern + r")$", module_name) is not None:
+            return value
+    return default
+
+
+def module_config(config: dict, module_name: str) -> dict:
+    """The config as one module sees it: its own r and lora_alpha after the patterns."""
+    rank = pattern_value(config.get("rank_pattern") or {}, module_name, config["r"])
+    alpha = config.get("lora_alpha", config["r"])
+    alpha = pattern_value(config.get("alpha_pattern") or {}, module_name, alpha)
+    return {**config, "r": rank, "lora_alpha": alpha}
+
+
 def read_adapter(directory: str | Path):
-    """(config, scale, {(layer, module): (A, B)}) of a PEFT directory, read here."""
+    """(config, scale, {(layer, module): (A, B)}, {(layer, module): its scale}) of a PEFT
+    directory, read here; `scale` is the config's own (a module no pattern changes)."""
     directory = Path(directory)
     config = json.loads((directory / "adapter_config.json").read_text())
     if config.get("peft_type", "LORA") != "LORA" or config.get("bias", "none") != "none":
@@ -57,27 +88,32 @@ def read_adapter(directory: str | Path):
             raise ValueError(f"{directory}: {key} is set; the reference does not merge it")
     tensors = load_file(str(directory / "adapter_model.safetensors"))
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    names: dict[tuple[int, str], str] = {}
     for name, tensor in tensors.items():
         match = _NAME.match(name)
-        if match is None or _OWNER.get(match[3]) != match[2]:
+        if match is None or _OWNER.get(match[4]) != match[3]:
             raise ValueError(f"{directory}: tensor {name!r} is not a LoRA factor it merges")
-        halves.setdefault((int(match[1]), match[3]), {})[match[4]] = tensor
-    factors = {}
+        where = (int(match[2]), match[4])
+        halves.setdefault(where, {})[match[5]] = tensor
+        names[where] = match["module"]
+    factors, scales = {}, {}
     for where, pair in halves.items():
         a, b = pair["A"], pair["B"]
-        if a.shape[0] != config["r"] or b.shape[1] != config["r"]:
-            raise ValueError(f"{directory}: {where} has rank {a.shape[0]}, r={config['r']}")
+        own = module_config(config, names[where])
+        if a.shape[0] != own["r"] or b.shape[1] != own["r"]:
+            raise ValueError(f"{directory}: {where} has rank {a.shape[0]}, its r is {own['r']}")
         factors[where] = (a, b)
-    return config, adapter_scale(config), factors
+        scales[where] = adapter_scale(own)
+    return config, adapter_scale(config), factors, scales
 
 
 @torch.no_grad()
 def merged_model(model: CausalLM, directory: str | Path) -> CausalLM:
     """A new model: `model` with the adapter at `directory` merged into its weights (the
     original untouched)."""
-    _, scale, factors = read_adapter(directory)
+    _, _, factors, scales = read_adapter(directory)
     if has_int8_layers(model):
-        return merged_int8(model, scale, factors)
+        return merged_int8(model, scales, factors)
     # A fresh model of the same config with the same weights: no LoRA context, no packed
     # weight caches of the original's projections.
     merged = build_model(model.config).to(device=model.device, dtype=model.dtype)
@@ -85,7 +121,8 @@ def merged_model(model: CausalLM, directory: str | Path) -> CausalLM:
     merged.tie_weights()
     merged.eval()
     deltas = {
-        f"model.layers.{index}.{_OWNER[module]}.{module}": scale * (b.double() @ a.double())
+        f"model.layers.{index}.{_OWNER[module]}.{module}": scales[index, module]
+        * (b.double() @ a.double())
         for (index, module), (a, b) in factors.items()
     }
     if model.dtype in (torch.bfloat16, torch.float16):
@@ -143,11 +180,12 @@ class Int8DeltaLinear(DequantizedLinear):
 
 
 @torch.no_grad()
-def merged_int8(model: CausalLM, scale: float, factors: dict) -> CausalLM:
+def merged_int8(model: CausalLM, scales: dict, factors: dict) -> CausalLM:
     """The int8 model's dequantised copy with each adapted layer's delta added (its other
-    layers DequantizedLinear, as the quantized reference's)."""
+    layers DequantizedLinear, as the quantized reference's); `scales`: each layer's own."""
     deltas = {
-        f"model.layers.{index}.{_OWNER[module]}.{module}": scale * (b.double() @ a.double())
+        f"model.layers.{index}.{_OWNER[module]}.{module}": scales[index, module]
+        * (b.double() @ a.double())
         for (index, module), (a, b) in factors.items()
     }
     merged_into = set()

@@ -123,7 +123,7 @@ def test_the_new_lora_bugs_are_caught_only_by_their_cases(loaded):
 def test_the_reference_reads_the_scale_from_the_config_itself(loaded, tmp_path):
     model, _ = loaded
     written = write_peft(RS, model.config, tmp_path / "rs")
-    config, scale, factors = read_adapter(written.path)
+    config, scale, factors, _ = read_adapter(written.path)
     assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (8, 16.0, True)
     assert scale == pytest.approx(16 / 8**0.5)
     merged = merged_model(model, written.path)
