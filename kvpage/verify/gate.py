@@ -336,7 +336,7 @@ def _model_stage(plan: GatePlan, model) -> ModelStageResult | None:
         return None
     full = plan.model_check == "full"
     mutants = plan.mutants if full else False
-    adapters = "lora" in plan.suites and _lora_unfit(model.config, plan.engine) is None
+    adapters = "lora" in plan.suites and _lora_unfit(model.config) is None
     return run_model_stage(
         model, plan.model_name, mutants, families=None if full else (), adapters=adapters
     )
@@ -398,7 +398,7 @@ def _cases(plan: GatePlan, config, kv_copies: tuple[str, ...], has_tokenizer: bo
     if "prefix" in plan.suites and block_size is not None and block_size not in BLOCK_SIZES:
         cases += prefix_cases(config.vocab_size, block_size)
     limit = min(config.max_position_embeddings, plan.engine.get("max_model_len") or math.inf)
-    lora_unfit = _lora_unfit(config, plan.engine)
+    lora_unfit = _lora_unfit(config)
     unfit = {
         c.full_name: _too_long(c, limit)
         or (lora_unfit if _has_adapters(c) else None)
@@ -410,13 +410,11 @@ def _cases(plan: GatePlan, config, kv_copies: tuple[str, ...], has_tokenizer: bo
     }
 
 
-def _lora_unfit(config, engine: dict) -> str | None:
+def _lora_unfit(config) -> str | None:
     """Why the engine serves no adapter on this configuration (None: it does): the engine
     refuses these at start-up, and rightly, so a case with adapters tests nothing there."""
     if config.model_type not in ("llama", "gemma3"):
         return f"LoRA adapters are served on Llama-shaped models, not {config.model_type}"
-    if engine.get("quantization", "none") != "none":
-        return "LoRA adapters are not served on int8 weights yet (the engine refuses them)"
     return None
 
 

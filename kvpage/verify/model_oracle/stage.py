@@ -20,6 +20,7 @@ import torch
 from kvpage.model import load_model
 from kvpage.model.base import CausalLM
 from kvpage.model.int8 import Int8Linear
+from kvpage.model.quantize import weight_quantization
 from kvpage.reference.lora_merge import merged_model
 from kvpage.verify.checks import Failure, finding
 from kvpage.verify.lora_adapters import write_peft
@@ -85,7 +86,7 @@ def run_model_stage(
         else:
             result.cases.append(served)
             if adapters:
-                result.cases += _adapter_cases(model_name, root)
+                result.cases += _adapter_cases(model_name, root, weight_quantization(model))
         dirs = {name: _family_dir(name, root) for name in families}
         for name, directory in dirs.items():
             ours, _ = load_model(str(directory))
@@ -116,11 +117,13 @@ def _served_case(model: CausalLM, model_name: str, root: Path) -> CaseResult | s
     return _case("served", model, theirs, directory, model.dtype)
 
 
-def _adapter_cases(model_name: str, root: Path) -> list[CaseResult]:
+def _adapter_cases(model_name: str, root: Path, quantization: str = "none") -> list[CaseResult]:
     """The reference's merge of each adapter against PEFT's on transformers' model, in float32
     whatever the served dtype: what is checked here (how the directory is read, the scale, the
-    merge) does not depend on the dtype, and float32's tolerance is the tightest."""
-    model, _ = load_model(model_name, "float32")
+    merge) does not depend on the dtype, and float32's tolerance is the tightest. Int8 weights
+    stay int8: PEFT's model is then transformers' on the dequantised weights (dequantised_into),
+    the reference's the int8 merge (W' + scale B A, kvpage.reference.lora_merge)."""
+    model, _ = load_model(model_name, "float32", quantization=quantization)
     directory = checkpoint_dir(model_name, model, root / "twin32")
     cases = []
     for spec in STAGE_SPECS:
