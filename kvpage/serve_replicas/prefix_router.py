@@ -15,8 +15,14 @@ Prefix affinity, per request with key (namespace, prompt tokens):
 The prompt is then recorded in the chosen replica's tree, so the next turn of that conversation
 follows it there.
 
-`Router.tree_factory` is a declared seam: a verifier's mutant may replace it on one router to
-plant a bug in the trees it builds (through their public methods)."""
+Before any policy, a request for a LoRA adapter is narrowed to the replicas that hold it
+(`adapter_holdings.holders` over the snapshots in `Router.holdings`); none is `AdapterNotHeld`.
+The policy then chooses among those alone, so no rule (round-robin's turn, the imbalance
+fallback) can send it to a replica without the adapter.
+
+`Router.tree_factory` and `Router.holders` are declared seams: a verifier's mutant may replace
+one on one router to plant a bug in the trees it builds (through their public methods) or in
+the adapter filter."""
 
 from __future__ import annotations
 
@@ -24,6 +30,13 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvpage.serve_replicas.adapter_holdings import (
+    BASE,
+    AdapterNotHeld,
+    Holdings,
+    HoldingsTable,
+)
+from kvpage.serve_replicas.adapter_holdings import holders as holders_of
 from kvpage.serve_replicas.prefix_tree import PrefixTree
 
 ROUTERS = ("prefix", "round-robin", "least-loaded")
@@ -53,6 +66,7 @@ class RouterConfig:
 class RoutingKey:
     namespace: str  # the tenant (or the open server's cache salt): never shared across tenants
     tokens: tuple[int, ...]  # the prompt as the engine will see it
+    adapter: str = BASE  # the LoRA adapter the request names ("" for the base model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,14 +84,20 @@ class Router:
     trees: dict[str, PrefixTree] = field(default_factory=dict)
     # (chunk_tokens, max_nodes) -> a replica's tree; a declared seam
     tree_factory: Callable[[int, int], PrefixTree] = PrefixTree
+    holdings: HoldingsTable = field(default_factory=HoldingsTable)
+    # (adapter, replicas, replica -> latest snapshot) -> those that may serve it; a declared seam
+    holders: Callable[[str, Sequence[str], Mapping[str, Holdings]], list[str]] = holders_of
     _turn: itertools.count = field(default_factory=itertools.count)
 
     def choose(self, key: RoutingKey, loads: Mapping[str, int]) -> Decision:
-        """`loads`: replica -> requests in flight, for every replica that may be chosen."""
+        """`loads`: replica -> requests in flight, for every live replica. Raises
+        AdapterNotHeld when none of them holds the request's adapter."""
         if not loads:
             raise ValueError("no replica to route to")
-        replicas = sorted(loads)
-        self._sync(replicas)
+        self._sync(sorted(loads))
+        replicas = self.eligible(key.adapter, sorted(loads))
+        if not replicas:
+            raise AdapterNotHeld(key.adapter)
         if self.config.policy == "round-robin":
             decision = Decision(replicas[next(self._turn) % len(replicas)], "round-robin")
         elif self.config.policy == "least-loaded":
@@ -87,9 +107,18 @@ class Router:
         self.trees[decision.replica].insert(key.namespace, key.tokens)
         return decision
 
+    def eligible(self, adapter: str, replicas: Sequence[str]) -> list[str]:
+        """The replicas among `replicas` that may serve a request for `adapter`."""
+        return self.holders(adapter, replicas, self.holdings.latest)
+
+    def report(self, replica: str, snapshot: Holdings | None) -> bool:
+        """A replica's adapter snapshot (ignored if an as-new one is kept); True if kept."""
+        return self.holdings.note(replica, snapshot)
+
     def forget(self, replica: str) -> None:
-        """A replica died: its cache died with it."""
+        """A replica died: its cache and its adapters died with it."""
         self.trees.pop(replica, None)
+        self.holdings.forget(replica)
 
     def _sync(self, replicas: Sequence[str]) -> None:
         for name in replicas:

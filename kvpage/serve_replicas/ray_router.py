@@ -5,6 +5,14 @@ request, for the replicas to try. Load is counted here (requests routed and not 
 so the policy sees every request this ingress has in flight without probing replicas. A call
 pinned to a replica (the ingress's fan-out for /metrics) goes only there.
 
+A request for a LoRA adapter goes only to a replica that holds it (`Router.choose` filters by the
+replicas' adapter snapshots). The snapshots come from Ray's routing stats (each replica's
+`record_routing_stats`, pulled periodically) and from the ingress, which reports the snapshot a
+replica returns with its answer to a load or unload at once. When no live replica holds the
+adapter the request waits here, as any Ray Serve request waits for a replica, until a snapshot
+names a holder; the ingress answers such a request itself before sending it (404 or 503), so
+only one whose holders vanished in between waits.
+
 The instance registers itself in `ROUTERS` by (application, deployment), so the ingress, in the same
 process, can list the live replicas and read the routing counters."""
 
@@ -20,6 +28,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from kvpage.serve_replicas.adapter_holdings import AdapterNotHeld, Holdings
 from kvpage.serve_replicas.asgi_call import HttpCall
 from kvpage.serve_replicas.prefix_router import Router, RouterConfig
 
@@ -46,6 +55,19 @@ class KVPageRequestRouter(RequestRouter):
     def replica_ids(self) -> list[str]:
         return sorted(r.unique_id for r in self.curr_replicas)
 
+    def holders(self, adapter: str) -> list[str]:
+        """The live replicas that may serve a request for `adapter`."""
+        return self.router.eligible(adapter, self.replica_ids())
+
+    def unreported(self) -> list[str]:
+        """Live replicas whose adapters the router does not know yet (just started)."""
+        return [r for r in self.replica_ids() if r not in self.router.holdings.latest]
+
+    def report(self, replica: str, snapshot: Holdings | None) -> None:
+        """A replica's adapter snapshot from the ingress (one of a replica gone since is
+        dropped at the next replica update)."""
+        self.router.report(replica, snapshot)
+
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
@@ -57,7 +79,10 @@ class KVPageRequestRouter(RequestRouter):
             return [[by_id[call.pin]]] if call.pin in by_id else []
         if call is None or not by_id:  # not an HTTP call (none are sent today): any replica
             return [list(by_id.values())]
-        decision = self.router.choose(call.key, {rid: self.loads[rid] for rid in by_id})
+        try:
+            decision = self.router.choose(call.key, {rid: self.loads[rid] for rid in by_id})
+        except AdapterNotHeld:  # Ray asks again on its backoff and on each replica update
+            return []
         self.decisions[decision.replica, decision.reason] += 1
         self.matched_tokens[decision.replica] += decision.matched_tokens
         return [[by_id[decision.replica]]]
@@ -90,12 +115,19 @@ class KVPageRequestRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         live = {r.replica_id.unique_id for r in replicas}
-        for gone in set(self.router.trees) - live:  # replaced or scaled down: its cache is gone
+        for replica in replicas:  # Ray's routing stats: each replica's record_routing_stats
+            self.router.report(replica.replica_id.unique_id, _snapshot(replica))
+        known = set(self.router.trees) | set(self.router.holdings.latest)
+        for gone in known - live:  # replaced or scaled down: its cache is gone
             self._forget(gone)
 
     def _forget(self, replica: str) -> None:
         self.router.forget(replica)
         self.loads.pop(replica, None)
+
+
+def _snapshot(replica: RunningReplica) -> Holdings | None:
+    return Holdings.from_stats(getattr(replica, "routing_stats", None))
 
 
 def _http_call(pending: PendingRequest | None) -> HttpCall | None:

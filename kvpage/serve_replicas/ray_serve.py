@@ -9,10 +9,19 @@ and its streaming are those of `kvpage serve` by construction. Every replica is 
 same ReplicaSpec, tenant secret included: a tenant's cache salt is the same on all of them, and
 a replica Ray starts to replace a dead one gets it too.
 
+LoRA adapters loaded at run time (/v1/load_lora_adapter, /v1/unload_lora_adapter) go to every
+live replica; what they all accepted is kept in the application's record (a detached Ray actor:
+kvpage.serve_replicas.adapter_record says why there), which a replica started later replays
+before it reports ready. Each replica reports the adapters it holds, and the router sends a
+request for an adapter only to a replica that holds it; with none, the ingress answers it
+(404 or 503 naming the adapter) instead of sending it anywhere.
+
 Importing this module imports Ray; nothing else in kvpage does."""
 
 import asyncio
 import hashlib
+import json
+import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field, replace
@@ -21,19 +30,23 @@ import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from kvpage.config import EngineConfig
+from kvpage.serve_replicas.adapter_holdings import BASE, Holdings
+from kvpage.serve_replicas.adapter_record import RecordClient, drop_record
 from kvpage.serve_replicas.asgi_call import HttpCall, ResponseStart, call_asgi
 from kvpage.serve_replicas.metrics_merge import merge
 from kvpage.serve_replicas.prefix_router import RouterConfig
 from kvpage.serve_replicas.ray_router import ROUTERS, KVPageRequestRouter
 from kvpage.serve_replicas.routing_key import UNROUTED, RoutingKeys
-from kvpage.server.protocol import error_body
+from kvpage.server.protocol import ApiError, error_body
 from kvpage.server.responses import sse
 from kvpage.server.state import ServerOptions
+
+log = logging.getLogger("kvpage.serve_replicas")
 
 APP_NAME = "kvpage"
 ENGINE_DEPLOYMENT = "EngineReplica"
@@ -41,7 +54,8 @@ REPLICA_HEADER = "x-kvpage-replica"
 _FAN_OUT_TIMEOUT_S = 30.0  # a replica that does not answer a /metrics broadcast is left out
 # Calls every replica must hear: an adapter loaded on one replica only would be a 404 whenever
 # the router sends its requests elsewhere.
-EVERY_REPLICA = frozenset({("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter")})
+LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+EVERY_REPLICA = frozenset({("POST", LOAD), ("POST", UNLOAD)})
 _CONTROL_TIMEOUT_S = 120.0  # a load reads the adapter's weights on every replica
 # Ray's own telemetry would try to reach the network; the dashboard is not needed to serve.
 # Set before Ray starts (its processes inherit them). Quiet: no usage stats, no Docker warning.
@@ -85,7 +99,9 @@ class ReplicaReport:
 
 
 class EngineReplica:
-    def __init__(self, spec: ReplicaSpec) -> None:
+    async def __init__(self, spec: ReplicaSpec) -> None:
+        """Ray Serve awaits it: the replica reports ready (and is routed to) only after the
+        application's run-time adapters are loaded here."""
         import torch
 
         from kvpage.engine.engine import LLMEngine
@@ -98,18 +114,60 @@ class EngineReplica:
         options = replace(spec.options, replica=self.name)
         self.app = create_app(LLMEngine(spec.engine), options)
         self.state = self.app.state.server
+        self.failed: dict[str, str] = {}  # adapter -> why its start-up load failed
+        self.seq = 0  # holdings snapshots taken (on the engine thread only)
         self.state.loop.start()
         self.state.shadow.start()
+        await self._replay(RecordClient(context.app_name))
+
+    async def _replay(self, record: RecordClient) -> None:
+        """The application's run-time loads and unloads, in their order, through the admin
+        path a live load takes (same validation, same audit line). A load that fails here is
+        not fatal: the replica serves the rest, its holdings leave the adapter out (so the
+        router never sends it that adapter's requests) and name it under `failed`, which the
+        ingress's /health reports."""
+        from kvpage.server.admin import load_adapter, unload_adapter
+
+        for name, path in await record.call("entries"):
+            try:
+                if path is not None:
+                    await load_adapter(self.state, name, path)
+                elif name in await self.state.loop.call(lambda: self.state.adapter_names):
+                    await unload_adapter(self.state, name)
+            except ApiError as err:
+                self.failed[name] = err.message
+                log.error("replica %s: adapter %r not loaded at start: %s", self.name, name, err)
 
     async def http(self, call: HttpCall) -> AsyncIterator[ResponseStart | bytes]:
         async for piece in call_asgi(self.app, call, self.name):
             yield piece
 
-    async def http_whole(self, call: HttpCall) -> tuple[str, int, bytes]:
-        """(replica, status, body) of one whole reply, for the ingress's fan-out of the calls
-        every replica must hear."""
+    async def control(self, call: HttpCall) -> tuple[str, int, bytes, Holdings]:
+        """(replica, status, body, holdings after it) of one whole reply, for the ingress's
+        fan-out of the calls every replica must hear."""
         pieces = [p async for p in call_asgi(self.app, call, self.name)]
-        return self.name, pieces[0].status, b"".join(p for p in pieces[1:] if isinstance(p, bytes))
+        body = b"".join(p for p in pieces[1:] if isinstance(p, bytes))
+        name = _json_object(call.body).get("lora_name")
+        if call.path == UNLOAD and isinstance(name, str):  # unloaded by choice: not a failure
+            self.failed.pop(name, None)
+        return self.name, pieces[0].status, body, await self._holdings()
+
+    async def holdings(self) -> tuple[str, Holdings]:
+        """(replica, the adapters it holds now), for the ingress's refresh."""
+        return self.name, await self._holdings()
+
+    async def record_routing_stats(self) -> dict:
+        """Ray pulls it periodically and hands it to the router with the replica list."""
+        return (await self._holdings()).to_stats()
+
+    async def _holdings(self) -> Holdings:
+        return await self.state.loop.call(self._snapshot)
+
+    def _snapshot(self) -> Holdings:  # on the engine thread: serialised with loads and unloads
+        self.seq += 1
+        held = frozenset(self.state.adapter_names)
+        failed = tuple(sorted((n, why) for n, why in self.failed.items() if n not in held))
+        return Holdings(self.seq, held, failed)
 
     async def metrics_text(self) -> tuple[str, str]:
         """(replica, its /metrics exposition), for the ingress's merged /metrics."""
@@ -174,6 +232,8 @@ class IngressCore:
         self.engines = engines
         self.spec = spec
         self.app_name = serve.get_replica_context().app_name
+        self.record = RecordClient(self.app_name)
+        self._refreshing: asyncio.Task | None = None  # a background ask for replicas' adapters
         tokenizer = load_tokenizer(spec.model)
         self.keys = RoutingKeys(
             Tenants(dict(spec.api_keys)),
@@ -188,6 +248,9 @@ class IngressCore:
         replicas = router.replica_ids() if router is not None else []
         ok = bool(replicas)
         body = {"status": "ok" if ok else "no replicas", "draining": False, "replicas": replicas}
+        failures = {r: f for r, f in router.router.holdings.failures().items() if r in replicas}
+        if ok and failures:  # served, but some replica lacks an adapter it should hold
+            body.update(status="degraded", adapter_failures=failures)
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @api.get("/metrics")
@@ -222,30 +285,105 @@ class IngressCore:
         call = HttpCall(request.method, path, query, headers, body, key)
         if (request.method, path) in EVERY_REPLICA:
             return await self._to_every_replica(call)
+        if call.key.adapter != BASE and (refusal := await self._unheld(call.key.adapter)):
+            return refusal
         return await self._send(call)
 
     async def _to_every_replica(self, call: HttpCall) -> Response:
         """`call` to every live replica: their common reply when all agree, else 502 naming
-        what each replica answered (the change then holds on some replicas only)."""
+        what each replica answered (the change then holds on some replicas only). Each
+        replica's adapters after the call go to the router at once; what they all accepted
+        goes to the application's record (kvpage.serve_replicas.adapter_record)."""
         try:
-            replies = await self.engines.broadcast("http_whole", call).results_async(
+            replies = await self.engines.broadcast("control", call).results_async(
                 timeout_s=_CONTROL_TIMEOUT_S, return_exceptions=True
             )
         except TimeoutError:
             return _error(503, f"replicas did not answer within {_CONTROL_TIMEOUT_S:g} s")
-        answered = sorted(r for r in replies if isinstance(r, tuple))
+        answered = sorted((r for r in replies if isinstance(r, tuple)), key=lambda r: r[0])
         if not answered:
             return _error(503, "no engine replica is running")
-        names = ",".join(name for name, _, _ in answered)
-        if len({status for _, status, _ in answered}) == 1 and len(answered) == len(replies):
-            _, status, body = answered[0]
+        if (router := self._registered()) is not None:
+            for name, _, _, holdings in answered:
+                router.report(name, holdings)
+        statuses = {status for _, status, _, _ in answered}
+        if call.path == UNLOAD and statuses == {200, 404}:  # 404: did not hold it; gone all over
+            statuses = {200}
+        everyone = len(answered) == len(replies)
+        if not await self._record(call, statuses, everyone):
+            return _error(
+                503,
+                "the change holds on every live replica but was not recorded "
+                "(the adapter record is unreachable): a replica started later lacks it",
+            )
+        names = ",".join(name for name, _, _, _ in answered)
+        if len(statuses) == 1 and everyone:
+            _, _, body, _ = next(r for r in answered if r[1] in statuses)
             headers = {REPLICA_HEADER: names}
-            return Response(body, status, headers=headers, media_type="application/json")
+            return Response(body, statuses.pop(), headers=headers, media_type="application/json")
         lost = len(replies) - len(answered)
         said = "; ".join(
-            f"{name}: {status} {body.decode(errors='replace')}" for name, status, body in answered
+            f"{name}: {status} {body.decode(errors='replace')}"
+            for name, status, body, _ in answered
         )
         return _error(502, f"the replicas disagree ({lost} did not answer): {said}")
+
+    async def _record(self, call: HttpCall, statuses: set[int], everyone: bool) -> bool:
+        """A load every live replica accepted, or an unload, into the record; False if the
+        record could not be reached."""
+        body = _json_object(call.body)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        try:
+            if call.path == LOAD and statuses == {200} and everyone and isinstance(path, str):
+                await self.record.call("loaded", name, path)
+            elif call.path == UNLOAD and 200 in statuses and isinstance(name, str):
+                await self.record.call("unloaded", name)
+        except RayError as err:
+            log.error("the adapter record of %s is unreachable: %s", self.app_name, err)
+            return False
+        return True
+
+    async def _unheld(self, adapter: str) -> Response | None:
+        """None when a live replica holds `adapter`; else the ingress's own answer, so the
+        request never reaches a replica without it: 404 as a replica says it (the adapter was
+        never loaded, or was unloaded), 503 when the application loaded it but no live replica
+        holds it now (a replacement still loading it, or one whose load of it failed)."""
+        router = await self._router()
+        if router is None:
+            return None  # no replica at all: the usual path says so
+        if router.unreported():  # a replica that just started: learn what it holds
+            if not router.holders(adapter):
+                await self._refresh(router)  # it may be the only holder: wait for its answer
+            elif self._refreshing is None or self._refreshing.done():
+                self._refreshing = asyncio.create_task(self._refresh(router))  # no need to wait
+        if router.holders(adapter):
+            return None
+        try:
+            recorded = adapter in await self.record.call("loaded_names")
+        except RayError:
+            recorded = True  # unknown: say it may come back rather than that it does not exist
+        if not recorded:
+            message = f"model {adapter!r} is not served here"
+            return JSONResponse(error_body(message, "not_found_error", "model"), status_code=404)
+        failures = router.router.holdings.failures()
+        why = "; ".join(f"{r}: {f[adapter]}" for r, f in failures.items() if adapter in f)
+        message = f"no live replica holds adapter {adapter!r} now" + (
+            f" (its load failed on {why})" if why else " (a replica is still loading it)"
+        )
+        return _error(503, message)
+
+    async def _refresh(self, router: KVPageRequestRouter) -> None:
+        """Every live replica's adapters, asked now (a replica that does not answer in time is
+        left as it was)."""
+        try:
+            replies = await self.engines.broadcast("holdings").results_async(
+                timeout_s=_FAN_OUT_TIMEOUT_S, return_exceptions=True
+            )
+        except TimeoutError:
+            return
+        for reply in replies:
+            if isinstance(reply, tuple):
+                router.report(*reply)
 
     async def _send(self, call: HttpCall) -> Response:
         pieces = self.engines.options(stream=True).http.remote(call)
@@ -301,6 +439,14 @@ async def _rest(pieces, event_stream: bool = True) -> AsyncIterator[bytes]:
 def _is_sse(start: ResponseStart) -> bool:
     types = [v for k, v in start.headers if k.lower() == b"content-type"]
     return bool(types) and types[0].split(b";")[0].strip() == b"text/event-stream"
+
+
+def _json_object(body: bytes) -> dict:
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -381,6 +527,7 @@ def start(
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     _patient_proxy_start()
     serve.start(http_options={"host": host, "port": port})
+    drop_record(app_name)  # a fresh deployment has no run-time adapters yet
     serve.run(build_app(config), name=app_name, route_prefix=route_prefix)
 
 
@@ -399,3 +546,4 @@ def _patient_proxy_start() -> None:
 
 def stop(app_name: str = APP_NAME) -> None:
     serve.delete(app_name)
+    drop_record(app_name)

@@ -6,7 +6,8 @@ least-loaded replica — and the replica answers it exactly as the single server
 namespace is the tenant of the API key, or on an open server the client's cache_salt: the same
 partition the replicas' prefix caches use, so a routing entry never crosses tenants. A request
 naming a model other than the base's (a LoRA adapter) has that name in its namespace too, as
-the replicas key adapters apart: its prefix follows the replica that cached it with it."""
+the replicas key adapters apart: its prefix follows the replica that cached it with it. The key
+names that adapter too, so the router sends the request only to a replica that holds it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from kvpage.model.tokenizer import Tokenizer
+from kvpage.serve_replicas.adapter_holdings import BASE
 from kvpage.serve_replicas.prefix_router import RoutingKey
 from kvpage.server.chat import ChatTemplate, Conversation
 from kvpage.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
@@ -37,12 +39,13 @@ class RoutingKeys:
             return UNROUTED
         try:
             raw = json.loads(body)
-            namespace = self._namespace(authorization, raw)
-            return RoutingKey(namespace, tuple(self._tokens(path, raw)))
-        except (ValueError, TypeError, ApiError, ValidationError):
+            namespace, adapter = self._namespace(authorization, raw)
+            return RoutingKey(namespace, tuple(self._tokens(path, raw)), adapter)
+        except (ValueError, TypeError, AttributeError, ApiError, ValidationError):
             return UNROUTED  # the replica will say what is wrong with it
 
-    def _namespace(self, authorization: str | None, raw: dict) -> str:
+    def _namespace(self, authorization: str | None, raw: dict) -> tuple[str, str]:
+        """(namespace, adapter): the adapter is "" for the base model."""
         tenant = self.tenants.authenticate(authorization)  # 401 there, UNROUTED here
         salt = raw.get("cache_salt")
         if tenant is not None:
@@ -52,7 +55,8 @@ class RoutingKeys:
         model = raw.get("model")
         if isinstance(model, str) and model and model not in self.base_names:
             namespace += f"|adapter:{len(model)}:{model}"  # length-prefixed: no collisions
-        return namespace
+            return namespace, model
+        return namespace, BASE
 
     def _tokens(self, path: str, raw: dict) -> list[int]:
         if path == COMPLETIONS:

@@ -93,8 +93,19 @@ async def audit(state: Admin) -> dict:
 
 @lora_router.post("/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoraAdapter, state: Admin) -> dict:
+    return await load_adapter(state, body.lora_name, body.lora_path)
+
+
+@lora_router.post("/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoraAdapter, state: Admin) -> dict:
+    return await unload_adapter(state, body.lora_name)
+
+
+async def load_adapter(state: ServerState, name: str, path: str) -> dict:
+    """What /v1/load_lora_adapter does once the token is checked; a Ray replica starting late
+    replays the application's run-time loads through it, so they are validated alike."""
     engine = state.loop.engine
-    lora = LoRARequest(body.lora_name, body.lora_path)
+    lora = LoRARequest(name, path)
     try:
         adapter = await state.loop.call(engine.load_lora_adapter, lora, True)
     except InvalidRequest as err:
@@ -104,15 +115,15 @@ async def load_lora_adapter(body: LoadLoraAdapter, state: Admin) -> dict:
     return change
 
 
-@lora_router.post("/unload_lora_adapter")
-async def unload_lora_adapter(body: UnloadLoraAdapter, state: Admin) -> dict:
+async def unload_adapter(state: ServerState, name: str) -> dict:
+    """What /v1/unload_lora_adapter does once the token is checked (see load_adapter)."""
     engine = state.loop.engine
     try:
-        await state.loop.call(engine.unload_lora_adapter, body.lora_name)
+        await state.loop.call(engine.unload_lora_adapter, name)
     except InvalidRequest as err:
         raise ApiError(str(err), "lora_name", 404, "not_found_error") from err
-    state.audit.write("lora_adapter", always=True, lora_name=body.lora_name, loaded=False)
-    return {"lora_name": body.lora_name, "loaded": False}
+    state.audit.write("lora_adapter", always=True, lora_name=name, loaded=False)
+    return {"lora_name": name, "loaded": False}
 
 
 def _salt(state: ServerState, switch: Switch) -> str | None:

@@ -291,6 +291,7 @@ REQUIRED_FIELDS.update(
         "server_admin": (*_STACK_FIELDS, "switches"),
         "server_protocol": _STACK_FIELDS,
         "router_policy": ("event", "field", "expected", "actual", "namespace", "loads"),
+        "router_adapter": ("event", "field", "expected", "actual", "adapter", "holders"),
     }
 )
 WHERE_TO_LOOK.update(
@@ -307,6 +308,9 @@ WHERE_TO_LOOK.update(
         "(kvpage/server/app.py, responses.py)",
         "router_policy": "the replica router: prefix match per namespace, least-loaded and "
         "imbalance rules, LRU bound of the trees (kvpage/serve_replicas/)",
+        "router_adapter": "the replica router's adapter filter: which live replicas' latest "
+        "adapter reports list the request's adapter (kvpage/serve_replicas/adapter_holdings.py, "
+        "prefix_router.Router.choose)",
     }
 )
 

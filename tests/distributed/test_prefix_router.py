@@ -1,10 +1,12 @@
 """The routing tree and policy without Ray: exact matches, LRU eviction order, the tenant wall,
-and each branch of the prefix-affinity decision."""
+each branch of the prefix-affinity decision, and the adapter filter (a request for a LoRA
+adapter only to a replica whose latest report lists it)."""
 
 from __future__ import annotations
 
 import pytest
 
+from kvpage.serve_replicas.adapter_holdings import AdapterNotHeld, Holdings
 from kvpage.serve_replicas.prefix_router import Router, RouterConfig, RoutingKey
 from kvpage.serve_replicas.prefix_tree import PrefixTree
 
@@ -129,3 +131,54 @@ def test_bad_config_is_refused(kw):
 def test_no_replicas_is_an_error():
     with pytest.raises(ValueError, match="no replica"):
         _router().choose(RoutingKey("t", ()), {})
+
+
+# --- the adapter filter --------------------------------------------------------------------
+def _held(seq: int, *adapters: str) -> Holdings:
+    return Holdings(seq, frozenset(adapters))
+
+
+@pytest.mark.parametrize("policy", ["prefix", "round-robin", "least-loaded"])
+def test_a_request_for_an_adapter_goes_only_to_a_replica_that_holds_it(policy):
+    router = Router(RouterConfig(policy=policy, chunk_tokens=4, min_match_tokens=4))
+    router.report("r0", _held(1, "sql"))
+    router.report("r1", _held(1))  # holds no adapter
+    # r2 has not reported (just started): it holds nothing as far as the router knows
+    loads = {"r0": 9, "r1": 0, "r2": 0}  # the holder is by far the busiest
+    for i in range(6):
+        key = RoutingKey("t|adapter:3:sql", tuple(_tokens(i, 8)), "sql")
+        assert router.choose(key, loads).replica == "r0"
+    base = {router.choose(RoutingKey("t", tuple(_tokens(i, 8))), loads).replica for i in range(6)}
+    assert base != {"r0"}  # the base model is not held back by the filter
+    with pytest.raises(AdapterNotHeld, match="'chat'"):
+        router.choose(RoutingKey("t|adapter:4:chat", (1, 2), "chat"), loads)
+
+
+def test_a_stale_adapter_report_never_undoes_a_newer_one():
+    router = Router(RouterConfig())
+    assert router.report("r0", _held(2, "sql"))
+    assert not router.report("r0", _held(1))  # sent before the load, arrived after it
+    assert router.eligible("sql", ["r0"]) == ["r0"]
+    assert router.report("r0", _held(3))  # unloaded since
+    assert router.eligible("sql", ["r0"]) == []
+    router.report("r1", _held(1, "sql"))
+    router.forget("r1")  # a dead replica's adapters died with it
+    assert router.eligible("sql", ["r0", "r1"]) == []
+
+
+def test_an_adapter_filter_that_trusts_unreported_replicas_is_caught_by_this_test():
+    """The mutant of the stack gate, here by hand: it would send the request to r1."""
+    from kvpage.verify.stack.mutants import STACK_MUTANTS
+
+    mutant = next(m for m in STACK_MUTANTS if m.expected_class == "router_adapter")
+    router = Router(RouterConfig(policy="least-loaded"))
+    mutant.apply(router)
+    router.report("r0", _held(1, "sql"))
+    chosen = router.choose(RoutingKey("t", (1,), "sql"), {"r0": 3, "r1": 0}).replica
+    assert chosen == "r1"  # the bug shows: r1 never said it holds "sql"
+
+
+def test_holdings_travel_as_routing_stats():
+    snapshot = Holdings(4, frozenset({"a", "b"}), (("c", "no such directory"),))
+    assert Holdings.from_stats(snapshot.to_stats()) == snapshot
+    assert Holdings.from_stats({}) is None  # Ray's stats before the first pull

@@ -1,6 +1,7 @@
 """What the ingress answers when the replica serving a request dies (needs Ray installed, not
 running): before the response starts, a 503 in OpenAI's error shape; mid-stream, an SSE error
-event that says so, after whatever was already sent, then `data: [DONE]`."""
+event that says so, after whatever was already sent, then `data: [DONE]`. And what the ingress
+records of a load or unload broadcast to every replica: only what they all accepted."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import json
 import pytest
 from ray.exceptions import ActorDiedError
 
-from kvpage.serve_replicas.asgi_call import ResponseStart
-from kvpage.serve_replicas.ray_serve import REPLICA_HEADER, IngressCore, _rest
+from kvpage.serve_replicas.adapter_holdings import Holdings
+from kvpage.serve_replicas.asgi_call import HttpCall, ResponseStart
+from kvpage.serve_replicas.ray_serve import LOAD, REPLICA_HEADER, UNLOAD, IngressCore, _rest
+from kvpage.serve_replicas.routing_key import UNROUTED
 
 pytestmark = pytest.mark.ray
 
@@ -103,3 +106,54 @@ def test_a_client_that_leaves_mid_stream_cancels_the_replica_call():
 
     assert asyncio.run(leave_after_one()) == b"a"
     assert pieces.cancelled
+
+
+# --- the adapter record --------------------------------------------------------------------
+class _Record:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    async def call(self, method: str, *args):
+        self.calls.append((method, *args))
+
+
+class _Broadcast:
+    def __init__(self, replies: list) -> None:
+        self.replies = replies
+
+    def broadcast(self, method: str, call):
+        assert method == "control"
+        return self
+
+    async def results_async(self, **_):
+        return self.replies
+
+
+def _control(replies: list, path: str, body: dict) -> tuple[int, list]:
+    ingress = IngressCore.__new__(IngressCore)
+    ingress.engines, ingress.record, ingress.app_name = _Broadcast(replies), _Record(), "t"
+    call = HttpCall("POST", path, b"", [], json.dumps(body).encode(), UNROUTED)
+    response = asyncio.run(ingress._to_every_replica(call))
+    return response.status_code, ingress.record.calls
+
+
+def _reply(replica: str, status: int) -> tuple:
+    return replica, status, b"{}", Holdings(1)
+
+
+def test_a_load_is_recorded_only_when_every_replica_accepted_it():
+    load = {"lora_name": "sql", "lora_path": "/adapters/sql"}
+    both = [_reply("r0", 200), _reply("r1", 200)]
+    assert _control(both, LOAD, load) == (200, [("loaded", "sql", "/adapters/sql")])
+    split = [_reply("r0", 200), _reply("r1", 400)]
+    assert _control(split, LOAD, load) == (502, [])  # holds on r0 only: a new replica skips it
+    lost = [_reply("r0", 200), RuntimeError("r1 died")]
+    assert _control(lost, LOAD, load)[1] == []
+    assert _control([_reply("r0", 401), _reply("r1", 401)], LOAD, load) == (401, [])
+
+
+def test_an_unload_is_recorded_once_any_replica_dropped_the_adapter():
+    # r1 never had it (it started while the adapter was being loaded): gone everywhere now
+    replies = [_reply("r0", 200), _reply("r1", 404)]
+    assert _control(replies, UNLOAD, {"lora_name": "sql"}) == (200, [("unloaded", "sql")])
+    assert _control([_reply("r0", 404)], UNLOAD, {"lora_name": "sql"}) == (404, [])

@@ -7,6 +7,7 @@ test runs last, on the round-robin application."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +19,8 @@ from ray import serve
 
 from kvpage import LLM, SamplingParams
 from kvpage.model import load_model
+from kvpage.reference.generator import generate
+from kvpage.reference.lora_merge import merged_model
 from kvpage.serve_replicas.ray_serve import ENGINE_DEPLOYMENT, REPLICA_HEADER
 from kvpage.server.chat import simple_template
 from kvpage.verify.lora_adapters import LoraSpec, save_peft
@@ -276,3 +279,61 @@ def test_killed_replica_fails_its_requests_and_the_service_survives(apps):
     report = app.reports()[survivor]
     assert (report.requests, report.leaked_blocks, report.invariants) == (0, 0, "ok")
     _wait_for_replicas(app.name, 2)  # Ray starts a replacement
+
+
+# --- run-time adapters on a replica Ray starts later ----------------------------------------
+def _adapter_tokens(app, model: str, prompt: list[int], replica: str | None = None):
+    """(replica, greedy token ids) of one completion: through the router, or pinned."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    if replica is not None:
+        status, reply = app.post_to(replica, "/v1/completions", body, "key-alice")
+        assert status == 200, reply
+        return replica, reply["choices"][0]["token_ids"]
+    r = app.post("/v1/completions", body)
+    assert r.status_code == 200, r.text
+    return r.headers[REPLICA_HEADER], r.json()["choices"][0]["token_ids"]
+
+
+def test_a_replica_started_after_a_run_time_load_serves_the_adapter(apps, tmp_path):
+    """A replica killed after a run-time load is replaced; its replacement loads the adapter
+    from the application's record before it is ready, and gives the adapter's tokens: those
+    of the reference generator on the base with the adapter merged (kvpage.reference), not
+    the base's. The router reaches it for the adapter once it reports holding it; after an
+    unload no replica holds it and the ingress answers 404 itself."""
+    app = apps["prefix"]
+    model = load_model(MODEL)[0]
+    path = save_peft(LoraSpec("phoenix", seed=11), model.config, tmp_path / "phoenix")
+    admin = {"X-Admin-Token": ADMIN, "Authorization": "Bearer key-alice"}
+    load = {"lora_name": "phoenix", "lora_path": str(path)}
+    r = httpx.post(f"{app.url}/v1/load_lora_adapter", json=load, headers=admin, timeout=180)
+    assert r.status_code == 200, r.text
+    prompt = list(range(40, 72))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = generate(merged_model(model, path), prompt, params).token_ids
+    assert want != generate(model, prompt, params).token_ids  # the adapter changes the tokens
+    assert _adapter_tokens(app, "phoenix", prompt)[1] == want
+
+    names = {r.replica: r.actor_name for r in app.reports().values()}
+    victim = sorted(names)[0]
+    ray.kill(ray.get_actor(names[victim], namespace="serve"), no_restart=True)
+    replaced = lambda: set(app.replica_ids()) - set(names)  # noqa: E731
+    wait_until(lambda: len(app.replica_ids()) == 2 and replaced(), "a replacement", log=serve_log)
+    (fresh,) = replaced()
+    assert _adapter_tokens(app, "phoenix", prompt, replica=fresh)[1] == want  # loaded at start
+
+    fresh_prompts = itertools.count(1)
+
+    def routed_there() -> bool:  # a new prompt each: least-loaded, the fresh replica's tree
+        return _adapter_tokens(app, "phoenix", [next(fresh_prompts), *prompt])[0] == fresh
+
+    wait_until(routed_there, "the router sending the adapter to the replacement", log=serve_log)
+    assert _adapter_tokens(app, "phoenix", prompt)[1] == want
+
+    r = httpx.post(f"{app.url}/v1/unload_lora_adapter", json={"lora_name": "phoenix"},
+                   headers=admin, timeout=180)  # fmt: skip
+    assert r.status_code == 200, r.text
+    body = {"model": "phoenix", "prompt": prompt, "max_tokens": 2}
+    r = app.post("/v1/completions", body)
+    assert r.status_code == 404 and "phoenix" in r.json()["error"]["message"], r.text
+    assert REPLICA_HEADER not in r.headers  # answered at the ingress: no replica was asked

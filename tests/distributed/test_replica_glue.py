@@ -63,6 +63,7 @@ def test_an_adapter_has_its_own_routing_namespace():
     adapter = keys.key("/v1/completions", "Bearer key-bob", _body(prompt="x", model="sql"))
     assert base.namespace == "tenant:bob"
     assert adapter.namespace == "tenant:bob|adapter:3:sql" and adapter.tokens == base.tokens
+    assert (base.adapter, adapter.adapter) == ("", "sql")  # the router's filter reads it
 
 
 @pytest.mark.parametrize(
@@ -73,6 +74,7 @@ def test_an_adapter_has_its_own_routing_namespace():
         ("/v1/completions", "Bearer key-alice", _body(prompt=["a", ""])),  # an empty prompt
         ("/v1/chat/completions", "Bearer key-alice", _body(messages=[])),
         ("/v1/models", "Bearer key-alice", b""),
+        ("/v1/completions", "Bearer key-alice", b"[1, 2]"),  # JSON, not an object
     ],
 )
 def test_requests_the_replica_will_refuse_are_not_routed_by_prefix(path, auth, body):

@@ -1,6 +1,7 @@
 """Server and router mutants: realistic bugs of the stack above the engine, each planted in one
 app or one router instance through a declared seam (kvpage.server.seams, `Router.tree_factory`,
-`PrefixTree.touch`) or a public method — never a private name, never a module-level change.
+`Router.holders`, `PrefixTree.touch`) or a public method — never a private name, never a
+module-level change.
 The gate demands the whole-stack suite catch each one with its own attribution class."""
 
 from __future__ import annotations
@@ -163,6 +164,16 @@ def _router_bound_off_by_one(router: Router) -> None:
     replace(router, "tree_factory", lambda chunk, max_nodes: PrefixTree(chunk, max_nodes + 1))
 
 
+def _unreported_holds_everything(adapter, replicas, holdings) -> list[str]:
+    """A replica that has not reported yet (Ray just started it) counts as holding every
+    adapter: the replacement of a dead replica gets the adapter's requests before it has it."""
+    return [r for r in replicas if r not in holdings or adapter in holdings[r].adapters]
+
+
+def _router_routes_to_replica_without_adapter(router: Router) -> None:
+    replace(router, "holders", _unreported_holds_everything)
+
+
 STACK_MUTANTS: tuple[StackMutant, ...] = (
     StackMutant(
         "stop_string_within_one_chunk",
@@ -243,5 +254,13 @@ STACK_MUTANTS: tuple[StackMutant, ...] = (
         "router_policy",
         "router",
         _router_bound_off_by_one,
+    ),
+    StackMutant(
+        "router_sends_adapter_to_replica_without_it",
+        "a replica that has not reported its adapters yet counts as holding every adapter: a "
+        "request for an adapter is routed to a replica that lacks it",
+        "router_adapter",
+        "router",
+        _router_routes_to_replica_without_adapter,
     ),
 )
