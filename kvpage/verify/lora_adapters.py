@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from kvpage.config import ModelConfig
 from kvpage.lora.adapter import TARGETS, LoraAdapter, load_peft_adapter
+from kvpage.reference.lora_merge import pattern_value
 
 ALL = TARGETS
 B_STD = 0.2  # the B factors' scale: every adapter changes the greedy tokens within 2 steps, and the model stays as well conditioned as the base in 16 bits
@@ -42,6 +43,20 @@ class LoraSpec:
     rank: int = 4
     alpha: float = 8.0
     rslora: bool = False  # use_rslora: scale = alpha / sqrt(rank), not alpha / rank
+    # PEFT's rank_pattern / alpha_pattern, in the order written (the first matching key wins):
+    # (module pattern, rank or alpha) pairs
+    rank_pattern: tuple[tuple[str, int], ...] = ()
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def max_rank(self) -> int:
+        """A bound on every module's rank (max_lora_rank for this adapter)."""
+        return max((self.rank, *(rank for _, rank in self.rank_pattern)))
+
+    def module_rank(self, module_name: str) -> int:
+        """A module's rank by PEFT's rule (the reference's reading of it): rank_pattern's first
+        matching key, else `rank`. `module_name`: e.g. "model.layers.1.self_attn.v_proj"."""
+        return pattern_value(dict(self.rank_pattern), module_name, self.rank)
 
     @property
     def path(self) -> str:
@@ -65,8 +80,8 @@ class WrittenAdapter:
 
 def peft_config(spec: LoraSpec) -> dict:
     """adapter_config.json as PEFT writes it (the fields kvpage reads, and `use_rslora` always,
-    as PEFT does)."""
-    return {
+    as PEFT does; the patterns where the spec has them, in its order)."""
+    config = {
         "peft_type": "LORA",
         "r": spec.rank,
         "lora_alpha": spec.alpha,
@@ -74,6 +89,9 @@ def peft_config(spec: LoraSpec) -> dict:
         "target_modules": list(spec.targets),
         "bias": "none",
     }
+    if spec.rank_pattern or spec.alpha_pattern:
+        config.update(rank_pattern=dict(spec.rank_pattern), alpha_pattern=dict(spec.alpha_pattern))
+    return config
 
 
 def peft_tensors(spec: LoraSpec, model: ModelConfig) -> dict[str, torch.Tensor]:
@@ -90,19 +108,24 @@ def peft_tensors(spec: LoraSpec, model: ModelConfig) -> dict[str, torch.Tensor]:
         for module in spec.targets:
             fan_in, fan_out = fans[module]
             block = "self_attn" if module in _ATTENTION else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            a = torch.randn(spec.rank, fan_in, generator=g) / fan_in**0.5
-            b = torch.randn(fan_out, spec.rank, generator=g) * B_STD
+            name = f"model.layers.{layer}.{block}.{module}"
+            prefix, rank = f"base_model.model.{name}", spec.module_rank(name)
+            a = torch.randn(rank, fan_in, generator=g) / fan_in**0.5
+            b = torch.randn(fan_out, rank, generator=g) * B_STD
             tensors[f"{prefix}.lora_A.weight"] = a.contiguous()
             tensors[f"{prefix}.lora_B.weight"] = b.contiguous()
     return tensors
 
 
 def files_digest(config: dict, tensors: dict[str, torch.Tensor]) -> str:
-    """Hex SHA-256 over the config (canonical JSON) and every tensor in key order: its key, a
-    NUL and its values as little-endian float32, C order. Written here from the recipe, so a
-    loader whose digest leaves something out (the tensor bytes, a key) disagrees with it."""
+    """Hex SHA-256 over the config (canonical JSON), the order of the pattern keys where there
+    are patterns, and every tensor in key order: its key, a NUL and its values as
+    little-endian float32, C order. Written here from the recipe, so a loader whose digest
+    leaves something out (the tensor bytes, a key, the patterns' order) disagrees with it."""
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    orders = [list(config.get(k) or {}) for k in ("rank_pattern", "alpha_pattern")]
+    if any(orders):
+        digest.update(json.dumps(orders).encode())
     for key in sorted(tensors):
         values = np.ascontiguousarray(tensors[key].detach().cpu().numpy(), dtype="<f4")
         digest.update(key.encode() + b"\0" + values.tobytes())
@@ -128,7 +151,7 @@ def make_adapter(spec: LoraSpec, model: ModelConfig) -> LoraAdapter:
     themselves); its path is the spec's name for it, the directory being gone."""
     with tempfile.TemporaryDirectory(prefix="kvpage-lora-") as tmp:
         written = write_peft(spec, model, Path(tmp) / spec.name)
-        adapter = load_peft_adapter(spec.name, written.path, model, spec.rank)
+        adapter = load_peft_adapter(spec.name, written.path, model, spec.max_rank)
     adapter.path = spec.path
     return adapter
 

@@ -356,7 +356,7 @@ def lora_fields(case: Case, given: dict) -> dict:
     specs = {s.lora for s in case.requests if s.lora is not None}
     if not specs:
         return {}
-    rank = max(given.get("max_lora_rank", 1), *(s.rank for s in specs))
+    rank = max(given.get("max_lora_rank", 1), *(s.max_rank for s in specs))
     return {"enable_lora": True, "max_loras": given.get("max_loras", 2), "max_lora_rank": rank}
 
 

@@ -77,6 +77,10 @@ EXPECTED_CLASS = {
     "lora_digest_skips_tensors": "lora",
     "lora_rslora_key_misspelled": "lora",
     "lora_slot_keeps_old_factors": "lora",
+    "lora_pattern_last_key_wins": "lora",
+    "lora_module_scale_ignored": "lora",
+    # an adapter request's prompt rows from a pass without its adapter: its tokens are right
+    "lora_prompt_rows_without_adapter": "prompt_logprobs",
     # structured outputs: a constrained request's token or end leaves its grammar's
     "mask_of_neighbouring_row": "structured",
     "matcher_not_replayed_after_recompute": "structured",

@@ -34,7 +34,7 @@ def test_honest_engine_passes_every_lora_case(loaded):
     model, tokenizer = loaded
     runtime = Runtime(model, tokenizer, MODEL)
     cases = lora_cases(model.config.vocab_size)
-    assert len(cases) == 6
+    assert len(cases) == 8
     stats = {}
     for case in cases:
         result = run_case(case, runtime)
@@ -69,8 +69,8 @@ def test_each_lora_mutant_is_caught_in_the_lora_class(loaded, mutant):
     divergences = [r.first_divergence for r in results if r.first_divergence is not None]
     assert divergences, f"{mutant.name} was not caught"
     attribution = divergences[0].attribution
-    assert attribution.cls == "lora" and attribution.missing == []
-    assert set(REQUIRED_FIELDS["lora"]) <= set(attribution.fields)
+    assert attribution.cls == mutant.expected_class and attribution.missing == []
+    assert set(REQUIRED_FIELDS[mutant.expected_class]) <= set(attribution.fields)
 
 
 def test_written_adapters_load_through_the_engines_loader_with_the_verifiers_digest(loaded):

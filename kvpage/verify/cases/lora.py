@@ -2,7 +2,10 @@
 reference, the reference merging the adapter's files in its own code; no block shared across
 adapters, the same adapter shares), a reload under the same name, an adapter named like a
 tenant's salt, adapters under preemption (recompute and swap) with a parallel request, an
-rsLoRA adapter with alpha != rank, and one slot reused by an adapter with fewer targets. Every
+rsLoRA adapter with alpha != rank, one slot reused by an adapter with fewer targets, an adapter
+with per-module ranks and alphas (rank_pattern, alpha_pattern), and prompt logprobs of adapter
+requests (each row against the adapter's merged reference, kept rows served to a hit of the
+same adapter only). Every
 request states how many cached tokens it must get: an adapter left out of the key would share
 KV silently where two adapters agree on a token.
 
@@ -33,12 +36,28 @@ RS = LoraSpec("rs", seed=104, rank=8, alpha=16.0, rslora=True)
 # Fewer targets than A, to follow A in A's slot (max_loras=1): A's other five projections must
 # not stay behind in the slot
 QV = LoraSpec("qv", seed=105, targets=("q_proj", "v_proj"), rank=2, alpha=6.0)
+# Per-module ranks and alphas (PEFT's rank_pattern / alpha_pattern, first matching key wins):
+# v_proj rank 6 in layer 1, 3 in layer 0, down_proj 8, the rest 2; layer 0's q_proj alpha 24
+# (the specific key first), every other q_proj 1 (a reader that lets the last key win scales
+# layer 0's q_proj by 1 / 2 where 24 / 2 is due), the rest 4.
+PAT = LoraSpec(
+    "pat",
+    seed=106,
+    rank=2,
+    alpha=4.0,
+    rank_pattern=(
+        ("layers.1.self_attn.v_proj", 6),
+        ("layers.0.self_attn.v_proj", 3),
+        ("down_proj", 8),
+    ),
+    alpha_pattern=(("layers.0.self_attn.q_proj", 24.0), ("q_proj", 1.0)),
+)
 
 
 def lora_cases(vocab: int) -> list[Case]:
     t = Tokens(vocab, seed=2500)
     cases = [_mixed(t), _reload(t), _named_like_a_salt(t), _preempted(t)]
-    return cases + [_rslora(t), _slot_reused(t)]
+    return cases + [_rslora(t), _slot_reused(t), _patterns(t), _prompt_rows(t)]
 
 
 @dataclass(slots=True)
@@ -207,3 +226,38 @@ def _slot_reused(t: Tokens) -> Case:
     )
     what = "one adapter slot reused by an adapter with fewer targets"
     return Case(SUITE, what, specs, _pool(max_loras=1), expect_hit_tokens=hits)
+
+
+def _patterns(t: Tokens) -> Case:
+    """The pattern adapter beside A and the base model, then again from its own blocks."""
+    prompt, full = t.take(2 * B + 5), 2 * B
+    specs, hits = _one_prompt(
+        prompt,
+        [("pat.1", PAT, 0, 0), ("a", A, 0, 0), ("base", None, 0, 0), ("pat.2", PAT, 8, full)],
+    )
+    what = "an adapter with per-module ranks and alphas (rank_pattern, alpha_pattern)"
+    return Case(SUITE, what, specs, _pool(), expect_hit_tokens=hits)
+
+
+def _scored(k: int) -> SamplingParams:
+    return SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=k)
+
+
+def _prompt_rows(t: Tokens) -> Case:
+    """Prompt logprobs of base, A and BB on one prompt in one step (each row checked against
+    its own reference: kvpage.verify.cases.prompt_logprobs.check_prompt_logprobs); then A and
+    the base again, each hitting its own blocks and served the rows kept with them, and BB
+    asking for more rows than it kept (no hit: rows must be computed)."""
+    prompt, full = t.take(3 * B + 2), 3 * B
+    rows = [
+        ("rows.base", None, 0, 0, 2),
+        ("rows.a", A, 0, 0, 2),
+        ("rows.b", BB, 0, 0, 3),
+        ("rows.a.2", A, 10, full, 2),
+        ("rows.base.2", None, 10, full, 1),
+        ("rows.b.2", BB, 10, 0, 5),
+    ]
+    specs = [RequestSpec(rid, prompt, _scored(k), at, lora=lora) for rid, lora, at, _, k in rows]
+    hits = {rid: n for rid, _, _, n, _ in rows}
+    what = "prompt logprobs with adapters, then served from each adapter's kept rows"
+    return Case(SUITE, what, specs, _pool(), expect_hit_tokens=hits)

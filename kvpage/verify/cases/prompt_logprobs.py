@@ -131,6 +131,8 @@ def check_prompt_logprobs(
         problem = _first_difference(expected, out.prompt_logprobs, spec.prompt, exact, k, atol)
         if problem is not None:
             position, reason, want, got = problem
+            if ref_model is not model and _rows_match(model, spec, out, kv_cache_dtype):
+                reason += "; the rows are the base model's: the adapter left out of the prompt pass"
             fields = {
                 "position": position,
                 "token": spec.prompt[position] if position < len(spec.prompt) else -1,
@@ -143,6 +145,16 @@ def check_prompt_logprobs(
             message = f"{spec.request_id} prompt position {position}: {reason}"
             failures.append(Failure("divergence", message, spec.request_id, div))
     return failures
+
+
+def _rows_match(model, spec, out: RequestOutput, kv_cache_dtype: str) -> bool:
+    """Whether an adapter request's rows pass as `model`'s (the base model's) rows."""
+    k = spec.params.prompt_logprobs
+    expected = prompt_logprobs(model, spec.prompt, k, kv_cache_dtype)
+    exact, scale = reference_prompt_logprobs(model, spec.prompt, kv_cache_dtype)
+    atol = logit_atol(kv_cache_dtype, model.dtype, scale)
+    got = out.prompt_logprobs
+    return _first_difference(expected, got, spec.prompt, exact, k, atol) is None
 
 
 def reference_prompt_logprobs(

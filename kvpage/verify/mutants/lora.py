@@ -5,19 +5,25 @@ applied to the wrong rows of a mixed batch, and a wrong scale; and in how the en
 adapter and reuses its slot: a digest that skips the tensor bytes (a reload under the same name
 with other weights is served the old namespace's blocks), rsLoRA read from a misspelled key
 (alpha / r where alpha / sqrt(r) was asked for), and a slot reused by an adapter with fewer
-targets keeping its previous adapter's factors for the others. Each replaces a declared seam."""
+targets keeping its previous adapter's factors for the others. Per-module ranks and alphas read
+with the last matching pattern key winning, or every module scaled by the config's own alpha / r;
+and prompt logprobs scored by a pass that leaves the adapters out (an adapter request's prompt
+rows are the base model's, its tokens right). Each replaces a declared seam (the last also wraps
+the runner's public `run`)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+import re
+from dataclasses import replace as replaced
 
 import torch
 
 from kvpage.engine.engine import LLMEngine
 from kvpage.lora.apply import AdapterRows, LoraBatch
-from kvpage.verify.mutants.base import mutant_table, plant
+from kvpage.verify.mutants.base import Mutant, bind, mutant_table, plant
 
 
 def adapter_left_out(engine: LLMEngine) -> None:
@@ -111,6 +117,65 @@ def slot_keeps_old_factors(engine: LLMEngine) -> None:
     plant(engine, "lora_tables.clear_slot", clear_slot)
 
 
+def pattern_last_key_wins(engine: LLMEngine) -> None:
+    """rank_pattern / alpha_pattern matched by every key in turn, the last match kept (a loop
+    without its break): a module two keys match gets the general key's value."""
+    if engine.lora_slots is None:
+        return
+
+    def pattern_key(self, keys, module):
+        found = None
+        for key in keys:
+            if re.match(rf"(.*\.)?({key})$", module):
+                found = key
+        return found
+
+    plant(engine, "lora_reader.pattern_key", pattern_key)
+
+
+def module_scale_ignored(engine: LLMEngine) -> None:
+    """Every module's B scaled by the config's lora_alpha / r: alpha_pattern and rank_pattern
+    change the factors' shapes but never their scale."""
+    if engine.lora_slots is None:
+        return
+    honest = engine.lora_slots.factors
+
+    def factors(self, adapter):
+        return {
+            where: (a, b * (adapter.scale / adapter.scale_of(where)))
+            for where, (a, b) in honest(adapter).items()
+        }
+
+    plant(engine, "lora.factors", factors)
+
+
+def prompt_rows_without_adapter(engine: LLMEngine) -> None:
+    """A step that scores an adapter request's prompt rows takes them from a pass with no
+    adapter rows (the prompt rows' LoRA mapping forgotten), then runs the step as it should
+    (its KV written again with the adapters, its sampled tokens right)."""
+    if engine.lora_slots is None:
+        return
+    runner = engine.runner
+    honest_rows, honest_run = runner.adapter_rows, runner.run
+    base_pass = [False]
+
+    def adapter_rows(self, batch):
+        return None if base_pass[0] else honest_rows(batch)
+
+    def run(self, batch):
+        if all(rows.seq.lora is None for rows in batch.prompt_rows):
+            return honest_run(batch)
+        base_pass[0] = True
+        try:
+            base = honest_run(batch)
+        finally:
+            base_pass[0] = False
+        return replaced(honest_run(batch), prompt_logits=base.prompt_logits)
+
+    plant(engine, "runner.adapter_rows", adapter_rows)
+    bind(runner, "run", run)
+
+
 LORA_MUTANTS = mutant_table(
     "lora",
     (
@@ -146,6 +211,26 @@ LORA_MUTANTS = mutant_table(
             "a reused slot keeps the previous adapter's factors for projections it lacks",
             slot_keeps_old_factors,
         ),
+        (
+            "lora_pattern_last_key_wins",
+            "rank_pattern / alpha_pattern: the last matching key wins, not the first",
+            pattern_last_key_wins,
+        ),
+        (
+            "lora_module_scale_ignored",
+            "every module scaled by lora_alpha / r, its own rank and alpha ignored",
+            module_scale_ignored,
+        ),
     ),
     suites=("lora",),
+)
+# Caught by the lora suite's prompt-logprob rows: a prompt_logprobs finding.
+LORA_MUTANTS += (
+    Mutant(
+        "lora_prompt_rows_without_adapter",
+        "an adapter request's prompt logprobs computed without the adapter",
+        "prompt_logprobs",
+        prompt_rows_without_adapter,
+        suites=("lora",),
+    ),
 )
