@@ -27,7 +27,8 @@ from kvpage import LLMEngine, LoRARequest, SamplingParams
 from kvpage.config import EngineConfig
 from kvpage.reference.generator import generate
 from kvpage.reference.lora_merge import merged_model
-from kvpage.verify.lora_adapters import LoraSpec, make_adapter
+from kvpage.lora.adapter import load_peft_adapter
+from kvpage.verify.lora_adapters import AdapterFiles, LoraSpec
 
 MODES = ("base-only", "lora-on-unused", "mixed")
 
@@ -93,7 +94,11 @@ def main() -> None:
         LoraSpec(f"a{i}", seed=900 + i, rank=args.rank, alpha=2.0 * args.rank)
         for i in range(args.adapters)
     ]
-    adapters = [make_adapter(s, model.config) for s in specs]
+    files = AdapterFiles(model.config)  # PEFT directories, for the reference to read
+    written = [files(s) for s in specs]
+    adapters = [
+        load_peft_adapter(s.name, w.path, model.config, s.rank) for s, w in zip(specs, written)
+    ]
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(3, 32000) for _ in range(args.prompt)] for _ in range(args.requests)]
     times = {m: [] for m in MODES}

@@ -151,7 +151,7 @@ class ModelRunner:
             resident = self.lora_slots.resident[adapters[key].identity]
             index = None if len(own) == total else torch.tensor(own, device=self.device)
             groups.append(AdapterRows(resident, index))
-        return LoraBatch(groups)
+        return LoraBatch(groups, total)
 
     def _prompt_logits(self, hidden: torch.Tensor, prompt_rows: list[PromptRows]) -> torch.Tensor:
         rows = [r for p in prompt_rows for r in range(p.first_row, p.first_row + p.count)]

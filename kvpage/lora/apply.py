@@ -1,7 +1,13 @@
 """The low-rank products of one step's mixed batch, computed over the stacked slot tables
 (kvpage.lora.tables): per projection, t = x @ A^T of every slot, masked so each row keeps only
-its own adapter's columns, then y + t @ (scale B^T of every slot). Three ops per projection for
-any mix of adapters and the base model: no loop over rows, none over adapters."""
+its own adapter's columns, then y += t @ (scale B^T of every slot). Three ops per projection for
+any mix of adapters and the base model: no loop over rows, none over adapters.
+
+The delta is added in place through native_build.call, reading the step's mask and the tables
+when it runs: a decode tape (kvpage.model.decode_tape) records it as one call and replays it on
+later steps with their own mix of adapters, and with the tables as the slots hold them then (a
+tape's own copies would go stale when an adapter is loaded). The mask is therefore built when
+the step's rows are set (`use_rows` with the row count), not by the first projection."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import torch
 
 from kvpage.lora.slots import ResidentAdapter
 from kvpage.lora.tables import SlotTables
+from kvpage.model import native_build
 
 SlotRows = list[tuple[int, torch.Tensor | None]]  # (slot, its rows (n,) long; None: every row)
 
@@ -25,12 +32,13 @@ class AdapterRows:
 @dataclass(slots=True)
 class LoraBatch:
     groups: list[AdapterRows]
+    num_rows: int | None = None  # the pass's rows; None: the mask waits for the first projection
 
 
 @dataclass(slots=True)
 class StepRows:
     """What a forward pass needs of its batch's adapters: the slots and their rows, and the
-    row mask, built at the pass's first projection (its row count is known there)."""
+    row mask (built with the rows when their count is given, else at the first projection)."""
 
     slot_rows: SlotRows
     mask: torch.Tensor | None = None
@@ -56,28 +64,60 @@ class LoraContext:
     @batch.setter
     def batch(self, batch: LoraBatch | None) -> None:
         rows = None if batch is None else [(g.adapter.slot, g.rows) for g in batch.groups]
-        self.use_rows(rows)
+        self.use_rows(rows, None if batch is None else batch.num_rows)
 
-    def use_rows(self, slot_rows: SlotRows | None) -> None:
-        self._local.batch = None if slot_rows is None else StepRows(slot_rows)
+    def use_rows(self, slot_rows: SlotRows | None, num_rows: int | None = None) -> None:
+        if slot_rows is None:
+            self._local.batch = None
+            return
+        mask = None if num_rows is None else self.tables.row_mask(slot_rows, num_rows)
+        self._local.batch = StepRows(slot_rows, mask)
+
+    @property
+    def replayable(self) -> bool:
+        """Whether a decode tape may record this pass's deltas: its mask is built already (a
+        replay runs no projection that could build it)."""
+        step = self.batch
+        return step is not None and step.mask is not None
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y = base(x) for the batch's rows -> y plus each row's adapter delta."""
         return y if module in self.inside else self.delta(layer, module, x, y)
 
     def delta(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y plus each row's adapter delta: a new tensor, or y itself with the delta added in
+        place while a decode tape records (the recorded call then adds it on every replay)."""
+        if self.batch is None:
+            return y
+        if native_build.is_recording():
+            native_build.call(self.add_delta, layer, module, x, y)
+            return y
+        out = self.with_delta(layer, module, x, y)
+        return y if out is None else out
+
+    def add_delta(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += the delta, from the tables and the step's mask as they are when it runs."""
+        out = self.with_delta(layer, module, x, y)
+        if out is not None:
+            y.copy_(out)
+
+    def with_delta(
+        self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor
+    ) -> torch.Tensor | None:
+        """y plus every row's adapter delta for (layer, module), a new tensor; None where no
+        row has an adapter or no resident adapter targets this projection."""
         step = self.batch
         tables = self.tables.stacks.get((layer, module))
         if step is None or tables is None:
-            return y  # no adapter rows, or no resident adapter targets this projection
+            return None
         if step.mask is None:
             step.mask = self.tables.row_mask(step.slot_rows, x.shape[0])
         packed = self.tables.packed.get((layer, module))
         if packed is not None and x.dtype == self.tables.dtype and x.is_cpu:
             a_packed, b_packed = packed
-            t = torch.ops.mkldnn._linear_pointwise(x, a_packed, None, "none", [], "")
-            t = torch.ops.mkldnn._linear_pointwise(t * step.mask, b_packed, None, "none", [], "")
-            return y + t
+            # (x A^T) * mask as one oneDNN call (its binary post-op), then y + t B^T as another
+            t = torch.ops.mkldnn._linear_pointwise.binary(x, step.mask, a_packed, None, "mul")
+            return torch.ops.mkldnn._linear_pointwise.binary(t, y, b_packed, None, "add")
         a_stack, b_stack = tables
         if x.dtype != a_stack.dtype:  # a 16-bit model: the delta in float32, one rounding
             t = (x.to(a_stack.dtype) @ a_stack) * step.mask

@@ -25,7 +25,8 @@ a switch over the kernels' signatures), the others from Python between them.
 The recording step's own result is the module forward's, computed on the same inputs.
 
 `DecodeTape.takes(x, attn)` says per step whether it runs: a decode-only paged step (KV in one
-group or in layer groups), the pool in the model's dtype, no adapter rows, no module hooks, no autograd.
+group or in layer groups), the pool in the model's dtype, adapter rows only with their
+mask built (kvpage.lora.apply), no module hooks, no autograd.
 finalize (kvpage.model.kernels) builds it with every fast path on ("decode_plan"), and again
 when the weights change."""
 
@@ -334,7 +335,7 @@ class DecodeTape:
                 return False
             if not storage.use_native or storage.data.dtype != x.dtype:
                 return False
-        if self._hooked() or self._adapters():
+        if self._hooked() or not self._replayable_adapters():
             return False
         return self._tapes.get(self._key(x, attn), True) is not None
 
@@ -366,11 +367,11 @@ class DecodeTape:
         """The tapes recorded so far (refused row counts have none)."""
         return [t for t in self._tapes.values() if t is not None]
 
-    @staticmethod
-    def _key(x: torch.Tensor, attn) -> tuple:
+    def _key(self, x: torch.Tensor, attn) -> tuple:
         data = _backends(attn)[0].storage.data
         mode = torch.is_inference_mode_enabled()
-        return (x.shape[0], x.dtype, data.data_ptr(), data.shape, torch.get_num_threads(), mode)
+        threads = torch.get_num_threads()
+        return (x.shape[0], x.dtype, data.data_ptr(), data.shape, threads, mode, self._adapters())
 
     def _hooked(self) -> bool:
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
@@ -378,4 +379,11 @@ class DecodeTape:
         return any(self._hook_dicts)
 
     def _adapters(self) -> bool:
+        """Whether the step has adapter rows: its tape records the LoRA deltas' calls (a
+        tape of its row count without adapter rows has none)."""
         return any(m.lora is not None and m.lora.batch is not None for m in self._lora)
+
+    def _replayable_adapters(self) -> bool:
+        """No adapter rows, or their deltas recordable (kvpage.lora.apply: the mask built)."""
+        contexts = {id(m.lora): m.lora for m in self._lora if m.lora is not None}
+        return all(c.batch is None or c.replayable for c in contexts.values())

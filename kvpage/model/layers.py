@@ -181,7 +181,7 @@ class SwiGLU(nn.Module):
             return self.down(self._gated_mul(gate, up))[0]
         gate = lora.apply(self.layer, "gate_proj", x, gate)
         up = lora.apply(self.layer, "up_proj", x, up)
-        hidden = self.activation(gate) * up
+        hidden = self._gated_mul(gate, up)  # its native pass too: a decode tape records it
         return lora.apply(self.layer, "down_proj", hidden, self.down(hidden)[0])
 
     def bind_kernels(self, choice: KernelChoice) -> None:

@@ -132,7 +132,7 @@ class Shard:
 
     def step(self, cmd: Step) -> None:
         if self.lora is not None:
-            self.lora.use_rows(cmd.lora_rows)
+            self.lora.use_rows(cmd.lora_rows, cmd.ids_pos.shape[1])
         try:
             self.model(cmd.ids_pos[0], cmd.ids_pos[1], paged_backend(self.storage, cmd.meta))
         finally:
