@@ -20,7 +20,13 @@ adapter's name and directory (a reload moves it to the end: entries keep load or
 unload succeeds on any, a tombstone under the name, so an adapter given by --lora-modules that
 an operator unloaded is unloaded again on a new replica instead of coming back with it. Only
 what the replicas accepted is recorded: a request the replicas refuse (no admin token, a bad
-directory) never reaches the record."""
+directory) never reaches the record.
+
+A replica that starts while a load is broadcast: it reads the record again at the end of its
+replay for as long as the record changes, and the ingress sends a recorded load or unload to any
+replica the router lists that the broadcast did not reach. What is left is a replica that read
+the record before the change and goes live only after that check: it lacks the adapter, says so
+in its holdings, and is never sent the adapter's requests."""
 
 from __future__ import annotations
 

@@ -57,6 +57,7 @@ _FAN_OUT_TIMEOUT_S = 30.0  # a replica that does not answer a /metrics broadcast
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 EVERY_REPLICA = frozenset({("POST", LOAD), ("POST", UNLOAD)})
 _CONTROL_TIMEOUT_S = 120.0  # a load reads the adapter's weights on every replica
+_REPLAY_ROUNDS = 3  # a starting replica reads the adapter record again if it changed meanwhile
 # Ray's own telemetry would try to reach the network; the dashboard is not needed to serve.
 # Set before Ray starts (its processes inherit them). Quiet: no usage stats, no Docker warning.
 # Patient: Ray Serve gives its HTTP proxy 5 s to answer a ready check and 10 s a health check,
@@ -126,17 +127,27 @@ class EngineReplica:
         not fatal: the replica serves the rest, its holdings leave the adapter out (so the
         router never sends it that adapter's requests) and name it under `failed`, which the
         ingress's /health reports."""
+        applied: list[tuple[str, str | None]] = []
+        for _ in range(_REPLAY_ROUNDS):  # again while the record changes under the replay
+            entries = await record.call("entries")
+            todo = [entry for entry in entries if entry not in applied]
+            if not todo:
+                return
+            for name, path in todo:
+                await self._apply(name, path)
+            applied = entries
+
+    async def _apply(self, name: str, path: str | None) -> None:
         from kvpage.server.admin import load_adapter, unload_adapter
 
-        for name, path in await record.call("entries"):
-            try:
-                if path is not None:
-                    await load_adapter(self.state, name, path)
-                elif name in await self.state.loop.call(lambda: self.state.adapter_names):
-                    await unload_adapter(self.state, name)
-            except ApiError as err:
-                self.failed[name] = err.message
-                log.error("replica %s: adapter %r not loaded at start: %s", self.name, name, err)
+        try:
+            if path is not None:
+                await load_adapter(self.state, name, path)
+            elif name in await self.state.loop.call(lambda: self.state.adapter_names):
+                await unload_adapter(self.state, name)
+        except ApiError as err:
+            self.failed[name] = err.message
+            log.error("replica %s: adapter %r not loaded at start: %s", self.name, name, err)
 
     async def http(self, call: HttpCall) -> AsyncIterator[ResponseStart | bytes]:
         async for piece in call_asgi(self.app, call, self.name):
@@ -316,6 +327,8 @@ class IngressCore:
                 "the change holds on every live replica but was not recorded "
                 "(the adapter record is unreachable): a replica started later lacks it",
             )
+        if everyone and statuses == {200}:
+            await self._catch_up(call, {name for name, _, _, _ in answered})
         names = ",".join(name for name, _, _, _ in answered)
         if len(statuses) == 1 and everyone:
             _, _, body, _ = next(r for r in answered if r[1] in statuses)
@@ -327,6 +340,20 @@ class IngressCore:
             for name, status, body, _ in answered
         )
         return _error(502, f"the replicas disagree ({lost} did not answer): {said}")
+
+    async def _catch_up(self, call: HttpCall, answered: set[str]) -> None:
+        """`call` to each replica the router lists now that the broadcast did not reach: one
+        that went live during it, after its start-up read of the record (a load that does not
+        reach it leaves it out of the adapter's holders: fewer holders, never a wrong one)."""
+        router = self._registered()
+        for replica in [] if router is None else sorted(set(router.replica_ids()) - answered):
+            try:
+                async with asyncio.timeout(_CONTROL_TIMEOUT_S):  # a pinned call waits for it
+                    reply = await self.engines.control.remote(replace(call, pin=replica))
+            except (RayError, TimeoutError) as err:
+                log.warning("replica %s missed %s: %s", replica, call.path, err)
+                continue
+            router.report(reply[0], reply[3])
 
     async def _record(self, call: HttpCall, statuses: set[int], everyone: bool) -> bool:
         """A load every live replica accepted, or an unload, into the record; False if the

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -295,24 +296,32 @@ def _adapter_tokens(app, model: str, prompt: list[int], replica: str | None = No
     return r.headers[REPLICA_HEADER], r.json()["choices"][0]["token_ids"]
 
 
+def _admin(app, path: str, body: dict) -> httpx.Response:
+    headers = {"X-Admin-Token": ADMIN, "Authorization": "Bearer key-alice"}
+    return httpx.post(f"{app.url}{path}", json=body, headers=headers, timeout=180)
+
+
 def test_a_replica_started_after_a_run_time_load_serves_the_adapter(apps, tmp_path):
-    """A replica killed after a run-time load is replaced; its replacement loads the adapter
-    from the application's record before it is ready, and gives the adapter's tokens: those
-    of the reference generator on the base with the adapter merged (kvpage.reference), not
-    the base's. The router reaches it for the adapter once it reports holding it; after an
-    unload no replica holds it and the ingress answers 404 itself."""
+    """A replica killed after run-time loads is replaced; its replacement loads the adapters
+    from the application's record before it is ready and gives an adapter's tokens: those of
+    the reference generator on the base with the adapter merged (kvpage.reference), not the
+    base's. The router reaches it for that adapter once it reports holding it. An adapter
+    whose directory is gone by then fails to load there: /health names it, and the router
+    sends its requests to the survivor only. After an unload no replica holds an adapter and
+    the ingress answers 404 itself."""
     app = apps["prefix"]
     model = load_model(MODEL)[0]
-    path = save_peft(LoraSpec("phoenix", seed=11), model.config, tmp_path / "phoenix")
-    admin = {"X-Admin-Token": ADMIN, "Authorization": "Bearer key-alice"}
-    load = {"lora_name": "phoenix", "lora_path": str(path)}
-    r = httpx.post(f"{app.url}/v1/load_lora_adapter", json=load, headers=admin, timeout=180)
-    assert r.status_code == 200, r.text
     prompt = list(range(40, 72))
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    want = generate(merged_model(model, path), prompt, params).token_ids
-    assert want != generate(model, prompt, params).token_ids  # the adapter changes the tokens
-    assert _adapter_tokens(app, "phoenix", prompt)[1] == want
+    want = {}
+    for name, seed in (("phoenix", 11), ("ash", 12)):
+        path = save_peft(LoraSpec(name, seed=seed), model.config, tmp_path / name)
+        r = _admin(app, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        assert r.status_code == 200, r.text
+        want[name] = generate(merged_model(model, path), prompt, params).token_ids
+        assert want[name] != generate(model, prompt, params).token_ids  # the adapter matters
+        assert _adapter_tokens(app, name, prompt)[1] == want[name]
+    shutil.rmtree(tmp_path / "ash")  # held in memory by the live replicas, gone for a new one
 
     names = {r.replica: r.actor_name for r in app.reports().values()}
     victim = sorted(names)[0]
@@ -320,20 +329,31 @@ def test_a_replica_started_after_a_run_time_load_serves_the_adapter(apps, tmp_pa
     replaced = lambda: set(app.replica_ids()) - set(names)  # noqa: E731
     wait_until(lambda: len(app.replica_ids()) == 2 and replaced(), "a replacement", log=serve_log)
     (fresh,) = replaced()
-    assert _adapter_tokens(app, "phoenix", prompt, replica=fresh)[1] == want  # loaded at start
+    (survivor,) = set(names) - {victim}
+    assert _adapter_tokens(app, "phoenix", prompt, fresh)[1] == want["phoenix"]  # at start
 
-    fresh_prompts = itertools.count(1)
+    fresh_prompts = itertools.count(1)  # a new prompt each: least-loaded, the fresh one's tree
 
-    def routed_there() -> bool:  # a new prompt each: least-loaded, the fresh replica's tree
+    def routed_there() -> bool:
         return _adapter_tokens(app, "phoenix", [next(fresh_prompts), *prompt])[0] == fresh
 
     wait_until(routed_there, "the router sending the adapter to the replacement", log=serve_log)
-    assert _adapter_tokens(app, "phoenix", prompt)[1] == want
+    health = httpx.get(f"{app.url}/health", timeout=60).json()
+    assert health["status"] == "degraded", health
+    assert set(health["adapter_failures"]) == {fresh}
+    assert "ash" in health["adapter_failures"][fresh], health
+    status, reply = app.post_to(fresh, "/v1/completions", {"model": "ash", "prompt": prompt},
+                                "key-alice")  # fmt: skip
+    assert status == 404, reply  # the failed adapter is not served there
+    for _ in range(4):  # new prompts would go to the fresh replica but for the filter
+        seen, tokens = _adapter_tokens(app, "ash", [next(fresh_prompts), *prompt])
+        assert seen == survivor
+    assert _adapter_tokens(app, "ash", prompt)[1] == want["ash"]
 
-    r = httpx.post(f"{app.url}/v1/unload_lora_adapter", json={"lora_name": "phoenix"},
-                   headers=admin, timeout=180)  # fmt: skip
-    assert r.status_code == 200, r.text
-    body = {"model": "phoenix", "prompt": prompt, "max_tokens": 2}
-    r = app.post("/v1/completions", body)
+    for name in want:  # ash: 200 on the survivor, 404 on the fresh replica (never had it)
+        r = _admin(app, "/v1/unload_lora_adapter", {"lora_name": name})
+        assert r.status_code == 200, r.text
+    assert httpx.get(f"{app.url}/health", timeout=60).json()["status"] == "ok"
+    r = app.post("/v1/completions", {"model": "phoenix", "prompt": prompt, "max_tokens": 2})
     assert r.status_code == 404 and "phoenix" in r.json()["error"]["message"], r.text
     assert REPLICA_HEADER not in r.headers  # answered at the ingress: no replica was asked
