@@ -248,10 +248,13 @@ class GatePlan:
         return self.engine.get("kv_cache_dtype", "auto")
 
     def wants(self, mutant: Mutant, formats: tuple[str, ...] | None = None) -> bool:
-        """`formats`: the KV formats the cases run in (default: the pool's and the copies')."""
+        """`formats`: the KV formats the cases run in (default: the pool's and the copies'). A
+        mutant bound to a weight format runs only on those weights (Mutant.weights)."""
         if self.mutants is False:
             return False
         if self.mutants is not True and mutant.name not in self.mutants:
+            return False
+        if mutant.weights not in (None, self.engine.get("quantization", "none")):
             return False
         formats = (*self.kv_cache_dtypes, self.pool_kv_dtype) if formats is None else formats
         return mutant.kv_cache_dtype in (None, *formats)

@@ -13,7 +13,9 @@ have always been measured. Running it again on another model or dtype would repe
 verdicts at the cost of minutes. The exception is a bug bound to a KV format (its `kv_cache_dtype`):
 it exists only where the pool is in that format, so it runs where that format is exercised —
 the main cell's int8 copies by default, and in the full matrix also the cell whose whole pool is
-in that format ("format" below). The other cells are there for what mutants cannot show: code
+in that format ("format" below). A bug bound to int8 weights (Mutant.weights: the LoRA delta
+scaled by the weight scales) runs likewise on the int8-weights cell, the only one whose
+projections have scales. The other cells are there for what mutants cannot show: code
 paths that exist only at head_dim 64, with biases, in 16-bit compute, in another KV format or
 split over two ranks, each checked against the contiguous reference by every case.
 
@@ -35,6 +37,9 @@ first and the others fill the second lane beside it. Seconds per cell from `time
   tiny-qwen2/float32/kv-int8/tp2       batching                                  none         5.7
   tiny-qwen2/float32/w-int8/kv-auto/tp1  batching, preemption                    none         4.9
                                        (added later, timed alone at load ~1.7, not in the total)
+                                       + lora, with its int8 mutant ("format"): +11 s at load
+                                       ~7 (37.1 -> 48.1 s back to back; lora's 8 cases 7.2 s,
+                                       the mutant 0.7 s, the model stage's adapters the rest)
   tiny-hybrid/float32/kv-auto/tp1      layer_groups                              the 4       4.5
                                        (added with per-layer-group KV: 4 cases and its 4 mutants,
                                        each caught by the first case; from a `time make run` at
@@ -83,7 +88,8 @@ DEFAULT_SCENARIOS = 60
 @dataclass(frozen=True, slots=True)
 class Cell:
     """One configuration and the parts of the gate run in it. `mutants`: "all" (every mutant
-    the cell's formats allow), "format" (only those bound to the cell's KV formats), "none".
+    the cell's formats allow), "format" (only those bound to the cell's KV formats or its
+    weight format), "none".
     `kv_copies`: quantized formats the prefix, batching and preemption suites run in again
     (the pool itself stays in `kv_cache_dtype`)."""
 
@@ -157,7 +163,9 @@ class Cell:
         if self.mutants == "groups":
             return tuple(m.name for m in LAYER_GROUP_MUTANTS)
         formats = (self.kv_cache_dtype, *self.kv_copies)
-        return tuple(m.name for m in MUTANTS if m.kv_cache_dtype in formats)
+        return tuple(
+            m.name for m in MUTANTS if m.kv_cache_dtype in formats or m.weights == self.quantization
+        )
 
 
 MAIN = Cell("builtin:tiny-llama", mutants="all", kv_copies=("int8",), model_check="full")
@@ -219,7 +227,11 @@ HYBRID = Cell("builtin:tiny-hybrid", suites=("layer_groups",), mutants="groups")
 # non-square q/o; the suites whose steps pack many rows (prefill chunks beside decodes, re-prefill
 # after preemption) through the same weights. Not prefix: 12 cases, 15 of the cell's 20 s (the
 # float32 int8 kernel is slow at more than one row), and a prefix hit reads KV, not weights.
-INT8_WEIGHTS = Cell(QWEN2, quantization="int8", suites=("batching", "preemption"))
+# LoRA on int8 weights: the lora suite against the reference's merge on the dequantised weights
+# (kvpage.reference.lora_merge), and the mutants bound to int8 weights ("format").
+INT8_WEIGHTS = Cell(
+    QWEN2, quantization="int8", suites=("batching", "preemption", "lora"), mutants="format"
+)
 # The same weights with the weight GEMV off: where it takes every row count (AVX-512), the
 # widened int8 tiles (kvpage.model.widened) would otherwise never run in the gate.
 INT8_WIDENED = Cell(

@@ -77,6 +77,7 @@ EXPECTED_CLASS = {
     "lora_digest_skips_tensors": "lora",
     "lora_rslora_key_misspelled": "lora",
     "lora_slot_keeps_old_factors": "lora",
+    "lora_int8_delta_times_scales": "lora",  # int8 weights only (INT8_WEIGHT_MUTANTS)
     "lora_pattern_last_key_wins": "lora",
     "lora_module_scale_ignored": "lora",
     # an adapter request's prompt rows from a pass without its adapter: its tokens are right
@@ -96,6 +97,10 @@ EXPECTED_CLASS = {
     "acceptance_without_min": "speculative",
     "resample_from_p": "speculative",
 }
+# Mutants bound to int8 weights (Mutant.weights): the release gate's float model never runs them
+# (GatePlan.wants); a gate on int8 weights with their suites does, as the matrix's int8-weights
+# cell (kvpage.verify.matrix.INT8_WEIGHTS).
+INT8_WEIGHT_MUTANTS = {"lora_int8_delta_times_scales": ("lora",)}
 STEP_PAIR_CLASSES = {"block_table", "prefix_key", "restore", "sampling", "quantized_kv"}
 STEP_PAIR_CLASSES |= {"structured"}
 SUITES = {
@@ -127,19 +132,44 @@ def gate(release_gate, tmp_path_factory):
     return release_gate, write_reports(release_gate, directory), directory
 
 
+@pytest.fixture(scope="module")
+def int8_weights_gate(tmp_path_factory):
+    from kvpage.verify.gate import run_gate
+
+    suites = tuple(sorted({s for names in INT8_WEIGHT_MUTANTS.values() for s in names}))
+    result = run_gate(
+        "builtin:tiny-qwen2",
+        suites,
+        mutants=tuple(INT8_WEIGHT_MUTANTS),
+        progress=False,
+        engine={"quantization": "int8"},
+    )
+    directory = tmp_path_factory.mktemp("gate_int8")
+    return result, write_reports(result, directory), directory
+
+
 def test_gate_passes_on_the_engine(gate):
     result, data, _ = gate
     failed = [(c.case, [f.message for f in c.failures]) for c in result.cases if not c.passed]
     assert not failed
     assert data["passed"] is True and data["mutation_score"] == 1.0
     assert set(data["suites"]) == SUITES
-    assert set(data["mutants"]) >= set(EXPECTED_CLASS)
+    assert set(data["mutants"]) >= set(EXPECTED_CLASS) - set(INT8_WEIGHT_MUTANTS)
+    assert not set(data["mutants"]) & set(INT8_WEIGHT_MUTANTS)  # float weights: not run
     assert all(s["failures"] == 0 and s["cases"] > 0 for s in data["suites"].values())
 
 
+def test_int8_weight_mutants_run_on_int8_weights(int8_weights_gate):
+    result, data, _ = int8_weights_gate
+    assert not [c.case for c in result.cases if not c.passed]
+    assert set(data["mutants"]) == set(INT8_WEIGHT_MUTANTS)
+    assert data["passed"] is True and data["mutation_score"] == 1.0
+
+
 @pytest.mark.parametrize("name", sorted(EXPECTED_CLASS))
-def test_each_mutant_caught_and_attributed(gate, name):
-    _, data, _ = gate
+def test_each_mutant_caught_and_attributed(request, name):
+    fixture = "int8_weights_gate" if name in INT8_WEIGHT_MUTANTS else "gate"
+    _, data, _ = request.getfixturevalue(fixture)
     m = data["mutants"][name]
     assert m["caught"], f"{name} escaped every suite"
     d = m["first_divergence"]

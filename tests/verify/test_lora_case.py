@@ -57,14 +57,17 @@ def test_the_adapters_change_what_the_model_says(loaded):
 
 @pytest.mark.parametrize("mutant", LORA_MUTANTS, ids=lambda m: m.name)
 def test_each_lora_mutant_is_caught_in_the_lora_class(loaded, mutant):
-    model, tokenizer = loaded
+    """On the weights its bug lives in (Mutant.weights: int8 for the delta scaled by the weight
+    scales; float otherwise)."""
+    weights = {} if mutant.weights is None else {"quantization": mutant.weights}
+    model, tokenizer = load_model(MODEL, **weights) if weights else loaded
 
     def factory(cfg):
         engine = LLMEngine(cfg, model, tokenizer)
         mutant.apply(engine)
         return engine
 
-    runtime = Runtime(model, tokenizer, MODEL, engine_factory=factory)
+    runtime = Runtime(model, tokenizer, MODEL, engine_factory=factory, engine=weights)
     results = [run_case(c, runtime) for c in lora_cases(model.config.vocab_size)]
     divergences = [r.first_divergence for r in results if r.first_divergence is not None]
     assert divergences, f"{mutant.name} was not caught"

@@ -88,7 +88,7 @@ def test_full_matrix_is_every_combination_once():
 
 def test_format_mutants_run_only_where_their_format_is_the_pool():
     cells = full_cells()
-    fmt = [c for c in cells if c.mutants == "format"]
+    fmt = [c for c in cells if c.mutants == "format" and c.quantization == "none"]
     assert {c.kv_cache_dtype for c in fmt} == {"bfloat16", "int8", "fp8_e4m3"}
     int8 = next(c for c in fmt if c.kv_cache_dtype == "int8")
     assert set(int8.mutant_names()) == FORMAT_BOUND and FORMAT_BOUND
@@ -97,6 +97,23 @@ def test_format_mutants_run_only_where_their_format_is_the_pool():
     assert Cell("m").mutant_names() is False and MAIN.mutant_names() is True
     with pytest.raises(ValueError):
         Cell("m", mutants="some")
+
+
+def test_weight_bound_mutants_run_on_the_int8_weights_cell_only():
+    bound = {m.name for m in MUTANTS if m.weights == "int8"}
+    assert bound == {"lora_int8_delta_times_scales"}
+    assert set(matrix.INT8_WEIGHTS.mutant_names()) == bound and "lora" in matrix.INT8_WEIGHTS.suites
+    full = [c for c in full_cells() if c.mutants == "format" and c.quantization == "int8"]
+    assert [set(c.mutant_names()) for c in full] == [bound]
+    kv_int8 = next(c for c in full_cells() if c.mutants == "format" and c.kv_cache_dtype == "int8")
+    assert not bound & set(kv_int8.mutant_names())
+    mutant = next(m for m in MUTANTS if m.weights == "int8")
+
+    def plan(engine):
+        return GatePlan("m", SUITES, True, (), "float32", 1, engine)
+
+    assert plan({"quantization": "int8"}).wants(mutant) and not plan({}).wants(mutant)
+    assert not plan({"quantization": "none", "kv_cache_dtype": "int8"}).wants(mutant)
 
 
 def test_gate_plan_selects_format_mutants_by_the_pool_or_its_copies():

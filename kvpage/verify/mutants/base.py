@@ -29,6 +29,10 @@ class Mutant:
     # The pool format the bug lives in (a quantized KV dtype), or None for any: the gate runs
     # such a mutant only when it runs suites in that format.
     kv_cache_dtype: str | None = None
+    # The weight format the bug lives in (EngineConfig.quantization, e.g. "int8"), or None for
+    # any: on other weights the patched path computes nothing the bug changes, so the gate runs
+    # such a mutant only on those weights (a matrix cell of them: kvpage.verify.matrix).
+    weights: str | None = None
     # Why the bug cannot be expressed on a model of a given shape (None: it can). The gate
     # reports such a mutant "not applicable" with the reason: neither caught nor missed.
     not_applicable_on: Callable[[ModelConfig], str | None] | None = None

@@ -5,11 +5,12 @@ applied to the wrong rows of a mixed batch, and a wrong scale; and in how the en
 adapter and reuses its slot: a digest that skips the tensor bytes (a reload under the same name
 with other weights is served the old namespace's blocks), rsLoRA read from a misspelled key
 (alpha / r where alpha / sqrt(r) was asked for), and a slot reused by an adapter with fewer
-targets keeping its previous adapter's factors for the others. Per-module ranks and alphas read
-with the last matching pattern key winning, or every module scaled by the config's own alpha / r;
-and prompt logprobs scored by a pass that leaves the adapters out (an adapter request's prompt
-rows are the base model's, its tokens right). Each replaces a declared seam (the last also wraps
-the runner's public `run`)."""
+targets keeping its previous adapter's factors for the others; and on int8 weights, the delta
+scaled by the weight scales (LoRA fused into a quantized GEMM's epilogue). Per-module ranks and
+alphas read with the last matching pattern key winning, or every module scaled by the config's
+own alpha / r; and prompt logprobs scored by a pass that leaves the adapters out (an adapter
+request's prompt rows are the base model's, its tokens right). Each replaces a declared seam
+(the last also wraps the runner's public `run`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 
 from kvpage.engine.engine import LLMEngine
 from kvpage.lora.apply import AdapterRows, LoraBatch
+from kvpage.model.int8 import Int8Linear
 from kvpage.verify.mutants.base import Mutant, bind, mutant_table, plant
 
 
@@ -115,6 +117,41 @@ def slot_keeps_old_factors(engine: LLMEngine) -> None:
                 b_stack[lo:hi] = 0
 
     plant(engine, "lora_tables.clear_slot", clear_slot)
+
+
+def int8_delta_times_scales(engine: LLMEngine) -> None:
+    """LoRA fused into the int8 GEMM's epilogue ahead of the dequantisation: y = (x codes^T +
+    x A^T B^T) * scale, so each row's delta comes out multiplied by the projection's
+    per-output-channel weight scales (a few 1e-3: the adapter all but vanishes). Planted where
+    every path that adds the delta reads it (the module forward, a decode tape's replay, every
+    rank's shard): the resident factors, scale * B^T's output columns times the scales of the
+    engine's int8 layers. On float weights there are no scales: inert, and the gate runs it on
+    int8 weights only (Mutant.weights)."""
+    if engine.lora_slots is None:
+        return
+    scales = int8_scales(engine.model)
+    honest = engine.lora_slots.factors
+
+    def factors(self, adapter):
+        out = {}
+        for where, (a_t, b_t) in honest(adapter).items():
+            scale = scales.get(where)
+            out[where] = (a_t, b_t if scale is None else b_t * scale.to(b_t)[None, :])
+        return out
+
+    plant(engine, "lora.factors", factors)
+
+
+def int8_scales(model) -> dict[tuple[int, str], torch.Tensor]:
+    """(layer, projection) -> the int8 layer's per-output-channel scales, for a Llama-shaped
+    model's decoder layers (none for float layers)."""
+    found = {}
+    for index, layer in enumerate(model.model.layers):
+        for owner in (layer.self_attn, layer.mlp):
+            for name, child in owner.named_children():
+                if isinstance(child, Int8Linear):
+                    found[index, name] = child.scales
+    return found
 
 
 def pattern_last_key_wins(engine: LLMEngine) -> None:
@@ -223,6 +260,15 @@ LORA_MUTANTS = mutant_table(
         ),
     ),
     suites=("lora",),
+) + (
+    Mutant(
+        "lora_int8_delta_times_scales",
+        "the LoRA delta multiplied by the int8 projection's weight scales (a fused epilogue)",
+        "lora",
+        int8_delta_times_scales,
+        suites=("lora",),
+        weights="int8",
+    ),
 )
 # Caught by the lora suite's prompt-logprob rows: a prompt_logprobs finding.
 LORA_MUTANTS += (
