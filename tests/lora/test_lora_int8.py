@@ -69,8 +69,10 @@ def _int8_engine(root: Path, **kw):
 
 
 class _TapeWatch:
-    """Counts the decode tape's replays with and without adapter rows in the step: the tape
-    replays recorded kernel calls only, so it must never run a step that has adapter rows."""
+    """Counts the decode tape's replays with and without adapter rows in the step. The tape
+    replays recorded kernel calls only: a step with adapter rows either stays off it or
+    replays the adapters' deltas among its calls (kvpage.lora.apply); either way the rows
+    must be PEFT's, which the test checks per row."""
 
     def __init__(self, engine) -> None:
         self.with_adapters = self.base_only = 0
@@ -116,7 +118,7 @@ def _check_against(oracles: dict, requests: dict, done: dict, tol: float) -> Non
 def test_int8_mixed_batch_matches_peft_on_the_dequantised_weights(setup):
     """Base, adapter a (all seven projections) and b (three, rank 8, rsLoRA) in the same steps
     on int8 weights: each row's greedy tokens and chosen logprobs are PEFT's on the dequantised
-    weights; the steps with adapter rows never take the decode tape."""
+    weights, whichever path (module forward or decode tape) each decode step took."""
     base, root = setup
     engine = _int8_engine(root)
     assert engine.config.quantization == "int8" and engine.config.enable_lora
@@ -126,11 +128,12 @@ def test_int8_mixed_batch_matches_peft_on_the_dequantised_weights(setup):
     requests = _requests(prompts, {"base": None, "a": la, "b": lb})
     done = _run(engine, requests)
     _check_against(_oracles(base, root), requests, done, TOL)
-    assert watch.with_adapters == 0
-    # the base model alone takes it again (where this machine has one), and is still right
+    # the base model alone takes the tape (where this machine has one), and is still right
+    before = watch.with_adapters
     alone = _run(engine, {"solo-base": (prompts["p0"], None)})
     assert alone["solo-base"].outputs[0].token_ids == done["p0-base"].outputs[0].token_ids
-    assert watch.with_adapters == 0 and (watch.plan is None or watch.base_only > 0)
+    assert watch.plan is None or watch.base_only > 0
+    assert watch.with_adapters == before  # no adapter row in that run: none counted
 
 
 def test_the_weights_really_are_int8(setup):
