@@ -115,7 +115,8 @@ class EngineReplica:
         options = replace(spec.options, replica=self.name)
         self.app = create_app(LLMEngine(spec.engine), options)
         self.state = self.app.state.server
-        self.failed: dict[str, str] = {}  # adapter -> why its start-up load failed
+        # adapter -> why its start-up load failed; the engine thread reads it (_snapshot)
+        self.failed: dict[str, str] = {}
         self.seq = 0  # holdings snapshots taken (on the engine thread only)
         self.state.loop.start()
         self.state.shadow.start()
@@ -146,7 +147,7 @@ class EngineReplica:
             elif name in await self.state.loop.call(lambda: self.state.adapter_names):
                 await unload_adapter(self.state, name)
         except ApiError as err:
-            self.failed[name] = err.message
+            self.failed = {**self.failed, name: err.message}  # replaced, never mutated
             log.error("replica %s: adapter %r not loaded at start: %s", self.name, name, err)
 
     async def http(self, call: HttpCall) -> AsyncIterator[ResponseStart | bytes]:
@@ -158,10 +159,10 @@ class EngineReplica:
         fan-out of the calls every replica must hear."""
         pieces = [p async for p in call_asgi(self.app, call, self.name)]
         body = b"".join(p for p in pieces[1:] if isinstance(p, bytes))
-        name = _json_object(call.body).get("lora_name")
-        if call.path == UNLOAD and isinstance(name, str):  # unloaded by choice: not a failure
-            self.failed.pop(name, None)
-        return self.name, pieces[0].status, body, await self._holdings()
+        name, status = _json_object(call.body).get("lora_name"), pieces[0].status
+        if call.path == UNLOAD and status in (200, 404):  # unloaded by choice: not a failure
+            self.failed = {n: why for n, why in self.failed.items() if n != name}
+        return self.name, status, body, await self._holdings()
 
     async def holdings(self) -> tuple[str, Holdings]:
         """(replica, the adapters it holds now), for the ingress's refresh."""
