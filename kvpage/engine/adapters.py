@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     from kvpage.parallel.executor import TensorParallelExecutor
 
 
+# Model types whose attention and MLP modules add adapter deltas (kvpage.lora.apply.attach).
+LORA_MODEL_TYPES = ("llama", "gemma3")
+
+
 def serve_adapters(
     config: EngineConfig, model: CausalLM, tp: TensorParallelExecutor | None
 ) -> tuple[LoraSlots | None, LoraContext | None]:
@@ -26,8 +30,11 @@ def serve_adapters(
     computing from its shard of the slot tables). Without: (None, None)."""
     if not config.enable_lora:
         return None, None
-    if model.config.model_type not in ("llama", "gemma3"):
-        raise LoRAError(f"LoRA adapters on {model.config.model_type!r} are not supported")
+    if model.config.model_type not in LORA_MODEL_TYPES:
+        raise LoRAError(
+            f"LoRA adapters are served on Llama-shaped models ({', '.join(LORA_MODEL_TYPES)}), "
+            f"not {model.config.model_type!r}: its layers have no adapter hook (enable_lora)"
+        )
     if tp is None:
         slots = LoraSlots(config.max_loras, config.max_lora_rank, model.dtype, model.device)
         context = LoraContext(slots.tables)

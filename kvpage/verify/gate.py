@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvpage.config import KV_CACHE_DTYPES, EngineConfig
+from kvpage.engine.adapters import LORA_MODEL_TYPES
 from kvpage.engine.engine import LLMEngine
 from kvpage.model import load_model
 from kvpage.model.int8 import Int8Linear
@@ -416,7 +417,7 @@ def _cases(plan: GatePlan, config, kv_copies: tuple[str, ...], has_tokenizer: bo
 def _lora_unfit(config) -> str | None:
     """Why the engine serves no adapter on this configuration (None: it does): the engine
     refuses these at start-up, and rightly, so a case with adapters tests nothing there."""
-    if config.model_type not in ("llama", "gemma3"):
+    if config.model_type not in LORA_MODEL_TYPES:
         return f"LoRA adapters are served on Llama-shaped models, not {config.model_type}"
     return None
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpage import EngineConfig, LoRARequest, SamplingParams
+from kvpage import EngineConfig, LLMEngine, LoRAError, LoRARequest, SamplingParams
 from kvpage.engine.events import EngineObserver
 from kvpage.model import load_model
 from kvpage.model.int8 import Int8Linear
@@ -24,7 +24,15 @@ from kvpage.reference.lora_merge import Int8DeltaLinear, merged_model
 from ..engine.test_int8_weights import TOLERANCE
 from ..model.hf_models import save_hf
 from .adapters import peft_model, save_adapter
-from .test_lora import MAX_TOKENS, _engine, _greedy_hf, _logits_hf, _prompt, _run
+from .test_lora import (
+    MAX_TOKENS,
+    SPECULATIVE,
+    _engine,
+    _greedy_hf,
+    _logits_hf,
+    _prompt,
+    _run,
+)
 
 TOL = TOLERANCE["float32"]  # float32 activations, int8 weights on both sides
 
@@ -134,6 +142,21 @@ def test_int8_mixed_batch_matches_peft_on_the_dequantised_weights(setup):
     assert alone["solo-base"].outputs[0].token_ids == done["p0-base"].outputs[0].token_ids
     assert watch.plan is None or watch.base_only > 0
     assert watch.with_adapters == before  # no adapter row in that run: none counted
+
+
+@pytest.mark.parametrize("name", sorted(SPECULATIVE))
+def test_a_speculating_int8_mixed_batch_matches_peft(setup, name):
+    """The same with speculative decoding on int8 weights (n-gram, and the int8 self-draft,
+    which knows no adapter): each adapter's 1 + k verification rows get their delta beside the
+    int8 product, every row PEFT's on the dequantised weights."""
+    base, root = setup
+    engine = _int8_engine(root, speculative_config=SPECULATIVE[name])
+    la, lb = LoRARequest("a", str(root / "a")), LoRARequest("b", 2, str(root / "b"))
+    prompts = {f"p{i}": _prompt(11 + 3 * i, i) for i in range(3)}
+    requests = _requests(prompts, {"base": None, "a": la, "b": lb})
+    done = _run(engine, requests)
+    _check_against(_oracles(base, root), requests, done, TOL)
+    assert engine.stats()["spec_decode_num_drafts"] > 0
 
 
 def test_the_weights_really_are_int8(setup):
@@ -260,6 +283,13 @@ def test_tp2_int8_mixed_batch_matches_peft_on_the_dequantised_weights(setup):
 def test_lora_on_int8_weights_is_accepted_by_the_config():
     config = EngineConfig(quantization="int8", enable_lora=True, quantize_lm_head=True)
     assert (config.quantization, config.enable_lora) == ("int8", True)
+
+
+def test_what_stays_refused_is_named_with_why():
+    """int8 is not the refusal any more; a model without adapter hooks is, by its type."""
+    config = EngineConfig(model="builtin:tiny-gpt2", quantization="int8", enable_lora=True)
+    with pytest.raises(LoRAError, match=r"Llama-shaped models \(llama, gemma3\), not 'gpt2'"):
+        LLMEngine(config)
 
 
 class _Logits(EngineObserver):
