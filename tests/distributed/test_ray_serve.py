@@ -1,9 +1,10 @@
 """`kvpage serve --replicas 2` on a local Ray instance: OpenAI-client parity with a single
 engine, prefix routing beating round-robin on multi-turn chat, tenants isolated on every replica,
-replicas named in metrics and audit, and a killed replica that does not take the service down.
+replicas named in metrics and audit, a killed replica that does not take the service down, and
+LoRA adapters loaded at run time reaching every replica, the replacement of a killed one too.
 
 One Ray instance and two applications for the whole module (ray_service.serve_apps); the kill
-test runs last, on the round-robin application."""
+tests run last: on the round-robin application, then on the prefix one (the adapters')."""
 
 from __future__ import annotations
 
