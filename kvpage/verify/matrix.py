@@ -40,6 +40,9 @@ first and the others fill the second lane beside it. Seconds per cell from `time
                                        + lora, with its int8 mutant ("format"): +11 s at load
                                        ~7 (37.1 -> 48.1 s back to back; lora's 8 cases 7.2 s,
                                        the mutant 0.7 s, the model stage's adapters the rest)
+  tiny-qwen2/float32/w-int8/kv-auto/tp2  lora                                    int8's 1     9.8
+                                       (added with LoRA on int8 weights: 9.8 and 10.4 s alone
+                                       at load 4-7, workers' start included; not in the total)
   tiny-hybrid/float32/kv-auto/tp1      layer_groups                              the 4       4.5
                                        (added with per-layer-group KV: 4 cases and its 4 mutants,
                                        each caught by the first case; from a `time make run` at
@@ -54,7 +57,8 @@ shared 2-core machine, not on a saturated one.
 
 `--matrix full` runs every combination of MODELS x DTYPES x KV_DTYPES x TP_SIZES (a 16-bit model
 with bfloat16 KV is its own auto cell, so dropped), every suite in each, mutants as above: 28
-cells, plus the int8-weights cell with every suite. Not timed end to end; from the per-suite times above (every suite of a cell ~30-60 s,
+cells, plus the int8-weights cells (TP 1 and 2, the widened tiles, the int8 head) with every
+suite. Not timed end to end; from the per-suite times above (every suite of a cell ~30-60 s,
 int8 and TP 2 cells up to twice that), expect 10-30 minutes on two cores, by load.
 """
 
@@ -232,6 +236,18 @@ HYBRID = Cell("builtin:tiny-hybrid", suites=("layer_groups",), mutants="groups")
 INT8_WEIGHTS = Cell(
     QWEN2, quantization="int8", suites=("batching", "preemption", "lora"), mutants="format"
 )
+# Int8 weights under tensor parallelism (quantized on rank 0, then sharded: each rank's codes and
+# scales are TP 1's rows or columns) with LoRA on them: every rank's shard of the slot tables
+# beside its int8 shard, the row-parallel delta inside the all-reduce; the int8 mutant again,
+# its factors sharded to every rank. The model stage is INT8_WEIGHTS' (the same weights).
+INT8_WEIGHTS_TP2 = Cell(
+    QWEN2,
+    quantization="int8",
+    tensor_parallel_size=2,
+    suites=("lora",),
+    mutants="format",
+    model_check="none",
+)
 # The same weights with the weight GEMV off: where it takes every row count (AVX-512), the
 # widened int8 tiles (kvpage.model.widened) would otherwise never run in the gate.
 INT8_WIDENED = Cell(
@@ -270,6 +286,7 @@ DEFAULT: tuple[Cell, ...] = (
     Cell(QWEN2, kv_cache_dtype="int8", suites=("prefix", "batching", "preemption", "parallel")),
     Cell(QWEN2, kv_cache_dtype="int8", tensor_parallel_size=2, suites=("batching",)),
     INT8_WEIGHTS,
+    INT8_WEIGHTS_TP2,
     INT8_WIDENED,
     INT8_HEAD,
     HYBRID,
@@ -293,6 +310,7 @@ def full_cells() -> tuple[Cell, ...]:
                         cells.append(cell)
     weights = (
         replace(INT8_WEIGHTS, suites=SUITES),
+        replace(INT8_WEIGHTS_TP2, suites=SUITES),
         replace(INT8_WIDENED, suites=SUITES),
         replace(INT8_HEAD, suites=SUITES),
     )

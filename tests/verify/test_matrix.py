@@ -41,7 +41,14 @@ def test_default_matrix_covers_every_value_of_every_dimension():
     assert [c for c in DEFAULT if not c.suites] == [matrix.GENERATED, matrix.STACK]
     assert matrix.GENERATED.generated and matrix.STACK.stack
     int8 = [c for c in DEFAULT if c.quantization == "int8"]
-    assert int8 == [matrix.INT8_WEIGHTS, matrix.INT8_WIDENED, matrix.INT8_HEAD]
+    assert int8 == [
+        matrix.INT8_WEIGHTS,
+        matrix.INT8_WEIGHTS_TP2,
+        matrix.INT8_WIDENED,
+        matrix.INT8_HEAD,
+    ]
+    assert matrix.INT8_WEIGHTS_TP2.tensor_parallel_size == 2  # int8 shards, LoRA on them
+    assert "lora" in matrix.INT8_WEIGHTS_TP2.suites
     assert 2 <= len(int8[0].suites) <= 3
     assert matrix.INT8_WIDENED.paths_off == ("gemv",) and "/off-gemv" in matrix.INT8_WIDENED.name
     assert "/w-int8/" in int8[0].name and int8[0].engine({})["quantization"] == "int8"
@@ -64,6 +71,7 @@ def test_full_matrix_is_every_combination_once():
     weights = [c for c in full_cells() if c.quantization != "none"]
     assert [(c.quantization, c.quantize_lm_head, c.paths_off, c.suites) for c in weights] == [
         ("int8", False, (), SUITES),
+        ("int8", False, (), SUITES),  # TP 2
         ("int8", False, ("gemv",), SUITES),
         ("int8", True, (), SUITES),
     ]
@@ -104,7 +112,7 @@ def test_weight_bound_mutants_run_on_the_int8_weights_cell_only():
     assert bound == {"lora_int8_delta_times_scales"}
     assert set(matrix.INT8_WEIGHTS.mutant_names()) == bound and "lora" in matrix.INT8_WEIGHTS.suites
     full = [c for c in full_cells() if c.mutants == "format" and c.quantization == "int8"]
-    assert [set(c.mutant_names()) for c in full] == [bound]
+    assert [set(c.mutant_names()) for c in full] == [bound, bound]  # TP 1 and TP 2
     kv_int8 = next(c for c in full_cells() if c.mutants == "format" and c.kv_cache_dtype == "int8")
     assert not bound & set(kv_int8.mutant_names())
     mutant = next(m for m in MUTANTS if m.weights == "int8")
