@@ -48,11 +48,12 @@ def setup(tmp_path_factory):
     return base, root
 
 
-def dequantised_hf(base, directory: Path, dtype: str = "float32"):
-    """A copy of the HF model whose every int8-quantized linear holds code * scale (float64
-    product, as the format defines W'), the codes and scales as kvpage quantizes them: the
-    oracle shares the weights, not the engine's int8 kernels or its dequantisation."""
-    quantized, _ = load_model(str(directory), dtype, quantization="int8")
+def dequantised_hf(base, directory: Path, head: bool = False):
+    """A copy of the HF model whose every int8-quantized linear (and with `head` the LM head)
+    holds code * scale (float64 product, as the format defines W'), the codes and scales as
+    kvpage quantizes them: the oracle shares the weights, not the engine's int8 kernels or its
+    dequantisation."""
+    quantized, _ = load_model(str(directory), quantization="int8", quantize_lm_head=head)
     hf = copy.deepcopy(base)
     state = hf.state_dict()
     count = 0
@@ -62,13 +63,14 @@ def dequantised_hf(base, directory: Path, dtype: str = "float32"):
                 weight = layer.weight_int8.double() * layer.scales.double()[:, None]
                 state[f"{name}.weight"].copy_(weight.float())
                 count += 1
-    assert count == 7 * base.config.num_hidden_layers  # every decoder projection is int8
+    # every decoder projection is int8, and the (untied) head when asked
+    assert count == 7 * base.config.num_hidden_layers + head
     hf.load_state_dict(state)
     return hf.eval()
 
 
-def _oracles(base, root: Path) -> dict:
-    deq = dequantised_hf(base, root / "base")
+def _oracles(base, root: Path, head: bool = False) -> dict:
+    deq = dequantised_hf(base, root / "base", head)
     return {"base": deq, "a": peft_model(deq, root / "a"), "b": peft_model(deq, root / "b")}
 
 
@@ -142,6 +144,19 @@ def test_int8_mixed_batch_matches_peft_on_the_dequantised_weights(setup):
     assert alone["solo-base"].outputs[0].token_ids == done["p0-base"].outputs[0].token_ids
     assert watch.plan is None or watch.base_only > 0
     assert watch.with_adapters == before  # no adapter row in that run: none counted
+
+
+def test_int8_lm_head_with_adapters_matches_peft(setup):
+    """quantize_lm_head: the head in int8 too (no adapter targets it), PEFT's model with the
+    dequantised head as well."""
+    base, root = setup
+    assert not base.config.tie_word_embeddings  # the head is its own layer here
+    engine = _int8_engine(root, quantize_lm_head=True)
+    la, lb = LoRARequest("a", str(root / "a")), LoRARequest("b", 2, str(root / "b"))
+    prompts = {f"p{i}": _prompt(12 + 5 * i, 70 + i) for i in range(2)}
+    requests = _requests(prompts, {"base": None, "a": la, "b": lb})
+    done = _run(engine, requests)
+    _check_against(_oracles(base, root, head=True), requests, done, TOL)
 
 
 @pytest.mark.parametrize("name", sorted(SPECULATIVE))
