@@ -242,6 +242,26 @@ def test_the_reference_merges_int8_as_peft_on_the_dequantised_weights(setup):
     assert plain.token_ids == _greedy_hf(oracles["base"], prompt)
 
 
+def test_the_gate_model_stage_holds_the_int8_merge_to_peft(monkeypatch):
+    """The gate's model stage on int8 weights with adapters: the reference's int8 merge of each
+    of the lora suite's adapters against PEFT on transformers' dequantised weights; a wrong
+    scale in the reference's read (rsLoRA dropped) fails the rsLoRA adapter's case only."""
+    import kvpage.reference.lora_merge as lora_merge
+    from kvpage.verify.model_oracle.stage import run_model_stage
+
+    model, _ = load_model("builtin:tiny-llama", quantization="int8")
+    clean = run_model_stage(model, "builtin:tiny-llama", mutants=False, families=(), adapters=True)
+    assert [c.case for c in clean.cases] == ["served", "lora:a", "lora:b", "lora:rs", "lora:qv"]
+    assert all(c.passed for c in clean.cases), [c.failures[0].message for c in clean.cases]
+
+    def no_rslora(config: dict) -> float:
+        return config.get("lora_alpha", config["r"]) / config["r"]
+
+    monkeypatch.setattr(lora_merge, "adapter_scale", no_rslora)
+    broken = run_model_stage(model, "builtin:tiny-llama", mutants=False, families=(), adapters=True)
+    assert [c.case for c in broken.cases if not c.passed] == ["lora:rs"]
+
+
 def test_int8_in_bfloat16_matches_the_reference_merged_on_the_dequantised_weights(setup):
     """bfloat16 activations on int8 weights: each row within the int8 engine's bfloat16 bound
     of the reference's merged model in bfloat16 (the test above holds that model to PEFT in
