@@ -37,9 +37,11 @@ first and the others fill the second lane beside it. Seconds per cell from `time
   tiny-qwen2/float32/kv-int8/tp2       batching                                  none         5.7
   tiny-qwen2/float32/w-int8/kv-auto/tp1  batching, preemption                    none         4.9
                                        (added later, timed alone at load ~1.7, not in the total)
-                                       + lora, with its int8 mutant ("format"): +11 s at load
-                                       ~7 (37.1 -> 48.1 s back to back; lora's 8 cases 7.2 s,
-                                       the mutant 0.7 s, the model stage's adapters the rest)
+                                       + lora, with its int8 mutant ("format"): about +11 s
+                                       at load 3.5-7, most of it the model stage's 4 adapter
+                                       cases on int8 (7-8 s); the lora suite 2.8-3.9 s and the
+                                       mutant 0.4 s (the cell's 37-65 s wall at load ~3.5 is
+                                       mostly batching and preemption, which vary 2x run to run)
   tiny-qwen2/float32/w-int8/kv-auto/tp2  lora                                    int8's 1     9.8
                                        (added with LoRA on int8 weights: 9.8 and 10.4 s alone
                                        at load 4-7, workers' start included; not in the total)
