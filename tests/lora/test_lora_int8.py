@@ -174,6 +174,21 @@ def test_a_speculating_int8_mixed_batch_matches_peft(setup, name):
     assert engine.stats()["spec_decode_num_drafts"] > 0
 
 
+@pytest.mark.parametrize("family", ["gemma3", "qwen3"])
+def test_int8_mixed_batch_on_other_families_matches_peft(tmp_path, family):
+    """Gemma 3 (GeGLU, its own norms and windows) and Qwen3 (q/k norm after the adapted q/k
+    projections) on int8 weights: base and two adapters in one batch, each row PEFT's on the
+    dequantised weights."""
+    base = save_hf(family, tmp_path / "base")
+    save_adapter(base, tmp_path / "a", seed=1)
+    save_adapter(base, tmp_path / "b", seed=2, targets=["q_proj", "v_proj", "down_proj"], r=8)
+    engine = _int8_engine(tmp_path)
+    la, lb = LoRARequest("a", str(tmp_path / "a")), LoRARequest("b", 2, str(tmp_path / "b"))
+    prompts = {f"p{i}": _prompt(11 + 3 * i, i) for i in range(2)}
+    requests = _requests(prompts, {"base": None, "a": la, "b": lb})
+    _check_against(_oracles(base, tmp_path), requests, _run(engine, requests), TOL)
+
+
 def test_the_weights_really_are_int8(setup):
     """The float weights' PEFT model is another model: its logits leave the int8 engine's by
     far more than the bound, so the tests above tell the two apart."""
