@@ -1,6 +1,8 @@
 """LoRA on int8 weights against HF + PEFT on the *dequantised* weights (code * scale, the int8
 format's model, written here again from the codes and scales): a mixed batch of the base and
-two adapters, prefix hits across adapters, tensor parallelism, and the reference's own merge.
+two adapters (on Llama, Qwen2 with biases, Qwen3, Gemma 3; with an int8 LM head; speculating),
+prefix hits across adapters, tensor parallelism, bfloat16 activations, and the reference's own
+merge (and the gate's model stage that holds it to PEFT).
 The engine adds the delta x A^T B^T on the activations beside its int8 product; PEFT adds its
 own to a float layer holding the dequantised weight. Bounds are the int8 engine's
 (tests/engine/test_int8_weights.py: summation order and output rounding only)."""
