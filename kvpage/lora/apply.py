@@ -1,7 +1,9 @@
 """The low-rank products of one step's mixed batch, computed over the stacked slot tables
 (kvpage.lora.tables): per projection, t = x @ A^T of every slot, masked so each row keeps only
-its own adapter's columns, then y += t @ (scale B^T of every slot). Three ops per projection for
-any mix of adapters and the base model: no loop over rows, none over adapters.
+its own adapter's columns, then y += t @ (scale B^T of every slot). Two oneDNN calls per
+projection for any mix of adapters and the base model: no loop over rows, none over adapters.
+A float32 model on CPU takes the native delta instead (kvpage.lora.native_delta: one call, each
+row times its own adapter's factors only).
 
 The delta is added in place through native_build.call, reading the step's mask and the tables
 when it runs: a decode tape (kvpage.model.decode_tape) records it as one call and replays it on
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpage.lora import native_delta
+from kvpage.lora.native_delta import DeltaRows
 from kvpage.lora.slots import ResidentAdapter
 from kvpage.lora.tables import SlotTables
 from kvpage.model import native_build
@@ -38,10 +42,12 @@ class LoraBatch:
 @dataclass(slots=True)
 class StepRows:
     """What a forward pass needs of its batch's adapters: the slots and their rows, and the
-    row mask (built with the rows when their count is given, else at the first projection)."""
+    rows grouped by slot for the native delta or the row mask for the stacked tables' products
+    (built with the rows when their count is given, else at the first projection)."""
 
     slot_rows: SlotRows
     mask: torch.Tensor | None = None
+    native: DeltaRows | None = None  # the rows as the native delta reads them, where it runs
 
 
 class LoraContext:
@@ -70,15 +76,23 @@ class LoraContext:
         if slot_rows is None:
             self._local.batch = None
             return
-        mask = None if num_rows is None else self.tables.row_mask(slot_rows, num_rows)
-        self._local.batch = StepRows(slot_rows, mask)
+        step = StepRows(slot_rows)
+        if num_rows is not None:
+            self._index(step, num_rows)
+        self._local.batch = step
+
+    def _index(self, step: StepRows, num_rows: int) -> None:
+        if self.tables.native_runs:
+            step.native = native_delta.delta_rows(step.slot_rows, num_rows, self.tables.max_rank)
+        else:
+            step.mask = self.tables.row_mask(step.slot_rows, num_rows)
 
     @property
     def replayable(self) -> bool:
-        """Whether a decode tape may record this pass's deltas: its mask is built already (a
-        replay runs no projection that could build it)."""
+        """Whether a decode tape may record this pass's deltas: its rows are indexed already (a
+        replay runs no projection that could index them)."""
         step = self.batch
-        return step is not None and step.mask is not None
+        return step is not None and (step.mask is not None or step.native is not None)
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y = base(x) for the batch's rows -> y plus each row's adapter delta."""
@@ -96,10 +110,26 @@ class LoraContext:
         return y if out is None else out
 
     def add_delta(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y += the delta, from the tables and the step's mask as they are when it runs."""
+        """y += the delta, from the tables and the step's rows as they are when it runs."""
+        native = self._native(layer, module, x, y)
+        if native is not None:
+            native_delta.add_delta(x, y, *native, self.batch.native)
+            return
         out = self.with_delta(layer, module, x, y)
         if out is not None:
             y.copy_(out)
+
+    def _native(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor):
+        """This projection's native tables where the native delta takes x and y, else None."""
+        native = self.tables.native.get((layer, module))
+        step = self.batch
+        if native is None or step is None or x.dtype is not torch.float32:
+            return None
+        if y.dtype is not torch.float32 or x.stride(-1) != 1 or y.stride(-1) != 1 or x.dim() != 2:
+            return None
+        if step.native is None:
+            step.native = native_delta.delta_rows(step.slot_rows, x.shape[0], self.tables.max_rank)
+        return native
 
     def with_delta(
         self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor
@@ -110,6 +140,11 @@ class LoraContext:
         tables = self.tables.stacks.get((layer, module))
         if step is None or tables is None:
             return None
+        native = self._native(layer, module, x, y)
+        if native is not None:
+            out = y.clone(memory_format=torch.contiguous_format)
+            native_delta.add_delta(x, out, *native, step.native)
+            return out
         if step.mask is None:
             step.mask = self.tables.row_mask(step.slot_rows, x.shape[0])
         packed = self.tables.packed.get((layer, module))

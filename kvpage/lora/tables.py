@@ -8,16 +8,21 @@ it mixes (kvpage.lora.apply), where a gather, two matmuls and a scatter per adap
 the dispatch, not the arithmetic, the cost of a decode step. Under tensor parallelism every rank
 keeps tables of its own shard of each factor (kvpage.parallel.sharding.shard_lora_factors).
 
-On CPU in float32 or bfloat16 the tables are also kept reordered for oneDNN (`packed`), remade
-whenever a slot is written: at decode shapes (tens of rows by a few dozen rank columns) a plain
-GEMM ran the two products at a fraction of oneDNN's speed on a prepacked weight
-(bench/lora_mixed.py), as for the base projections (kvpage.model.projection)."""
+A float32 model on CPU computes from `native` copies (A of every slot as rows, each slot's rank
+per projection) with kvpage.lora.native_delta: each row meets only its own adapter's columns,
+where the stacked products give every row every slot's and mask all but one away (L times the
+arithmetic for L adapters: a quarter of a 125M model's decode step at 32 rows x 4 adapters of
+rank 16, bench/lora_mixed.py). Elsewhere, on CPU in float32 or bfloat16, the tables are kept
+reordered for oneDNN (`packed`): at decode shapes a plain GEMM ran the two products at a
+fraction of oneDNN's speed on a prepacked weight. Both copies are remade whenever a slot is
+written."""
 
 from __future__ import annotations
 
 import torch
 
 from kvpage.errors import LoRAError
+from kvpage.lora import native_delta
 from kvpage.model.linear_kernels import onednn_available, packable_dtype
 
 # (layer, module) -> (A^T (in, r), scale * B^T (r, out)): x @ A^T @ B^T is the delta
@@ -33,11 +38,17 @@ class SlotTables:
         # x A^T, the delta and the sum to bfloat16 apart put a decode step 0.49 from the
         # float32 truth where the base model alone is 0.06: more than the dtype's rule allows.
         self.dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+        self.model_dtype = dtype
         self.max_loras, self.max_rank, self.device = max_loras, max_rank, device
         # (layer, module) -> (A^T of every slot (in, L * R), scale * B^T of every slot (L * R, out))
         self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         # the same, as oneDNN weights ((L * R, in) and (out, L * R), reordered), where they run
         self.packed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        # each slot's rank per (layer, module): 0 where its adapter has no factor there
+        self.ranks: dict[tuple[int, str], torch.Tensor] = {}
+        # where the native delta runs (kvpage.lora.native_delta): A of every slot as rows
+        # (L * R, in) beside the B^T stack, and the ranks
+        self.native: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def width(self) -> int:
@@ -54,9 +65,11 @@ class SlotTables:
                 raise LoRAError(f"an adapter of rank {rank} exceeds max_lora_rank={rank_max}")
             if where not in self.stacks:
                 self.stacks[where] = self._zeros(a_t.shape[0], b_t.shape[1])
+                self.ranks[where] = torch.zeros(self.max_loras, dtype=torch.int64)
             a_stack, b_stack = self.stacks[where]
             a_stack[:, lo : lo + rank] = a_t
             b_stack[lo : lo + rank] = b_t
+            self.ranks[where][slot] = rank
         self._repack()
 
     def clear_slot(self, slot: int, factors: Factors) -> None:
@@ -67,9 +80,26 @@ class SlotTables:
         for a_stack, b_stack in self.stacks.values():
             a_stack[:, lo:hi] = 0
             b_stack[lo:hi] = 0
+        for ranks in self.ranks.values():
+            ranks[slot] = 0
+
+    @property
+    def native_runs(self) -> bool:
+        """Whether the native delta computes from these tables (float32 on CPU, built)."""
+        cpu = torch.device(self.device).type == "cpu"
+        return cpu and self.model_dtype is torch.float32 and native_delta.available()
 
     def _repack(self) -> None:
-        """Every table's oneDNN copy, after a write (every table's slot changed: zeros at least)."""
+        """Every table's native and oneDNN copies, after a write (every table's slot changed:
+        zeros at least)."""
+        self.native = {}
+        if self.native_runs:
+            self.native = {
+                where: (a.t().contiguous(), b, self.ranks[where])
+                for where, (a, b) in self.stacks.items()
+            }
+            self.packed = {}
+            return
         packable = (
             torch.device(self.device).type == "cpu"
             and packable_dtype(self.dtype)
