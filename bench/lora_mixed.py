@@ -66,7 +66,7 @@ def run(model, adapters, args, mode: str, prompts) -> tuple[list[float], dict[st
 
 def agreement(model, adapters, prompts, tokens, args) -> str:
     """Requests whose tokens equal the reference's for their adapter (mixed mode)."""
-    merged = [model] + [merged_model(model, a) for a in adapters]
+    merged = [model] + [merged_model(model, a.path) for a in adapters]
     params = SamplingParams(max_tokens=args.output, ignore_eos=True)
     same = 0
     for i, prompt in enumerate(prompts):
