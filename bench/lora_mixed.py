@@ -25,9 +25,9 @@ from int8_weights import SHAPES, build
 
 from kvpage import LLMEngine, LoRARequest, SamplingParams
 from kvpage.config import EngineConfig
+from kvpage.lora.adapter import load_peft_adapter
 from kvpage.reference.generator import generate
 from kvpage.reference.lora_merge import merged_model
-from kvpage.lora.adapter import load_peft_adapter
 from kvpage.verify.lora_adapters import AdapterFiles, LoraSpec
 
 MODES = ("base-only", "lora-on-unused", "mixed")
@@ -97,7 +97,8 @@ def main() -> None:
     files = AdapterFiles(model.config)  # PEFT directories, for the reference to read
     written = [files(s) for s in specs]
     adapters = [
-        load_peft_adapter(s.name, w.path, model.config, s.rank) for s, w in zip(specs, written)
+        load_peft_adapter(s.name, w.path, model.config, s.rank)
+        for s, w in zip(specs, written, strict=True)
     ]
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(3, 32000) for _ in range(args.prompt)] for _ in range(args.requests)]
