@@ -97,14 +97,13 @@ def generate(
     adapters: bool = True,
     constraints: bool = True,
 ):
-    """Scenario `index` of the stream `seed`; `fixed`: engine fields (FIXABLE) it must keep
-    (and, read but not kept, `quantization`: adapters are drawn on unquantized weights only);
+    """Scenario `index` of the stream `seed`; `fixed`: engine fields (FIXABLE) it must keep;
     `adapters`: whether the engine serves LoRA adapters on the model (Llama-shaped ones);
     `windows`: the model's sliding windows, around which prefixes are cut (kvpage.verify
     .generated.served: the same (seed, index) on a model without windows draws none);
     `constraints`: whether requests may be constrained (structured outputs need the model's
     tokenizer)."""
-    lora_ok = adapters and (fixed or {}).get("quantization", "none") in (None, "none")
+    lora_ok = adapters
     fixed = {k: v for k, v in (fixed or {}).items() if k in FIXABLE and v is not None}
     rng = random.Random(f"kvpage-scenario:{seed}:{index}")
     gen = _Draw(rng, limits, random.Random(f"kvpage-scenario:{seed}:{index}:side"))
